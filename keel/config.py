@@ -1,0 +1,281 @@
+"""Run configuration: one YAML file mapped onto validated dataclasses.
+
+Everything a run needs is checked here, before any rank starts, so a mistake costs seconds rather than a
+queued job. Every error is a `ConfigError` whose message names the field and what to change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration mistake; the message is one line naming the field."""
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 0  # 0: take the tokenizer's vocabulary size
+    dim: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 2  # grouped-query attention; == n_heads is plain multi-head attention
+    ffn_hidden: int = 0  # 0: 8/3·dim rounded up to ffn_multiple_of (the Llama rule)
+    ffn_multiple_of: int = 32
+    norm: str = "rmsnorm"  # rmsnorm | layernorm
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = True
+    dropout: float = 0.0
+    init: str = "normal"  # normal | truncated_normal
+    init_std: float = 0.02
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def ffn_dim(self) -> int:
+        if self.ffn_hidden:
+            return self.ffn_hidden
+        hidden = int(8 * self.dim / 3)
+        m = self.ffn_multiple_of
+        return m * ((hidden + m - 1) // m)
+
+
+@dataclass
+class DataConfig:
+    corpus: list[str] = field(default_factory=lambda: ["default"])  # "default" = this Python's stdlib source
+    text_field: str = "text"  # for .jsonl inputs
+    tokenizer_vocab_size: int = 4096
+    seq_len: int = 128
+    val_fraction: float = 0.01
+    cache_dir: str = "~/.cache/keel"
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 300
+    seed: int = 1234
+    exit_after: int = 0  # >0: stop cleanly with a checkpoint after this many steps in this process
+    global_batch_size: int = 16
+    micro_batch_size: int = 4
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 30
+    lr_schedule: str = "cosine"  # cosine | linear | constant
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0  # 0 disables
+    ds_config: str = "ds_configs/zero1.json"
+    eval_interval: int = 100  # 0 disables validation
+    eval_batches: int = 4
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    sp: int = 1
+
+
+@dataclass
+class CheckpointConfig:
+    interval: int = 100  # 0: only at the end
+    keep_last: int = 3
+    resume: bool = True  # resume from the latest complete checkpoint in the run dir
+
+
+@dataclass
+class LoggingConfig:
+    log_interval: int = 10  # stdout line every N steps; metrics.jsonl gets every step
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return _plain(dataclasses.asdict(self))
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+SECTIONS = {f.name: f.type for f in dataclasses.fields(RunConfig)}
+
+
+def _coerce(name: str, hint: Any, value: Any) -> Any:
+    """Convert a YAML/CLI value to the field's declared type, or say which field is wrong."""
+    origin = typing.get_origin(hint)
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0", "on", "off"):
+            return value.lower() in ("true", "yes", "1", "on")
+        raise ConfigError(f"{name}: expected true or false, got {value!r}")
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, (int, str, float)):
+            raise ConfigError(f"{name}: expected an integer, got {value!r}")
+        try:
+            as_float = float(value)
+        except ValueError:
+            raise ConfigError(f"{name}: expected an integer, got {value!r}") from None
+        if as_float != int(as_float):
+            raise ConfigError(f"{name}: expected an integer, got {value!r}")
+        return int(as_float)
+    if hint is float:
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{name}: expected a number, got {value!r}") from None
+    if hint is str:
+        if isinstance(value, (dict, list)):
+            raise ConfigError(f"{name}: expected a string, got {value!r}")
+        return str(value)
+    if origin in (list, tuple):
+        if isinstance(value, str):
+            parsed = yaml.safe_load(value) if value.strip().startswith("[") else value.split(",")
+            value = parsed
+        if not isinstance(value, (list, tuple)):
+            value = [value]
+        args = typing.get_args(hint)
+        if origin is tuple:
+            if len(value) != len(args):
+                raise ConfigError(f"{name}: expected {len(args)} values, got {value!r}")
+            return tuple(_coerce(name, a, v) for a, v in zip(args, value))
+        return [_coerce(name, args[0], v) for v in value]
+    return value
+
+
+def _build_section(section: str, cls: type, values: Any) -> Any:
+    if values is None:
+        values = {}
+    if not isinstance(values, dict):
+        raise ConfigError(f"{section}: expected a mapping of keys, got {values!r}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    for key in values:
+        if key not in known:
+            raise ConfigError(f"{section}.{key}: unknown key; valid keys are {', '.join(sorted(known))}")
+    kwargs = {k: _coerce(f"{section}.{k}", hints[k], v) for k, v in values.items()}
+    return cls(**kwargs)
+
+
+def build_config(raw: dict[str, Any] | None) -> RunConfig:
+    raw = raw or {}
+    if not isinstance(raw, dict):
+        raise ConfigError("config: the YAML file must be a mapping of sections (model, data, train, ...)")
+    hints = typing.get_type_hints(RunConfig)
+    for section in raw:
+        if section not in SECTIONS:
+            raise ConfigError(f"{section}: unknown section; valid sections are {', '.join(SECTIONS)}")
+    return RunConfig(**{name: _build_section(name, hints[name], raw.get(name)) for name in SECTIONS})
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `section.key=value` strings; values are parsed as YAML scalars and typed later by the dataclass."""
+    raw = {k: dict(v or {}) for k, v in (raw or {}).items()}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set {item}: expected section.key=value")
+        path, value = item.split("=", 1)
+        if path.count(".") != 1:
+            raise ConfigError(f"--set {item}: expected section.key=value (e.g. train.steps=100)")
+        section, key = path.split(".")
+        raw.setdefault(section, {})
+        raw[section][key] = yaml.safe_load(value) if value != "" else ""
+    return raw
+
+
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config: file {path} does not exist")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config: {path} is not valid YAML ({str(exc).splitlines()[0]})") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config: {path} must be a mapping of sections (model, data, train, ...)")
+    return build_config(apply_overrides(raw, list(overrides)))
+
+
+# -- consistency checks, run before any rank starts -------------------------------------------------------------
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def validate_model(m: ModelConfig) -> None:
+    _require(m.vocab_size >= 0, f"model.vocab_size: must be >= 0 (0 takes the tokenizer's), got {m.vocab_size}")
+    _require(m.dim > 0 and m.n_layers > 0, "model.dim and model.n_layers must be positive")
+    _require(m.n_heads > 0 and m.dim % m.n_heads == 0, f"model.n_heads: {m.n_heads} does not divide model.dim {m.dim}")
+    _require(m.n_kv_heads > 0 and m.n_heads % m.n_kv_heads == 0,
+             f"model.n_kv_heads: {m.n_kv_heads} must divide model.n_heads {m.n_heads}")
+    _require(m.head_dim % 2 == 0, f"model.dim: head_dim = dim / n_heads = {m.head_dim} must be even for RoPE")
+    _require(m.norm in ("rmsnorm", "layernorm"), f"model.norm: expected rmsnorm or layernorm, got {m.norm!r}")
+    _require(m.init in ("normal", "truncated_normal"),
+             f"model.init: expected normal or truncated_normal, got {m.init!r}")
+    _require(0.0 <= m.dropout < 1.0, f"model.dropout: expected a probability in [0, 1), got {m.dropout}")
+    _require(m.init_std > 0, f"model.init_std: must be positive, got {m.init_std}")
+    _require(m.norm_eps > 0 and m.rope_theta > 0, "model.norm_eps and model.rope_theta must be positive")
+
+
+def validate(cfg: RunConfig, world_size: int) -> None:
+    """Everything that can be checked without data or DeepSpeed; the DeepSpeed JSON is checked against it later."""
+    validate_model(cfg.model)
+    d, t, p, c = cfg.data, cfg.train, cfg.parallel, cfg.checkpoint
+    _require(d.seq_len > 0, f"data.seq_len: must be positive, got {d.seq_len}")
+    _require(0.0 < d.val_fraction < 0.5, f"data.val_fraction: expected a fraction in (0, 0.5), got {d.val_fraction}")
+    _require(d.tokenizer_vocab_size >= 300,
+             f"data.tokenizer_vocab_size: {d.tokenizer_vocab_size} is too small (byte fallback needs >= 300)")
+    _require(len(d.corpus) > 0, "data.corpus: give at least one file, glob, or 'default'")
+    _require(t.steps > 0, f"train.steps: must be positive, got {t.steps}")
+    _require(t.exit_after >= 0, f"train.exit_after: must be >= 0 (0 disables), got {t.exit_after}")
+    _require(t.micro_batch_size > 0, f"train.micro_batch_size: must be positive, got {t.micro_batch_size}")
+    _require(t.global_batch_size > 0, f"train.global_batch_size: must be positive, got {t.global_batch_size}")
+    _require(t.lr > 0, f"train.lr: must be positive, got {t.lr}")
+    _require(0.0 <= t.min_lr_ratio <= 1.0, f"train.min_lr_ratio: expected a ratio in [0, 1], got {t.min_lr_ratio}")
+    _require(0 <= t.warmup_steps <= t.steps,
+             f"train.warmup_steps: {t.warmup_steps} must lie in [0, train.steps={t.steps}]")
+    _require(t.lr_schedule in ("cosine", "linear", "constant"),
+             f"train.lr_schedule: expected cosine, linear or constant, got {t.lr_schedule!r}")
+    _require(all(0.0 <= b < 1.0 for b in t.betas), f"train.betas: each must lie in [0, 1), got {list(t.betas)}")
+    _require(t.eps > 0 and t.weight_decay >= 0 and t.grad_clip >= 0,
+             "train.eps must be positive; train.weight_decay and train.grad_clip must be >= 0")
+    _require(t.eval_interval >= 0 and t.eval_batches > 0,
+             "train.eval_interval must be >= 0 (0 disables) and train.eval_batches positive")
+    _require(c.interval >= 0, f"checkpoint.interval: must be >= 0 (0: only at the end), got {c.interval}")
+    _require(c.keep_last >= 1, f"checkpoint.keep_last: must keep at least 1, got {c.keep_last}")
+    for name in ("tp", "pp", "ep", "sp"):
+        size = getattr(p, name)
+        _require(size >= 1, f"parallel.{name}: must be >= 1, got {size}")
+        _require(size == 1, f"parallel.{name}={size}: this Keel version trains with parallel.{name}=1 only")
+    _require(world_size >= 1, f"world size must be >= 1, got {world_size}")
+    dp = world_size // (p.tp * p.pp * p.sp)
+    _require(world_size % (p.tp * p.pp * p.sp) == 0,
+             f"parallel: world size {world_size} is not divisible by tp×pp×sp = {p.tp * p.pp * p.sp}")
+    _require(t.global_batch_size % (t.micro_batch_size * dp) == 0,
+             f"train.global_batch_size={t.global_batch_size} must be a multiple of train.micro_batch_size×dp = "
+             f"{t.micro_batch_size}×{dp} = {t.micro_batch_size * dp}")

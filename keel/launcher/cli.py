@@ -1,0 +1,120 @@
+"""`keel` command line: `keel train` and `keel prepare`.
+
+Every user mistake (config, data, paths) is reported as one line on stderr with exit code 2, before any rank
+starts; tracebacks are for bugs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from keel.config import ConfigError
+
+EXIT_USAGE = 2
+
+
+def _default_nproc() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 2
+
+
+def _external_world_size() -> int | None:
+    """WORLD_SIZE when an external launcher (torchrun, deepspeed, srun wrapper) already started this rank."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    return None
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from keel.launcher.run_dir import build_run, prepare_data, write_run_dir
+
+    external = _external_world_size()
+    if external is not None:
+        return _train_in_place(args, external)
+    nproc = args.nproc or _default_nproc()
+    if nproc < 1:
+        raise ConfigError(f"--nproc: must be >= 1, got {nproc}")
+    spec = build_run(args.config, args.set, args.ds_config, args.run_dir, nproc)
+    prepare_data(spec)
+    write_run_dir(spec)
+    print(f"keel: run dir {spec.run_dir} | {nproc} local rank(s) | ds config {spec.cfg.train.ds_config}", flush=True)
+    from keel.launcher.local import launch_local
+
+    return launch_local(spec.run_dir, nproc)
+
+
+def _train_in_place(args: argparse.Namespace, world_size: int) -> int:
+    """Started by an external launcher: rank 0 checks and prepares, the others wait for its verdict."""
+    import torch.distributed as dist
+
+    from keel.launcher.run_dir import build_run, prepare_data, write_run_dir
+    from keel.training.entry import init_distributed, run_rank
+
+    spec = build_run(args.config, args.set, args.ds_config, args.run_dir, world_size)  # cheap: every rank checks
+    init_distributed()
+    verdict = [None]
+    if dist.get_rank() == 0:
+        try:
+            prepare_data(spec)
+            write_run_dir(spec)
+        except (ConfigError, ValueError) as exc:
+            verdict = [str(exc)]
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0] is not None:
+        raise ConfigError(verdict[0])
+    return run_rank(spec.run_dir)
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from keel.data import ensure_prepared
+
+    prepared = ensure_prepared(args.inputs or ["default"], args.cache_dir, args.vocab_size,
+                               text_field=args.text_field)
+    print(f"tokenizer {prepared.tokenizer_path}\ntokens {prepared.data_prefix}.bin ({prepared.num_tokens} tokens, "
+          f"{prepared.num_docs} documents)")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="keel", description="Distributed LLM pretraining on DeepSpeed.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="train a model (resumes from the run dir's latest checkpoint)")
+    train.add_argument("config", nargs="?", help="run YAML (default: the tiny built-in config)")
+    train.add_argument("--ds-config", help="DeepSpeed JSON (default: train.ds_config)")
+    train.add_argument("--nproc", type=int, help="local ranks (default: GPUs, or 2 on CPU)")
+    train.add_argument("--run-dir", help="where checkpoints, metrics and logs go (default: runs/<config name>)")
+    train.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                       help="override a config field, e.g. --set train.steps=100 (repeatable)")
+    train.set_defaults(func=cmd_train)
+
+    prep = sub.add_parser("prepare", help="train a tokenizer and write the token files for a corpus")
+    prep.add_argument("inputs", nargs="*", help="text/JSONL files or globs (default: the Python stdlib source)")
+    prep.add_argument("--vocab-size", type=int, default=4096)
+    prep.add_argument("--text-field", default="text", help="JSONL field holding the text")
+    prep.add_argument("--cache-dir", default="~/.cache/keel")
+    prep.set_defaults(func=cmd_prepare)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    from keel.data import DataError
+
+    try:
+        code = args.func(args)
+    except (ConfigError, DataError) as exc:
+        print(f"keel: error: {exc}", file=sys.stderr)
+        code = EXIT_USAGE
+    sys.stdout.flush()
+    if _external_world_size() is not None:  # a rank of an external launcher: skip gloo's teardown
+        os._exit(code)
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

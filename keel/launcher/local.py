@@ -1,0 +1,41 @@
+"""Start the ranks on this machine through torchrun's API (the same agent `torchrun` uses)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import uuid
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_local(run_dir: Path, nproc: int, max_restarts: int = 0) -> int:
+    """Run `python -m keel.training.entry RUN_DIR` on `nproc` local ranks; returns 0 when all succeeded."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    if "OMP_NUM_THREADS" not in os.environ:  # as torchrun does: don't oversubscribe the cores
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"keel-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{free_port()}",
+        max_restarts=max_restarts,
+        monitor_interval=0.5,
+    )
+    try:
+        elastic_launch(config, sys.executable)("-u", "-m", "keel.training.entry", str(run_dir))
+    except ChildFailedError as exc:
+        failures = ", ".join(f"rank {r} exit {f.exitcode}" for r, f in sorted(exc.failures.items()))
+        print(f"keel: training failed ({failures}); see the log above and {run_dir}", file=sys.stderr)
+        return 1
+    return 0

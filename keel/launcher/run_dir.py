@@ -1,0 +1,121 @@
+"""Turn a command line into a checked, self-contained run directory — before any rank starts.
+
+The run dir holds everything the ranks need (`config.yaml` fully resolved, `ds_config.json` as the user wrote
+it, `data.json` naming the prepared tokenizer and token files), so a restart, a requeue or a different launcher
+reads the same run back without the original command line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+import keel
+from keel.config import ConfigError, RunConfig, build_config, load_config, validate
+from keel.training.ds_config import load_ds_config, resolve_ds_config
+
+CONFIG_FILE, DS_FILE, DATA_FILE = "config.yaml", "ds_config.json", "data.json"
+
+
+def repo_root() -> Path:
+    """The directory holding Keel's shipped `ds_configs/` and `configs/` (the source checkout)."""
+    return Path(keel.__file__).resolve().parent.parent
+
+
+def resolve_path(name: str, *bases: Path) -> Path:
+    """`name` as given if it exists, else relative to each base in turn (config dir, then Keel's checkout)."""
+    path = Path(name).expanduser()
+    if path.is_absolute() or path.exists():
+        return path.resolve() if path.exists() else path
+    for base in bases:
+        candidate = base / path
+        if candidate.exists():
+            return candidate.resolve()
+    return path
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+@dataclass
+class RunSpec:
+    cfg: RunConfig
+    ds_raw: dict[str, Any]
+    run_dir: Path
+    data: dict[str, Any] = field(default_factory=dict)  # filled by prepare_data
+
+
+def build_run(config_path: str | None, overrides: list[str], ds_config: str | None, run_dir: str | None,
+              world_size: int) -> RunSpec:
+    """Load, override and validate the config and DeepSpeed JSON for `world_size` ranks (no data work yet)."""
+    cfg = load_config(config_path, overrides)
+    bases = [Path(config_path).resolve().parent] if config_path else []
+    bases.append(repo_root())
+    if ds_config:
+        cfg.train.ds_config = ds_config
+    ds_path = resolve_path(cfg.train.ds_config, *bases)
+    cfg.train.ds_config = str(ds_path)
+    validate(cfg, world_size)
+    ds_raw = load_ds_config(ds_path)
+    resolve_ds_config(ds_raw, cfg, world_size // (cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.sp))
+    default_name = Path(config_path).stem if config_path else "default"
+    directory = Path(run_dir or Path("runs") / default_name).expanduser().resolve()
+    _check_same_run(directory, cfg)
+    return RunSpec(cfg, ds_raw, directory)
+
+
+def _check_same_run(run_dir: Path, cfg: RunConfig) -> None:
+    """Refuse to resume a run dir whose checkpoints were made for a different model."""
+    saved = run_dir / CONFIG_FILE
+    if not saved.is_file() or not cfg.checkpoint.resume:
+        return
+    old = build_config(yaml.safe_load(saved.read_text()))
+    for key, value in vars(cfg.model).items():
+        if key == "vocab_size" and value == 0:
+            continue
+        if getattr(old.model, key) != value:
+            raise ConfigError(
+                f"model.{key}={value} differs from {getattr(old.model, key)} in the existing run {run_dir}; "
+                "use a new --run-dir or checkpoint.resume=false"
+            )
+
+
+def prepare_data(spec: RunSpec, base_dir: Path | None = None) -> None:
+    """Prepare (or find cached) tokenizer and token files; resolve model.vocab_size from the tokenizer."""
+    from keel.data import Tokenizer, ensure_prepared
+
+    cfg = spec.cfg
+    prepared = ensure_prepared(cfg.data.corpus, cfg.data.cache_dir, cfg.data.tokenizer_vocab_size,
+                               text_field=cfg.data.text_field, base_dir=base_dir)
+    vocab = Tokenizer(prepared.tokenizer_path).vocab_size
+    if cfg.model.vocab_size == 0:
+        cfg.model.vocab_size = vocab
+    elif cfg.model.vocab_size < vocab:
+        raise ConfigError(
+            f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {vocab} ids; "
+            f"set it to >= {vocab} or 0"
+        )
+    spec.data = {"tokenizer": str(prepared.tokenizer_path), "prefix": str(prepared.data_prefix),
+                 "num_tokens": prepared.num_tokens, "num_docs": prepared.num_docs}
+
+
+def write_run_dir(spec: RunSpec) -> None:
+    spec.run_dir.mkdir(parents=True, exist_ok=True)
+    _atomic_write(spec.run_dir / CONFIG_FILE, yaml.safe_dump(spec.cfg.to_dict(), sort_keys=False))
+    _atomic_write(spec.run_dir / DS_FILE, json.dumps(spec.ds_raw, indent=2) + "\n")
+    _atomic_write(spec.run_dir / DATA_FILE, json.dumps(spec.data, indent=2) + "\n")
+
+
+def read_run_dir(run_dir: Path) -> tuple[RunConfig, dict[str, Any], dict[str, Any]]:
+    cfg = build_config(yaml.safe_load((run_dir / CONFIG_FILE).read_text()))
+    ds_raw = json.loads((run_dir / DS_FILE).read_text())
+    data = json.loads((run_dir / DATA_FILE).read_text())
+    return cfg, ds_raw, data

@@ -1,0 +1,38 @@
+"""Llama-style decoder as a flat layer list, plus Hugging Face interop (`keel.model.hf`)."""
+
+from keel.model.hf import from_hf_state_dict, to_hf_config, to_hf_state_dict
+from keel.model.layers import Attention, RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary, make_norm
+from keel.model.llama import (
+    Block,
+    CausalLM,
+    EmbeddingLayer,
+    OutputLayer,
+    build_layers,
+    causal_lm_loss,
+    flops_per_token,
+    init_weights,
+    num_params,
+    weight_decay_groups,
+)
+
+__all__ = [
+    "Attention",
+    "Block",
+    "CausalLM",
+    "EmbeddingLayer",
+    "OutputLayer",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "SwiGLU",
+    "apply_rotary",
+    "build_layers",
+    "causal_lm_loss",
+    "flops_per_token",
+    "from_hf_state_dict",
+    "init_weights",
+    "make_norm",
+    "num_params",
+    "to_hf_config",
+    "to_hf_state_dict",
+    "weight_decay_groups",
+]

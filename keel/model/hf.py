@@ -1,0 +1,115 @@
+"""Interop with Hugging Face `LlamaForCausalLM`: config and parameter names, both ways.
+
+Keel's layers use HF's RoPE convention (rotate_half), so weights map one to one by name with no permutation.
+Only RMSNorm models have an HF Llama equivalent. transformers is imported inside the functions: it is slow to
+import and training never needs it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from keel.config import ModelConfig
+
+if TYPE_CHECKING:
+    import transformers
+
+    from keel.model.llama import CausalLM
+
+# (Keel name inside a Block, HF name inside model.layers.{i})
+_BLOCK_NAMES = (
+    ("attention_norm.weight", "input_layernorm.weight"),
+    ("attention.wq.weight", "self_attn.q_proj.weight"),
+    ("attention.wk.weight", "self_attn.k_proj.weight"),
+    ("attention.wv.weight", "self_attn.v_proj.weight"),
+    ("attention.wo.weight", "self_attn.o_proj.weight"),
+    ("ffn_norm.weight", "post_attention_layernorm.weight"),
+    ("feed_forward.w1.weight", "mlp.gate_proj.weight"),
+    ("feed_forward.w3.weight", "mlp.up_proj.weight"),
+    ("feed_forward.w2.weight", "mlp.down_proj.weight"),
+)
+_EMBED = "model.embed_tokens.weight"
+_HEAD = "lm_head.weight"
+
+
+def _require_rmsnorm(cfg: ModelConfig) -> None:
+    if cfg.norm != "rmsnorm":
+        raise ValueError(f"HF Llama has no {cfg.norm}; only model.norm=rmsnorm converts")
+
+
+def _name_map(cfg: ModelConfig) -> dict[str, str]:
+    """Keel `CausalLM` state-dict name → HF `LlamaForCausalLM` name."""
+    names = {"layers.0.tok_embeddings.weight": _EMBED}
+    for layer_id in range(cfg.n_layers):
+        for keel, hf in _BLOCK_NAMES:
+            names[f"layers.{layer_id + 1}.{keel}"] = f"model.layers.{layer_id}.{hf}"
+    names[f"layers.{cfg.n_layers + 1}.norm.weight"] = "model.norm.weight"
+    names[f"layers.{cfg.n_layers + 1}.output.weight"] = _HEAD
+    return names
+
+
+def to_hf_config(cfg: ModelConfig, max_position_embeddings: int = 8192) -> transformers.LlamaConfig:
+    """An HF `LlamaConfig` with Keel's shapes and numerics; dropout is training-only and left out.
+
+    Token ids (bos/eos/pad) belong to the tokenizer and are left unset for the caller to fill in.
+    """
+    from transformers import LlamaConfig
+
+    _require_rmsnorm(cfg)
+    if cfg.vocab_size <= 0:
+        raise ValueError(f"model.vocab_size must be > 0 to convert (got {cfg.vocab_size})")
+    return LlamaConfig(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.dim,
+        intermediate_size=cfg.ffn_dim,
+        num_hidden_layers=cfg.n_layers,
+        num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.n_kv_heads,
+        head_dim=cfg.head_dim,
+        hidden_act="silu",
+        max_position_embeddings=max_position_embeddings,
+        initializer_range=cfg.init_std,
+        rms_norm_eps=cfg.norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+        tie_word_embeddings=cfg.tie_embeddings,
+        attention_bias=False,
+        attention_dropout=0.0,
+        mlp_bias=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+
+
+def to_hf_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
+    """`model`'s weights under HF names (tensors share storage with the model; `lm_head` is the embedding if tied)."""
+    _require_rmsnorm(model.cfg)
+    state = model.state_dict()
+    names = _name_map(model.cfg)
+    if set(state) != set(names):
+        raise ValueError(f"unmapped parameters: {sorted(set(state) ^ set(names))}")
+    return {hf: state[keel] for keel, hf in names.items()}
+
+
+def from_hf_state_dict(model: CausalLM, state_dict: dict[str, torch.Tensor]) -> None:
+    """Load an HF Llama state dict into `model` in place; strict, except HF's non-persistent rotary buffers.
+
+    For a tied model, `lm_head.weight` may be absent; if present it must equal the embedding.
+    """
+    _require_rmsnorm(model.cfg)
+    names = _name_map(model.cfg)
+    known = set(names.values())
+    unexpected = sorted(k for k in state_dict if k not in known and not k.endswith("rotary_emb.inv_freq"))
+    if unexpected:
+        raise KeyError(f"HF state dict has keys with no Keel parameter: {unexpected}")
+    tied = model.cfg.tie_embeddings
+    if tied and _HEAD in state_dict and _EMBED in state_dict:
+        if not torch.equal(state_dict[_HEAD], state_dict[_EMBED]):
+            raise ValueError("model.tie_embeddings is set but lm_head.weight differs from embed_tokens.weight")
+    missing = sorted(hf for hf in known if hf not in state_dict and not (tied and hf == _HEAD))
+    if missing:
+        raise KeyError(f"HF state dict lacks {missing}")
+    keel_state = {keel: state_dict[_EMBED if tied and hf == _HEAD else hf] for keel, hf in names.items()}
+    model.load_state_dict(keel_state, strict=True)

@@ -1,0 +1,201 @@
+"""The Llama decoder as a flat list of layers: `[EmbeddingLayer, Block × n_layers, OutputLayer]`.
+
+Every layer maps one tensor to one tensor (tokens [b, s] → hidden [b, s, d] → … → logits [b, s, vocab]), so the
+same classes serve the single-process `CausalLM` and, later, DeepSpeed's `PipelineModule` as layer specs.
+Throughout, a layer's *index* is its position in the full list: 0 is the embedding, 1..n_layers are the blocks
+(block `layer_id` = index - 1), n_layers + 1 is the output layer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from keel.config import ConfigError, ModelConfig, validate_model
+from keel.model.layers import Attention, SwiGLU, make_norm
+
+# Parameters on the residual branch's output; initialised with std / sqrt(2·n_layers) (GPT-2, Megatron).
+_RESIDUAL_OUTPUTS = ("attention.wo.weight", "feed_forward.w2.weight")
+# Layer seeds are seed·stride + index; the stride exceeds any layer count so (seed, index) pairs never collide.
+_SEED_STRIDE = 1_000_003
+
+
+class EmbeddingLayer(nn.Module):
+    """Token ids [b, s] → hidden [b, s, dim]. RoPE lives in the attentions, so there is no position table."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.tok_embeddings(tokens)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block; dropout sits on each residual branch's output, before the add."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention_norm = make_norm(cfg)
+        self.attention = Attention(cfg)
+        self.ffn_norm = make_norm(cfg)
+        self.feed_forward = SwiGLU(cfg)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.dropout(self.attention(self.attention_norm(x)))
+        return x + self.dropout(self.feed_forward(self.ffn_norm(x)))
+
+
+class OutputLayer(nn.Module):
+    """Final norm and vocabulary projection.
+
+    Given `tied_embedding`, `output.weight` *is* that embedding's weight Parameter (one tensor, one gradient).
+    Without it the layer owns its weight; a pipeline stage holding the head apart from a tied embedding builds it
+    that way and relies on `init_weights` (and the pipeline's tied-weight sync) to keep both copies equal.
+    """
+
+    def __init__(self, cfg: ModelConfig, tied_embedding: nn.Embedding | None = None) -> None:
+        super().__init__()
+        self.norm = make_norm(cfg)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if tied_embedding is not None:
+            if tied_embedding.weight.shape != self.output.weight.shape:
+                raise ValueError(
+                    f"tied embedding has shape {tuple(tied_embedding.weight.shape)}, "
+                    f"the head needs {tuple(self.output.weight.shape)}"
+                )
+            self.output.weight = tied_embedding.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.output(self.norm(x))
+
+
+def build_layers(cfg: ModelConfig) -> list[nn.Module]:
+    """`[EmbeddingLayer, Block × n_layers, OutputLayer]`, head tied to the embedding if `cfg.tie_embeddings`.
+
+    Weights hold PyTorch's default init until `init_weights` runs.
+    """
+    validate_model(cfg)
+    if cfg.vocab_size <= 0:
+        raise ConfigError(f"model.vocab_size: must be > 0 to build the model (got {cfg.vocab_size}); resolve it from the tokenizer")
+    embedding = EmbeddingLayer(cfg)
+    blocks = [Block(cfg, layer_id) for layer_id in range(cfg.n_layers)]
+    head = OutputLayer(cfg, embedding.tok_embeddings if cfg.tie_embeddings else None)
+    return [embedding, *blocks, head]
+
+
+def _layer_generator(seed: int, index: int) -> torch.Generator:
+    # The CPU generator keeps only the low 32 bits of its seed; reduce explicitly so the rule is visible.
+    return torch.Generator().manual_seed((seed * _SEED_STRIDE + index) % 2**32)
+
+
+def _draw_(param: torch.Tensor, std: float, truncated: bool, generator: torch.Generator) -> None:
+    """Fill `param` from an fp32 CPU draw, so values are the same whatever the param's device or dtype."""
+    values = torch.empty(param.shape, dtype=torch.float32)
+    if truncated:
+        nn.init.trunc_normal_(values, 0.0, std, -3.0 * std, 3.0 * std, generator=generator)
+    else:
+        values.normal_(0.0, std, generator=generator)
+    param.copy_(values)
+
+
+@torch.no_grad()
+def init_weights(layers: Iterable[nn.Module], cfg: ModelConfig, seed: int, first_index: int = 0) -> None:
+    """Initialise `layers` deterministically and independently of how the full layer list is split.
+
+    Matrices (embedding, projections, head) get N(0, init_std²), or the ±3σ truncated normal when
+    `cfg.init == "truncated_normal"`; `wo` and `w2` use init_std / sqrt(2·n_layers); norm weights are 1, biases 0.
+
+    Each layer draws, in `named_parameters` order, from a generator seeded by (`seed`, its index in the full
+    list), so a pipeline stage reproduces exactly its slice of the single-process model by calling
+    `init_weights(stage_layers, cfg, seed, first_index=index_of_its_first_layer)`. An `OutputLayer` whose head
+    is tied but not shared in this process (the embedding lives on another stage) draws from layer 0's
+    generator, which gives it the embedding's values.
+    """
+    if cfg.init not in ("normal", "truncated_normal"):
+        raise ConfigError(f"model.init: expected normal or truncated_normal, got {cfg.init!r}")
+    truncated = cfg.init == "truncated_normal"
+    residual_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+    done: set[int] = set()  # a Parameter shared between layers is initialised once, by its first owner
+    for offset, layer in enumerate(layers):
+        generator = _layer_generator(seed, first_index + offset)
+        for name, param in layer.named_parameters():
+            if id(param) in done:
+                continue
+            done.add(id(param))
+            if param.ndim >= 2:
+                if isinstance(layer, OutputLayer) and cfg.tie_embeddings and name == "output.weight":
+                    _draw_(param, cfg.init_std, truncated, _layer_generator(seed, 0))
+                else:
+                    std = residual_std if name.endswith(_RESIDUAL_OUTPUTS) else cfg.init_std
+                    _draw_(param, std, truncated, generator)
+            elif name.endswith("bias"):
+                param.zero_()
+            else:
+                param.fill_(1.0)
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Mean next-token cross-entropy in fp32; `labels[b, t]` is the target for `logits[b, t]` (already shifted).
+
+    Positions labelled `ignore_index` are excluded from the mean. Also the pipeline's `loss_fn(outputs, labels)`.
+    """
+    return F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), ignore_index=ignore_index)
+
+
+class CausalLM(nn.Module):
+    """The whole layer list in one process: logits, or the loss when `labels` are given."""
+
+    def __init__(self, cfg: ModelConfig, seed: int = 0) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.layers = nn.ModuleList(build_layers(cfg))
+        init_weights(self.layers, cfg, seed)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        h = tokens
+        for layer in self.layers:
+            h = layer(h)
+        return h if labels is None else causal_lm_loss(h, labels)
+
+
+def weight_decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Optimizer param groups: decay matrices, not norms or biases (ndim < 2); shared Parameters appear once."""
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
+    for param in model.parameters():  # parameters() already yields each shared Parameter once
+        if param.requires_grad:
+            (decay if param.ndim >= 2 else no_decay).append(param)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [group for group in groups if group["params"]]
+
+
+def num_params(model: nn.Module, exclude_embeddings: bool = False) -> int:
+    """Unique parameter count; `exclude_embeddings` drops the token table (and so a head tied to it)."""
+    excluded: set[int] = set()
+    if exclude_embeddings:
+        excluded = {id(p) for m in model.modules() if isinstance(m, EmbeddingLayer) for p in m.parameters()}
+    return sum(p.numel() for p in model.parameters() if id(p) not in excluded)
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
+    """Training FLOPs per token: 6·N + 12·L·H·Q·T (PaLM, Chowdhery et al. 2022, appendix B).
+
+    N counts the matmul weights a token passes through: attention and MLP projections of every block plus the
+    output head (tied or not; the embedding lookup is not a matmul, norms are negligible). L = n_layers,
+    H·Q = n_heads·head_dim, T = seq_len; 12·L·H·Q·T is the QKᵀ and attention·V work, forward and backward,
+    without discounting the causal mask. MFU = tokens/s · flops_per_token / peak FLOP/s.
+    """
+    if cfg.vocab_size <= 0:
+        raise ConfigError(f"model.vocab_size: must be > 0 to count FLOPs (got {cfg.vocab_size})")
+    q_width = cfg.n_heads * cfg.head_dim
+    kv_width = cfg.n_kv_heads * cfg.head_dim
+    per_block = cfg.dim * q_width + 2 * cfg.dim * kv_width + q_width * cfg.dim + 3 * cfg.dim * cfg.ffn_dim
+    n = cfg.n_layers * per_block + cfg.dim * cfg.vocab_size
+    return 6 * n + 12 * cfg.n_layers * q_width * seq_len

@@ -1,0 +1,202 @@
+"""The rank grid and its process groups, passed explicitly to everything that communicates.
+
+Grid order, outermost to innermost: pp, edp, ep, sp, tp. Tensor parallel is innermost so the ranks of one TP
+group are adjacent (one node's NVLink island); pipeline is outermost so stages can span nodes. Expert parallel is
+carved out of data parallel, as in DeepSpeed-MoE: dense parameters are data-parallel over (edp × ep), expert
+parameters only over edp.
+
+A `Topology` also serves as the `mpu` object DeepSpeed accepts, so ZeRO partitions over the data-parallel group
+and DeepSpeed's gradient-norm and overflow reductions span the model-parallel group.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+AXES = ("pp", "edp", "ep", "sp", "tp")
+
+
+@dataclass(frozen=True)
+class GridShape:
+    """Sizes of every parallel dimension; `dp` is the dense data-parallel size (edp × ep)."""
+
+    world_size: int
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    sp: int = 1
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // (self.tp * self.pp * self.sp)
+
+    @property
+    def edp(self) -> int:
+        return self.dp // self.ep
+
+    def sizes(self) -> dict[str, int]:
+        return {"pp": self.pp, "edp": self.edp, "ep": self.ep, "sp": self.sp, "tp": self.tp}
+
+    def check(self) -> None:
+        """Raise ValueError with a one-line fix when the world does not factor into this grid."""
+        model_parallel = self.tp * self.pp * self.sp
+        if self.world_size % model_parallel:
+            raise ValueError(
+                f"parallel: world size {self.world_size} is not divisible by tp×pp×sp = {model_parallel}; "
+                "change the number of processes or the parallel sizes"
+            )
+        if self.dp % self.ep:
+            raise ValueError(
+                f"parallel.ep={self.ep} must divide the data-parallel size {self.dp} "
+                f"(world {self.world_size} / tp×pp×sp {model_parallel})"
+            )
+
+    def coords(self, rank: int) -> dict[str, int]:
+        coords = {}
+        for axis in reversed(AXES):
+            size = self.sizes()[axis]
+            coords[axis] = rank % size
+            rank //= size
+        return coords
+
+    def rank_of(self, coords: dict[str, int]) -> int:
+        rank = 0
+        for axis in AXES:
+            rank = rank * self.sizes()[axis] + coords[axis]
+        return rank
+
+    def groups_along(self, axes: tuple[str, ...]) -> list[list[int]]:
+        """All rank lists that vary only along `axes` (every other coordinate fixed), in a fixed order."""
+        sizes = self.sizes()
+        fixed = [a for a in AXES if a not in axes]
+        groups = []
+        for fixed_values in itertools.product(*(range(sizes[a]) for a in fixed)):
+            base = dict(zip(fixed, fixed_values))
+            ranks = []
+            for varying in itertools.product(*(range(sizes[a]) for a in axes)):
+                ranks.append(self.rank_of({**base, **dict(zip(axes, varying))}))
+            groups.append(sorted(ranks))
+        return groups
+
+
+# Which grid axes each named group spans.
+GROUP_AXES = {
+    "tp": ("tp",),
+    "pp": ("pp",),
+    "sp": ("sp",),
+    "ep": ("ep",),
+    "dp": ("edp", "ep"),  # dense data parallel
+    "edp": ("edp",),  # expert data parallel
+    "model": ("pp", "sp", "tp"),  # every rank holding a different part of one model replica
+    "tp_sp": ("sp", "tp"),
+}
+
+
+class Topology:
+    """This rank's place in the grid, and the process groups of every dimension it belongs to.
+
+    Every rank must construct the Topology (group creation is collective). With a single process and no
+    initialized process group, all groups are None and all sizes are 1, so layers can run unparallelized.
+    """
+
+    def __init__(self, shape: GridShape, rank: int):
+        shape.check()
+        self.shape = shape
+        self.rank = rank
+        self.coords = shape.coords(rank)
+        self._groups: dict[str, object] = {}
+        self._ranks: dict[str, list[int]] = {}
+        initialized = dist.is_available() and dist.is_initialized()
+        for name, axes in GROUP_AXES.items():
+            for ranks in shape.groups_along(axes):
+                # new_group is collective over the whole world: every rank creates every group, in order.
+                group = dist.new_group(ranks) if initialized and shape.world_size > 1 else None
+                if rank in ranks:
+                    self._groups[name] = group
+                    self._ranks[name] = ranks
+
+    @classmethod
+    def from_env(cls, tp: int = 1, pp: int = 1, ep: int = 1, sp: int = 1) -> Topology:
+        if dist.is_available() and dist.is_initialized():
+            world, rank = dist.get_world_size(), dist.get_rank()
+        else:
+            world, rank = 1, 0
+        return cls(GridShape(world, tp=tp, pp=pp, ep=ep, sp=sp), rank)
+
+    # -- generic access -------------------------------------------------------------------------------------
+    def group(self, name: str):
+        return self._groups[name]
+
+    def ranks(self, name: str) -> list[int]:
+        return self._ranks[name]
+
+    def size(self, name: str) -> int:
+        return len(self._ranks[name])
+
+    def rank_in(self, name: str) -> int:
+        return self._ranks[name].index(self.rank)
+
+    @property
+    def dp_size(self) -> int:
+        return self.size("dp")
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank_in("dp")
+
+    def describe(self) -> str:
+        return "world={} tp={} pp={} dp={} (ep={} edp={}) sp={}".format(
+            self.shape.world_size, self.shape.tp, self.shape.pp, self.shape.dp, self.shape.ep, self.shape.edp,
+            self.shape.sp,
+        )
+
+    def stamp(self) -> dict[str, int]:
+        """What a checkpoint records of the layout that wrote it."""
+        return {"world_size": self.shape.world_size, "tp": self.shape.tp, "pp": self.shape.pp,
+                "dp": self.shape.dp, "ep": self.shape.ep, "sp": self.shape.sp}
+
+    # -- the mpu interface DeepSpeed queries --------------------------------------------------------------
+    # DeepSpeed's "model parallel" is tensor (and Ulysses) parallel within a pipeline stage; its pipeline engine
+    # builds the pipeline groups itself from its own topology object.
+    def get_model_parallel_rank(self) -> int:
+        return self.rank_in("tp")
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.size("tp")
+
+    def get_model_parallel_group(self):
+        return self.group("tp")
+
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_group = get_model_parallel_group
+
+    def get_data_parallel_rank(self) -> int:
+        return self.dp_rank
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.dp_size
+
+    def get_data_parallel_group(self):
+        return self.group("dp")
+
+    def get_pipeline_model_parallel_rank(self) -> int:
+        return self.rank_in("pp")
+
+    def get_pipeline_model_parallel_world_size(self) -> int:
+        return self.size("pp")
+
+    def get_pipeline_model_parallel_group(self):
+        return self.group("pp")
+
+    def get_sequence_parallel_world_size(self) -> int:
+        return self.size("sp")
+
+    def get_sequence_parallel_rank(self) -> int:
+        return self.rank_in("sp")
+
+    def get_sequence_parallel_group(self):
+        return self.group("sp")

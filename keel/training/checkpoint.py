@@ -1,0 +1,149 @@
+"""Checkpoints: DeepSpeed's files plus Keel's client state, made "latest" only once every rank has written.
+
+Layout of `<run_dir>/checkpoints/`:
+    step00000100/            DeepSpeed's model/optimizer files for that step (its own format)
+        keel_rng_rank<R>.pt  each rank's RNG states (python, numpy, torch)
+        keel_complete.json   written by rank 0 after a barrier: the checkpoint is whole
+    latest                   DeepSpeed's pointer file, replaced atomically after keel_complete.json exists
+
+A crash mid-save leaves a directory without `keel_complete.json`; it is never loaded and is overwritten when
+that step is saved again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from keel.parallel.topology import Topology
+
+COMPLETE = "keel_complete.json"
+LATEST = "latest"
+
+
+@dataclass
+class TrainState:
+    """Where the run is: optimizer steps taken and global samples consumed (the data position)."""
+
+    step: int = 0
+    consumed_samples: int = 0
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def tag_for(step: int) -> str:
+    return f"step{step:08d}"
+
+
+def rng_state() -> dict[str, Any]:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+class Checkpointer:
+    def __init__(self, directory: Path, keep_last: int, topology: Topology):
+        self.directory = Path(directory)
+        self.keep_last = keep_last
+        self.topology = topology
+
+    # -- discovery ------------------------------------------------------------------------------------------
+    def complete_tags(self) -> list[str]:
+        if not self.directory.is_dir():
+            return []
+        return sorted(p.name for p in self.directory.iterdir() if (p / COMPLETE).is_file())
+
+    def latest_tag(self) -> str | None:
+        """The tag `latest` names if it is complete, else the newest complete one (never a half-written one)."""
+        pointer = self.directory / LATEST
+        if pointer.is_file():
+            tag = pointer.read_text().strip()
+            if (self.directory / tag / COMPLETE).is_file():
+                return tag
+        tags = self.complete_tags()
+        return tags[-1] if tags else None
+
+    def read_manifest(self, tag: str) -> dict[str, Any]:
+        return json.loads((self.directory / tag / COMPLETE).read_text())
+
+    # -- save -----------------------------------------------------------------------------------------------
+    def save(self, engine, state: TrainState, extra: dict[str, Any] | None = None) -> str:
+        tag = tag_for(state.step)
+        tag_dir = self.directory / tag
+        rank = self.topology.rank
+        if rank == 0:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            (tag_dir / COMPLETE).unlink(missing_ok=True)  # re-saving a step: it is incomplete until we finish
+        _barrier()
+        client_state = {"keel": asdict(state), "topology": self.topology.stamp(), **(extra or {})}
+        engine.save_checkpoint(str(self.directory), tag=tag, client_state=client_state, save_latest=False)
+        tag_dir.mkdir(parents=True, exist_ok=True)
+        rng_path = tag_dir / f"keel_rng_rank{rank}.pt"
+        tmp = rng_path.with_name(f".{rng_path.name}.tmp")
+        torch.save(rng_state(), tmp)
+        os.replace(tmp, rng_path)
+        _barrier()  # every rank has written its DeepSpeed shards and RNG file
+        if rank == 0:
+            manifest = {"tag": tag, **asdict(state), "topology": self.topology.stamp()}
+            atomic_write_text(tag_dir / COMPLETE, json.dumps(manifest) + "\n")
+            atomic_write_text(self.directory / LATEST, tag)
+            self._prune(keep=tag)
+        _barrier()
+        return tag
+
+    def _prune(self, keep: str) -> None:
+        tags = [t for t in self.complete_tags() if t != keep]
+        for tag in tags[: max(0, len(tags) - (self.keep_last - 1))]:
+            shutil.rmtree(self.directory / tag, ignore_errors=True)
+
+    # -- load -----------------------------------------------------------------------------------------------
+    def load(self, engine, tag: str, seed: int) -> TrainState:
+        """Restore engine, scheduler and RNG from `tag`; returns the saved position."""
+        manifest = self.read_manifest(tag)
+        saved, now = manifest["topology"], self.topology.stamp()
+        zero = engine.zero_optimization_stage()
+        if saved != now and zero > 0 and saved["dp"] != now["dp"]:
+            raise RuntimeError(
+                f"checkpoint {tag} was written with dp={saved['dp']} under ZeRO-{zero}; resuming at dp={now['dp']} "
+                "needs DeepSpeed's universal checkpoint conversion (resume at the original world size)"
+            )
+        load_path, _ = engine.load_checkpoint(
+            str(self.directory), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
+        if load_path is None:
+            raise RuntimeError(f"DeepSpeed could not load checkpoint {self.directory / tag}")
+        state = TrainState(step=manifest["step"], consumed_samples=manifest["consumed_samples"])
+        rng_path = self.directory / tag / f"keel_rng_rank{self.topology.rank}.pt"
+        if rng_path.is_file() and saved == now:
+            set_rng_state(torch.load(rng_path, weights_only=False))
+        else:  # a rank that did not exist when the checkpoint was written: derive a fresh, reproducible stream
+            seed_everything(seed + 1000003 * state.step + self.topology.rank)
+        return state
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)

@@ -1,0 +1,65 @@
+"""Model + optimizer + LR schedule handed to `deepspeed.initialize`.
+
+DeepSpeed owns ZeRO, mixed precision, loss scaling, gradient accumulation and clipping; Keel hands it the
+model, the parameter groups (no weight decay on norms and biases), the optimizer unless the JSON config names
+one, and an LR schedule that is a pure function of the step.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from keel.config import RunConfig
+from keel.model import CausalLM, weight_decay_groups
+from keel.parallel.topology import Topology
+from keel.training.ds_config import precision, resolve_ds_config
+from keel.training.lr_schedule import build_scheduler
+
+log = logging.getLogger("keel")
+
+
+def allow_fp16_on_cpu() -> bool:
+    """DeepSpeed's CPU accelerator refuses fp16 although torch runs it; lift that check on CPU only.
+
+    Returns True when the override was applied (the caller logs it).
+    """
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    if accelerator.device_name() != "cpu" or accelerator.is_fp16_supported():
+        return False
+    accelerator.is_fp16_supported = lambda: True
+    return True
+
+
+def build_model(cfg: RunConfig) -> CausalLM:
+    return CausalLM(cfg.model, seed=cfg.train.seed)
+
+
+def build_engine(cfg: RunConfig, ds_raw: dict[str, Any], topology: Topology, model: torch.nn.Module | None = None):
+    """Return the DeepSpeed engine for this rank; `ds_raw` is the user's JSON with "auto" values unfilled."""
+    import deepspeed
+
+    ds = resolve_ds_config(ds_raw, cfg, topology.dp_size)
+    if precision(ds) == "fp16" and allow_fp16_on_cpu():
+        log.warning("fp16 on CPU: overriding DeepSpeed's CPU accelerator fp16 check (slow; use bf16 on CPU)")
+    model = model if model is not None else build_model(cfg)
+    groups = weight_decay_groups(model, cfg.train.weight_decay)
+    optimizer = None
+    if "optimizer" not in ds:
+        optimizer = torch.optim.AdamW(
+            groups, lr=cfg.train.lr, betas=tuple(cfg.train.betas), eps=cfg.train.eps,
+            weight_decay=cfg.train.weight_decay,
+        )
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        model_parameters=groups,
+        optimizer=optimizer,
+        lr_scheduler=lambda opt: build_scheduler(opt, cfg.train),
+        config=ds,
+        mpu=topology if topology.shape.world_size > 1 else None,
+    )
+    return engine

@@ -1,0 +1,97 @@
+"""What every rank runs: init the process group, build topology, data, engine, and train.
+
+Started as `python -m keel.training.entry RUN_DIR` by Keel's local launcher (torchrun's API), or in place by
+`keel train` when an external launcher (torchrun, deepspeed, srun) already set RANK and WORLD_SIZE.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+
+
+def setup_logging(rank: int) -> None:
+    level = logging.INFO if rank == 0 else logging.WARNING
+    logging.basicConfig(level=level, format=f"[keel r{rank}] %(message)s", stream=sys.stdout, force=True)
+    try:
+        from deepspeed.utils import logger as ds_logger
+
+        ds_logger.setLevel(logging.WARNING)
+    except ImportError:
+        pass
+
+
+def init_distributed() -> None:
+    """gloo on CPU, nccl on GPU; DeepSpeed's init reads RANK/WORLD_SIZE/MASTER_* from the environment."""
+    import deepspeed
+
+    if dist.is_initialized():
+        return
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
+
+
+def run_rank(run_dir: Path) -> int:
+    """Train the run described by `run_dir`; returns the process exit code."""
+    from keel.data import IndexedDataset, PackedSamples
+    from keel.launcher.run_dir import read_run_dir
+    from keel.parallel.topology import Topology
+    from keel.training.checkpoint import seed_everything
+    from keel.training.engine import build_engine
+    from keel.training.trainer import Trainer
+
+    cfg, ds_raw, data = read_run_dir(run_dir)
+    init_distributed()
+    rank = dist.get_rank()
+    setup_logging(rank)
+    log = logging.getLogger("keel")
+    p = cfg.parallel
+    topology = Topology.from_env(tp=p.tp, pp=p.pp, ep=p.ep, sp=p.sp)
+    seed_everything(cfg.train.seed + rank)
+    dataset = IndexedDataset(data["prefix"])
+    train_samples = PackedSamples(dataset, cfg.data.seq_len, "train", cfg.data.val_fraction)
+    val_samples = PackedSamples(dataset, cfg.data.seq_len, "val", cfg.data.val_fraction)
+    engine = build_engine(cfg, ds_raw, topology)
+    if rank == 0:
+        n_params = sum(p.numel() for p in engine.module.parameters())
+        log.info("%s | %.2fM params | %d train samples of %d tokens | run dir %s", topology.describe(),
+                 n_params / 1e6, len(train_samples), cfg.data.seq_len, run_dir)
+    result = Trainer(cfg, engine, topology, train_samples, val_samples, run_dir).fit()
+    if rank == 0:
+        verb = "finished" if result.finished else "stopped (train.exit_after)"
+        log.info("%s at step %d; checkpoint in %s", verb, result.state.step, run_dir / "checkpoints")
+    dist.barrier()
+    return EXIT_OK
+
+
+def exit_now(code: int) -> None:
+    """Flush and leave without interpreter teardown: gloo can abort in its destructors after a clean run."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def main() -> None:
+    if len(sys.argv) != 2:
+        print("usage: python -m keel.training.entry RUN_DIR", file=sys.stderr)
+        exit_now(2)
+    try:
+        code = run_rank(Path(sys.argv[1]))
+    except Exception:
+        logging.getLogger("keel").exception("rank failed")
+        code = EXIT_FAILED
+    exit_now(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""Per-step metrics: one JSON object per optimizer step in `<run_dir>/metrics.jsonl`, and a compact stdout line.
+
+Only rank 0 writes. On resume, records past the resumed step (steps that will be trained again) are moved to
+`metrics.discarded.jsonl` rather than deleted, so the main file keeps exactly one record per step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+FIELDS = ("step", "loss", "lr", "grad_norm", "loss_scale", "tokens", "tokens_per_s", "skipped")
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    path = Path(path)
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class MetricsWriter:
+    def __init__(self, run_dir: Path, enabled: bool, resumed_step: int, log_interval: int, total_steps: int):
+        self.enabled = enabled
+        self.log_interval = max(1, log_interval)
+        self.total_steps = total_steps
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self._file = None
+        if enabled:
+            self._rewind(resumed_step)
+            self._file = open(self.path, "a", buffering=1)
+
+    def _rewind(self, resumed_step: int) -> None:
+        records = read_metrics(self.path)
+        keep = [r for r in records if r.get("step", 0) <= resumed_step]
+        if len(keep) == len(records):
+            return
+        dropped = [r for r in records if r.get("step", 0) > resumed_step]
+        with open(self.path.with_name("metrics.discarded.jsonl"), "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in dropped)
+        tmp = self.path.with_name(".metrics.jsonl.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
+        os.replace(tmp, self.path)
+
+    def log(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        self._file.write(json.dumps(record) + "\n")
+        step = record["step"]
+        if step % self.log_interval == 0 or step == self.total_steps or "val_loss" in record:
+            print(format_line(record, self.total_steps), flush=True)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def format_line(r: dict[str, Any], total_steps: int) -> str:
+    parts = [
+        f"step {r['step']:>6}/{total_steps}",
+        f"loss {r['loss']:.4f}",
+        f"lr {r['lr']:.2e}",
+        f"gnorm {r['grad_norm']:.3f}" if r.get("grad_norm") is not None else "gnorm -",
+        f"{r['tokens_per_s'] / 1e3:.1f}k tok/s",
+    ]
+    if r.get("loss_scale") is not None:
+        parts.append(f"scale {r['loss_scale']:g}")
+    if r.get("skipped"):
+        parts.append("SKIPPED")
+    if "val_loss" in r:
+        parts.append(f"val {r['val_loss']:.4f}")
+    return " | ".join(parts)

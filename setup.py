@@ -1,0 +1,30 @@
+"""Keel: distributed LLM pretraining on DeepSpeed with the stability and recovery a long run needs."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="keel",
+    version="0.1.0",
+    description="Distributed LLM pretraining: 4D parallelism on DeepSpeed, with stability guards and recovery",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["keel", "keel.*"]),
+    install_requires=[
+        "torch>=2.4",
+        "deepspeed>=0.16",
+        "transformers>=4.45",
+        "sentencepiece>=0.2",
+        "pyyaml>=6",
+        "numpy>=1.24",
+        "tqdm>=4.60",
+        "tensorboard>=2.14",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "ruff>=0.5"],
+        "wandb": ["wandb>=0.16"],
+        "triton": ["triton>=3.0"],
+        "plot": ["matplotlib>=3.7"],
+    },
+    entry_points={"console_scripts": ["keel=keel.launcher.cli:main"]},
+)
