@@ -51,6 +51,7 @@ class RunSpec:
     ds_raw: dict[str, Any]
     run_dir: Path
     data: dict[str, Any] = field(default_factory=dict)  # filled by prepare_data
+    base_dir: Path | None = None  # relative corpus paths are read from the config file's directory
 
 
 def build_run(config_path: str | None, overrides: list[str], ds_config: str | None, run_dir: str | None,
@@ -69,7 +70,7 @@ def build_run(config_path: str | None, overrides: list[str], ds_config: str | No
     default_name = Path(config_path).stem if config_path else "default"
     directory = Path(run_dir or Path("runs") / default_name).expanduser().resolve()
     _check_same_run(directory, cfg)
-    return RunSpec(cfg, ds_raw, directory)
+    return RunSpec(cfg, ds_raw, directory, base_dir=bases[0] if config_path else None)
 
 
 def _check_same_run(run_dir: Path, cfg: RunConfig) -> None:
@@ -88,13 +89,13 @@ def _check_same_run(run_dir: Path, cfg: RunConfig) -> None:
             )
 
 
-def prepare_data(spec: RunSpec, base_dir: Path | None = None) -> None:
+def prepare_data(spec: RunSpec) -> None:
     """Prepare (or find cached) tokenizer and token files; resolve model.vocab_size from the tokenizer."""
     from keel.data import Tokenizer, ensure_prepared
 
     cfg = spec.cfg
     prepared = ensure_prepared(cfg.data.corpus, cfg.data.cache_dir, cfg.data.tokenizer_vocab_size,
-                               text_field=cfg.data.text_field, base_dir=base_dir)
+                               text_field=cfg.data.text_field, base_dir=spec.base_dir)
     vocab = Tokenizer(prepared.tokenizer_path).vocab_size
     if cfg.model.vocab_size == 0:
         cfg.model.vocab_size = vocab

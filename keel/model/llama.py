@@ -83,7 +83,9 @@ def build_layers(cfg: ModelConfig) -> list[nn.Module]:
     """
     validate_model(cfg)
     if cfg.vocab_size <= 0:
-        raise ConfigError(f"model.vocab_size: must be > 0 to build the model (got {cfg.vocab_size}); resolve it from the tokenizer")
+        raise ConfigError(
+            f"model.vocab_size: must be > 0 to build the model (got {cfg.vocab_size}); resolve it from the tokenizer"
+        )
     embedding = EmbeddingLayer(cfg)
     blocks = [Block(cfg, layer_id) for layer_id in range(cfg.n_layers)]
     head = OutputLayer(cfg, embedding.tok_embeddings if cfg.tie_embeddings else None)

@@ -148,10 +148,8 @@ class Topology:
         return self.rank_in("dp")
 
     def describe(self) -> str:
-        return "world={} tp={} pp={} dp={} (ep={} edp={}) sp={}".format(
-            self.shape.world_size, self.shape.tp, self.shape.pp, self.shape.dp, self.shape.ep, self.shape.edp,
-            self.shape.sp,
-        )
+        s = self.shape
+        return f"world={s.world_size} tp={s.tp} pp={s.pp} dp={s.dp} (ep={s.ep} edp={s.edp}) sp={s.sp}"
 
     def stamp(self) -> dict[str, int]:
         """What a checkpoint records of the layout that wrote it."""

@@ -1,0 +1,130 @@
+"""Config loading, typed overrides, DeepSpeed JSON filling, and one-line errors before any rank starts."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from keel.config import ConfigError, RunConfig, load_config, validate
+from keel.launcher.cli import main
+from keel.training.ds_config import load_ds_config, resolve_ds_config
+from tests.keel_runs import REPO, tiny_overrides
+
+DS_CONFIGS = sorted((REPO / "ds_configs").glob("*.json"))
+
+
+def test_overrides_are_typed(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("model:\n  dim: 64\ntrain:\n  steps: 5\n")
+    cfg = load_config(path, ["train.lr=1e-3", "model.tie_embeddings=false", "train.betas=[0.9, 0.99]",
+                             "data.corpus=[a.txt, b.jsonl]", "train.steps=7"])
+    assert cfg.model.dim == 64 and cfg.train.steps == 7 and cfg.train.lr == 1e-3
+    assert cfg.model.tie_embeddings is False and cfg.train.betas == (0.9, 0.99)
+    assert cfg.data.corpus == ["a.txt", "b.jsonl"]
+
+
+def test_defaults_validate():
+    validate(RunConfig(), world_size=2)
+
+
+@pytest.mark.parametrize("path", DS_CONFIGS, ids=lambda p: p.name)
+def test_shipped_ds_configs_pass_deepspeeds_parser(path):
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    cfg = RunConfig()
+    ds = resolve_ds_config(load_ds_config(path), cfg, dp_size=1)
+    parsed = DeepSpeedConfig(ds)
+    assert parsed.train_batch_size == cfg.train.global_batch_size
+    assert parsed.gradient_accumulation_steps == cfg.train.global_batch_size // cfg.train.micro_batch_size
+    assert parsed.gradient_clipping == cfg.train.grad_clip
+
+
+def test_fp16_config_uses_dynamic_loss_scaling():
+    ds = load_ds_config(REPO / "ds_configs" / "fp16.json")
+    fp16 = ds["fp16"]
+    assert fp16["loss_scale"] == 0
+    assert {"initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale"} <= fp16.keys()
+
+
+def _write(tmp_path: Path, name: str, data: dict) -> str:
+    path = tmp_path / name
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+BAD_CASES = {
+    "global batch": (["train.global_batch_size=10"], "train.global_batch_size"),
+    "heads": (["model.n_heads=3"], "model.n_heads"),
+    "kv heads": (["model.n_kv_heads=3"], "model.n_kv_heads"),
+    "seq len": (["data.seq_len=0"], "data.seq_len"),
+    "unknown key": (["train.stepz=5"], "train.stepz"),
+    "type": (["train.steps=abc"], "train.steps"),
+    "ds path": (["train.ds_config=/nonexistent/ds.json"], "train.ds_config"),
+    "schedule": (["train.lr_schedule=sawtooth"], "train.lr_schedule"),
+    "tp": (["parallel.tp=3"], "parallel"),
+    "missing corpus": (["data.corpus=[/nonexistent/*.txt]"], "data.corpus"),
+    "vocab": (["model.vocab_size=100"], "model.vocab_size"),
+    "warmup": (["train.warmup_steps=50"], "train.warmup_steps"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CASES))
+def test_bad_config_gives_one_line_naming_the_field(case, tmp_path, capsys, small_corpus):
+    sets, field = BAD_CASES[case]
+    overrides = tiny_overrides(small_corpus, tmp_path / "cache") + sets
+    args = ["train", "--nproc", "2", "--run-dir", str(tmp_path / "run")]
+    for item in overrides:
+        args += ["--set", item]
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err  # may also hold the data-preparation progress bar
+    errors = [line for line in err.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and errors[0].startswith("keel: error: ") and "Traceback" not in err, err
+    assert field in errors[0], errors[0]
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("ds, field", [
+    ({"train_batch_size": 32}, "ds_config.train_batch_size"),
+    ({"scheduler": {"type": "WarmupLR"}}, "ds_config.scheduler"),
+    ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "fp16.enabled"),
+    ({"zero_optimization": {"stage": 4}}, "ds_config.zero_optimization.stage"),
+    ({"optimizer": {"type": "Lamb"}}, "ds_config.optimizer.type"),
+])
+def test_bad_ds_config(ds, field, tmp_path):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        resolve_ds_config(load_ds_config(_write(tmp_path, "ds.json", ds)), RunConfig(), dp_size=2)
+
+
+def test_invalid_json_and_yaml(tmp_path):
+    bad_json = tmp_path / "ds.json"
+    bad_json.write_text("{ not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        load_ds_config(bad_json)
+    bad_yaml = tmp_path / "run.yaml"
+    bad_yaml.write_text("model: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad_yaml)
+
+
+def test_cli_error_has_no_traceback(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "keel.launcher.cli", "train", "--run-dir", str(tmp_path),
+                           "--set", "model.n_kv_heads=3"], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == "keel: error: model.n_kv_heads: 3 must divide model.n_heads 4"
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_configs_validate(path):
+    cfg = load_config(path)
+    validate(cfg, world_size=16 if "1b" in path.name else 2)
+
+
+def test_tiny_yaml_is_the_builtin_default():
+    assert load_config(REPO / "configs" / "tiny.yaml") == RunConfig()

@@ -1,0 +1,47 @@
+"""The main job end to end: `keel train` as a user runs it, and under an external launcher (torchrun)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from keel.training.metrics import FIELDS, read_metrics
+from tests.keel_runs import REPO
+
+pytestmark = pytest.mark.slow
+
+
+def test_default_run_learns(tmp_path):
+    """The README's first command: the tiny default config on the embedded corpus, several local ranks."""
+    proc = subprocess.run([sys.executable, "-m", "keel.launcher.cli", "train", "--run-dir", str(tmp_path)],
+                          capture_output=True, text=True, cwd=REPO, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, 301))
+    for r in records:
+        assert set(FIELDS) <= r.keys()
+        assert r["loss_scale"] is None and r["skipped"] is False
+    first = sum(r["loss"] for r in records[:10]) / 10
+    last = sum(r["loss"] for r in records[-10:]) / 10
+    assert last < first - 2.0, (first, last)
+    assert any("val_loss" in r for r in records)
+    assert "step    300/300" in proc.stdout
+    # Running the same command again resumes from the final checkpoint and has nothing left to do.
+    again = subprocess.run([sys.executable, "-m", "keel.launcher.cli", "train", "--run-dir", str(tmp_path)],
+                           capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert again.returncode == 0 and "resumed from step00000300" in again.stdout
+    assert len(read_metrics(tmp_path / "metrics.jsonl")) == 300
+
+
+def test_runs_in_place_under_torchrun(runs, tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "keel.launcher.cli",
+           "train", "--run-dir", str(tmp_path), "--ds-config", str(REPO / "ds_configs" / "zero2.json")]
+    for item in runs.overrides():
+        cmd += ["--set", item]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    reference = [r["loss"] for r in read_metrics(runs.get("zero0", 2) / "metrics.jsonl")]
+    got = [r["loss"] for r in read_metrics(tmp_path / "metrics.jsonl")]
+    assert got == pytest.approx(reference, rel=1e-5)

@@ -1,0 +1,55 @@
+"""ZeRO stages and data parallelism must reproduce the single-process run; resume must be exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from keel.training.metrics import read_metrics
+from tests.keel_runs import final_weights, keel_train, losses
+
+pytestmark = pytest.mark.slow
+
+
+def assert_close(a: list[float], b: list[float], rel: float) -> None:
+    assert len(a) == len(b) and a, (a, b)
+    for step, (x, y) in enumerate(zip(a, b), start=1):
+        assert abs(x - y) <= rel * abs(y), f"step {step}: {x} vs {y} (rel {abs(x - y) / abs(y):.2e})"
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_stage_matches_zero0(runs, stage):
+    reference = losses(runs.get("zero0", 2))
+    assert_close(losses(runs.get(f"zero{stage}", 2, f"ds_configs/zero{stage}.json")), reference, 1e-5)
+
+
+def test_data_parallel_matches_one_process(runs):
+    one = losses(runs.get("zero0", 1))
+    two = losses(runs.get("zero0", 2))
+    assert_close(two, one, 1e-5)
+    assert one[-1] < one[0]
+
+
+def test_resume_is_exact(runs, tmp_path):
+    straight = runs.get("zero1-20", 2, "ds_configs/zero1.json", train__steps=20)
+    resumed = tmp_path / "resumed"
+    keel_train(resumed, 2, runs.overrides(train__steps=20, train__exit_after=10), "ds_configs/zero1.json")
+    first = read_metrics(resumed / "metrics.jsonl")
+    assert [r["step"] for r in first] == list(range(1, 11))
+    assert (resumed / "checkpoints" / "latest").read_text() == "step00000010"
+    keel_train(resumed, 2, runs.overrides(train__steps=20), "ds_configs/zero1.json")
+    assert losses(resumed) == losses(straight)  # bitwise: same floats
+    a, b = final_weights(resumed), final_weights(straight)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def test_resume_at_another_world_size_continues_with_the_same_samples(runs, tmp_path):
+    straight = runs.get("zero0-20", 2, train__steps=20)
+    resumed = tmp_path / "resumed"
+    keel_train(resumed, 2, runs.overrides(train__steps=20, train__exit_after=10))
+    keel_train(resumed, 1, runs.overrides(train__steps=20))
+    got, want = read_metrics(resumed / "metrics.jsonl"), read_metrics(straight / "metrics.jsonl")
+    assert [r["consumed_samples"] for r in got] == [r["consumed_samples"] for r in want]
+    assert_close([r["loss"] for r in got], [r["loss"] for r in want], 1e-5)
