@@ -53,3 +53,13 @@ def test_resume_at_another_world_size_continues_with_the_same_samples(runs, tmp_
     got, want = read_metrics(resumed / "metrics.jsonl"), read_metrics(straight / "metrics.jsonl")
     assert [r["consumed_samples"] for r in got] == [r["consumed_samples"] for r in want]
     assert_close([r["loss"] for r in got], [r["loss"] for r in want], 1e-5)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_tracks_fp32(runs, precision):
+    """bf16 and fp16 (dynamic loss scaling; DeepSpeed's CPU fp16 check overridden) follow the fp32 run closely."""
+    run = runs.get(precision, 2, f"ds_configs/{precision}.json")
+    records = read_metrics(run / "metrics.jsonl")
+    assert_close([r["loss"] for r in records], losses(runs.get("zero0", 2)), 2e-2)
+    scales = [r["loss_scale"] for r in records]
+    assert all(s is None for s in scales) if precision == "bf16" else all(s == 2.0**16 for s in scales)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -21,6 +22,8 @@ EXIT_FAILED = 1
 def setup_logging(rank: int) -> None:
     level = logging.INFO if rank == 0 else logging.WARNING
     logging.basicConfig(level=level, format=f"[keel r{rank}] %(message)s", stream=sys.stdout, force=True)
+    # DeepSpeed calls torch collectives that torch has renamed; the warning is theirs to fix, not the user's.
+    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
     try:
         from deepspeed.utils import logger as ds_logger
 

@@ -53,6 +53,15 @@ def _fp32_zero0_grad_norm(engine) -> float:
     return float(get_global_norm_of_tensors(grads, mpu=engine.mpu))
 
 
+def loss_scale(engine) -> float | None:
+    """fp16's current dynamic loss scale (after this step's update); None in fp32/bf16."""
+    if not engine.fp16_enabled():
+        return None
+    optimizer = engine.optimizer
+    config = getattr(optimizer, "loss_scale_config", None)
+    return float(config.cur_scale if config is not None else optimizer.cur_scale)
+
+
 class Trainer:
     def __init__(self, cfg: RunConfig, engine, topology: Topology, train_samples: PackedSamples,
                  val_samples: PackedSamples, run_dir: Path):
@@ -89,9 +98,8 @@ class Trainer:
         if norm is None:
             norm = grad_norm(self.engine)
         loss = _mean_over(torch.stack(losses).mean(), self.dp_group)
-        skipped = bool(self.engine.fp16_enabled() and self.engine.was_step_skipped())
-        return {"loss": loss, "lr": lr, "grad_norm": norm, "skipped": skipped,
-                "loss_scale": self.engine.optimizer.cur_scale if self.engine.fp16_enabled() else None}
+        return {"loss": loss, "lr": lr, "grad_norm": norm, "skipped": not self.engine.was_step_applied(),
+                "loss_scale": loss_scale(self.engine)}
 
     @torch.no_grad()
     def evaluate(self) -> float:
