@@ -35,6 +35,7 @@ class ModelConfig:
     dropout: float = 0.0
     init: str = "normal"  # normal | truncated_normal
     init_std: float = 0.02
+    vocab_pad_multiple: int = 128  # embedding rows padded to a multiple of this × tp; padding gets no probability
 
     @property
     def head_dim(self) -> int:
@@ -77,6 +78,8 @@ class TrainConfig:
     ds_config: str = "ds_configs/zero1.json"
     eval_interval: int = 100  # 0 disables validation
     eval_batches: int = 4
+    label_smoothing: float = 0.0
+    z_loss: float = 0.0  # PaLM's auxiliary z_loss · logsumexp² per token
 
 
 @dataclass
@@ -85,6 +88,7 @@ class ParallelConfig:
     pp: int = 1
     ep: int = 1
     sp: int = 1
+    sequence_parallel: bool = False  # Megatron sequence parallel over the tp group (needs tp > 1 to matter)
 
 
 @dataclass
@@ -238,6 +242,7 @@ def validate_model(m: ModelConfig) -> None:
     _require(m.init in ("normal", "truncated_normal"),
              f"model.init: expected normal or truncated_normal, got {m.init!r}")
     _require(0.0 <= m.dropout < 1.0, f"model.dropout: expected a probability in [0, 1), got {m.dropout}")
+    _require(m.vocab_pad_multiple >= 1, f"model.vocab_pad_multiple: must be >= 1, got {m.vocab_pad_multiple}")
     _require(m.init_std > 0, f"model.init_std: must be positive, got {m.init_std}")
     _require(m.norm_eps > 0 and m.rope_theta > 0, "model.norm_eps and model.rope_theta must be positive")
 
@@ -256,6 +261,8 @@ def validate(cfg: RunConfig, world_size: int) -> None:
     _require(t.micro_batch_size > 0, f"train.micro_batch_size: must be positive, got {t.micro_batch_size}")
     _require(t.global_batch_size > 0, f"train.global_batch_size: must be positive, got {t.global_batch_size}")
     _require(t.lr > 0, f"train.lr: must be positive, got {t.lr}")
+    _require(0.0 <= t.label_smoothing < 1.0 and t.z_loss >= 0,
+             "train.label_smoothing must lie in [0, 1) and train.z_loss be >= 0")
     _require(0.0 <= t.min_lr_ratio <= 1.0, f"train.min_lr_ratio: expected a ratio in [0, 1], got {t.min_lr_ratio}")
     _require(0 <= t.warmup_steps <= t.steps,
              f"train.warmup_steps: {t.warmup_steps} must lie in [0, train.steps={t.steps}]")
@@ -271,7 +278,10 @@ def validate(cfg: RunConfig, world_size: int) -> None:
     for name in ("tp", "pp", "ep", "sp"):
         size = getattr(p, name)
         _require(size >= 1, f"parallel.{name}: must be >= 1, got {size}")
+    for name in ("pp", "ep", "sp"):
+        size = getattr(p, name)
         _require(size == 1, f"parallel.{name}={size}: this Keel version trains with parallel.{name}=1 only")
+    validate_tensor_parallel(cfg)
     _require(world_size >= 1, f"world size must be >= 1, got {world_size}")
     dp = world_size // (p.tp * p.pp * p.sp)
     _require(world_size % (p.tp * p.pp * p.sp) == 0,
@@ -279,3 +289,18 @@ def validate(cfg: RunConfig, world_size: int) -> None:
     _require(t.global_batch_size % (t.micro_batch_size * dp) == 0,
              f"train.global_batch_size={t.global_batch_size} must be a multiple of train.micro_batch_size×dp = "
              f"{t.micro_batch_size}×{dp} = {t.micro_batch_size * dp}")
+
+
+def validate_tensor_parallel(cfg: RunConfig) -> None:
+    """Heads, kv heads and the MLP width must split evenly over tp; SP shards the sequence over tp."""
+    m, tp = cfg.model, cfg.parallel.tp
+    if tp == 1:
+        return
+    _require(m.n_heads % tp == 0, f"model.n_heads={m.n_heads} must be divisible by parallel.tp={tp}")
+    _require(m.n_kv_heads % tp == 0 or tp % m.n_kv_heads == 0,
+             f"model.n_kv_heads={m.n_kv_heads} and parallel.tp={tp}: one must divide the other "
+             "(kv heads are split when tp divides them, replicated when they divide tp)")
+    _require(m.ffn_dim % tp == 0, f"model.ffn_hidden: the MLP width {m.ffn_dim} must be divisible by parallel.tp={tp}")
+    if cfg.parallel.sequence_parallel:
+        _require(cfg.data.seq_len % tp == 0,
+                 f"data.seq_len={cfg.data.seq_len} must be divisible by parallel.tp={tp} under sequence parallel")

@@ -90,7 +90,8 @@ def to_hf_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
     names = _name_map(model.cfg)
     if set(state) != set(names):
         raise ValueError(f"unmapped parameters: {sorted(set(state) ^ set(names))}")
-    return {hf: state[keel] for keel, hf in names.items()}
+    # Keel pads the vocabulary rows (model.vocab_pad_multiple); HF holds exactly vocab_size rows.
+    return {hf: _vocab_rows(state[keel], hf, model.cfg.vocab_size) for keel, hf in names.items()}
 
 
 def from_hf_state_dict(model: CausalLM, state_dict: dict[str, torch.Tensor]) -> None:
@@ -111,5 +112,15 @@ def from_hf_state_dict(model: CausalLM, state_dict: dict[str, torch.Tensor]) -> 
     missing = sorted(hf for hf in known if hf not in state_dict and not (tied and hf == _HEAD))
     if missing:
         raise KeyError(f"HF state dict lacks {missing}")
-    keel_state = {keel: state_dict[_EMBED if tied and hf == _HEAD else hf] for keel, hf in names.items()}
+    own = model.state_dict()
+    keel_state = {}
+    for keel, hf in names.items():
+        value = state_dict[_EMBED if tied and hf == _HEAD else hf]
+        if hf in (_EMBED, _HEAD) and value.shape[0] < own[keel].shape[0]:  # pad to Keel's padded vocabulary
+            value = torch.cat([value, value.new_zeros(own[keel].shape[0] - value.shape[0], value.shape[1])])
+        keel_state[keel] = value
     model.load_state_dict(keel_state, strict=True)
+
+
+def _vocab_rows(tensor: torch.Tensor, hf_name: str, vocab_size: int) -> torch.Tensor:
+    return tensor[:vocab_size] if hf_name in (_EMBED, _HEAD) else tensor

@@ -1,9 +1,9 @@
 """Transformer building blocks with Llama semantics, matching Hugging Face's `LlamaForCausalLM` numerically.
 
-Each projection is its own named `nn.Linear` (no fused qkv, no biases) so tensor parallelism can later swap
-`wq, wk, wv, w1, w3` for column-parallel and `wo, w2` for row-parallel versions without touching the math.
-Head counts are inferred from the projection widths at run time for the same reason: a column-parallel `wq`
-holding `n_heads / tp` heads needs no other change here.
+Each projection is its own named layer (no fused qkv, no biases): `wq, wk, wv, w1, w3` are column-parallel and
+`wo, w2` row-parallel (keel/parallel/tensor.py); with tp = 1 they are plain linears. Attention and MLP are each
+one tensor-parallel region, entered and exited once. Head counts are inferred from the projection widths, so
+a rank holding `n_heads / tp` heads runs the same math.
 """
 
 from __future__ import annotations
@@ -13,32 +13,58 @@ import torch.nn.functional as F
 from torch import nn
 
 from keel.config import ConfigError, ModelConfig
+from keel.parallel.tensor import ColumnParallelLinear, RowParallelLinear, TPContext, enter, exit, sum_grad_over_tp
+
+NO_TP = TPContext()
 
 
 class RMSNorm(nn.Module):
     """Root-mean-square norm, computed in fp32 and cast back before the weight (exactly as HF's LlamaRMSNorm)."""
 
-    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+    def __init__(self, dim: int, eps: float = 1e-5, tp: TPContext = NO_TP) -> None:
         super().__init__()
         self.eps = eps
+        self.tp = tp
         self.weight = nn.Parameter(torch.ones(dim))
+        self.weight.sequence_parallel = tp.sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return _sp_param(self.weight, self.tp) * x.to(dtype)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
 
 
-def make_norm(cfg: ModelConfig) -> nn.Module:
+def _sp_param(param: torch.Tensor, tp: TPContext) -> torch.Tensor:
+    """Under sequence parallelism a norm sees only its sequence shard: its gradient is partial on each rank."""
+    return sum_grad_over_tp(param, tp) if tp.sequence_parallel else param
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm with bias; like RMSNorm, its parameters' gradients are summed over TP under SP."""
+
+    def __init__(self, dim: int, eps: float = 1e-5, tp: TPContext = NO_TP) -> None:
+        super().__init__()
+        self.eps = eps
+        self.tp = tp
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim))
+        self.weight.sequence_parallel = self.bias.sequence_parallel = tp.sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight, bias = _sp_param(self.weight, self.tp), _sp_param(self.bias, self.tp)
+        return F.layer_norm(x, (x.shape[-1],), weight, bias, self.eps)
+
+
+def make_norm(cfg: ModelConfig, tp: TPContext = NO_TP) -> nn.Module:
     """The norm named by `cfg.norm`: RMSNorm (Llama) or LayerNorm with bias."""
     if cfg.norm == "rmsnorm":
-        return RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        return RMSNorm(cfg.dim, eps=cfg.norm_eps, tp=tp)
     if cfg.norm == "layernorm":
-        return nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
+        return LayerNorm(cfg.dim, eps=cfg.norm_eps, tp=tp)
     raise ConfigError(f"model.norm: expected rmsnorm or layernorm, got {cfg.norm!r}")
 
 
@@ -92,22 +118,41 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class Attention(nn.Module):
-    """Causal grouped-query self-attention with RoPE; kv heads are repeated to match the query heads."""
+    """Causal grouped-query self-attention with RoPE; kv heads are repeated to match the query heads.
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    Under tensor parallelism each rank holds n_heads / tp query heads. KV heads are split the same way when tp
+    divides n_kv_heads. When tp > n_kv_heads they are replicated instead (they are small under GQA): every rank
+    keeps all of `wk`/`wv`, projects only the one kv head its query heads read, and the partial gradients of
+    those replicated weights are summed over the TP group.
+    """
+
+    def __init__(self, cfg: ModelConfig, tp: TPContext = NO_TP) -> None:
         super().__init__()
         self.head_dim = cfg.head_dim
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.tp = tp
+        kv_dim = cfg.n_kv_heads * cfg.head_dim
+        self.kv_replicated = cfg.n_kv_heads % tp.size != 0
+        self.wq = ColumnParallelLinear(cfg.dim, cfg.n_heads * cfg.head_dim, tp)
+        kv_tp = NO_TP if self.kv_replicated else tp
+        self.wk = ColumnParallelLinear(cfg.dim, kv_dim, kv_tp)
+        self.wv = ColumnParallelLinear(cfg.dim, kv_dim, kv_tp)
+        self.wo = RowParallelLinear(cfg.n_heads * cfg.head_dim, cfg.dim, tp)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
+        heads_per_rank, n_rep = cfg.n_heads // tp.size, cfg.n_heads // cfg.n_kv_heads
+        self.kv_head = (tp.rank * heads_per_rank) // n_rep  # the one kv head used here when replicated
+
+    def _kv(self, proj: ColumnParallelLinear, x: torch.Tensor) -> torch.Tensor:
+        if not self.kv_replicated:
+            return proj(x)
+        rows = slice(self.kv_head * self.head_dim, (self.kv_head + 1) * self.head_dim)
+        return F.linear(x, sum_grad_over_tp(proj.weight, self.tp)[rows])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = enter(x, self.tp)
         b, s, _ = x.shape
         q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # [b, heads, s, head_dim]
-        k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # [b, kv_heads, s, head_dim]
-        v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        k = self._kv(self.wk, x).view(b, s, -1, self.head_dim).transpose(1, 2)  # [b, kv_heads, s, head_dim]
+        v = self._kv(self.wv, x).view(b, s, -1, self.head_dim).transpose(1, 2)
         cos, sin = self.rotary(q)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         n_rep = q.shape[1] // k.shape[1]
@@ -115,17 +160,19 @@ class Attention(nn.Module):
             k = k.repeat_interleave(n_rep, dim=1)
             v = v.repeat_interleave(n_rep, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+        return exit(self.wo(out.transpose(1, 2).reshape(b, s, -1)), self.tp)
 
 
 class SwiGLU(nn.Module):
     """Gated MLP `w2(silu(w1 x) * w3 x)`: w1 is the gate, w3 the up projection, w2 the down projection."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPContext = NO_TP) -> None:
         super().__init__()
-        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
-        self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
-        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+        self.tp = tp
+        self.w1 = ColumnParallelLinear(cfg.dim, cfg.ffn_dim, tp)
+        self.w3 = ColumnParallelLinear(cfg.dim, cfg.ffn_dim, tp)
+        self.w2 = RowParallelLinear(cfg.ffn_dim, cfg.dim, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        x = enter(x, self.tp)
+        return exit(self.w2(F.silu(self.w1(x)) * self.w3(x)), self.tp)

@@ -16,7 +16,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from keel.config import ConfigError, ModelConfig, validate_model
-from keel.model.layers import Attention, SwiGLU, make_norm
+from keel.model.layers import NO_TP, Attention, SwiGLU, make_norm
+from keel.parallel.cross_entropy import vocab_parallel_cross_entropy
+from keel.parallel.tensor import (
+    ColumnParallelLinear,
+    TPContext,
+    VocabParallelEmbedding,
+    enter,
+    exit,
+    mark_sharded,
+    padded_vocab_size,
+    shard_of,
+)
 
 # Parameters on the residual branch's output; initialised with std / sqrt(2·n_layers) (GPT-2, Megatron).
 _RESIDUAL_OUTPUTS = ("attention.wo.weight", "feed_forward.w2.weight")
@@ -24,46 +35,64 @@ _RESIDUAL_OUTPUTS = ("attention.wo.weight", "feed_forward.w2.weight")
 _SEED_STRIDE = 1_000_003
 
 
-class EmbeddingLayer(nn.Module):
-    """Token ids [b, s] → hidden [b, s, dim]. RoPE lives in the attentions, so there is no position table."""
+def vocab_rows(cfg: ModelConfig, tp: TPContext) -> int:
+    return padded_vocab_size(cfg.vocab_size, cfg.vocab_pad_multiple, tp.size)
 
-    def __init__(self, cfg: ModelConfig) -> None:
+
+class EmbeddingLayer(nn.Module):
+    """Token ids [b, s] → hidden [b, s, dim] (sequence-sharded under SP). RoPE lives in the attentions.
+
+    The table is split by vocabulary rows over tp and padded to `vocab_rows`; padding rows are never looked up.
+    """
+
+    def __init__(self, cfg: ModelConfig, tp: TPContext = NO_TP) -> None:
         super().__init__()
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.tp = tp
+        self.tok_embeddings = VocabParallelEmbedding(cfg.vocab_size, vocab_rows(cfg, tp), cfg.dim, tp)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.tok_embeddings(tokens)
+        return exit(self.tok_embeddings(tokens), self.tp)
 
 
 class Block(nn.Module):
     """Pre-norm transformer block; dropout sits on each residual branch's output, before the add."""
 
-    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPContext = NO_TP) -> None:
         super().__init__()
         self.layer_id = layer_id
-        self.attention_norm = make_norm(cfg)
-        self.attention = Attention(cfg)
-        self.ffn_norm = make_norm(cfg)
-        self.feed_forward = SwiGLU(cfg)
+        self.attention_norm = make_norm(cfg, tp)
+        self.attention = Attention(cfg, tp)
+        self.ffn_norm = make_norm(cfg, tp)
+        self.feed_forward = SwiGLU(cfg, tp)
+        self.tp = tp
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.dropout(self.attention(self.attention_norm(x)))
-        return x + self.dropout(self.feed_forward(self.ffn_norm(x)))
+        x = x + self._dropout(self.attention(self.attention_norm(x)))
+        return x + self._dropout(self.feed_forward(self.ffn_norm(x)))
+
+    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.dropout.p == 0.0 or self.tp.sharded_rng is None:
+            return self.dropout(x)
+        with self.tp.sharded_rng.fork():  # sequence shards differ per TP rank: so must their masks
+            return self.dropout(x)
 
 
 class OutputLayer(nn.Module):
-    """Final norm and vocabulary projection.
+    """Final norm and vocabulary projection → logits [b, s, vocab_rows / tp] (this rank's vocabulary shard).
 
     Given `tied_embedding`, `output.weight` *is* that embedding's weight Parameter (one tensor, one gradient).
     Without it the layer owns its weight; a pipeline stage holding the head apart from a tied embedding builds it
     that way and relies on `init_weights` (and the pipeline's tied-weight sync) to keep both copies equal.
     """
 
-    def __init__(self, cfg: ModelConfig, tied_embedding: nn.Embedding | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, tied_embedding: nn.Module | None = None, tp: TPContext = NO_TP) -> None:
         super().__init__()
-        self.norm = make_norm(cfg)
-        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.tp = tp
+        self.norm = make_norm(cfg, tp)
+        self.output = ColumnParallelLinear(cfg.dim, vocab_rows(cfg, tp), tp)
+        mark_sharded(self.output.weight, 0, (cfg.vocab_size, cfg.dim), tp)
+        self.vocab_start = tp.rank * self.output.weight.shape[0]
         if tied_embedding is not None:
             if tied_embedding.weight.shape != self.output.weight.shape:
                 raise ValueError(
@@ -73,22 +102,23 @@ class OutputLayer(nn.Module):
             self.output.weight = tied_embedding.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.output(self.norm(x))
+        return self.output(enter(self.norm(x), self.tp))
 
 
-def build_layers(cfg: ModelConfig) -> list[nn.Module]:
+def build_layers(cfg: ModelConfig, tp: TPContext = NO_TP) -> list[nn.Module]:
     """`[EmbeddingLayer, Block × n_layers, OutputLayer]`, head tied to the embedding if `cfg.tie_embeddings`.
 
-    Weights hold PyTorch's default init until `init_weights` runs.
+    With a tensor-parallel `tp`, each layer holds this rank's shards. Weights are uninitialised until
+    `init_weights` runs.
     """
     validate_model(cfg)
     if cfg.vocab_size <= 0:
         raise ConfigError(
             f"model.vocab_size: must be > 0 to build the model (got {cfg.vocab_size}); resolve it from the tokenizer"
         )
-    embedding = EmbeddingLayer(cfg)
-    blocks = [Block(cfg, layer_id) for layer_id in range(cfg.n_layers)]
-    head = OutputLayer(cfg, embedding.tok_embeddings if cfg.tie_embeddings else None)
+    embedding = EmbeddingLayer(cfg, tp)
+    blocks = [Block(cfg, layer_id, tp) for layer_id in range(cfg.n_layers)]
+    head = OutputLayer(cfg, embedding.tok_embeddings if cfg.tie_embeddings else None, tp)
     return [embedding, *blocks, head]
 
 
@@ -98,13 +128,17 @@ def _layer_generator(seed: int, index: int) -> torch.Generator:
 
 
 def _draw_(param: torch.Tensor, std: float, truncated: bool, generator: torch.Generator) -> None:
-    """Fill `param` from an fp32 CPU draw, so values are the same whatever the param's device or dtype."""
-    values = torch.empty(param.shape, dtype=torch.float32)
+    """Fill `param` from an fp32 CPU draw, so values are the same whatever the param's device or dtype.
+
+    A tensor-parallel shard draws its whole unpadded tensor (`full_shape`) and keeps its slice, so every tp
+    size starts from exactly the tp = 1 weights.
+    """
+    values = torch.empty(getattr(param, "full_shape", param.shape), dtype=torch.float32)
     if truncated:
         nn.init.trunc_normal_(values, 0.0, std, -3.0 * std, 3.0 * std, generator=generator)
     else:
         values.normal_(0.0, std, generator=generator)
-    param.copy_(values)
+    param.copy_(shard_of(values, param))
 
 
 @torch.no_grad()
@@ -154,17 +188,38 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int
 class CausalLM(nn.Module):
     """The whole layer list in one process: logits, or the loss when `labels` are given."""
 
-    def __init__(self, cfg: ModelConfig, seed: int = 0) -> None:
+    def __init__(self, cfg: ModelConfig, seed: int = 0, tp: TPContext = NO_TP, label_smoothing: float = 0.0,
+                 z_loss: float = 0.0) -> None:
         super().__init__()
         self.cfg = cfg
-        self.layers = nn.ModuleList(build_layers(cfg))
+        self.layers = nn.ModuleList(build_layers(cfg, tp))
         init_weights(self.layers, cfg, seed)
+        self.loss_fn = VocabParallelLoss(cfg, self.layers[-1], tp, label_smoothing, z_loss)
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (this rank's vocabulary shard, padding included) or, given `labels`, the mean loss."""
         h = tokens
         for layer in self.layers:
             h = layer(h)
-        return h if labels is None else causal_lm_loss(h, labels)
+        return h if labels is None else self.loss_fn(h, labels)
+
+
+class VocabParallelLoss:
+    """`loss_fn(logits_shard, labels)`: cross-entropy over the true vocabulary, never gathering full logits.
+
+    A plain callable (not a module) so it adds no parameters; the pipeline engine takes it as its loss_fn.
+    """
+
+    def __init__(self, cfg: ModelConfig, head: OutputLayer, tp: TPContext, label_smoothing: float, z_loss: float):
+        self.group = tp.group if tp.size > 1 else None
+        self.vocab_start = head.vocab_start
+        self.vocab_size = cfg.vocab_size
+        self.label_smoothing = label_smoothing
+        self.z_loss = z_loss
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits, labels, self.group, self.vocab_start, self.vocab_size,
+                                            label_smoothing=self.label_smoothing, z_loss=self.z_loss)
 
 
 def weight_decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:

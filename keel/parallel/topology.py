@@ -90,7 +90,7 @@ GROUP_AXES = {
     "ep": ("ep",),
     "dp": ("edp", "ep"),  # dense data parallel
     "edp": ("edp",),  # expert data parallel
-    "model": ("pp", "sp", "tp"),  # every rank holding a different part of one model replica
+    "model": ("pp", "tp"),  # ranks holding different parameters of one model replica (sp ranks replicate)
     "tp_sp": ("sp", "tp"),
 }
 

@@ -14,6 +14,7 @@ import torch
 
 from keel.config import RunConfig
 from keel.model import CausalLM, weight_decay_groups
+from keel.parallel.tensor import TPContext
 from keel.parallel.topology import Topology
 from keel.training.ds_config import precision, resolve_ds_config
 from keel.training.lr_schedule import build_scheduler
@@ -35,8 +36,10 @@ def allow_fp16_on_cpu() -> bool:
     return True
 
 
-def build_model(cfg: RunConfig) -> CausalLM:
-    return CausalLM(cfg.model, seed=cfg.train.seed)
+def build_model(cfg: RunConfig, topology: Topology | None = None) -> CausalLM:
+    tp = TPContext.from_topology(topology, cfg.parallel.sequence_parallel, seed=cfg.train.seed)
+    return CausalLM(cfg.model, seed=cfg.train.seed, tp=tp, label_smoothing=cfg.train.label_smoothing,
+                    z_loss=cfg.train.z_loss)
 
 
 def build_engine(cfg: RunConfig, ds_raw: dict[str, Any], topology: Topology, model: torch.nn.Module | None = None):
@@ -46,7 +49,7 @@ def build_engine(cfg: RunConfig, ds_raw: dict[str, Any], topology: Topology, mod
     ds = resolve_ds_config(ds_raw, cfg, topology.dp_size)
     if precision(ds) == "fp16" and allow_fp16_on_cpu():
         log.warning("fp16 on CPU: overriding DeepSpeed's CPU accelerator fp16 check (slow; use bf16 on CPU)")
-    model = model if model is not None else build_model(cfg)
+    model = model if model is not None else build_model(cfg, topology)
     groups = weight_decay_groups(model, cfg.train.weight_decay)
     optimizer = None
     if "optimizer" not in ds:

@@ -48,6 +48,7 @@ def run_rank(run_dir: Path) -> int:
     """Train the run described by `run_dir`; returns the process exit code."""
     from keel.data import IndexedDataset, PackedSamples
     from keel.launcher.run_dir import read_run_dir
+    from keel.parallel.random import data_parallel_seed
     from keel.parallel.topology import Topology
     from keel.training.checkpoint import seed_everything
     from keel.training.engine import build_engine
@@ -60,7 +61,7 @@ def run_rank(run_dir: Path) -> int:
     log = logging.getLogger("keel")
     p = cfg.parallel
     topology = Topology.from_env(tp=p.tp, pp=p.pp, ep=p.ep, sp=p.sp)
-    seed_everything(cfg.train.seed + rank)
+    seed_everything(data_parallel_seed(cfg.train.seed, topology))
     dataset = IndexedDataset(data["prefix"])
     train_samples = PackedSamples(dataset, cfg.data.seq_len, "train", cfg.data.val_fraction)
     val_samples = PackedSamples(dataset, cfg.data.seq_len, "val", cfg.data.val_fraction)

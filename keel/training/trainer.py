@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from keel.config import RunConfig
 from keel.data import GlobalSampleOrder, PackedSamples, step_batch
+from keel.parallel.grad_norm import global_grad_norm
 from keel.parallel.topology import Topology
 from keel.training.checkpoint import Checkpointer, TrainState
 from keel.training.metrics import MetricsWriter
@@ -43,14 +44,6 @@ def grad_norm(engine) -> float | None:
     if norm is None:
         return None
     return float(norm)
-
-
-def _fp32_zero0_grad_norm(engine) -> float:
-    """Norm of the reduced gradients before the step, for the one engine path that does not record it."""
-    from deepspeed.runtime.utils import get_global_norm_of_tensors
-
-    grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
-    return float(get_global_norm_of_tensors(grads, mpu=engine.mpu))
 
 
 def loss_scale(engine) -> float | None:
@@ -92,7 +85,7 @@ class Trainer:
             self.engine.backward(loss)
             losses.append(loss.detach().float())
         if self.needs_own_grad_norm:
-            norm = _fp32_zero0_grad_norm(self.engine)
+            norm = global_grad_norm(self.engine.module.parameters(), self.topology)
         lr = self.engine.get_lr()[0]  # the LR this step uses (the scheduler advances inside step())
         self.engine.step()
         if norm is None:
