@@ -11,12 +11,20 @@ the same run on the same machine and thread count, so no number here is ever har
 The comparison is kept apples to apples: the HF model starts from Keel's weights (`to_hf_state_dict`), both use
 SDPA attention, see the same random token batches, compute the same fp32 cross-entropy on already-shifted labels,
 and run AdamW with the same hyper-parameters (no weight decay on 1-D params), LR schedule and gradient clipping.
-The first-step losses are printed side by side as the proof; in fp32 they agree to ~1e-6.
+The first-step losses are printed side by side as the proof: they agree to ~1e-6 (fp32 and bf16 alike, as the
+weights start equal); the last-step losses drift apart only by rounding, visibly so in bf16.
 
-Precision. `--precision bf16` enables `bf16` in the DeepSpeed JSON. With ZeRO-0 DeepSpeed then keeps the module
-in bf16 and fp32 master weights in its optimizer wrapper. The HF loop mirrors that by hand: bf16 model for
+Both loops run interleaved, one step each in turn, so load from other tenants of a shared machine hits both
+alike. The ratio is printed from total time and as the median of per-step ratios; when the two disagree the
+machine was noisy, so rerun. The peak is the best rate seen, measured before and after training.
+
+Precision. `--precision bf16` sets `bf16.enabled` in the DeepSpeed JSON (and disables fp16). DeepSpeed then keeps
+the module in bf16 and fp32 master weights in its optimizer wrapper (ZeRO-0: FP16_UnfusedOptimizer in bf16 mode;
+`--ds-config ds_configs/bf16.json`, ZeRO-1: its ZeRO optimizer). The HF loop mirrors that by hand: bf16 model for
 forward/backward, fp32 master copies for clipping and AdamW, copied back after each step. (torch.autocast over
 fp32 weights would be the other plain-torch choice, but it computes differently from what DeepSpeed does.)
+On a CPU without native bf16 (AVX2 only) bf16 matmuls run tens of times slower than fp32; there, try bf16 with
+small shapes or few steps, e.g. `--precision bf16 --steps 2 --warmup 1`.
 
 One process, no launcher: `python bench/throughput.py [--precision bf16] [--help]`.
 """
@@ -229,7 +237,7 @@ def main() -> None:
                               device)
     (keel_losses, keel_times), (hf_losses, hf_times) = results["keel"], results["hf"]
 
-    peaks = {name: max(peaks[name], matmul_peak(dt, device)) for name, dt in DTYPES.items()}
+    peaks = {name: max(peaks[name], matmul_peak(dt, device)) for name, dt in DTYPES.items()}  # by FLOP/s first
 
     fpt = flops_per_token(cfg.model, cfg.data.seq_len)
     keel_tps, hf_tps = tokens / sum(keel_times), tokens / sum(hf_times)
@@ -240,9 +248,9 @@ def main() -> None:
     print()
     for row in rows:
         print(f"{row[0]:<18}" + "".join(f"{cell:>14}" for cell in row[1:]))
-    median_ratio = statistics.median(hf_times) / statistics.median(keel_times)
-    print(f"\nKeel/HF tokens/s ratio: {keel_tps / hf_tps:.3f} (total time), {median_ratio:.3f} (median step); "
-          f"{args.steps} timed steps each after {args.warmup} warm-up, interleaved")
+    paired = statistics.median(h / k for k, h in zip(keel_times, hf_times))  # neighbours share the machine's load
+    print(f"\nKeel/HF tokens/s ratio: {keel_tps / hf_tps:.3f} (total time), {paired:.3f} (median of per-step "
+          f"ratios); {args.steps} timed steps each after {args.warmup} warm-up, interleaved")
     for name, (flops, n) in peaks.items():
         marker = "  <- MFU of this run" if name == args.precision else ""
         print(f"peak {name} matmul: {flops / 1e12:.4f} TFLOP/s ({n}x{n}, best of repeats){marker}")

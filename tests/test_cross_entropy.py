@@ -3,6 +3,7 @@ across real gloo processes, and never communicating more than one number per tok
 
 from __future__ import annotations
 
+import functools
 import socket
 
 import pytest
@@ -26,7 +27,7 @@ def make_inputs(vocab_size: int, padded: int, dtype=torch.float32, seed: int = 0
     logits[..., vocab_size:] = PAD_LOGIT
     labels = torch.randint(0, vocab_size, (B, S), generator=g)
     labels[0, 0] = 0
-    labels[0, 1] = vocab_size - 1  # the first and last real entries, so every shard boundary is exercised
+    labels[0, 1] = vocab_size - 1  # the first and last true entries are targets too
     labels[1, 2] = labels[1, 5] = -100
     return logits.to(dtype), labels
 
@@ -113,8 +114,14 @@ def test_vocab_range():
 
 
 # -- real processes ---------------------------------------------------------------------------------------------
+# Spawning is the slow part (each process imports torch), so every process runs several cases:
+#   world:  the whole world is the TP group (dist.group.WORLD), true vocab 61 padded to 64;
+#   tp2:    Topology(tp=2) groups; with 4 processes each TP pair sees different data, so a wrong group fails;
+#   empty:  true vocab 45 padded to 64, so with 4 ranks the last shard is all padding.
 
-VOCAB, PADDED, EPS, Z = 61, 64, 0.1, 1e-4
+PADDED, EPS, Z = 64, 0.1, 1e-4
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_to_all_single", "broadcast",
+               "reduce_scatter_tensor")
 
 
 def _free_port() -> int:
@@ -123,63 +130,80 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, tp: int, port: int, out_dir: str) -> None:
-    """One rank: shard the shared logits over its TP group, take loss and gradient, record every collective."""
+def _record_collectives(log: list[tuple[str, int]]) -> None:
+    """Wrap this process's collectives so each call logs (name, numel) of every tensor it is given."""
+    for name in COLLECTIVES:
+        original = getattr(dist, name)
+
+        def record(*args, _original=original, _name=name, **kwargs):
+            for arg in (*args, *kwargs.values()):
+                for t in arg if isinstance(arg, list) else [arg]:
+                    if isinstance(t, torch.Tensor):
+                        log.append((_name, t.numel()))
+            return _original(*args, **kwargs)
+
+        setattr(dist, name, record)
+
+
+def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
+    """One rank: for each case, shard the logits over the TP group, take loss and gradient, log the collectives."""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
-        topology = Topology.from_env(tp=tp)
-        group = dist.group.WORLD if tp == world_size else topology.group("tp")
-        # Replicas of different data-parallel ranks see different data, so a wrong group cannot pass.
-        logits, labels = make_inputs(VOCAB, PADDED, seed=topology.dp_rank)
-        start, end = vocab_range(PADDED, topology.rank_in("tp"), tp)
-
-        communicated = []
-        for name in ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce_scatter_tensor"):
-            original = getattr(dist, name)
-
-            def record(*args, _original=original, _name=name, **kwargs):
-                tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-                tensors += [t for a in args if isinstance(a, list) for t in a if isinstance(t, torch.Tensor)]
-                communicated.extend((_name, t.numel()) for t in tensors)
-                return _original(*args, **kwargs)
-
-            setattr(dist, name, record)
-
-        shard = logits[..., start:end].clone().requires_grad_()
-        loss = vocab_parallel_cross_entropy(shard, labels, group, start, VOCAB, EPS, Z)
-        (2.5 * loss).backward()
-        torch.save(
-            {"loss": loss.detach(), "grad": shard.grad, "start": start, "dp_rank": topology.dp_rank,
-             "communicated": communicated},
-            f"{out_dir}/rank{rank}.pt",
-        )
+        topology = Topology.from_env(tp=2)
+        cases = {  # name: (group, rank in it, its size, true vocab, data seed)
+            "world": (dist.group.WORLD, rank, world_size, 61, 0),
+            "tp2": (topology.group("tp"), topology.rank_in("tp"), 2, 61, topology.dp_rank),
+            "empty": (dist.group.WORLD, rank, world_size, 45, 0),
+        }
+        log: list[tuple[str, int]] = []
+        _record_collectives(log)
+        results = {}
+        for case, (group, tp_rank, tp, vocab, seed) in cases.items():
+            log.clear()
+            logits, labels = make_inputs(vocab, PADDED, seed=seed)
+            start, end = vocab_range(PADDED, tp_rank, tp)
+            shard = logits[..., start:end].clone().requires_grad_()
+            loss = vocab_parallel_cross_entropy(shard, labels, group, start, vocab, EPS, Z)
+            (2.5 * loss).backward()
+            results[case] = {"loss": loss.detach(), "grad": shard.grad, "start": start, "vocab": vocab,
+                             "seed": seed, "communicated": list(log)}
+        torch.save(results, f"{out_dir}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module", params=[(2, 2), (4, 4), (4, 2)], ids=lambda p: f"world{p[0]}-tp{p[1]}")
-def parallel_run(request, tmp_path_factory):
-    world_size, tp = request.param
-    out = tmp_path_factory.mktemp(f"xent_w{world_size}_tp{tp}")
-    mp.spawn(_worker, args=(world_size, tp, _free_port(), str(out)), nprocs=world_size, join=True)
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"world{n}")
+def parallel_run(request, tmp_path_factory) -> list[dict]:
+    """Per rank, {case: result}; the processes run once per world size for all the tests below."""
+    world_size = request.param
+    out = tmp_path_factory.mktemp(f"xent_world{world_size}")
+    # A forkserver imports torch (and this module) once, then forks every rank from that clean single-threaded
+    # process: as safe as spawn, without each rank paying seconds of torch import.
+    mp.get_context("forkserver").set_forkserver_preload([__name__])
+    mp.start_processes(_worker, args=(world_size, _free_port(), str(out)), nprocs=world_size, start_method="forkserver")
     return [torch.load(out / f"rank{r}.pt") for r in range(world_size)]
 
 
-def test_parallel_loss_and_gradient_match_reference(parallel_run):
-    by_replica: dict[int, list[dict]] = {}
-    for result in parallel_run:
-        by_replica.setdefault(result["dp_rank"], []).append(result)
-    for dp_rank, results in by_replica.items():
-        logits, labels = make_inputs(VOCAB, PADDED, seed=dp_rank)
-        ref_loss, ref_grad = loss_and_grad(lambda x: cross_entropy_reference(x, labels, VOCAB, EPS, Z), logits)
-        grad = torch.cat([r["grad"] for r in sorted(results, key=lambda r: r["start"])], dim=-1)
-        for r in results:
-            torch.testing.assert_close(r["loss"], ref_loss, atol=1e-6, rtol=1e-6)
+@pytest.mark.parametrize("case", ["world", "tp2", "empty"])
+def test_parallel_loss_and_gradient_match_reference(parallel_run, case):
+    replicas: dict[int, list[dict]] = {}  # ranks sharing a data seed form one TP group
+    for rank_results in parallel_run:
+        result = rank_results[case]
+        replicas.setdefault(result["seed"], []).append(result)
+    for seed, shards in replicas.items():
+        vocab = shards[0]["vocab"]
+        logits, labels = make_inputs(vocab, PADDED, seed=seed)
+        reference = functools.partial(cross_entropy_reference, labels=labels, vocab_size=vocab, label_smoothing=EPS,
+                                      z_loss=Z)
+        ref_loss, ref_grad = loss_and_grad(reference, logits)
+        for shard in shards:
+            torch.testing.assert_close(shard["loss"], ref_loss, atol=1e-6, rtol=1e-6)
+        grad = torch.cat([shard["grad"] for shard in sorted(shards, key=lambda r: r["start"])], dim=-1)
         torch.testing.assert_close(grad, ref_grad, atol=1e-6, rtol=1e-5)
 
 
 def test_parallel_never_communicates_full_vocab_tensors(parallel_run):
-    for result in parallel_run:
-        names = [name for name, _ in result["communicated"]]
-        assert names == ["all_reduce"] * 4  # max, target logit, logit sum (smoothing), sum-exp
-        assert all(numel <= B * S for _, numel in result["communicated"])
+    for rank_results in parallel_run:
+        for result in rank_results.values():
+            # max, target logit, logit sum (for smoothing), sum-exp: one [b, s] all-reduce each
+            assert result["communicated"] == [("all_reduce", B * S)] * 4
