@@ -128,3 +128,22 @@ def test_shipped_configs_validate(path):
 
 def test_tiny_yaml_is_the_builtin_default():
     assert load_config(REPO / "configs" / "tiny.yaml") == RunConfig()
+
+
+@pytest.mark.parametrize("nproc, sets, message", [
+    (2, ["parallel.tp=4"], "parallel: world size 2 is not divisible by tp×pp×sp = 4"),
+    (6, ["parallel.tp=6", "model.n_heads=12", "model.n_kv_heads=4", "model.dim=96"],
+     "model.n_kv_heads=4 and parallel.tp=6: one must divide the other"),
+    (2, ["parallel.tp=2", "parallel.sequence_parallel=true", "data.seq_len=33"],
+     "data.seq_len=33 must be divisible by parallel.tp=2 under sequence parallel"),
+    (4, ["parallel.tp=4", "model.n_heads=6", "model.n_kv_heads=2", "model.dim=48"],
+     "model.n_heads=6 must be divisible by parallel.tp=4"),
+])
+def test_parallel_layout_errors(nproc, sets, message, tmp_path, capsys):
+    args = ["train", "--nproc", str(nproc), "--run-dir", str(tmp_path / "run")]
+    for item in sets:
+        args += ["--set", item]
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
