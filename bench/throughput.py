@@ -257,7 +257,8 @@ def main() -> None:
     print(f"MFU = flops_per_token x tokens/s / peak; flops_per_token = 6N + 12*L*d*T = {fpt / 1e6:.2f} MFLOP "
           "(PaLM appendix B, no causal-mask discount)")
     if fpt * max(keel_tps, hf_tps) > peaks[args.precision][0]:
-        print(f"note: MFU above 100% means the {args.precision} peak was under-measured (a loaded machine); rerun")
+        print(f"note: MFU above 100%: the {args.precision} square-matmul rate is no true peak here (a busy machine, "
+              "or bf16 emulated on a CPU without native bf16)")
     diff = abs(keel_losses[0] - hf_losses[0])
     print(f"first-step loss: Keel {keel_losses[0]:.6f}  HF {hf_losses[0]:.6f}  |diff| {diff:.2e}; "
           f"last: Keel {keel_losses[-1]:.6f}  HF {hf_losses[-1]:.6f}")

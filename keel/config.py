@@ -78,6 +78,7 @@ class TrainConfig:
     ds_config: str = "ds_configs/zero1.json"
     eval_interval: int = 100  # 0 disables validation
     eval_batches: int = 4
+    activation_checkpoint_interval: int = 0  # recompute activations every N layers in backward (0: off)
     label_smoothing: float = 0.0
     z_loss: float = 0.0  # PaLM's auxiliary z_loss · logsumexp² per token
 
@@ -89,6 +90,7 @@ class ParallelConfig:
     ep: int = 1
     sp: int = 1
     sequence_parallel: bool = False  # Megatron sequence parallel over the tp group (needs tp > 1 to matter)
+    pipeline_partition: str = "parameters"  # parameters | uniform | type:Block (DeepSpeed's partition methods)
 
 
 @dataclass
@@ -278,10 +280,17 @@ def validate(cfg: RunConfig, world_size: int) -> None:
     for name in ("tp", "pp", "ep", "sp"):
         size = getattr(p, name)
         _require(size >= 1, f"parallel.{name}: must be >= 1, got {size}")
-    for name in ("pp", "ep", "sp"):
+    for name in ("ep", "sp"):
         size = getattr(p, name)
         _require(size == 1, f"parallel.{name}={size}: this Keel version trains with parallel.{name}=1 only")
     validate_tensor_parallel(cfg)
+    _require(t.activation_checkpoint_interval >= 0,
+             f"train.activation_checkpoint_interval: must be >= 0 (0 disables), got {t.activation_checkpoint_interval}")
+    _require(p.pipeline_partition in ("parameters", "uniform") or p.pipeline_partition.startswith("type:"),
+             f"parallel.pipeline_partition: expected parameters, uniform or type:<LayerClass>, "
+             f"got {p.pipeline_partition!r}")
+    _require(p.pp <= cfg.model.n_layers + 3,
+             f"parallel.pp={p.pp}: more pipeline stages than the {cfg.model.n_layers + 3} layers to split")
     _require(world_size >= 1, f"world size must be >= 1, got {world_size}")
     dp = world_size // (p.tp * p.pp * p.sp)
     _require(world_size % (p.tp * p.pp * p.sp) == 0,

@@ -11,6 +11,7 @@ import torch
 from keel.config import ConfigError, ModelConfig
 from keel.model import (
     CausalLM,
+    FinalNorm,
     OutputLayer,
     build_layers,
     causal_lm_loss,
@@ -145,9 +146,10 @@ def test_init_is_independent_of_the_split(tie):
     full = CausalLM(cfg, seed=5).layers
     # stage 1 holds blocks 1..2 (list indices 2, 3) and the head, built apart from the embedding
     blocks = build_layers(cfg)[2:4]
-    head = OutputLayer(cfg, tied_embedding=None)
-    init_weights([*blocks, head], cfg, seed=5, first_index=2)
-    for mine, reference in zip([*blocks, head], list(full)[2:], strict=True):
+    stage = [*blocks, FinalNorm(cfg), OutputLayer(cfg, tied_embedding=None)]
+    head = stage[-1]
+    init_weights(stage, cfg, seed=5, first_index=2)
+    for mine, reference in zip(stage, list(full)[2:], strict=True):
         for (name, p), q in zip(mine.named_parameters(), reference.parameters(), strict=True):
             assert torch.equal(p, q), name
     if not tie:
@@ -217,9 +219,9 @@ def test_layer_list_applied_one_by_one_equals_forward():
     for layer in model.layers:
         h = layer(h)
         shapes.append(tuple(h.shape))
-    assert shapes == [(2, SEQ, 64)] * 3 + [(2, SEQ, 256)]
+    assert shapes == [(2, SEQ, 64)] * 4 + [(2, SEQ, 256)]
     torch.testing.assert_close(h, model(x), atol=0, rtol=0)
-    assert len(model.layers) == model.cfg.n_layers + 2
+    assert len(model.layers) == model.cfg.n_layers + 3
 
 
 def test_rope_cache_is_lazy_nonpersistent_and_follows_input():

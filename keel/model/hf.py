@@ -46,7 +46,7 @@ def _name_map(cfg: ModelConfig) -> dict[str, str]:
         for keel, hf in _BLOCK_NAMES:
             names[f"layers.{layer_id + 1}.{keel}"] = f"model.layers.{layer_id}.{hf}"
     names[f"layers.{cfg.n_layers + 1}.norm.weight"] = "model.norm.weight"
-    names[f"layers.{cfg.n_layers + 1}.output.weight"] = _HEAD
+    names[f"layers.{cfg.n_layers + 2}.output.weight"] = _HEAD
     return names
 
 

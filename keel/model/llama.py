@@ -13,6 +13,7 @@ from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from keel.config import ConfigError, ModelConfig, validate_model
@@ -53,6 +54,10 @@ class EmbeddingLayer(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return exit(self.tok_embeddings(tokens), self.tp)
 
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """Use the table as the tied output head: hidden → logits over this rank's vocabulary shard."""
+        return F.linear(enter(x, self.tp), self.tok_embeddings.weight)
+
 
 class Block(nn.Module):
     """Pre-norm transformer block; dropout sits on each residual branch's output, before the add."""
@@ -78,21 +83,30 @@ class Block(nn.Module):
             return self.dropout(x)
 
 
+class FinalNorm(nn.Module):
+    """The norm after the last block; its own layer so a pipeline can tie the head to the embedding."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPContext = NO_TP) -> None:
+        super().__init__()
+        self.norm = make_norm(cfg, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x)
+
+
 class OutputLayer(nn.Module):
-    """Final norm and vocabulary projection → logits [b, s, vocab_rows / tp] (this rank's vocabulary shard).
+    """Vocabulary projection → logits [b, s, vocab_rows / tp] (this rank's vocabulary shard).
 
     Given `tied_embedding`, `output.weight` *is* that embedding's weight Parameter (one tensor, one gradient).
-    Without it the layer owns its weight; a pipeline stage holding the head apart from a tied embedding builds it
-    that way and relies on `init_weights` (and the pipeline's tied-weight sync) to keep both copies equal.
+    A pipeline ties across stages differently: its last stage holds a second `EmbeddingLayer` and calls
+    `EmbeddingLayer.project` (DeepSpeed's tied-layer mechanism keeps the two copies equal).
     """
 
     def __init__(self, cfg: ModelConfig, tied_embedding: nn.Module | None = None, tp: TPContext = NO_TP) -> None:
         super().__init__()
         self.tp = tp
-        self.norm = make_norm(cfg, tp)
         self.output = ColumnParallelLinear(cfg.dim, vocab_rows(cfg, tp), tp)
         mark_sharded(self.output.weight, 0, (cfg.vocab_size, cfg.dim), tp)
-        self.vocab_start = tp.rank * self.output.weight.shape[0]
         if tied_embedding is not None:
             if tied_embedding.weight.shape != self.output.weight.shape:
                 raise ValueError(
@@ -102,11 +116,11 @@ class OutputLayer(nn.Module):
             self.output.weight = tied_embedding.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.output(enter(self.norm(x), self.tp))
+        return self.output(enter(x, self.tp))
 
 
 def build_layers(cfg: ModelConfig, tp: TPContext = NO_TP) -> list[nn.Module]:
-    """`[EmbeddingLayer, Block × n_layers, OutputLayer]`, head tied to the embedding if `cfg.tie_embeddings`.
+    """`[EmbeddingLayer, Block × n_layers, FinalNorm, OutputLayer]`, head tied to the embedding if asked.
 
     With a tensor-parallel `tp`, each layer holds this rank's shards. Weights are uninitialised until
     `init_weights` runs.
@@ -119,7 +133,7 @@ def build_layers(cfg: ModelConfig, tp: TPContext = NO_TP) -> list[nn.Module]:
     embedding = EmbeddingLayer(cfg, tp)
     blocks = [Block(cfg, layer_id, tp) for layer_id in range(cfg.n_layers)]
     head = OutputLayer(cfg, embedding.tok_embeddings if cfg.tie_embeddings else None, tp)
-    return [embedding, *blocks, head]
+    return [embedding, *blocks, FinalNorm(cfg, tp), head]
 
 
 def _layer_generator(seed: int, index: int) -> torch.Generator:
@@ -166,7 +180,8 @@ def init_weights(layers: Iterable[nn.Module], cfg: ModelConfig, seed: int, first
                 continue
             done.add(id(param))
             if param.ndim >= 2:
-                if isinstance(layer, OutputLayer) and cfg.tie_embeddings and name == "output.weight":
+                tied_head = isinstance(layer, OutputLayer) and cfg.tie_embeddings and name == "output.weight"
+                if tied_head or isinstance(layer, EmbeddingLayer):  # every copy of the table draws as layer 0
                     _draw_(param, cfg.init_std, truncated, _layer_generator(seed, 0))
                 else:
                     std = residual_std if name.endswith(_RESIDUAL_OUTPUTS) else cfg.init_std
@@ -189,19 +204,32 @@ class CausalLM(nn.Module):
     """The whole layer list in one process: logits, or the loss when `labels` are given."""
 
     def __init__(self, cfg: ModelConfig, seed: int = 0, tp: TPContext = NO_TP, label_smoothing: float = 0.0,
-                 z_loss: float = 0.0) -> None:
+                 z_loss: float = 0.0, checkpoint_interval: int = 0) -> None:
         super().__init__()
         self.cfg = cfg
+        self.checkpoint_interval = checkpoint_interval
         self.layers = nn.ModuleList(build_layers(cfg, tp))
         init_weights(self.layers, cfg, seed)
-        self.loss_fn = VocabParallelLoss(cfg, self.layers[-1], tp, label_smoothing, z_loss)
+        self.loss_fn = VocabParallelLoss(cfg, tp, label_smoothing, z_loss)
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (this rank's vocabulary shard, padding included) or, given `labels`, the mean loss."""
         h = tokens
-        for layer in self.layers:
-            h = layer(h)
+        step = self.checkpoint_interval if self.training and self.checkpoint_interval > 0 else len(self.layers)
+        for start in range(0, len(self.layers), step):
+            chunk = self.layers[start:start + step]
+            if step < len(self.layers) and torch.is_grad_enabled():
+                # recompute this chunk's activations in backward (as the pipeline does every N layers)
+                h = torch.utils.checkpoint.checkpoint(_run_layers, chunk, h, use_reentrant=False)
+            else:
+                h = _run_layers(chunk, h)
         return h if labels is None else self.loss_fn(h, labels)
+
+
+def _run_layers(layers: Iterable[nn.Module], h: torch.Tensor) -> torch.Tensor:
+    for layer in layers:
+        h = layer(h)
+    return h
 
 
 class VocabParallelLoss:
@@ -210,9 +238,9 @@ class VocabParallelLoss:
     A plain callable (not a module) so it adds no parameters; the pipeline engine takes it as its loss_fn.
     """
 
-    def __init__(self, cfg: ModelConfig, head: OutputLayer, tp: TPContext, label_smoothing: float, z_loss: float):
+    def __init__(self, cfg: ModelConfig, tp: TPContext, label_smoothing: float = 0.0, z_loss: float = 0.0):
         self.group = tp.group if tp.size > 1 else None
-        self.vocab_start = head.vocab_start
+        self.vocab_start = tp.rank * vocab_rows(cfg, tp) // tp.size
         self.vocab_size = cfg.vocab_size
         self.label_smoothing = label_smoothing
         self.z_loss = z_loss

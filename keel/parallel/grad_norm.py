@@ -1,9 +1,10 @@
 """The global gradient norm with every parameter counted exactly once across the model-parallel group.
 
 DeepSpeed computes this itself for ZeRO and mixed precision (reading `tensor_model_parallel` to tell shards
-from replicas); its plain fp32 ZeRO-0 path clips without recording the norm, and its generic helper counts a
-TP-replicated parameter once per TP rank. This is Megatron's rule: shards count on every rank, replicas only
-on TP rank 0, and the squares are summed over the model-parallel group.
+from replicas and `ds_pipe_replicated` for tied copies). Its plain fp32 ZeRO-0 path clips by a norm it does not
+record and does not sum over pipeline stages, so Keel supplies the clipping for that path (`clip_grad_norm_`).
+Megatron's rule: shards count on every rank, replicas only on TP rank 0, tied pipeline copies only on the
+first stage holding them, and the squares are summed over the model-parallel (pp × tp) group.
 """
 
 from __future__ import annotations
@@ -20,11 +21,21 @@ def global_grad_norm(params: Iterable[torch.nn.Parameter], topology: Topology) -
     tp_rank0 = topology.rank_in("tp") == 0
     total = torch.zeros((), dtype=torch.float64)
     for p in params:
-        if p.grad is None:
+        if p.grad is None or getattr(p, "ds_pipe_replicated", False):
             continue
         if getattr(p, "tensor_model_parallel", False) or tp_rank0:
             total += p.grad.detach().double().pow(2).sum()
-    group = topology.group("model")
     if topology.size("model") > 1:
-        dist.all_reduce(total, group=group)
+        dist.all_reduce(total, group=topology.group("model"))
     return total.sqrt().item()
+
+
+def clip_grad_norm_(params: Iterable[torch.nn.Parameter], max_norm: float, topology: Topology) -> float:
+    """Scale gradients so their global norm is at most `max_norm` (0: no clipping); returns the norm before."""
+    params = [p for p in params if p.grad is not None]
+    norm = global_grad_norm(params, topology)
+    if max_norm > 0 and norm > max_norm:
+        scale = max_norm / (norm + 1e-6)
+        for p in params:
+            p.grad.detach().mul_(scale)
+    return norm

@@ -36,10 +36,15 @@ def allow_fp16_on_cpu() -> bool:
     return True
 
 
-def build_model(cfg: RunConfig, topology: Topology | None = None) -> CausalLM:
+def build_model(cfg: RunConfig, topology: Topology | None = None) -> torch.nn.Module:
+    """The plain `CausalLM`, or this rank's pipeline stage when parallel.pp > 1."""
     tp = TPContext.from_topology(topology, cfg.parallel.sequence_parallel, seed=cfg.train.seed)
+    if cfg.parallel.pp > 1:
+        from keel.parallel.pipeline import build_pipeline
+
+        return build_pipeline(cfg, topology, tp)
     return CausalLM(cfg.model, seed=cfg.train.seed, tp=tp, label_smoothing=cfg.train.label_smoothing,
-                    z_loss=cfg.train.z_loss)
+                    z_loss=cfg.train.z_loss, checkpoint_interval=cfg.train.activation_checkpoint_interval)
 
 
 def build_engine(cfg: RunConfig, ds_raw: dict[str, Any], topology: Topology, model: torch.nn.Module | None = None):
@@ -63,6 +68,7 @@ def build_engine(cfg: RunConfig, ds_raw: dict[str, Any], topology: Topology, mod
         optimizer=optimizer,
         lr_scheduler=lambda opt: build_scheduler(opt, cfg.train),
         config=ds,
-        mpu=topology if topology.shape.world_size > 1 else None,
+        # the pipeline engine builds its groups from the PipelineModule's topology (same grid order as ours)
+        mpu=topology if topology.shape.world_size > 1 and cfg.parallel.pp == 1 else None,
     )
     return engine

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from keel.config import RunConfig
 from keel.data import GlobalSampleOrder, PackedSamples, step_batch
-from keel.parallel.grad_norm import global_grad_norm
+from keel.parallel.grad_norm import clip_grad_norm_
 from keel.parallel.topology import Topology
 from keel.training.checkpoint import Checkpointer, TrainState
 from keel.training.metrics import MetricsWriter
@@ -67,44 +67,62 @@ class Trainer:
         self.checkpointer = Checkpointer(run_dir / "checkpoints", cfg.checkpoint.keep_last, topology)
         self.run_dir = run_dir
         self.dp_group = topology.group("dp")
-        self.needs_own_grad_norm = (
-            engine.zero_optimization_stage() == 0 and not engine.fp16_enabled() and not engine.bfloat16_enabled()
-        )
+        self.is_pipeline = cfg.parallel.pp > 1
+        self._own_grad_norm: float | None = None
+        if engine.zero_optimization_stage() == 0 and not engine.fp16_enabled() and not engine.bfloat16_enabled():
+            self._take_over_fp32_clipping()
+
+    def _take_over_fp32_clipping(self) -> None:
+        """Plain fp32 ZeRO-0: clip (and record) by Keel's model-parallel-aware norm, just before the step."""
+        params = [p for p in self.engine.module.parameters() if p.requires_grad]
+        max_norm = self.engine.gradient_clipping()
+
+        def clip(*_args, **_kwargs) -> None:
+            self._own_grad_norm = clip_grad_norm_(params, max_norm, self.topology)
+
+        if max_norm > 0:
+            self.engine.clip_fp32_gradients = clip  # DeepSpeed calls this right before optimizer.step()
+        else:
+            self.engine.optimizer.register_step_pre_hook(clip)
 
     # -- one optimizer step --------------------------------------------------------------------------------
     def train_step(self, state: TrainState) -> dict:
         t = self.cfg.train
         micro_batches = step_batch(self.order, self.train_samples, state.consumed_samples, t.global_batch_size,
                                    t.micro_batch_size, self.topology.dp_rank, self.topology.dp_size)
-        losses = []
-        norm = None
-        for i, batch in enumerate(micro_batches):
-            last = i == len(micro_batches) - 1
-            self.engine.set_gradient_accumulation_boundary(last)
-            loss = self.engine(batch[:, :-1], batch[:, 1:])
-            self.engine.backward(loss)
-            losses.append(loss.detach().float())
-        if self.needs_own_grad_norm:
-            norm = global_grad_norm(self.engine.module.parameters(), self.topology)
-        lr = self.engine.get_lr()[0]  # the LR this step uses (the scheduler advances inside step())
-        self.engine.step()
-        if norm is None:
-            norm = grad_norm(self.engine)
-        loss = _mean_over(torch.stack(losses).mean(), self.dp_group)
+        lr = self.engine.get_lr()[0]  # the LR this step uses (the scheduler advances inside the step)
+        self._own_grad_norm = None
+        if self.is_pipeline:  # DeepSpeed's 1F1B schedule runs every micro-batch and the step
+            pairs = iter([(batch[:, :-1], batch[:, 1:]) for batch in micro_batches])
+            loss = self.engine.train_batch(data_iter=pairs).item()  # dp-averaged, broadcast to all stages
+        else:
+            losses = []
+            for i, batch in enumerate(micro_batches):
+                self.engine.set_gradient_accumulation_boundary(i == len(micro_batches) - 1)
+                loss = self.engine(batch[:, :-1], batch[:, 1:])
+                self.engine.backward(loss)
+                losses.append(loss.detach().float())
+            self.engine.step()
+            loss = _mean_over(torch.stack(losses).mean(), self.dp_group)
+        norm = self._own_grad_norm if self._own_grad_norm is not None else grad_norm(self.engine)
         return {"loss": loss, "lr": lr, "grad_norm": norm, "skipped": not self.engine.was_step_applied(),
                 "loss_scale": loss_scale(self.engine)}
 
     @torch.no_grad()
     def evaluate(self) -> float:
+        """Mean loss over `eval_batches` fixed validation micro-batches per data-parallel rank."""
         t = self.cfg.train
-        self.engine.eval()
-        total = torch.zeros(())
         n = len(self.val_samples)
+        batches = []
         for b in range(t.eval_batches):
             first = (b * self.topology.dp_size + self.topology.dp_rank) * t.micro_batch_size
             rows = [torch.from_numpy(self.val_samples[(first + j) % n]) for j in range(t.micro_batch_size)]
-            batch = torch.stack(rows)
-            total += self.engine(batch[:, :-1], batch[:, 1:]).float()
+            batches.append(torch.stack(rows))
+        if self.is_pipeline:
+            pairs = iter([(batch[:, :-1], batch[:, 1:]) for batch in batches])
+            return self.engine.eval_batch(pairs, num_micro_batches=t.eval_batches).item()
+        self.engine.eval()
+        total = sum(self.engine(batch[:, :-1], batch[:, 1:]).float() for batch in batches)
         self.engine.train()
         return _mean_over(total / t.eval_batches, self.dp_group)
 

@@ -1,0 +1,105 @@
+"""Pipeline parallelism: Keel's layer list as DeepSpeed `PipelineModule` layer specs.
+
+DeepSpeed owns the schedule (1F1B `train_batch`), the p2p transfers and the tied-weight synchronisation; Keel
+supplies the same layer classes the plain model uses, with tensor-parallel shards inside each stage, and
+initialises every stage's layers exactly as the single-process model would (init is keyed by the layer's index
+in the full list, so a stage needs nothing from the others).
+
+With tied embeddings the last stage holds a second `EmbeddingLayer` whose `project` is the head; DeepSpeed's
+`TiedLayerSpec` broadcasts it from the first stage at start and sums the two copies' gradients every step.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+import torch.distributed as dist
+import torch.utils.checkpoint
+
+from keel.config import RunConfig
+from keel.model import Block, EmbeddingLayer, FinalNorm, OutputLayer, VocabParallelLoss, init_weights
+from keel.parallel.tensor import TPContext
+from keel.parallel.topology import Topology
+
+log = logging.getLogger("keel")
+TIED_KEY = "embedding"
+
+
+def _project(module: EmbeddingLayer, x: torch.Tensor) -> torch.Tensor:
+    return module.project(x)
+
+
+def layer_specs(cfg: RunConfig, tp: TPContext) -> list:
+    """The flat layer list as specs: `[Embedding, Block × n, FinalNorm, Head]`, built lazily per stage."""
+    from deepspeed.pipe import LayerSpec, TiedLayerSpec
+
+    m = cfg.model
+    if m.tie_embeddings:
+        weight = ["tok_embeddings.weight"]
+        first = TiedLayerSpec(TIED_KEY, EmbeddingLayer, m, tp, tied_weight_attr=weight)
+        head = TiedLayerSpec(TIED_KEY, EmbeddingLayer, m, tp, forward_fn=_project, tied_weight_attr=weight)
+    else:
+        first, head = LayerSpec(EmbeddingLayer, m, tp), LayerSpec(OutputLayer, m, None, tp)
+    blocks = [LayerSpec(Block, m, layer_id, tp) for layer_id in range(m.n_layers)]
+    return [first, *blocks, LayerSpec(FinalNorm, m, tp), head]
+
+
+def local_layers(module) -> list[tuple[int, torch.nn.Module]]:
+    """(index in the full list, module) for every layer this stage holds, tied copies included."""
+    from deepspeed.pipe import TiedLayerSpec
+
+    layers = []
+    for offset, func in enumerate(module.forward_funcs):
+        index = int(module._local_start) + offset
+        spec = module._layer_specs[index]
+        layers.append((index, module.tied_modules[spec.key] if isinstance(spec, TiedLayerSpec) else func))
+    return layers
+
+
+def build_pipeline(cfg: RunConfig, topology: Topology, tp: TPContext):
+    """A `PipelineModule` over this rank's stage, initialised as the single-process model would be."""
+    from deepspeed.pipe import PipelineModule
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+    shape = topology.shape
+    checkpoint = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
+    module = PipelineModule(
+        layers=layer_specs(cfg, tp),
+        topology=PipeModelDataParallelTopology(num_pp=shape.pp, num_mp=shape.tp, num_dp=shape.dp),
+        loss_fn=VocabParallelLoss(cfg.model, tp, cfg.train.label_smoothing, cfg.train.z_loss),
+        partition_method=cfg.parallel.pipeline_partition,
+        activation_checkpoint_interval=cfg.train.activation_checkpoint_interval,
+        activation_checkpoint_func=checkpoint,
+    )
+    with torch.no_grad():
+        for index, layer in local_layers(module):
+            init_weights([layer], cfg.model, cfg.train.seed, first_index=index)
+    describe_stages(module, topology, cfg.parallel.pipeline_partition)
+    return module
+
+
+def describe_stages(module, topology: Topology, method: str) -> None:
+    """Print each stage's layers and parameter count from rank 0 (the partition users tune)."""
+    names = [type(layer).__name__ for _, layer in local_layers(module)]
+    params = sum(p.numel() for p in module.parameters())
+    first, last = int(module._local_start), int(module._local_stop) - 1
+    summary = f"layers {first}-{last} ({_compact(names)}) {params / 1e6:.2f}M params"
+    group = topology.group("pp")
+    gathered = [None] * topology.size("pp")
+    dist.all_gather_object(gathered, summary, group=group)
+    if topology.rank == 0:
+        log.info("pipeline partition (%s): %s", method,
+                 " | ".join(f"stage {i}: {s}" for i, s in enumerate(gathered)))
+
+
+def _compact(names: list[str]) -> str:
+    out: list[str] = []
+    for name in names:
+        if out and out[-1].split("×")[0] == name:
+            count = int(out[-1].split("×")[1]) if "×" in out[-1] else 1
+            out[-1] = f"{name}×{count + 1}"
+        else:
+            out.append(name)
+    return ", ".join(out)
