@@ -9,8 +9,9 @@ the same run on the same machine and thread count, so no number here is ever har
   gives the ratio Keel/HF, i.e. what the DeepSpeed engine and Keel's layers cost or gain over the obvious loop.
 
 The comparison is kept apples to apples: the HF model starts from Keel's weights (`to_hf_state_dict`), both use
-SDPA attention, see the same random token batches, compute the same fp32 cross-entropy on already-shifted labels,
-and run AdamW with the same hyper-parameters (no weight decay on 1-D params), LR schedule and gradient clipping.
+SDPA attention, see the same random token batches, compute an fp32 cross-entropy on already-shifted labels (HF:
+F.cross_entropy, Keel: its vocab-parallel loss, the same value at tp=1), and run AdamW with the same
+hyper-parameters (no weight decay on 1-D params), LR schedule and gradient clipping.
 The first-step losses are printed side by side as the proof: they agree to ~1e-6 (fp32 and bf16 alike, as the
 weights start equal); the last-step losses drift apart only by rounding, visibly so in bf16.
 
@@ -41,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+import keel
 from keel.config import DataConfig, ModelConfig, RunConfig, TrainConfig, validate
 from keel.model import causal_lm_loss, flops_per_token, num_params, to_hf_config, to_hf_state_dict
 from keel.training.ds_config import load_ds_config, precision
@@ -144,8 +146,14 @@ def run_interleaved(steps: dict, batches: list[torch.Tensor], warmup: int, devic
     return results
 
 
-def keel_step(engine):
+def keel_step(engine, topology):
     """One optimizer step exactly as `keel.training.trainer.Trainer.train_step` drives the engine (GA = 1)."""
+    from keel.parallel.grad_norm import clip_grad_norm_
+
+    plain_fp32 = engine.zero_optimization_stage() == 0 and not engine.fp16_enabled() and not engine.bfloat16_enabled()
+    if plain_fp32 and engine.gradient_clipping() > 0:  # as Trainer._take_over_fp32_clipping: Keel clips this path
+        params = [p for p in engine.module.parameters() if p.requires_grad]
+        engine.clip_fp32_gradients = lambda: clip_grad_norm_(params, engine.gradient_clipping(), topology)
 
     def step(inputs: torch.Tensor, labels: torch.Tensor) -> float:
         engine.set_gradient_accumulation_boundary(True)
@@ -214,7 +222,8 @@ def main() -> None:
     hf_cfg.use_cache = False
     hf = LlamaForCausalLM(hf_cfg)
     hf.load_state_dict(to_hf_state_dict(model), strict=True)
-    engine = build_engine(cfg, ds_raw, Topology.from_env(), model=model)
+    topology = Topology.from_env()
+    engine = build_engine(cfg, ds_raw, topology, model=model)
     device = engine.device
     hf.to(device).train()
     with torch.no_grad():  # parameters only: HF's RoPE inv_freq stays fp32, as Keel's tables are computed in fp32
@@ -229,12 +238,12 @@ def main() -> None:
           f"{args.heads}/{args.kv_heads} heads, vocab {args.vocab}, seq {args.seq_len}, micro-batch "
           f"{args.micro_batch} | {args.precision}, {Path(args.ds_config).name} "
           f"(ZeRO-{engine.zero_optimization_stage()}, {type(engine.optimizer).__name__}) | device {device}, "
-          f"{threads} threads", flush=True)
+          f"{threads} threads | keel from {Path(keel.__file__).parent.parent}", flush=True)
 
     # peak = best rate seen; measured before and after training, as load from other tenants only ever slows it
     peaks = {name: matmul_peak(dt, device) for name, dt in DTYPES.items()}
-    results = run_interleaved({"keel": keel_step(engine), "hf": hf_step(hf, cfg, dtype)}, batches, args.warmup,
-                              device)
+    steps = {"keel": keel_step(engine, topology), "hf": hf_step(hf, cfg, dtype)}
+    results = run_interleaved(steps, batches, args.warmup, device)
     (keel_losses, keel_times), (hf_losses, hf_times) = results["keel"], results["hf"]
 
     peaks = {name: max(peaks[name], matmul_peak(dt, device)) for name, dt in DTYPES.items()}  # by FLOP/s first

@@ -80,6 +80,14 @@ def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, dp_size: int) -> dict
     _fill(ds, "train_micro_batch_size_per_gpu", cfg.train.micro_batch_size, "train.micro_batch_size")
     _fill(ds, "gradient_accumulation_steps", ga, "train.global_batch_size/(micro_batch_size×dp)")
     _fill(ds, "gradient_clipping", cfg.train.grad_clip, "train.grad_clip")
+    if cfg.parallel.pp > 1 and cfg.parallel.tp > 1 and cfg.parallel.sequence_parallel:
+        # DeepSpeed splits stage-to-stage activations across the TP group assuming every TP rank holds the same
+        # tensor; under sequence parallelism each holds a different sequence shard, so each must send its own.
+        pipe = ds.setdefault("pipeline", {})
+        for key in ("pipe_partitioned", "grad_partitioned"):
+            if pipe.get(key, False) is not False:
+                raise ConfigError(f"ds_config.pipeline.{key} must be false with parallel.sequence_parallel")
+            pipe[key] = False
     if "optimizer" in ds:
         opt = ds["optimizer"]
         kind = str(opt.get("type", "")).lower()
