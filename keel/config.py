@@ -53,6 +53,7 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     corpus: list[str] = field(default_factory=lambda: ["default"])  # "default" = this Python's stdlib source
+    skip_ranges: list[str] = field(default_factory=list)  # global sample ranges "start:end" the sampler jumps over
     text_field: str = "text"  # for .jsonl inputs
     tokenizer_vocab_size: int = 4096
     seq_len: int = 128
@@ -70,7 +71,11 @@ class TrainConfig:
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 30
-    lr_schedule: str = "cosine"  # cosine | linear | constant
+    lr_schedule: str = "cosine"  # cosine | linear | constant | inverse_sqrt | wsd (warmup-stable-decay)
+    decay_fraction: float = 0.2  # wsd: the final fraction of steps that decays to min_lr_ratio
+    rampup_start_batch: int = 0  # batch-size ramp-up: start from this global batch (0: no ramp-up) ...
+    rampup_steps: int = 0  # ... and reach train.global_batch_size linearly over this many steps
+    rampup_lr_scaling: str = "sqrt"  # LR follows the batch during ramp-up: linear | sqrt | none
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     weight_decay: float = 0.1
@@ -106,6 +111,56 @@ class LoggingConfig:
 
 
 @dataclass
+class StabilityConfig:
+    """Guards that keep a run going through bad batches and numerics, or stop it with a diagnosis."""
+
+    spike: bool = True
+    spike_mode: str = "window"  # window: mean + k·σ over the last `spike_window` steps | ema: multiplicative EMA
+    spike_window: int = 128
+    spike_sigmas: float = 6.0
+    spike_warmup: int = 64  # steps of history before the spike guard acts
+    spike_ema_beta: float = 0.99
+    spike_ema_factor: float = 3.0  # ema mode: a spike is a value above factor × its EMA
+    rollback_spikes: int = 3  # this many spikes ...
+    rollback_window: int = 50  # ... within this many steps trigger a rollback
+    rollback_lr_factor: float = 0.5
+    max_nonfinite: int = 5  # consecutive non-finite steps before the run stops with the diagnosis
+    localize_nonfinite: bool = True  # replay a non-finite batch with hooks to name the first bad module
+    loss_scale_halvings: int = 4  # fp16: warn when the scale halves this many times ...
+    loss_scale_window: int = 100  # ... within this many steps
+    loss_check_interval: int = 50  # cross-rank loss check every N steps (0: off)
+    loss_check_sigmas: float = 3.0
+    loss_check_repeats: int = 2  # flag a rank after this many consecutive outlier checks
+    checksum_interval: int = 100  # parameter checksum comparison every N steps (0: off)
+    checksum_action: str = "stop"  # stop (exit code 3) | restore (reload the last checkpoint) | warn
+    watchdog_timeout: float = 600.0  # seconds a step may take before stacks are dumped and the rank exits (0: off)
+    straggler_interval: int = 50  # log slowest/fastest rank step time every N steps (0: off)
+    monitor_interval: int = 50  # per-layer grad norms and activation statistics every N steps (0: off)
+    tensorboard: bool = True
+    wandb: bool = False
+    wandb_project: str = "keel"
+    wandb_mode: str = "offline"  # offline works with no network
+
+
+@dataclass
+class FaultsConfig:
+    """Fault injection for tests and for rehearsing recovery; every value 0/-1 means off."""
+
+    nan_step: int = 0
+    nan_rank: int = 0
+    spike_step: int = 0  # one step, or...
+    spike_steps: list[int] = field(default_factory=list)  # ...several steps whose loss is scaled
+    spike_factor: float = 1000.0
+    bitflip_step: int = 0
+    bitflip_rank: int = 0
+    bitflip_param: str = ""  # parameter name; empty: the first parameter of the rank
+    sleep_step: int = 0
+    sleep_rank: int = 0
+    sleep_s: float = 0.0
+    noise_rank: int = -1  # this rank's data replaced by uniform random tokens
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -113,6 +168,8 @@ class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    stability: StabilityConfig = field(default_factory=StabilityConfig)
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return _plain(dataclasses.asdict(self))
@@ -268,8 +325,8 @@ def validate(cfg: RunConfig, world_size: int) -> None:
     _require(0.0 <= t.min_lr_ratio <= 1.0, f"train.min_lr_ratio: expected a ratio in [0, 1], got {t.min_lr_ratio}")
     _require(0 <= t.warmup_steps <= t.steps,
              f"train.warmup_steps: {t.warmup_steps} must lie in [0, train.steps={t.steps}]")
-    _require(t.lr_schedule in ("cosine", "linear", "constant"),
-             f"train.lr_schedule: expected cosine, linear or constant, got {t.lr_schedule!r}")
+    _require(t.lr_schedule in ("cosine", "linear", "constant", "inverse_sqrt", "wsd"),
+             f"train.lr_schedule: expected cosine, linear, constant, inverse_sqrt or wsd, got {t.lr_schedule!r}")
     _require(all(0.0 <= b < 1.0 for b in t.betas), f"train.betas: each must lie in [0, 1), got {list(t.betas)}")
     _require(t.eps > 0 and t.weight_decay >= 0 and t.grad_clip >= 0,
              "train.eps must be positive; train.weight_decay and train.grad_clip must be >= 0")
