@@ -78,6 +78,45 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_lr_find(args: argparse.Namespace) -> int:
+    """LR range test in this process (world size 1) on the run's model, data and DeepSpeed config."""
+    from pathlib import Path
+
+    from keel.launcher.local import free_port
+    from keel.launcher.run_dir import build_run, prepare_data
+    from keel.training.entry import setup_logging
+    from keel.training.lr_find import SUGGESTION_RULE, run_lr_find, single_process_overrides
+
+    external = _external_world_size()
+    if external not in (None, 1):
+        raise ConfigError(f"lr-find runs in one process, but this was started with WORLD_SIZE={external}")
+    if args.steps < 2:
+        raise ConfigError(f"--steps: the sweep needs at least 2 steps, got {args.steps}")
+    if not 0 < args.min_lr < args.max_lr:
+        raise ConfigError(f"--min-lr/--max-lr: need 0 < min-lr < max-lr, got {args.min_lr} and {args.max_lr}")
+    out = Path(args.out).expanduser().resolve()
+    spec = build_run(args.config, args.set + single_process_overrides(), args.ds_config, str(out), 1)
+    prepare_data(spec)
+    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port())), ("RANK", "0"),
+                       ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        os.environ.setdefault(key, value)
+    print(f"keel: lr-find on one process (tp=pp=1) | {args.steps} steps, lr {args.min_lr:g} → {args.max_lr:g} | "
+          f"ds config {spec.cfg.train.ds_config}", flush=True)
+    setup_logging(0)
+    result = run_lr_find(spec, args.min_lr, args.max_lr, args.steps, out)
+    print(f"keel: wrote {out / 'lr_find.csv'} and {out / 'lr_find.png'} ({len(result.lrs)} steps; "
+          f"{result.stop_reason})")
+    print(f"keel: rule: {SUGGESTION_RULE}")
+    lowest, index = result.min_index, result.suggestion_index()
+    if lowest is not None:
+        print(f"keel: minimum smoothed loss {result.smoothed[lowest]:.4f} at lr {result.lrs[lowest]:.6g}")
+    if index is None:
+        print("keel: no suggestion: the smoothed loss never fell; lower --min-lr or raise --max-lr/--steps")
+    else:
+        print(f"keel: suggested lr: {result.lrs[index]:.6g}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="keel", description="Distributed LLM pretraining on DeepSpeed.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -97,6 +136,17 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--text-field", default="text", help="JSONL field holding the text")
     prep.add_argument("--cache-dir", default="~/.cache/keel")
     prep.set_defaults(func=cmd_prepare)
+
+    find = sub.add_parser("lr-find", help="LR range test: sweep the LR exponentially and suggest a peak LR")
+    find.add_argument("config", nargs="?", help="run YAML (default: the tiny built-in config)")
+    find.add_argument("--ds-config", help="DeepSpeed JSON (default: train.ds_config)")
+    find.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                      help="override a config field, e.g. --set train.global_batch_size=32 (repeatable)")
+    find.add_argument("--min-lr", type=float, default=1e-6, help="first LR of the sweep")
+    find.add_argument("--max-lr", type=float, default=1.0, help="last LR of the sweep")
+    find.add_argument("--steps", type=int, default=100, help="optimizer steps in the sweep")
+    find.add_argument("--out", default="runs/lr_find", help="where lr_find.csv and lr_find.png go")
+    find.set_defaults(func=cmd_lr_find)
     return parser
 
 

@@ -37,5 +37,6 @@ def launch_local(run_dir: Path, nproc: int, max_restarts: int = 0) -> int:
     except ChildFailedError as exc:
         failures = ", ".join(f"rank {r} exit {f.exitcode}" for r, f in sorted(exc.failures.items()))
         print(f"keel: training failed ({failures}); see the log above and {run_dir}", file=sys.stderr)
-        return 1
+        codes = [f.exitcode for f in exc.failures.values() if f.exitcode and f.exitcode > 0]
+        return max(codes) if codes else 1  # keep Keel's documented codes (3 checksum, 4 hang) for the caller
     return 0

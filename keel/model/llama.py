@@ -244,10 +244,12 @@ class VocabParallelLoss:
         self.vocab_size = cfg.vocab_size
         self.label_smoothing = label_smoothing
         self.z_loss = z_loss
+        self.scale = 1.0  # fault injection multiplies a step's loss (faults.spike_step)
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_cross_entropy(logits, labels, self.group, self.vocab_start, self.vocab_size,
+        loss = vocab_parallel_cross_entropy(logits, labels, self.group, self.vocab_start, self.vocab_size,
                                             label_smoothing=self.label_smoothing, z_loss=self.z_loss)
+        return loss * self.scale if self.scale != 1.0 else loss
 
 
 def weight_decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:

@@ -36,6 +36,9 @@ class TrainState:
 
     step: int = 0
     consumed_samples: int = 0
+    lr_scale: float = 1.0  # halved by each spike rollback
+    rollbacks: int = 0
+    skipped_steps: int = 0
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -70,6 +73,11 @@ class Checkpointer:
         self.topology = topology
 
     # -- discovery ------------------------------------------------------------------------------------------
+    def tag_at_or_before(self, step: int) -> str | None:
+        """The newest complete checkpoint written at or before `step` (the last healthy one for a rollback)."""
+        tags = [t for t in self.complete_tags() if self.read_manifest(t)["step"] <= step]
+        return tags[-1] if tags else None
+
     def complete_tags(self) -> list[str]:
         if not self.directory.is_dir():
             return []
@@ -89,7 +97,7 @@ class Checkpointer:
         return json.loads((self.directory / tag / COMPLETE).read_text())
 
     # -- save -----------------------------------------------------------------------------------------------
-    def save(self, engine, state: TrainState, extra: dict[str, Any] | None = None) -> str:
+    def save(self, engine, state: TrainState, guards: dict[str, Any] | None = None) -> str:
         tag = tag_for(state.step)
         tag_dir = self.directory / tag
         rank = self.topology.rank
@@ -97,7 +105,7 @@ class Checkpointer:
             self.directory.mkdir(parents=True, exist_ok=True)
             (tag_dir / COMPLETE).unlink(missing_ok=True)  # re-saving a step: it is incomplete until we finish
         _barrier()
-        client_state = {"keel": asdict(state), "topology": self.topology.stamp(), **(extra or {})}
+        client_state = {"keel": asdict(state), "topology": self.topology.stamp()}
         engine.save_checkpoint(str(self.directory), tag=tag, client_state=client_state, save_latest=False)
         tag_dir.mkdir(parents=True, exist_ok=True)
         rng_path = tag_dir / f"keel_rng_rank{rank}.pt"
@@ -106,7 +114,7 @@ class Checkpointer:
         os.replace(tmp, rng_path)
         _barrier()  # every rank has written its DeepSpeed shards and RNG file
         if rank == 0:
-            manifest = {"tag": tag, **asdict(state), "topology": self.topology.stamp()}
+            manifest = {"tag": tag, **asdict(state), "topology": self.topology.stamp(), "guards": guards or {}}
             atomic_write_text(tag_dir / COMPLETE, json.dumps(manifest) + "\n")
             atomic_write_text(self.directory / LATEST, tag)
             self._prune(keep=tag)
@@ -134,7 +142,7 @@ class Checkpointer:
         )
         if load_path is None:
             raise RuntimeError(f"DeepSpeed could not load checkpoint {self.directory / tag}")
-        state = TrainState(step=manifest["step"], consumed_samples=manifest["consumed_samples"])
+        state = TrainState(**{k: manifest[k] for k in asdict(TrainState()) if k in manifest})
         rng_path = self.directory / tag / f"keel_rng_rank{self.topology.rank}.pt"
         if rng_path.is_file() and saved == now:
             set_rng_state(torch.load(rng_path, weights_only=False))

@@ -14,6 +14,7 @@ import torch
 
 from keel.config import RunConfig
 from keel.model import CausalLM, weight_decay_groups
+from keel.parallel.grad_norm import clip_grad_norm_, global_grad_norm
 from keel.parallel.tensor import TPContext
 from keel.parallel.topology import Topology
 from keel.training.ds_config import precision, resolve_ds_config
@@ -47,7 +48,44 @@ def build_model(cfg: RunConfig, topology: Topology | None = None) -> torch.nn.Mo
                     z_loss=cfg.train.z_loss, checkpoint_interval=cfg.train.activation_checkpoint_interval)
 
 
-def build_engine(cfg: RunConfig, ds_raw: dict[str, Any], topology: Topology, model: torch.nn.Module | None = None):
+class LRScale:
+    """A run-time LR factor the schedule multiplies in (the spike guard halves it on a rollback)."""
+
+    def __init__(self, value: float = 1.0):
+        self.value = value
+
+    def get(self) -> float:
+        return self.value
+
+
+class Fp32GradClipper:
+    """Plain fp32 ZeRO-0: clip by Keel's model-parallel-aware norm and record it (DeepSpeed's own clipping on
+    this path neither records the norm nor sums it over pipeline stages). Other engines report their norm."""
+
+    def __init__(self, engine, topology: Topology):
+        self.norm: float | None = None
+        self.active = (engine.zero_optimization_stage() == 0 and not engine.fp16_enabled()
+                       and not engine.bfloat16_enabled())
+        if not self.active:
+            return
+        self.params = [p for p in engine.module.parameters() if p.requires_grad]
+        self.topology = topology
+        self.max_norm = engine.gradient_clipping()
+        if self.max_norm > 0:
+            engine.clip_fp32_gradients = self.clip  # DeepSpeed calls it right before optimizer.step()
+
+    def clip(self) -> float:
+        self.norm = clip_grad_norm_(self.params, self.max_norm, self.topology)
+        return self.norm
+
+    def measure(self) -> float:
+        """The norm without clipping (when clipping is off, DeepSpeed never calls `clip`)."""
+        self.norm = global_grad_norm(self.params, self.topology)
+        return self.norm
+
+
+def build_engine(cfg: RunConfig, ds_raw: dict[str, Any], topology: Topology, model: torch.nn.Module | None = None,
+                 lr_scale: LRScale | None = None):
     """Return the DeepSpeed engine for this rank; `ds_raw` is the user's JSON with "auto" values unfilled."""
     import deepspeed
 
@@ -66,7 +104,8 @@ def build_engine(cfg: RunConfig, ds_raw: dict[str, Any], topology: Topology, mod
         model=model,
         model_parameters=groups,
         optimizer=optimizer,
-        lr_scheduler=lambda opt: build_scheduler(opt, cfg.train),
+        lr_scheduler=lambda opt: build_scheduler(opt, cfg.train, dp=topology.dp_size,
+                                                 extra_scale=(lr_scale or LRScale()).get),
         config=ds,
         # the pipeline engine builds its groups from the PipelineModule's topology (same grid order as ours)
         mpu=topology if topology.shape.world_size > 1 and cfg.parallel.pp == 1 else None,

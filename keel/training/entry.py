@@ -51,7 +51,8 @@ def run_rank(run_dir: Path) -> int:
     from keel.parallel.random import data_parallel_seed
     from keel.parallel.topology import Topology
     from keel.training.checkpoint import seed_everything
-    from keel.training.engine import build_engine
+    from keel.training.engine import LRScale, build_engine
+    from keel.training.summary import write_summary
     from keel.training.trainer import Trainer
 
     cfg, ds_raw, data = read_run_dir(run_dir)
@@ -65,15 +66,20 @@ def run_rank(run_dir: Path) -> int:
     dataset = IndexedDataset(data["prefix"])
     train_samples = PackedSamples(dataset, cfg.data.seq_len, "train", cfg.data.val_fraction)
     val_samples = PackedSamples(dataset, cfg.data.seq_len, "val", cfg.data.val_fraction)
-    engine = build_engine(cfg, ds_raw, topology)
+    lr_scale = LRScale()
+    engine = build_engine(cfg, ds_raw, topology, lr_scale=lr_scale)
     if rank == 0:
         n_params = sum(p.numel() for p in engine.module.parameters())
         log.info("%s | %.2fM params | %d train samples of %d tokens | run dir %s", topology.describe(),
                  n_params / 1e6, len(train_samples), cfg.data.seq_len, run_dir)
-    result = Trainer(cfg, engine, topology, train_samples, val_samples, run_dir).fit()
+    result = Trainer(cfg, engine, topology, train_samples, val_samples, run_dir, lr_scale).fit()
     if rank == 0:
-        verb = "finished" if result.finished else "stopped (train.exit_after)"
+        verb = "finished" if result.finished else "stopped early"
         log.info("%s at step %d; checkpoint in %s", verb, result.state.step, run_dir / "checkpoints")
+        summary = write_summary(run_dir, result.finished, result.exit_code, result.reason)
+        log.info("summary: %s", summary)
+    if result.exit_code:
+        return result.exit_code  # a guard stopped the run; peers stop at the same step with the same code
     dist.barrier()
     return EXIT_OK
 

@@ -29,10 +29,13 @@ class MetricsWriter:
         self.path = Path(run_dir) / "metrics.jsonl"
         self._file = None
         if enabled:
-            self._rewind(resumed_step)
+            self.rewind(resumed_step)
             self._file = open(self.path, "a", buffering=1)
 
-    def _rewind(self, resumed_step: int) -> None:
+    def rewind(self, resumed_step: int) -> None:
+        """Move records past `resumed_step` (steps about to be trained again) to metrics.discarded.jsonl."""
+        if not self.enabled:
+            return
         records = read_metrics(self.path)
         keep = [r for r in records if r.get("step", 0) <= resumed_step]
         if len(keep) == len(records):
@@ -42,7 +45,11 @@ class MetricsWriter:
             f.writelines(json.dumps(r) + "\n" for r in dropped)
         tmp = self.path.with_name(".metrics.jsonl.tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
+        if self._file is not None:
+            self._file.close()
         os.replace(tmp, self.path)
+        if self._file is not None:
+            self._file = open(self.path, "a", buffering=1)
 
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:

@@ -1,7 +1,8 @@
-"""The training loop: batch → forward/backward per micro-batch → optimizer step → metrics → checkpoint.
+"""The training loop: batch → forward/backward per micro-batch → guarded optimizer step → metrics → checkpoint.
 
 The data position is the global number of consumed samples, so the loop is the same at any data-parallel size
-and a resume continues with exactly the samples an uninterrupted run would have used.
+and a resume continues with exactly the samples an uninterrupted run would have used. Guards decide inside the
+optimizer step (keel/training/guards/); this loop acts on their decisions: skip, roll back, or stop.
 """
 
 from __future__ import annotations
@@ -16,9 +17,13 @@ import torch.distributed as dist
 
 from keel.config import RunConfig
 from keel.data import GlobalSampleOrder, PackedSamples, step_batch
-from keel.parallel.grad_norm import clip_grad_norm_
 from keel.parallel.topology import Topology
 from keel.training.checkpoint import Checkpointer, TrainState
+from keel.training.engine import Fp32GradClipper, LRScale
+from keel.training.faults import FaultInjector
+from keel.training.guards.base import Action, AnomalyLog, Decision, StepStats
+from keel.training.guards.gate import reported_grad_norm
+from keel.training.guards.stack import GuardStack
 from keel.training.metrics import MetricsWriter
 
 log = logging.getLogger("keel")
@@ -27,7 +32,9 @@ log = logging.getLogger("keel")
 @dataclass
 class TrainResult:
     state: TrainState
-    finished: bool  # reached train.steps (False: stopped early by train.exit_after)
+    finished: bool  # reached train.steps (False: stopped early by train.exit_after or a guard)
+    exit_code: int = 0
+    reason: str = ""
 
 
 def _mean_over(value: torch.Tensor, group) -> float:
@@ -36,14 +43,6 @@ def _mean_over(value: torch.Tensor, group) -> float:
         dist.all_reduce(value, group=group)
         value /= dist.get_world_size(group)
     return value.item()
-
-
-def grad_norm(engine) -> float | None:
-    """The global gradient norm of the step just taken (DeepSpeed reports it except for plain fp32 ZeRO-0)."""
-    norm = engine.get_global_grad_norm()
-    if norm is None:
-        return None
-    return float(norm)
 
 
 def loss_scale(engine) -> float | None:
@@ -55,9 +54,17 @@ def loss_scale(engine) -> float | None:
     return float(config.cur_scale if config is not None else optimizer.cur_scale)
 
 
+def parse_skip_ranges(ranges: list[str]) -> list[tuple[int, int]]:
+    spans = []
+    for item in ranges:
+        start, end = (int(x) for x in str(item).split(":"))
+        spans.append((start, end))
+    return sorted(spans)
+
+
 class Trainer:
     def __init__(self, cfg: RunConfig, engine, topology: Topology, train_samples: PackedSamples,
-                 val_samples: PackedSamples, run_dir: Path):
+                 val_samples: PackedSamples, run_dir: Path, lr_scale: LRScale | None = None):
         self.cfg = cfg
         self.engine = engine
         self.topology = topology
@@ -68,30 +75,60 @@ class Trainer:
         self.run_dir = run_dir
         self.dp_group = topology.group("dp")
         self.is_pipeline = cfg.parallel.pp > 1
-        self._own_grad_norm: float | None = None
-        if engine.zero_optimization_stage() == 0 and not engine.fp16_enabled() and not engine.bfloat16_enabled():
-            self._take_over_fp32_clipping()
+        self.lr_scale = lr_scale or LRScale()
+        self.clipper = Fp32GradClipper(engine, topology)
+        self.skip_ranges = parse_skip_ranges(cfg.data.skip_ranges)
+        self.anomalies = AnomalyLog(run_dir, topology.rank)
+        self.faults = FaultInjector(cfg.faults, topology.rank, engine.module, cfg.model.vocab_size, cfg.train.seed)
+        self.loss_fn = engine.module.loss_fn
+        self.guards = GuardStack(cfg, engine, topology, self.anomalies, self._step_stats)
+        self._pending: StepStats | None = None
+        self._local_loss: float | None = None
 
-    def _take_over_fp32_clipping(self) -> None:
-        """Plain fp32 ZeRO-0: clip (and record) by Keel's model-parallel-aware norm, just before the step."""
-        params = [p for p in self.engine.module.parameters() if p.requires_grad]
-        max_norm = self.engine.gradient_clipping()
+    # -- what the guards see ------------------------------------------------------------------------------------
+    def _step_stats(self) -> StepStats:
+        """Called inside the optimizer step: the step's global loss and gradient norm."""
+        stats = self._pending
+        if self.is_pipeline:
+            stats.loss = self._pipeline_loss()
+        stats.grad_norm = self._grad_norm()
+        return stats
 
-        def clip(*_args, **_kwargs) -> None:
-            self._own_grad_norm = clip_grad_norm_(params, max_norm, self.topology)
+    def _grad_norm(self) -> float | None:
+        if self.clipper.active:
+            return self.clipper.norm if self.clipper.max_norm > 0 else self.clipper.measure()
+        return reported_grad_norm(self.engine)
 
-        if max_norm > 0:
-            self.engine.clip_fp32_gradients = clip  # DeepSpeed calls this right before optimizer.step()
-        else:
-            self.engine.optimizer.register_step_pre_hook(clip)
+    def _pipeline_loss(self) -> float:
+        """The pipeline's last stage holds the summed micro-batch losses; average them over replicas."""
+        engine = self.engine
+        local = torch.zeros(())
+        if engine.is_last_stage() and self.topology.rank_in("tp") == 0:
+            local = engine.total_loss.detach().float() / engine.gradient_accumulation_steps()
+        dist.all_reduce(local)
+        self._local_loss = float(local) if engine.is_last_stage() else None
+        return float(local) / self.topology.dp_size
 
     # -- one optimizer step --------------------------------------------------------------------------------
+    def _data_cursor(self, consumed: int) -> int:
+        for start, end in self.skip_ranges:  # data.skip_ranges: jump over known-bad samples
+            if start <= consumed < end:
+                consumed = end
+        return consumed
+
     def train_step(self, state: TrainState) -> dict:
         t = self.cfg.train
-        micro_batches = step_batch(self.order, self.train_samples, state.consumed_samples, t.global_batch_size,
+        step = state.step + 1
+        consumed = self._data_cursor(state.consumed_samples)
+        micro_batches = step_batch(self.order, self.train_samples, consumed, t.global_batch_size,
                                    t.micro_batch_size, self.topology.dp_rank, self.topology.dp_size)
+        micro_batches = self.faults.batches(step, micro_batches)
+        self.faults.before_forward(step)
+        self.loss_fn.scale = self.faults.loss_scale(consumed, t.global_batch_size)
         lr = self.engine.get_lr()[0]  # the LR this step uses (the scheduler advances inside the step)
-        self._own_grad_norm = None
+        self._pending = StepStats(step, loss=float("nan"), grad_norm=None,
+                                  sample_range=(consumed, consumed + t.global_batch_size))
+        self.guards.new_step()
         if self.is_pipeline:  # DeepSpeed's 1F1B schedule runs every micro-batch and the step
             pairs = iter([(batch[:, :-1], batch[:, 1:]) for batch in micro_batches])
             loss = self.engine.train_batch(data_iter=pairs).item()  # dp-averaged, broadcast to all stages
@@ -102,10 +139,17 @@ class Trainer:
                 loss = self.engine(batch[:, :-1], batch[:, 1:])
                 self.engine.backward(loss)
                 losses.append(loss.detach().float())
+            local = torch.stack(losses).mean()
+            self._local_loss = local.item()
+            loss = self._pending.loss = _mean_over(local, self.dp_group)
             self.engine.step()
-            loss = _mean_over(torch.stack(losses).mean(), self.dp_group)
-        norm = self._own_grad_norm if self._own_grad_norm is not None else grad_norm(self.engine)
-        return {"loss": loss, "lr": lr, "grad_norm": norm, "skipped": not self.engine.was_step_applied(),
+        self.loss_fn.scale = 1.0
+        self.faults.after_step(step)
+        state.step, state.consumed_samples = step, consumed + t.global_batch_size
+        skipped = not self.engine.was_step_applied()
+        state.skipped_steps += int(skipped)
+        self.micro_batches = micro_batches
+        return {"loss": loss, "lr": lr, "grad_norm": self._pending.grad_norm, "skipped": skipped,
                 "loss_scale": loss_scale(self.engine)}
 
     @torch.no_grad()
@@ -126,6 +170,28 @@ class Trainer:
         self.engine.train()
         return _mean_over(total / t.eval_batches, self.dp_group)
 
+    # -- acting on decisions --------------------------------------------------------------------------------
+    def rollback(self, state: TrainState, metrics: MetricsWriter, first_bad_step: int, reason: str,
+                 lr_factor: float) -> TrainState:
+        """Reload the last checkpoint written before `first_bad_step`, scale the LR, keep the data cursor."""
+        tag = self.checkpointer.tag_at_or_before(first_bad_step - 1)
+        if tag is None:
+            self.anomalies.record("rollback", state.step, done=False, reason=f"{reason}; no checkpoint to return to")
+            log.warning("step %d: %s, but no checkpoint precedes step %d: continuing", state.step, reason,
+                        first_bad_step)
+            return state
+        cursor, scale, rollbacks = state.consumed_samples, state.lr_scale * lr_factor, state.rollbacks
+        restored = self.checkpointer.load(self.engine, tag, self.cfg.train.seed)
+        restored.consumed_samples, restored.lr_scale, restored.rollbacks = cursor, scale, rollbacks + 1
+        self.lr_scale.value = scale
+        sync_lr(self.engine.lr_scheduler)
+        metrics.rewind(restored.step)
+        self.anomalies.record("rollback", state.step, done=True, reason=reason, to_step=restored.step,
+                              checkpoint=tag, lr_scale=scale, data_cursor=cursor)
+        log.warning("step %d: %s — rolled back to %s, LR × %.3g, data continues at sample %d", state.step, reason,
+                    tag, scale, cursor)
+        return restored
+
     # -- the loop -------------------------------------------------------------------------------------------
     def resume(self) -> TrainState:
         if not self.cfg.checkpoint.resume:
@@ -134,9 +200,15 @@ class Trainer:
         if tag is None:
             return TrainState()
         state = self.checkpointer.load(self.engine, tag, self.cfg.train.seed)
+        self.guards.load_state_dict(self.checkpointer.read_manifest(tag).get("guards", {}))
+        self.lr_scale.value = state.lr_scale
+        sync_lr(self.engine.lr_scheduler)
         if self.topology.rank == 0:
             log.info("resumed from %s: step %d, %d samples consumed", tag, state.step, state.consumed_samples)
         return state
+
+    def save(self, state: TrainState) -> None:
+        self.checkpointer.save(self.engine, state, guards=self.guards.state_dict())
 
     def fit(self) -> TrainResult:
         t, c = self.cfg.train, self.cfg.checkpoint
@@ -149,21 +221,38 @@ class Trainer:
             while state.step < t.steps:
                 start = time.perf_counter()
                 record = self.train_step(state)
-                state.step += 1
-                state.consumed_samples += t.global_batch_size
                 steps_here += 1
                 elapsed = time.perf_counter() - start
                 record = {"step": state.step, **record, "tokens": state.consumed_samples * self.cfg.data.seq_len,
                           "tokens_per_s": tokens_per_step / elapsed, "step_time_s": elapsed,
-                          "consumed_samples": state.consumed_samples}
+                          "consumed_samples": state.consumed_samples, "lr_scale": state.lr_scale}
+                decision = Decision.most_severe([
+                    self.guards.decision,
+                    self.guards.after_step(state.step, record["loss_scale"], self._local_loss)])
                 if t.eval_interval and (state.step % t.eval_interval == 0 or state.step == t.steps):
                     record["val_loss"] = self.evaluate()
                 metrics.log(record)
+                if decision.action == Action.STOP:
+                    log.error("stopping at step %d: %s", state.step, decision.reason)
+                    return TrainResult(state, finished=False, exit_code=decision.exit_code, reason=decision.reason)
+                if decision.action == Action.ROLLBACK:
+                    first = (self.guards.last_event or {}).get("first_spike_step", state.step)
+                    factor = 1.0 if decision.restore else self.cfg.stability.rollback_lr_factor
+                    state = self.rollback(state, metrics, first, decision.reason, factor)
+                    continue
                 stop_early = t.exit_after and steps_here >= t.exit_after and state.step < t.steps
                 if state.step == t.steps or stop_early or (c.interval and state.step % c.interval == 0):
-                    self.checkpointer.save(self.engine, state)
+                    self.save(state)
                 if stop_early:
                     return TrainResult(state, finished=False)
         finally:
             metrics.close()
         return TrainResult(state, finished=True)
+
+
+def sync_lr(scheduler) -> None:
+    """Put the schedule's LR for its current position into the optimizer (after a load or an LR rescale)."""
+    if scheduler is None:
+        return
+    for group, base, factor in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base * factor(scheduler.last_epoch)

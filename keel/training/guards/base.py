@@ -30,6 +30,7 @@ class Decision:
     action: Action = Action.STEP
     reason: str = ""
     exit_code: int = 0  # for STOP
+    restore: bool = False  # ROLLBACK to repair state (e.g. a corrupted replica), without the spike LR cut
 
     @staticmethod
     def most_severe(decisions: list[Decision]) -> Decision:

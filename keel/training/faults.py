@@ -1,0 +1,84 @@
+"""Fault injection, shared by tests and by users rehearsing their recovery (`faults` config section).
+
+Every fault is applied at one well-defined point of a step so that its effect is exactly the failure it
+imitates: a NaN that comes with a batch (and comes back when that batch is replayed), a loss spike, a flipped
+bit in one replica's weights, a rank that stalls, a rank whose data is garbage.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from keel.config import FaultsConfig
+
+log = logging.getLogger("keel")
+
+
+def _fingerprint(batch: torch.Tensor) -> int:
+    return hash(batch.numpy().tobytes())
+
+
+class FaultInjector:
+    def __init__(self, cfg: FaultsConfig, rank: int, model: torch.nn.Module, vocab_size: int, seed: int):
+        self.cfg = cfg
+        self.rank = rank
+        self.model = model
+        self.vocab_size = vocab_size
+        self.noise = torch.Generator().manual_seed(seed + 7919 * (rank + 1))
+        self.poisoned: set[int] = set()  # fingerprints of micro-batches that carry a NaN
+        self.spike_steps = set(cfg.spike_steps) | ({cfg.spike_step} if cfg.spike_step else set())
+        self._handle = None
+        embedding = self._embedding()
+        if cfg.nan_step and embedding is not None:
+            self._handle = embedding.register_forward_hook(self._poison_hook)
+
+    def _embedding(self) -> torch.nn.Module | None:
+        from keel.model import EmbeddingLayer
+
+        return next((m for m in self.model.modules() if isinstance(m, EmbeddingLayer)), None)
+
+    def _poison_hook(self, module, inputs, output):
+        if _fingerprint(inputs[0]) in self.poisoned:
+            output = output.clone()
+            output.view(-1)[0] = float("nan")
+        return output
+
+    # -- applied by the trainer --------------------------------------------------------------------------------
+    def batches(self, step: int, micro_batches: list[torch.Tensor]) -> list[torch.Tensor]:
+        """This rank's micro-batches for `step` (1-based), after data faults."""
+        c = self.cfg
+        if c.noise_rank == self.rank:
+            micro_batches = [torch.randint(0, self.vocab_size, b.shape, generator=self.noise)
+                             for b in micro_batches]
+        if c.nan_step == step and c.nan_rank == self.rank:
+            self.poisoned.add(_fingerprint(micro_batches[0][:, :-1]))
+            log.warning("fault injection: NaN in rank %d's batch at step %d", self.rank, step)
+        return micro_batches
+
+    def loss_scale(self, first_sample: int, global_batch: int) -> float:
+        """Factor applied to this step's loss: the batch a spike step consumes in an uninterrupted run is the
+        spiking one — tied to the data, so after a rollback that moves past it the spike does not recur."""
+        return self.cfg.spike_factor if first_sample // global_batch + 1 in self.spike_steps and \
+            first_sample % global_batch == 0 else 1.0
+
+    def before_forward(self, step: int) -> None:
+        c = self.cfg
+        if c.sleep_step == step and c.sleep_rank == self.rank and c.sleep_s > 0:
+            log.warning("fault injection: rank %d sleeps %.1f s at step %d", self.rank, c.sleep_s, step)
+            time.sleep(c.sleep_s)
+
+    @torch.no_grad()
+    def after_step(self, step: int) -> None:
+        c = self.cfg
+        if c.bitflip_step != step or c.bitflip_rank != self.rank:
+            return
+        named = dict(self.model.named_parameters())
+        name = c.bitflip_param or next(iter(named))
+        param = named[name]
+        bits = param.data.view(-1).view(torch.int32) if param.dtype == torch.float32 else \
+            param.data.view(-1).view(torch.int16)
+        bits[0] ^= 1 << 10  # one mantissa bit of the first element
+        log.warning("fault injection: flipped one bit of %s on rank %d after step %d", name, self.rank, step)

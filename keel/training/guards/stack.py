@@ -1,0 +1,104 @@
+"""All guards of a run behind one object the trainer calls at fixed points of a step.
+
+`decide` runs inside DeepSpeed's optimizer step (through the `StepGate`), when the step's global loss and
+gradient norm are known; `after_step` runs the periodic cross-rank checks. Every event goes to anomalies.jsonl
+(and the end-of-run summary); the returned decisions are acted on by the trainer alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+
+from keel.config import RunConfig
+from keel.parallel.topology import Topology
+from keel.training.guards.base import Action, AnomalyLog, Decision, StepStats
+from keel.training.guards.consistency import ChecksumCheck, LossOutlierCheck
+from keel.training.guards.gate import StepGate
+from keel.training.guards.numerics import LossScaleGuard, NonfiniteGuard
+from keel.training.guards.spike import SpikeGuard
+
+log = logging.getLogger("keel")
+
+CHECKSUM_EXIT = 3
+
+
+class GuardStack:
+    def __init__(self, cfg: RunConfig, engine, topology: Topology, anomalies: AnomalyLog,
+                 stats: Callable[[], StepStats]):
+        s = cfg.stability
+        self.cfg = cfg
+        self.anomalies = anomalies
+        self.topology = topology
+        self.stats = stats  # the trainer's view of the step being decided
+        self.nonfinite = NonfiniteGuard(s)
+        self.spike = SpikeGuard(s)
+        min_scale = float(engine.config.get("fp16", {}).get("min_loss_scale", 1)) if engine.fp16_enabled() else 1.0
+        self.loss_scale = LossScaleGuard(s, min_scale)
+        self.loss_outliers = LossOutlierCheck(topology, s.loss_check_sigmas, s.loss_check_repeats)
+        self.checksums = ChecksumCheck(engine.module, topology, engine.zero_optimization_stage())
+        self.gate = StepGate(engine, self.decide)
+        self.last_event: dict | None = None
+
+    # -- inside the optimizer step -----------------------------------------------------------------------------
+    def decide(self) -> Decision:
+        stats = self.stats()
+        decisions = []
+        self.last_event = None
+        for guard in (self.nonfinite, self.spike):
+            decision, event = guard.check(stats)
+            if event is not None:
+                self.last_event = self.anomalies.record(
+                    guard.name, stats.step, action=decision.action.name.lower(), reason=decision.reason,
+                    loss=stats.loss, grad_norm=stats.grad_norm, **event)
+                log.warning("step %d: %s — %s", stats.step, guard.name, decision.reason)
+            decisions.append(decision)
+            if decision.action != Action.STEP:
+                break  # a non-finite step says nothing about spikes
+        return Decision.most_severe(decisions)
+
+    def new_step(self) -> None:
+        self.gate.new_step()
+
+    @property
+    def decision(self) -> Decision:
+        return self.gate.decision
+
+    # -- after the optimizer step --------------------------------------------------------------------------------
+    def after_step(self, step: int, loss_scale: float | None, local_loss: float | None) -> Decision:
+        """Periodic cross-rank checks (collectives on every rank); returns STOP/ROLLBACK when one demands it."""
+        s = self.cfg.stability
+        event = self.loss_scale.observe(step, loss_scale)
+        if event is not None:
+            self.anomalies.record("loss_scale", step, **event)
+            log.warning("step %d: %s", step, event["reason"])
+        if s.loss_check_interval and step % s.loss_check_interval == 0:
+            for event in self.loss_outliers.check(local_loss):
+                self.anomalies.record("loss_outlier", step, **event)
+                log.warning("step %d: data-parallel rank %d (global rank %d on %s) loss %.4f is %.1fσ from its "
+                            "peers' %.4f", step, event["dp_rank"], event["flagged_rank"], event["host"],
+                            event["loss"], event["sigmas"], event["others_mean"])
+        if s.checksum_interval and step % s.checksum_interval == 0:
+            mismatches = self.checksums.check()
+            for event in mismatches:
+                self.anomalies.record("checksum_mismatch", step, action=s.checksum_action, **event)
+                log.error("step %d: parameter %s differs on rank(s) %s of its %s group", step, event["parameter"],
+                          event["ranks"], event["group"])
+            if mismatches and s.checksum_action == "stop":
+                return Decision(Action.STOP, "parameter checksum mismatch", exit_code=CHECKSUM_EXIT)
+            if mismatches and s.checksum_action == "restore":
+                return Decision(Action.ROLLBACK, "parameter checksum mismatch: restoring the last checkpoint",
+                                restore=True)
+        return Decision()
+
+    def state_dict(self) -> dict:
+        return {"spike": self.spike.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "spike" in state:
+            self.spike.load_state_dict(state["spike"])
+
+
+def finite_or_none(value: float | None) -> float | None:
+    return None if value is None else (value if math.isfinite(value) else math.nan)

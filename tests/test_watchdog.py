@@ -1,0 +1,191 @@
+"""The hang watchdog in real processes (it ends them with os._exit), and the straggler monitor over gloo."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from keel.training.guards.base import read_anomalies
+from keel.training.watchdog import EXIT_HANG, StragglerMonitor
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _run_script(tmp_path: Path, body: str, *args: str, timeout: float = 60) -> tuple[subprocess.CompletedProcess,
+                                                                                     float]:
+    """Run `body` as a script with the run dir as argv[1]; returns the process and the wall time.time() it ended."""
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(body))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path), *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+    return proc, time.time()
+
+
+HANG = """
+    import sys, time
+    from pathlib import Path
+    from keel.training.watchdog import Watchdog
+
+    def sleeping_in_step():
+        time.sleep(30)
+
+    watchdog = Watchdog(Path(sys.argv[1]), rank=0, timeout_s=2.0, anomalies=None).start()
+    watchdog.beat(7)
+    print(time.time(), flush=True)
+    sleeping_in_step()
+    print("woke up", flush=True)
+"""
+
+
+def test_hang_dumps_stacks_records_and_exits_with_hang_code(tmp_path):
+    proc, ended = _run_script(tmp_path, HANG)
+    assert proc.returncode == EXIT_HANG, proc.stderr
+    hang_to_exit = ended - float(proc.stdout.split()[0])
+    assert 2.0 <= hang_to_exit < 2.0 + 3.0, hang_to_exit
+    assert "woke up" not in proc.stdout
+    assert "watchdog: step 7 has run" in proc.stderr and f"exiting with code {EXIT_HANG}" in proc.stderr
+
+    text = (tmp_path / "stacks" / "rank0-step7.txt").read_text()
+    assert f"rank 0 on {socket.gethostname()} pid " in text and "step 7 has run" in text
+    # The main thread's section of faulthandler's dump shows it sleeping inside the step's function.
+    main_id = re.search(r"(0x[0-9a-f]+) MainThread", text).group(1)
+    main_section = text.split(f"Thread {main_id}")[1].split("\n\n")[0]
+    assert "in sleeping_in_step" in main_section, text
+    assert "keel-watchdog-r0" in text  # thread names are mapped to faulthandler's thread ids
+
+    (event,) = read_anomalies(tmp_path)
+    assert event["kind"] == "hang" and event["step"] == 7 and event["rank"] == 0
+    assert event["stacks"].endswith("rank0-step7.txt") and event["seconds"] >= 2.0
+
+
+def test_regular_beats_and_pauses_do_not_fire(tmp_path):
+    proc, _ = _run_script(tmp_path, """
+        import sys, time
+        from pathlib import Path
+        from keel.training.watchdog import Watchdog
+
+        with Watchdog(Path(sys.argv[1]), rank=0, timeout_s=1.0) as watchdog:
+            for step in range(15):  # 3 s of 0.2 s steps under a 1 s timeout
+                watchdog.beat(step)
+                time.sleep(0.2)
+            with watchdog.paused():  # a 2.5 s checkpoint save between two steps
+                time.sleep(2.5)
+            time.sleep(0.6)  # after resume the clock restarts: 0.6 s more is within the timeout
+            watchdog.beat(15)
+            watchdog.pause()  # nested pauses: only the outermost resume restarts the clock
+            watchdog.pause()
+            time.sleep(1.2)
+            watchdog.resume()
+            time.sleep(1.2)
+            watchdog.resume()
+            time.sleep(0.5)
+        time.sleep(1.5)  # stopped: no deadline any more
+        print("clean exit")
+    """)
+    assert proc.returncode == 0 and "clean exit" in proc.stdout, proc.stderr
+    assert not (tmp_path / "stacks").exists() and read_anomalies(tmp_path) == []
+
+
+def test_disabled_and_unarmed_watchdog_never_fires(tmp_path):
+    """timeout 0 is off; before the first beat (setup, checkpoint loading) nothing is armed."""
+    proc, _ = _run_script(tmp_path, """
+        import sys, time
+        from pathlib import Path
+        from keel.training.watchdog import Watchdog
+
+        off = Watchdog(Path(sys.argv[1]), rank=0, timeout_s=0).start()
+        off.beat(1)
+        unarmed = Watchdog(Path(sys.argv[1]), rank=0, timeout_s=0.5, backstop=False).start()
+        time.sleep(1.5)
+        print("clean exit")
+    """)
+    assert proc.returncode == 0 and "clean exit" in proc.stdout, proc.stderr
+
+
+# -- two real ranks -----------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+PEERS = """
+    import os, sys, time
+    from pathlib import Path
+    import torch, torch.distributed as dist
+    from keel.training.watchdog import Watchdog
+
+    def sleeping_in_step():
+        time.sleep(60)
+
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo")
+    x = torch.ones(4)
+    with Watchdog(Path(sys.argv[1]), rank=rank, timeout_s=3.0) as watchdog:
+        for step in range(1, 4):
+            watchdog.beat(step)
+            if step == 3 and rank == 1:
+                print(time.time(), flush=True)
+                sleeping_in_step()
+            dist.all_reduce(x)
+            time.sleep(0.1)
+    print("finished", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_hung_rank_and_its_blocked_peer_both_exit_with_hang_code(tmp_path):
+    """Rank 1 sleeps in step 3 while rank 0 waits for it in an all-reduce: both dump and exit 4 in time."""
+    (tmp_path / "script.py").write_text(textwrap.dedent(PEERS))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+           "WORLD_SIZE": "2"}
+    procs = [subprocess.Popen([sys.executable, str(tmp_path / "script.py"), str(tmp_path)], text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**env, "RANK": str(r)})
+             for r in range(2)]
+    outs = [p.communicate(timeout=90) for p in procs]
+    ended = time.time()
+    assert [p.returncode for p in procs] == [EXIT_HANG, EXIT_HANG], outs
+    assert ended - float(outs[1][0].split()[0]) < 3.0 + 10.0
+    assert "in sleeping_in_step" in (tmp_path / "stacks" / "rank1-step3.txt").read_text()
+    assert "all_reduce" in (tmp_path / "stacks" / "rank0-step3.txt").read_text()  # the peer waits in the collective
+    events = read_anomalies(tmp_path)
+    assert sorted((e["kind"], e["rank"], e["step"]) for e in events) == [("hang", 0, 3), ("hang", 1, 3)]
+
+
+def _straggler_worker(rank: int, world: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        monitor = StragglerMonitor(None, interval=2)
+        reports = [monitor.update(step, (1.0 + 0.25 * rank) * step / 2) for step in range(1, 5)]
+        assert reports[0] is None and reports[2] is None  # only every `interval` steps
+        for step, report in ((2, reports[1]), (4, reports[3])):
+            assert report.metrics == {"step_time_max": 1.25 * step / 2, "step_time_min": step / 2, "slowest_rank": 1}
+            assert report.line.startswith(f"stragglers: slowest rank 1 ({socket.gethostname()}) ")
+            assert "fastest rank 0 " in report.line and report.line.endswith("spread 25%")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_straggler_monitor_names_the_slowest_rank():
+    mp.get_context("forkserver").set_forkserver_preload([__name__])
+    mp.start_processes(_straggler_worker, args=(2, _free_port()), nprocs=2, start_method="forkserver")
+
+
+def test_straggler_monitor_single_process():
+    monitor = StragglerMonitor(None, interval=1)
+    report = monitor.update(1, 0.5)
+    assert report.metrics == {"step_time_max": 0.5, "step_time_min": 0.5, "slowest_rank": 0}
+    assert StragglerMonitor(None, interval=0).update(50, 0.5) is None
