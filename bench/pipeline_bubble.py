@@ -27,7 +27,9 @@ time-share cores, and the table says so: the phase stretches to at least the tot
 busy time includes time a stage sat descheduled inside a forward or backward, and CPU busy time excludes it.
 Neither column is then the one-device-per-stage bubble (on 2 cores both come out well above the formula at
 large m), and only the trend (idle falling as m grows) can be judged. Other processes on the machine distort
-rows the same way: wall and CPU busy then disagree, and the load average is printed; rerun on a quiet machine.
+rows the same way, and that is measured: with a core per stage, a compute thread runs for all of its compute
+wall time unless something else takes the core, so on-cpu = CPU busy / wall busy stays near 1 on a quiet
+machine; rows where it falls below 0.9 get a warning (the load average is printed too).
 
 `python bench/pipeline_bubble.py [--help]` (about 1.5 minutes on 2 idle CPU cores; exits 0). Ranks import Keel from this
 checkout (PYTHONPATH), whichever checkout `pip install -e` points at.
@@ -48,6 +50,7 @@ from statistics import median
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = "worker"
+ON_CPU_QUIET = 0.9  # below this, with a core per stage, other processes were taking the cores
 
 
 @dataclass(frozen=True)
@@ -155,6 +158,7 @@ class Row:
     idle_cpu: list[float]  # per stage: 1 - CPU busy / phase
     slot_ms: list[float]  # per stage: wall fwd+bwd per micro-batch, ms
     phase_ms: float  # pipeline phase per step
+    on_cpu: float  # CPU busy / wall busy, all stages and steps: 1.0 when every stage has a core to itself
     tail_share: float  # (step - phase) / step: optimizer, grad sync and loss broadcast, excluded
 
     @property
@@ -185,6 +189,7 @@ def summarize(p: int, m: int, stages: list[list[dict]]) -> Row:
     return Row(p, m, per_stage(lambda r, phase: 1 - r["busy_wall"] / phase),
                per_stage(lambda r, phase: 1 - r["busy_cpu"] / phase),
                per_stage(lambda r, phase: 1e3 * r["busy_wall"] / m), 1e3 * median(phases),
+               sum(r["busy_cpu"] for step in steps for r in step) / sum(r["busy_wall"] for step in steps for r in step),
                median(1 - phase / max(r["step"] for r in step) for step, phase in zip(steps, phases)))
 
 
@@ -196,14 +201,18 @@ def measure(p: int, ms: list[int], shape: Shape) -> list[Row]:
 def report(rows: list[Row], cores: int) -> None:
     fmt = " ".join
     print(f"{'p':>2} {'m':>3} {'idle/stage (wall busy)':>24} {'wall':>6} {'cpu':>6} {'(p-1)/(m+p-1)':>14} "
-          f"{'wall/an':>8} {'cpu/an':>7} {'phase ms':>9} {'tail':>5}  fwd+bwd ms/mb per stage")
+          f"{'wall/an':>8} {'cpu/an':>7} {'on-cpu':>7} {'phase ms':>9} {'tail':>5}  fwd+bwd ms/mb per stage")
     for r in rows:
         print(f"{r.p:>2} {r.m:>3} {fmt(f'{x:.3f}' for x in r.idle_wall):>24} {r.mean_wall:>6.3f} {r.mean_cpu:>6.3f} "
-              f"{r.analytic:>14.3f} {r.mean_wall / r.analytic:>8.2f} {r.mean_cpu / r.analytic:>7.2f} "
+              f"{r.analytic:>14.3f} {r.mean_wall / r.analytic:>8.2f} {r.mean_cpu / r.analytic:>7.2f} {r.on_cpu:>7.2f} "
               f"{r.phase_ms:>9.0f} {r.tail_share:>5.0%}  {fmt(f'{x:.0f}' for x in r.slot_ms)}")
     print("wall / cpu: mean over stages of 1 - busy/phase, busy = time in forward+backward instructions by "
-          "perf_counter / by thread CPU time; tail: share of the step after the phase (grad sync, optimizer, "
-          "loss broadcast), excluded from the phase.")
+          "perf_counter / by thread CPU time; on-cpu: CPU busy / wall busy; tail: share of the step after the "
+          "phase (grad sync, optimizer, loss broadcast), excluded from the phase.")
+    disturbed = [f"p={r.p} m={r.m}" for r in rows if r.p <= cores and r.on_cpu < ON_CPU_QUIET]
+    if disturbed:
+        print(f"WARNING: {', '.join(disturbed)}: on-cpu < {ON_CPU_QUIET} although each stage could have a core, so "
+              "other processes took the cores mid-compute; those rows overstate the bubble. Rerun on a quiet machine.")
     crowded = sorted({r.p for r in rows if r.p > cores})
     if crowded:
         print(f"NOTE: p={', '.join(map(str, crowded))} runs more stages than the {cores} CPU cores here: stages "

@@ -38,14 +38,15 @@ def tiny_overrides(corpus: list[str], cache_dir: Path, **changes: Any) -> list[s
 
 
 def keel_train(run_dir: Path, nproc: int, overrides: list[str], ds_config: str = "ds_configs/zero0.json",
-               timeout: int = 600) -> subprocess.CompletedProcess:
+               timeout: int = 600, expect_code: int = 0) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "keel.launcher.cli", "train", "--nproc", str(nproc), "--run-dir", str(run_dir),
            "--ds-config", str(REPO / ds_config)]
     for item in overrides:
         cmd += ["--set", item]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
-    if proc.returncode != 0:
-        raise AssertionError(f"keel train failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    if proc.returncode != expect_code:
+        raise AssertionError(f"keel train exited {proc.returncode}, expected {expect_code}:\n"
+                             f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     return proc
 
 

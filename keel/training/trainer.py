@@ -147,6 +147,8 @@ class Trainer:
         self.faults.after_step(step)
         state.step, state.consumed_samples = step, consumed + t.global_batch_size
         skipped = not self.engine.was_step_applied()
+        if skipped:
+            self.guards.engine_skipped(self.engine.fp16_enabled())
         state.skipped_steps += int(skipped)
         self.micro_batches = micro_batches
         return {"loss": loss, "lr": lr, "grad_norm": self._pending.grad_norm, "skipped": skipped,

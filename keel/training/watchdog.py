@@ -163,6 +163,9 @@ class Watchdog:
         step, last = self._beat or (0, time.monotonic())
         elapsed = time.monotonic() - last
         what = f"step {step} has run {elapsed:.1f} s without a heartbeat (timeout {self.timeout_s:g} s)"
+        if cause is not None:
+            what = f"step {step} failed after {elapsed:.1f} s, close to its {self.timeout_s:g} s timeout: " \
+                   f"most likely a peer hung ({type(cause).__name__}, below)"
         try:
             path = self._dump_stacks(step, what, cause)
             self.anomalies.record("hang", step, all_ranks=True, seconds=round(elapsed, 2), timeout_s=self.timeout_s,

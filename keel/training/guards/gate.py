@@ -52,6 +52,11 @@ class StepGate:
         self.token += 1
         self.decision = Decision()
 
+    @property
+    def consulted(self) -> bool:
+        """False when DeepSpeed skipped the step before reaching the optimizer (its own overflow check)."""
+        return self._decided_token == self.token
+
     def _gated_step(self, *args, **kwargs):
         if self._decided_token != self.token:  # ZeRO-3 calls step once per parameter sub-group
             self.decision = agree(self.decide())

@@ -227,6 +227,7 @@ class _Watch:
 
         return post
 
+    @torch.no_grad()
     def _rows(self, t: torch.Tensor) -> list[int]:
         """Rows of a [b, s, ...] activation holding non-finite values; [] for anything else (e.g. the loss)."""
         if t.ndim < 3 or t.shape[0] != self.batch_size:
@@ -249,7 +250,8 @@ def _tensors(obj: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(item)
 
 
-def _finite(obj: Any) -> bool:
+@torch.no_grad()  # isfinite decomposes into differentiable ops: under activation checkpointing, anything they
+def _finite(obj: Any) -> bool:  # saved for backward would change the count checkpoint compares in recompute
     """True when every floating-point tensor in `obj` (a tensor or nested lists/tuples/dicts) is finite."""
     return all(bool(torch.isfinite(t).all()) for t in _tensors(obj) if t.is_floating_point() or t.is_complex())
 

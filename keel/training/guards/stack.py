@@ -61,6 +61,19 @@ class GuardStack:
     def new_step(self) -> None:
         self.gate.new_step()
 
+    def engine_skipped(self, fp16: bool) -> None:
+        """DeepSpeed dropped the step itself (its overflow check) before the gate was asked. Under fp16 that is
+        loss scaling at work (the loss-scale guard watches it); otherwise the gradients were non-finite."""
+        if fp16 or self.gate.consulted:
+            return
+        stats = self.stats()
+        stats.grad_norm = math.nan
+        decision, event = self.nonfinite.check(stats)
+        self.last_event = self.anomalies.record("nonfinite", stats.step, action=decision.action.name.lower(),
+                                                reason=decision.reason, loss=stats.loss, grad_norm=None, **event)
+        log.warning("step %d: nonfinite — %s (detected by DeepSpeed)", stats.step, decision.reason)
+        self.gate.decision = decision
+
     @property
     def decision(self) -> Decision:
         return self.gate.decision

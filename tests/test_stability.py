@@ -1,0 +1,89 @@
+"""Stability guards under real multi-process runs with injected faults."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from keel.training.guards.base import read_anomalies
+from keel.training.metrics import read_metrics
+from tests.keel_runs import REPO, final_weights, keel_train
+
+pytestmark = pytest.mark.slow
+
+GB = 8  # tests/keel_runs.py TINY global batch
+
+
+def events(run_dir, kind):
+    return [e for e in read_anomalies(run_dir) if e["kind"] == kind]
+
+
+def test_nan_on_one_rank_skips_the_step_everywhere(runs, tmp_path):
+    """NaN in rank 1's batch at step 5: skipped on all ranks, diagnosed, and the final weights equal a run whose
+    sampler simply skipped that batch."""
+    faulty = runs.get("nan", 2, "ds_configs/zero1.json", faults__nan_step=5, faults__nan_rank=1)
+    records = read_metrics(faulty / "metrics.jsonl")
+    assert [r["step"] for r in records if r["skipped"]] == [5]
+    (event,) = events(faulty, "nonfinite")
+    assert event["step"] == 5 and event["samples"] == [4 * GB, 5 * GB]
+    clean = tmp_path / "clean"
+    keel_train(clean, 2, runs.overrides(data__skip_ranges=json.dumps([f"{4 * GB}:{5 * GB}"]), train__exit_after=9),
+               "ds_configs/zero1.json")
+    a, b = final_weights(faulty), final_weights(clean)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    assert (faulty / "summary.md").read_text().count("nonfinite") >= 1
+
+
+def test_spikes_are_skipped_and_a_cluster_rolls_back(runs):
+    run = runs.get("spikes", 2, "ds_configs/zero1.json", train__steps=20, checkpoint__interval=5,
+                   stability__spike_warmup=5, stability__rollback_window=10,
+                   faults__spike_steps="[12, 13, 14]", faults__spike_factor=1000)
+    spikes = events(run, "spike")
+    assert [e["step"] for e in spikes] == [12, 13, 14]
+    assert [e["action"] for e in spikes] == ["skip", "skip", "rollback"]
+    (rollback,) = events(run, "rollback")
+    assert rollback["to_step"] == 10 and rollback["lr_scale"] == 0.5 and rollback["data_cursor"] == 14 * GB
+    records = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, 21))
+    after = [r for r in records if r["step"] > 10]
+    assert all(r["lr_scale"] == 0.5 and not r["skipped"] for r in after)
+    assert after[0]["consumed_samples"] == 15 * GB  # the data moved past the spiking window
+    summary = (run / "summary.md").read_text()
+    assert "rollback: 1" in summary and "spike: 3" in summary
+
+
+def test_bit_flip_is_detected_naming_parameter_and_rank(runs, tmp_path):
+    proc = keel_train(tmp_path, 2, runs.overrides(faults__bitflip_step=6, faults__bitflip_rank=1,
+                                                  faults__bitflip_param="layers.1.attention.wq.weight",
+                                                  stability__checksum_interval=3),
+                      "ds_configs/zero0.json", expect_code=3)
+    (event,) = events(tmp_path, "checksum_mismatch")
+    assert event["step"] == 6 and event["parameter"] == "layers.1.attention.wq.weight" and event["ranks"] == [1]
+    assert "checksum" in proc.stdout + proc.stderr
+
+
+def test_noisy_rank_is_flagged_by_the_cross_rank_loss_check(runs):
+    run = runs.get("noise", 4, faults__noise_rank=2, stability__loss_check_interval=2,
+                   stability__loss_check_repeats=2)
+    flagged = events(run, "loss_outlier")
+    assert flagged and {e["flagged_rank"] for e in flagged} == {2}
+    # at initialisation every rank's loss is ~ln(vocab), noise or not; the outlier appears as the others learn
+    assert flagged[0]["consecutive"] >= 2 and flagged[0]["sigmas"] > 3
+
+
+def test_fp16_overflow_storm_halves_the_scale_and_warns(runs, tmp_path):
+    ds = json.loads((REPO / "ds_configs" / "fp16.json").read_text())
+    ds["fp16"].update(initial_scale_power=40, hysteresis=1, loss_scale_window=1000)
+    path = tmp_path / "fp16_storm.json"
+    path.write_text(json.dumps(ds))
+    run = tmp_path / "run"
+    keel_train(run, 2, runs.overrides(stability__loss_scale_halvings=4), str(path))
+    records = read_metrics(run / "metrics.jsonl")
+    scales = [r["loss_scale"] for r in records]
+    skipped = [r["step"] for r in records if r["skipped"]]
+    assert len(skipped) >= 4 and scales[skipped[-1] - 1] < 2.0**40 / 2**3  # each overflow halved the scale
+    warnings = events(run, "loss_scale")
+    assert warnings and "bf16" in warnings[0]["reason"]
