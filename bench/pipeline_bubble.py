@@ -146,7 +146,10 @@ def launch(p: int, ms: list[int], shape: Shape) -> list[list[dict]]:
                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
         proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True)
         if proc.returncode != 0 or not out.exists():
-            raise RuntimeError(f"p={p} ranks failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")
+            text = proc.stdout + proc.stderr
+            first = text.find("Traceback")  # the failing rank's own error, not torchrun's summary after it
+            raise RuntimeError(f"p={p} ranks failed (exit {proc.returncode}):\n"
+                               f"{text[first:first + 6000] if first >= 0 else text[-6000:]}")
         return json.loads(out.read_text())
 
 

@@ -194,16 +194,15 @@ def test_classify_needs_the_same_place_twice():
     assert classify([], []) == TRANSIENT
 
 
-# -- under a real DeepSpeed engine (one process, ZeRO 1/2/3) ----------------------------------------------------
+# -- under real DeepSpeed engines ---------------------------------------------------------------------------------
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _zero_worker(rank: int, port: int, stage: int, results: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    from keel.config import RunConfig, TrainConfig
+def _engine(stage: int, tp: int = 1):
+    from keel.config import ParallelConfig, RunConfig, TrainConfig
     from keel.parallel.topology import Topology
     from keel.training.engine import build_engine
     from keel.training.entry import init_distributed
@@ -211,30 +210,41 @@ def _zero_worker(rank: int, port: int, stage: int, results: dict) -> None:
     init_distributed()
     ds_raw = json.loads((Path(__file__).parents[1] / "ds_configs" / f"zero{stage}.json").read_text())
     ds_raw["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # partition even tiny params
-    cfg = RunConfig(model=ModelConfig(**CFG), train=TrainConfig(global_batch_size=4, micro_batch_size=2, lr=1e-2,
-                                                                warmup_steps=0, seed=0))
+    dp = int(os.environ["WORLD_SIZE"]) // tp
+    cfg = RunConfig(model=ModelConfig(**CFG), parallel=ParallelConfig(tp=tp),
+                    train=TrainConfig(global_batch_size=4 * dp, micro_batch_size=2, lr=1e-2, warmup_steps=0, seed=0))
+    torch.manual_seed(0)
+    return build_engine(cfg, ds_raw, Topology.from_env(tp=tp))
+
+
+def _step(engine, pair: list[torch.Tensor]) -> None:
+    for i, batch in enumerate(pair):
+        engine.set_gradient_accumulation_boundary(i == len(pair) - 1)
+        engine.backward(engine(batch[:, :-1], batch[:, 1:]))
+    engine.step()
+
+
+def _zero_worker(rank: int, port: int, stage: int, results: dict) -> None:
+    import deepspeed
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     batches = micro_batches(n=6, seed=1)
-
-    def step(engine, pair) -> None:
-        for i, batch in enumerate(pair):
-            engine.set_gradient_accumulation_boundary(i == len(pair) - 1)
-            engine.backward(engine(batch[:, :-1], batch[:, 1:]))
-        engine.step()
-
     losses = {}
     for with_localize in (False, True):
-        torch.manual_seed(0)
-        engine = build_engine(cfg, ds_raw, Topology.from_env())
-        step(engine, batches[0:2])
+        engine = _engine(stage)
+        _step(engine, batches[0:2])
         if with_localize:
-            healthy = localize(engine.module, batches[2:4])
+            results["healthy"] = localize(engine.module, batches[2:4]).event()
             handle = engine.module.layers[2].attention.wo.register_forward_hook(lambda m, a, out: out * NAN)
-            poisoned = localize(engine.module, batches[2:4])
+            results["poisoned"] = localize(engine.module, batches[2:4]).event()
             handle.remove()
-            results["healthy"] = healthy.event()
-            results["poisoned"] = poisoned.event()
-        step(engine, batches[2:4])
-        step(engine, batches[4:6])
+            if stage == 3:  # the embedding's backward release never fires outside engine.backward
+                results["left_gathered"] = [n for n, p in engine.module.named_parameters() if p.numel()]
+                engine.empty_partition_cache()
+                with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+                    pass  # what checkpoint saving and checksums do: fails while a param is left gathered
+        _step(engine, batches[2:4])
+        _step(engine, batches[4:6])
         with torch.no_grad():
             losses[with_localize] = engine(batches[0][:, :-1], batches[0][:, 1:]).item()
     results["losses"] = losses
@@ -252,5 +262,40 @@ def test_localize_under_zero_leaves_training_unchanged(stage):
     assert results["healthy"]["first_bad_module"] is None
     poisoned = results["poisoned"]
     assert poisoned["first_bad_module"] == "layers.2.attention.wo" and poisoned["classification"] == DATA
-    assert poisoned["n_bad_grads"] > 0
+    assert poisoned["n_bad_grads"] == 20  # ZeRO-3 too: autograd.grad reaches partitioned params (full gradients)
+    if stage == 3:
+        assert results["left_gathered"] == ["layers.0.tok_embeddings.weight"]
     assert results["losses"][True] == results["losses"][False]
+
+
+def _every_rank_worker(rank: int, world: int, port: int, stage: int, tp: int, results: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    engine = _engine(stage, tp)
+    dp_rank = rank // tp  # tp is the innermost grid axis
+    batches = micro_batches(n=2, seed=dp_rank)
+    if rank == 0:  # a fault on one rank only: in a column-parallel shard under tp, in its batch under dp
+        engine.module.layers[2].attention.wq.register_forward_hook(lambda m, a, out: out * NAN)
+    results[rank] = localize(engine.module, batches).event()
+    if stage == 3:
+        engine.empty_partition_cache()
+    _step(engine, batches)  # the ranks are still in step: a collective after localization does not hang
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage, tp", [(3, 1), (1, 2)], ids=["zero3-dp2", "tp2"])
+def test_localize_on_every_rank(stage, tp):
+    """Called on every rank, each replays its own batch with the model's collectives matched; findings differ."""
+    mp.get_context("forkserver").set_forkserver_preload([__name__])
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.start_processes(_every_rank_worker, args=(2, _free_port(), stage, tp, results), nprocs=2,
+                           start_method="forkserver")
+        results = dict(results)
+    assert results[0]["first_bad_module"] == results[0]["origin_module"] == "layers.2.attention.wq"
+    assert results[0]["classification"] == DATA
+    if tp == 1:  # data parallel: rank 1's own batch is fine
+        assert results[1]["first_bad_module"] is None and results[1]["classification"] == TRANSIENT
+    else:  # rank 1 first sees the NaN after the attention's all-reduce: its own shards were fine
+        assert results[1]["first_bad_module"] == results[1]["origin_module"] == "layers.2.attention"
+        assert results[1]["classification"] == DATA

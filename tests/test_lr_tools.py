@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from keel.config import ConfigError, TrainConfig
-from keel.training.lr_find import range_test, steepest_descent_index, sweep_lrs
+from keel.launcher.cli import build_parser, cmd_lr_find
+from keel.training.lr_find import range_test, steepest_descent_index, sweep_lrs, write_csv, write_plot
 from keel.training.lr_schedule import (
     build_scheduler,
     lr_multiplier,
@@ -237,6 +238,29 @@ def test_steepest_descent_looks_only_before_the_minimum():
     assert steepest_descent_index(lrs, smoothed) == 5
     assert steepest_descent_index(lrs, [5.0, 5.0, 5.0, 6.0]) is None  # never falls
     assert steepest_descent_index(lrs, [1.0, 2.0, 3.0]) is None  # the minimum comes first
+
+
+def test_csv_and_plot_are_written_whole(tmp_path):
+    result = range_test(lambda lr: 6.0 - math.log10(lr / 1e-5) if lr < 1e-2 else 50.0, sweep_lrs(1e-5, 1.0, 30))
+    write_csv(tmp_path / "lr_find.csv", result)
+    write_plot(tmp_path / "lr_find.png", result)
+    with open(tmp_path / "lr_find.csv") as handle:
+        rows = list(csv.DictReader(handle))
+    assert [float(r["lr"]) for r in rows] == result.lrs  # repr round-trips exactly
+    assert [float(r["smoothed_loss"]) for r in rows] == result.smoothed
+    assert (tmp_path / "lr_find.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["lr_find.csv", "lr_find.png"], "no temp files left"
+
+
+@pytest.mark.parametrize("argv, field", [
+    (["--steps", "1"], "--steps"),
+    (["--min-lr", "1", "--max-lr", "0.1"], "--min-lr"),
+    (["--beta", "1"], "--beta"),
+])
+def test_lr_find_rejects_bad_arguments_before_any_work(argv, field):
+    args = build_parser().parse_args(["lr-find", *argv])
+    with pytest.raises(ConfigError, match=field):
+        cmd_lr_find(args)
 
 
 # -- `keel lr-find` end to end ------------------------------------------------------------------------------------

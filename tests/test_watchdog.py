@@ -113,6 +113,24 @@ def test_disabled_and_unarmed_watchdog_never_fires(tmp_path):
     assert proc.returncode == 0 and "clean exit" in proc.stdout, proc.stderr
 
 
+def test_gil_held_in_c_code_is_caught_by_the_faulthandler_backstop(tmp_path):
+    """A regex backtracking in C holds the GIL: the watchdog thread cannot run, faulthandler's C thread can."""
+    proc, _ = _run_script(tmp_path, """
+        import re, sys
+        from pathlib import Path
+        import keel.training.watchdog as wd
+        wd.BACKSTOP_MARGIN_S = 1.0
+
+        def regex_holding_the_gil():
+            re.match(r"(a+)+$", "a" * 40 + "b")  # catastrophic backtracking: minutes in C, GIL held throughout
+
+        wd.Watchdog(Path(sys.argv[1]), rank=0, timeout_s=1.0).start().beat(5)
+        regex_holding_the_gil()
+    """)
+    assert proc.returncode == 1 and proc.stderr.startswith("Timeout (0:00:02)!"), proc.stderr
+    assert "in regex_holding_the_gil" in proc.stderr
+
+
 # -- two real ranks -----------------------------------------------------------------------------------------
 def _free_port() -> int:
     with socket.socket() as s:

@@ -43,7 +43,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     print(f"keel: run dir {spec.run_dir} | {nproc} local rank(s) | ds config {spec.cfg.train.ds_config}", flush=True)
     from keel.launcher.local import launch_local
 
-    return launch_local(spec.run_dir, nproc)
+    return launch_local(spec.run_dir, nproc, max_restarts=args.max_restarts)
 
 
 def _train_in_place(args: argparse.Namespace, world_size: int) -> int:
@@ -94,6 +94,8 @@ def cmd_lr_find(args: argparse.Namespace) -> int:
         raise ConfigError(f"--steps: the sweep needs at least 2 steps, got {args.steps}")
     if not 0 < args.min_lr < args.max_lr:
         raise ConfigError(f"--min-lr/--max-lr: need 0 < min-lr < max-lr, got {args.min_lr} and {args.max_lr}")
+    if not 0 <= args.beta < 1:
+        raise ConfigError(f"--beta: the smoothing must lie in [0, 1), got {args.beta}")
     out = Path(args.out).expanduser().resolve()
     spec = build_run(args.config, args.set + single_process_overrides(), args.ds_config, str(out), 1)
     prepare_data(spec)
@@ -103,7 +105,7 @@ def cmd_lr_find(args: argparse.Namespace) -> int:
     print(f"keel: lr-find on one process (tp=pp=1) | {args.steps} steps, lr {args.min_lr:g} → {args.max_lr:g} | "
           f"ds config {spec.cfg.train.ds_config}", flush=True)
     setup_logging(0)
-    result = run_lr_find(spec, args.min_lr, args.max_lr, args.steps, out)
+    result = run_lr_find(spec, args.min_lr, args.max_lr, args.steps, out, args.beta)
     print(f"keel: wrote {out / 'lr_find.csv'} and {out / 'lr_find.png'} ({len(result.lrs)} steps; "
           f"{result.stop_reason})")
     print(f"keel: rule: {SUGGESTION_RULE}")
@@ -117,6 +119,13 @@ def cmd_lr_find(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_slurm(args: argparse.Namespace) -> int:
+    """Render slurm/keel.sbatch for this run (checked and data prepared here first) and submit it."""
+    from keel.launcher.slurm import cmd_slurm as submit_slurm
+
+    return submit_slurm(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="keel", description="Distributed LLM pretraining on DeepSpeed.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -126,6 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--ds-config", help="DeepSpeed JSON (default: train.ds_config)")
     train.add_argument("--nproc", type=int, help="local ranks (default: GPUs, or 2 on CPU)")
     train.add_argument("--run-dir", help="where checkpoints, metrics and logs go (default: runs/<config name>)")
+    train.add_argument("--max-restarts", type=int, default=0,
+                       help="restart all local ranks after a failure, resuming from the latest checkpoint")
     train.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                        help="override a config field, e.g. --set train.steps=100 (repeatable)")
     train.set_defaults(func=cmd_train)
@@ -145,8 +156,14 @@ def build_parser() -> argparse.ArgumentParser:
     find.add_argument("--min-lr", type=float, default=1e-6, help="first LR of the sweep")
     find.add_argument("--max-lr", type=float, default=1.0, help="last LR of the sweep")
     find.add_argument("--steps", type=int, default=100, help="optimizer steps in the sweep")
+    find.add_argument("--beta", type=float, default=0.98,
+                      help="loss smoothing (EMA); lower lags less behind the LR but is noisier")
     find.add_argument("--out", default="runs/lr_find", help="where lr_find.csv and lr_find.png go")
     find.set_defaults(func=cmd_lr_find)
+
+    from keel.launcher.slurm import add_parser as add_slurm_parser
+
+    add_slurm_parser(sub).set_defaults(func=cmd_slurm)
     return parser
 
 

@@ -20,6 +20,8 @@ def launch_local(run_dir: Path, nproc: int, max_restarts: int = 0) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    # torch 2.13's agent otherwise hands its rendezvous TCP store to the workers, which breaks restarts
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     if "OMP_NUM_THREADS" not in os.environ:  # as torchrun does: don't oversubscribe the cores
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
     config = LaunchConfig(

@@ -16,6 +16,8 @@ import json
 import os
 import random
 import shutil
+import subprocess
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +29,7 @@ import torch.distributed as dist
 from keel.parallel.topology import Topology
 
 COMPLETE = "keel_complete.json"
+UNIVERSAL = "universal"
 LATEST = "latest"
 
 
@@ -114,7 +117,8 @@ class Checkpointer:
         os.replace(tmp, rng_path)
         _barrier()  # every rank has written its DeepSpeed shards and RNG file
         if rank == 0:
-            manifest = {"tag": tag, **asdict(state), "topology": self.topology.stamp(), "guards": guards or {}}
+            topology = {**self.topology.stamp(), "zero_stage": engine.zero_optimization_stage()}
+            manifest = {"tag": tag, **asdict(state), "topology": topology, "guards": guards or {}}
             atomic_write_text(tag_dir / COMPLETE, json.dumps(manifest) + "\n")
             atomic_write_text(self.directory / LATEST, tag)
             self._prune(keep=tag)
@@ -126,25 +130,47 @@ class Checkpointer:
         for tag in tags[: max(0, len(tags) - (self.keep_last - 1))]:
             shutil.rmtree(self.directory / tag, ignore_errors=True)
 
+    # -- resharding ---------------------------------------------------------------------------------------------
+    def needs_universal(self, tag: str, zero_stage: int) -> bool:
+        """True when `tag` was written on a layout this run cannot load directly: another tp/pp split, or
+        another data-parallel size while ZeRO partitions the optimizer state."""
+        saved, now = self.read_manifest(tag)["topology"], self.topology.stamp()
+        if (saved["tp"], saved["pp"]) != (now["tp"], now["pp"]):
+            return True
+        return saved["dp"] != now["dp"] and max(zero_stage, saved.get("zero_stage", zero_stage)) > 0
+
+    def convert_universal(self, tag: str) -> None:
+        """Rank 0: DeepSpeed's `ds_to_universal` into `<tag>/universal` (written aside, then renamed in)."""
+        target = self.directory / tag / UNIVERSAL
+        if target.is_dir():
+            return
+        tmp = self.directory / tag / f".{UNIVERSAL}.tmp{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+               str(self.directory / tag), "--output_folder", str(tmp), "--inject_missing_state",
+               "--num_extract_workers", "1", "--num_merge_workers", "1"]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"ds_to_universal failed for {tag}:\n{proc.stderr[-2000:]}")
+        os.replace(tmp, target)
+
     # -- load -----------------------------------------------------------------------------------------------
     def load(self, engine, tag: str, seed: int) -> TrainState:
-        """Restore engine, scheduler and RNG from `tag`; returns the saved position."""
+        """Restore engine, scheduler and RNG from `tag`; returns the saved position. A checkpoint from another
+        layout is read from its universal conversion (`convert_universal` must have run)."""
         manifest = self.read_manifest(tag)
         saved, now = manifest["topology"], self.topology.stamp()
-        zero = engine.zero_optimization_stage()
-        if saved != now and zero > 0 and saved["dp"] != now["dp"]:
-            raise RuntimeError(
-                f"checkpoint {tag} was written with dp={saved['dp']} under ZeRO-{zero}; resuming at dp={now['dp']} "
-                "needs DeepSpeed's universal checkpoint conversion (resume at the original world size)"
-            )
+        universal = engine.load_universal_checkpoint()
         load_path, _ = engine.load_checkpoint(
-            str(self.directory), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+            str(self.directory), tag=f"{tag}/{UNIVERSAL}" if universal else tag, load_optimizer_states=True,
+            load_lr_scheduler_states=True,
         )
         if load_path is None:
             raise RuntimeError(f"DeepSpeed could not load checkpoint {self.directory / tag}")
         state = TrainState(**{k: manifest[k] for k in asdict(TrainState()) if k in manifest})
         rng_path = self.directory / tag / f"keel_rng_rank{self.topology.rank}.pt"
-        if rng_path.is_file() and saved == now:
+        same_layout = {k: saved[k] for k in now} == now
+        if rng_path.is_file() and same_layout:
             set_rng_state(torch.load(rng_path, weights_only=False))
         else:  # a rank that did not exist when the checkpoint was written: derive a fresh, reproducible stream
             seed_everything(seed + 1000003 * state.step + self.topology.rank)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -56,6 +57,9 @@ def run_rank(run_dir: Path) -> int:
     from keel.training.trainer import Trainer
 
     cfg, ds_raw, data = read_run_dir(run_dir)
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restarts:  # back off before rejoining: a failing node or filesystem often needs a moment
+        time.sleep(min(2 ** (restarts - 1), 30))
     init_distributed()
     rank = dist.get_rank()
     setup_logging(rank)
@@ -66,6 +70,7 @@ def run_rank(run_dir: Path) -> int:
     dataset = IndexedDataset(data["prefix"])
     train_samples = PackedSamples(dataset, cfg.data.seq_len, "train", cfg.data.val_fraction)
     val_samples = PackedSamples(dataset, cfg.data.seq_len, "val", cfg.data.val_fraction)
+    ds_raw = reshard_if_needed(cfg, ds_raw, topology, run_dir)
     lr_scale = LRScale()
     engine = build_engine(cfg, ds_raw, topology, lr_scale=lr_scale)
     if rank == 0:
@@ -82,6 +87,27 @@ def run_rank(run_dir: Path) -> int:
         return result.exit_code  # a guard stopped the run; peers stop at the same step with the same code
     dist.barrier()
     return EXIT_OK
+
+
+def reshard_if_needed(cfg, ds_raw: dict, topology, run_dir: Path) -> dict:
+    """Resuming on another layout (a node lost, a different world size): rank 0 converts the latest checkpoint
+    to DeepSpeed's universal format and every rank loads that; the global batch stays fixed because gradient
+    accumulation is derived from the new data-parallel size."""
+    from keel.training.checkpoint import Checkpointer
+    from keel.training.ds_config import zero_stage
+
+    checkpointer = Checkpointer(run_dir / "checkpoints", cfg.checkpoint.keep_last, topology)
+    tag = checkpointer.latest_tag() if cfg.checkpoint.resume else None
+    if tag is None or not checkpointer.needs_universal(tag, zero_stage(ds_raw)):
+        return ds_raw
+    log = logging.getLogger("keel")
+    saved = checkpointer.read_manifest(tag)["topology"]
+    if topology.rank == 0:
+        log.warning("checkpoint %s was written at %s; this run is %s: converting to a universal checkpoint", tag,
+                    {k: saved[k] for k in ("world_size", "dp", "tp", "pp")}, topology.describe())
+        checkpointer.convert_universal(tag)
+    dist.barrier()
+    return {**ds_raw, "checkpoint": {**ds_raw.get("checkpoint", {}), "load_universal": True}}
 
 
 def exit_now(code: int) -> None:

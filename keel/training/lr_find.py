@@ -32,6 +32,7 @@ class RangeTestResult:
     losses: list[float] = field(default_factory=list)
     smoothed: list[float] = field(default_factory=list)
     stop_reason: str = "completed the sweep"
+    beta: float = 0.98  # the smoothing the curve was made with
 
     @property
     def min_index(self) -> int | None:
@@ -77,7 +78,7 @@ def range_test(step: Callable[[float], float], lrs: list[float], beta: float = 0
     Stops after the first step whose loss is non-finite or whose smoothed loss exceeds `diverge_factor` × the best
     smoothed loss so far; that step is kept in the result so the curve shows where it broke.
     """
-    result = RangeTestResult()
+    result = RangeTestResult(beta=beta)
     average, best = 0.0, math.inf
     for i, lr in enumerate(lrs):
         loss = float(step(lr))
@@ -116,16 +117,16 @@ def write_plot(path: Path, result: RangeTestResult) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     ax.plot(result.lrs, result.losses, color="0.75", linewidth=1, label="loss")
-    ax.plot(result.lrs, result.smoothed, color="C0", linewidth=2, label="smoothed loss (EMA 0.98)")
+    ax.plot(result.lrs, result.smoothed, color="C0", linewidth=2, label=f"smoothed loss (EMA {result.beta:g})")
     index = result.suggestion_index()
     if index is not None:
         lr = result.lrs[index]
         ax.axvline(lr, color="C3", linestyle="--", linewidth=1)
         ax.plot([lr], [result.smoothed[index]], "o", color="C3", label=f"suggested lr {lr:.2e}")
-    finite = [s for s in result.smoothed if math.isfinite(s)]
-    if finite:  # the diverging tail would otherwise flatten the interesting part
-        low, high = min(finite), min(max(finite), 2.0 * result.smoothed[0] if math.isfinite(result.smoothed[0])
-                                     else max(finite))
+    finite = [v for v in result.losses + result.smoothed if math.isfinite(v)]
+    if finite and math.isfinite(result.smoothed[0]):  # a diverging tail would flatten the interesting part
+        start, low = result.smoothed[0], min(finite)
+        high = min(max(finite), start + max(start - low, 0.1 * abs(start)))
         pad = 0.05 * max(high - low, 1e-6)
         ax.set_ylim(low - pad, high + pad)
     ax.set_xscale("log")
@@ -151,7 +152,7 @@ def single_process_overrides() -> list[str]:
             "checkpoint.resume=false"]
 
 
-def run_lr_find(spec, min_lr: float, max_lr: float, steps: int, out_dir: Path) -> RangeTestResult:
+def run_lr_find(spec, min_lr: float, max_lr: float, steps: int, out_dir: Path, beta: float = 0.98) -> RangeTestResult:
     """Sweep the LR over `steps` optimizer steps of the run `spec` (a prepared RunSpec) on one process.
 
     The engine is built with a constant schedule at multiplier 1 and no ramp-up, and each step's LR is written to
@@ -198,7 +199,7 @@ def run_lr_find(spec, min_lr: float, max_lr: float, steps: int, out_dir: Path) -
         state["step"] += 1
         return torch.stack(losses).mean().item()
 
-    result = range_test(one_step, lrs)
+    result = range_test(one_step, lrs, beta)
     result.lrs = state["used_lrs"]  # what the optimizer was given, read back from the engine
     out_dir.mkdir(parents=True, exist_ok=True)
     write_csv(out_dir / "lr_find.csv", result)

@@ -25,6 +25,7 @@ from keel.training.guards.base import Action, AnomalyLog, Decision, StepStats
 from keel.training.guards.gate import reported_grad_norm
 from keel.training.guards.stack import GuardStack
 from keel.training.metrics import MetricsWriter
+from keel.training.preemption import EXIT_PREEMPTED, PreemptionHandler
 
 log = logging.getLogger("keel")
 
@@ -82,6 +83,7 @@ class Trainer:
         self.faults = FaultInjector(cfg.faults, topology.rank, engine.module, cfg.model.vocab_size, cfg.train.seed)
         self.loss_fn = engine.module.loss_fn
         self.guards = GuardStack(cfg, engine, topology, self.anomalies, self._step_stats)
+        self.preemption = PreemptionHandler()
         self._pending: StepStats | None = None
         self._local_loss: float | None = None
 
@@ -243,8 +245,12 @@ class Trainer:
                     state = self.rollback(state, metrics, first, decision.reason, factor)
                     continue
                 stop_early = t.exit_after and steps_here >= t.exit_after and state.step < t.steps
-                if state.step == t.steps or stop_early or (c.interval and state.step % c.interval == 0):
+                preempted = self.preemption.should_stop() and state.step < t.steps
+                if state.step == t.steps or stop_early or preempted or (c.interval and state.step % c.interval == 0):
                     self.save(state)
+                if preempted:
+                    self.anomalies.record("preempted", state.step, signal=self.preemption.received)
+                    return TrainResult(state, finished=False, exit_code=EXIT_PREEMPTED, reason="preempted")
                 if stop_early:
                     return TrainResult(state, finished=False)
         finally:

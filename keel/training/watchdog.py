@@ -6,8 +6,9 @@ Keel's process exit codes (one table, read by the launcher and by whoever reads 
     0  ok                                                       keel.training.entry.EXIT_OK
     1  failure: an exception on the rank                        keel.training.entry.EXIT_FAILED
     2  usage or config error, reported before any rank starts   keel.launcher.cli.EXIT_USAGE
-    3  parameter checksum mismatch: replicas diverged, stopped  keel.training.guards (stability.checksum_action)
+    3  parameter checksum mismatch: replicas diverged, stopped  keel.training.guards.stack.CHECKSUM_EXIT
     4  hang: a step overran stability.watchdog_timeout          EXIT_HANG; stacks in <run_dir>/stacks/
+    5  preempted: checkpoint saved on SIGUSR1/SIGTERM, requeue  keel.training.preemption.EXIT_PREEMPTED
 
 A hang is usually transient (a stuck node, a network flap): restarting from the last checkpoint is the cure.
 
@@ -18,11 +19,11 @@ and each one dumps its own stacks (the hung rank's show where it is stuck, its p
 wait in) and exits with EXIT_HANG. torchrun's agent sees the first exit, tears the rest of the group down and
 restarts it if it has restarts left. One race is handled explicitly: with gloo, a peer's collective fails as
 soon as the hung rank's process is gone, possibly a few milliseconds before that peer's own deadline. An
-exception that leaves the watched region (`with watchdog:`) within PEER_WINDOW_S of the deadline is therefore
-taken for the hang it is: the rank dumps its stacks plus the exception and exits with EXIT_HANG, not 1.
-With NCCL a dead peer does not fail the collective, it just never completes, so the peers' own deadlines
-decide. Keep watchdog_timeout below the process group's timeout (DeepSpeed's default is 30 min), or the
-collective times out first and the rank exits 1.
+exception that leaves the watched region (`with watchdog:`) within PEER_WINDOW_S (at most half the timeout) of
+the deadline is therefore taken for the hang it is: the rank dumps its stacks plus the exception and exits with
+EXIT_HANG, not 1. With NCCL a dead peer usually does not fail the collective, it just never completes, so the
+peers' own deadlines decide. Keep watchdog_timeout below the process group's timeout (DeepSpeed's default is
+30 min), or the collective times out first and the rank exits 1.
 
 Why a Python thread rather than `faulthandler.dump_traceback_later(exit=True)` alone: faulthandler exits with
 code 1 (indistinguishable from an exception), records nothing in anomalies.jsonl, and its single timer is
@@ -39,6 +40,7 @@ A `Timeout (h:mm:ss)!` traceback on stderr before an exit 1 means exactly that.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import faulthandler
 import os
@@ -47,6 +49,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
@@ -113,9 +116,14 @@ class Watchdog:
             self._beat = (self._beat[0], time.monotonic())
         self._pauses = max(0, self._pauses - 1)
 
-    def paused(self) -> _Paused:
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
         """`with watchdog.paused(): checkpointer.save(...)`"""
-        return _Paused(self)
+        self.pause()
+        try:
+            yield
+        finally:
+            self.resume()
 
     def stop(self) -> None:
         self._stop.set()
@@ -196,17 +204,6 @@ class Watchdog:
             f.flush()  # faulthandler writes to the file descriptor directly, after what is buffered here
             faulthandler.dump_traceback(f, all_threads=True)
         return path
-
-
-class _Paused:
-    def __init__(self, watchdog: Watchdog):
-        self.watchdog = watchdog
-
-    def __enter__(self) -> None:
-        self.watchdog.pause()
-
-    def __exit__(self, *exc) -> None:
-        self.watchdog.resume()
 
 
 @dataclass

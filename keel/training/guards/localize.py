@@ -17,12 +17,17 @@ What the replay leaves alone, and why:
 
 Collective rule: call `localize` on EVERY rank, each with its own micro-batches of the skipped step, or on none.
 The replay runs the model's own collectives: tensor (and sequence) parallel all-reduces and gathers in forward
-and backward, and under ZeRO-3 the parameter all-gathers over data parallel. Calling it on only the ranks that
-saw the non-finite value, or only where tp == 1, would hang the others or fail under ZeRO-3; calling it
-everywhere is safe at any layout because every rank replays all its micro-batches, twice, whatever it finds
-(no rank stops early on a local finding). The rule needs the lead's skip decision to be global, which it is.
-Each rank's result is about its own batch; the lead combines them (see `classify`). Pipeline parallelism
-(a `PipelineModule` stage) is not supported: a stage cannot compute a loss by itself.
+and backward, and under ZeRO-3 the parameter all-gathers over data parallel. Calling it only on the ranks that
+saw the non-finite value hangs the others; "only when tp == 1" is not enough either, since ZeRO-3 gathers over
+data parallel at any tp. Calling it everywhere is safe at any layout because every rank replays all its
+micro-batches, twice, whatever it finds (no rank stops early on a local finding); it needs the skip decision to
+be global, which it is. Each rank's result is about its own batch (under tp, its own shards); the lead combines
+them (see `classify`). Pipeline parallelism is not supported: a `PipelineModule` stage cannot compute the loss.
+
+ZeRO-3: afterwards call `engine.empty_partition_cache()`. The embedding's parameters are gathered in the replay
+and only `engine.backward` releases them (their module's input needs no gradient, so DeepSpeed's post-backward
+hook never fires); left gathered they make `GatheredParameters` (checkpoint saving, checksums) raise until the
+next step. Also: the replay bypasses `engine.forward`, so a DeepSpeed `torch_autocast` section is not applied.
 
 Memory: one micro-batch's activations plus one gradient-sized copy of the parameters at a time.
 """
@@ -108,12 +113,12 @@ def localize(model: nn.Module, micro_batches: Sequence[torch.Tensor], sample_ind
     findings = first or second
     top = findings[0] if findings else None
     return Localization(
-        first_bad_module=top and top.first_bad_module,
-        first_bad_class=top and top.first_bad_class,
-        origin_module=top and top.origin_module,
-        origin_class=top and top.origin_class,
-        micro_batch=top and top.micro_batch,
-        loss=top and top.loss,
+        first_bad_module=top.first_bad_module if top else None,
+        first_bad_class=top.first_bad_class if top else None,
+        origin_module=top.origin_module if top else None,
+        origin_class=top.origin_class if top else None,
+        micro_batch=top.micro_batch if top else None,
+        loss=top.loss if top else None,
         bad_grads=top.bad_grads if top else [],
         n_bad_grads=top.n_bad_grads if top else 0,
         bad_params=top.bad_params if top else [],
