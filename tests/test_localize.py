@@ -183,6 +183,17 @@ def test_replay_leaves_grads_hooks_rng_and_modes_alone(checkpoint_interval):
     assert {"post", "acc"} <= set(fired)
 
 
+def test_both_replays_draw_the_same_dropout_masks():
+    model = CausalLM(ModelConfig(**CFG, dropout=0.5), seed=0)
+    losses = []
+    model.register_forward_hook(lambda module, args, loss: losses.append(loss.item()))
+    localize(model, micro_batches())
+    assert len(losses) == 4 and losses[:2] == losses[2:]  # the second replay saw exactly what the first did
+    model.eval()
+    batch = micro_batches()[0]
+    assert model(batch[:, :-1], batch[:, 1:]).item() != losses[0]  # and dropout was on in the replay
+
+
 def test_classify_needs_the_same_place_twice():
     def at(micro_batch: int, module: str | None) -> Finding:
         return Finding(micro_batch, module, "X", module, "X", [], NAN, [], 0, [])

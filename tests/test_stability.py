@@ -87,3 +87,29 @@ def test_fp16_overflow_storm_halves_the_scale_and_warns(runs, tmp_path):
     assert len(skipped) >= 4 and scales[skipped[-1] - 1] < 2.0**40 / 2**3  # each overflow halved the scale
     warnings = events(run, "loss_scale")
     assert warnings and "bf16" in warnings[0]["reason"]
+
+
+def test_sleeping_rank_trips_the_watchdog(runs, tmp_path):
+    """Rank 1 stalls in step 4: its stacks are dumped and the run exits with the hang code within T + 10 s."""
+    import subprocess
+    import sys
+    import time
+
+    timeout = 5
+    cmd = [sys.executable, "-m", "keel.launcher.cli", "train", "--nproc", "2", "--run-dir", str(tmp_path),
+           "--ds-config", str(REPO / "ds_configs" / "zero0.json")]
+    for item in runs.overrides(faults__sleep_step=4, faults__sleep_rank=1, faults__sleep_s=120,
+                               stability__watchdog_timeout=timeout):
+        cmd += ["--set", item]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    while not read_metrics(tmp_path / "metrics.jsonl") or read_metrics(tmp_path / "metrics.jsonl")[-1]["step"] < 3:
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        time.sleep(0.05)
+    stalled_at = time.time()
+    proc.communicate(timeout=120)
+    assert proc.returncode == 4  # keel.training.watchdog.EXIT_HANG
+    assert time.time() - stalled_at <= timeout + 10
+    dump = (tmp_path / "stacks" / "rank1-step4.txt").read_text()
+    assert "faults.py" in dump and "in before_forward" in dump  # the stalled frame: the injected sleep
+    hangs = events(tmp_path, "hang")
+    assert any(e["rank"] == 1 and e["step"] == 4 for e in hangs)

@@ -37,7 +37,7 @@ def lr_multiplier(step: int, cfg: TrainConfig) -> float:
       Training Durations"). The decay never starts before warmup ends, so a long warmup shortens the decay
       instead of making the schedule jump.
     """
-    if cfg.warmup_steps > 0 and step <= cfg.warmup_steps:
+    if cfg.warmup_steps > 0 and step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
     floor = cfg.min_lr_ratio
     if cfg.lr_schedule == "constant":

@@ -26,6 +26,7 @@ from keel.training.guards.gate import reported_grad_norm
 from keel.training.guards.stack import GuardStack
 from keel.training.metrics import MetricsWriter
 from keel.training.preemption import EXIT_PREEMPTED, PreemptionHandler
+from keel.training.watchdog import StragglerMonitor, Watchdog
 
 log = logging.getLogger("keel")
 
@@ -215,46 +216,63 @@ class Trainer:
         self.checkpointer.save(self.engine, state, guards=self.guards.state_dict())
 
     def fit(self) -> TrainResult:
-        t, c = self.cfg.train, self.cfg.checkpoint
+        t, s = self.cfg.train, self.cfg.stability
         state = self.resume()
         metrics = MetricsWriter(self.run_dir, self.topology.rank == 0, state.step, self.cfg.logging.log_interval,
                                 t.steps)
+        watchdog = Watchdog(self.run_dir, self.topology.rank, s.watchdog_timeout, self.anomalies)
+        stragglers = StragglerMonitor(self.topology, s.straggler_interval)
+        try:
+            with watchdog:  # leaving the block within a hang's deadline counts as that hang (see watchdog.py)
+                return self._loop(state, metrics, watchdog, stragglers)
+        finally:
+            metrics.close()
+
+    def _loop(self, state: TrainState, metrics: MetricsWriter, watchdog: Watchdog,
+              stragglers: StragglerMonitor) -> TrainResult:
+        t, c = self.cfg.train, self.cfg.checkpoint
         tokens_per_step = t.global_batch_size * self.cfg.data.seq_len
         steps_here = 0
-        try:
-            while state.step < t.steps:
-                start = time.perf_counter()
-                record = self.train_step(state)
-                steps_here += 1
-                elapsed = time.perf_counter() - start
-                record = {"step": state.step, **record, "tokens": state.consumed_samples * self.cfg.data.seq_len,
-                          "tokens_per_s": tokens_per_step / elapsed, "step_time_s": elapsed,
-                          "consumed_samples": state.consumed_samples, "lr_scale": state.lr_scale}
+        while state.step < t.steps:
+            watchdog.beat(state.step + 1)
+            start = time.perf_counter()
+            record = self.train_step(state)
+            steps_here += 1
+            elapsed = time.perf_counter() - start
+            record = {"step": state.step, **record, "tokens": state.consumed_samples * self.cfg.data.seq_len,
+                      "tokens_per_s": tokens_per_step / elapsed, "step_time_s": elapsed,
+                      "consumed_samples": state.consumed_samples, "lr_scale": state.lr_scale}
+            report = stragglers.update(state.step, elapsed)
+            if report is not None:
+                record.update(report.metrics)
+                if self.topology.rank == 0:
+                    log.info(report.line)
+            with watchdog.paused():  # collectives of their own; a hang here is not the step's
                 decision = Decision.most_severe([
                     self.guards.decision,
                     self.guards.after_step(state.step, record["loss_scale"], self._local_loss)])
                 if t.eval_interval and (state.step % t.eval_interval == 0 or state.step == t.steps):
                     record["val_loss"] = self.evaluate()
-                metrics.log(record)
-                if decision.action == Action.STOP:
-                    log.error("stopping at step %d: %s", state.step, decision.reason)
-                    return TrainResult(state, finished=False, exit_code=decision.exit_code, reason=decision.reason)
-                if decision.action == Action.ROLLBACK:
-                    first = (self.guards.last_event or {}).get("first_spike_step", state.step)
-                    factor = 1.0 if decision.restore else self.cfg.stability.rollback_lr_factor
+            metrics.log(record)
+            if decision.action == Action.STOP:
+                log.error("stopping at step %d: %s", state.step, decision.reason)
+                return TrainResult(state, finished=False, exit_code=decision.exit_code, reason=decision.reason)
+            if decision.action == Action.ROLLBACK:
+                first = (self.guards.last_event or {}).get("first_spike_step", state.step)
+                factor = 1.0 if decision.restore else self.cfg.stability.rollback_lr_factor
+                with watchdog.paused():
                     state = self.rollback(state, metrics, first, decision.reason, factor)
-                    continue
-                stop_early = t.exit_after and steps_here >= t.exit_after and state.step < t.steps
-                preempted = self.preemption.should_stop() and state.step < t.steps
-                if state.step == t.steps or stop_early or preempted or (c.interval and state.step % c.interval == 0):
+                continue
+            stop_early = t.exit_after and steps_here >= t.exit_after and state.step < t.steps
+            preempted = self.preemption.should_stop() and state.step < t.steps
+            if state.step == t.steps or stop_early or preempted or (c.interval and state.step % c.interval == 0):
+                with watchdog.paused():
                     self.save(state)
-                if preempted:
-                    self.anomalies.record("preempted", state.step, signal=self.preemption.received)
-                    return TrainResult(state, finished=False, exit_code=EXIT_PREEMPTED, reason="preempted")
-                if stop_early:
-                    return TrainResult(state, finished=False)
-        finally:
-            metrics.close()
+            if preempted:
+                self.anomalies.record("preempted", state.step, signal=self.preemption.received)
+                return TrainResult(state, finished=False, exit_code=EXIT_PREEMPTED, reason="preempted")
+            if stop_early:
+                return TrainResult(state, finished=False)
         return TrainResult(state, finished=True)
 
 
