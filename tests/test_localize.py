@@ -130,7 +130,8 @@ def test_backward_only_nan_is_found_in_the_gradients():
         output.register_hook(lambda grad: grad * NAN)
 
     model.layers[2].feed_forward.w2.register_forward_hook(nan_grad)
-    loc = localize(model, micro_batches())
+    with torch.no_grad():  # gradients are taken even when the caller has them off
+        loc = localize(model, micro_batches())
     assert loc.first_bad_module is None and loc.origin_module is None and math.isfinite(loc.loss)
     assert loc.bad_grads[0] == "layers.2.feed_forward.w2.weight"
     assert "layers.3.norm.weight" not in loc.bad_grads  # downstream of the NaN: its gradient stays finite

@@ -34,6 +34,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     external = _external_world_size()
     if external is not None:
         return _train_in_place(args, external)
+    if args.launcher == "deepspeed":
+        return _train_with_deepspeed_launcher(args)
     nproc = args.nproc or _default_nproc()
     if nproc < 1:
         raise ConfigError(f"--nproc: must be >= 1, got {nproc}")
@@ -44,6 +46,26 @@ def cmd_train(args: argparse.Namespace) -> int:
     from keel.launcher.local import launch_local
 
     return launch_local(spec.run_dir, nproc, max_restarts=args.max_restarts)
+
+
+def _train_with_deepspeed_launcher(args: argparse.Namespace) -> int:
+    """Check the config for the hostfile's world size and prepare the data, then hand over to `deepspeed`."""
+    from keel.launcher.deepspeed_launcher import hostfile_slots, launch_deepspeed
+    from keel.launcher.run_dir import build_run, prepare_data, write_run_dir
+
+    if not args.hostfile:
+        raise ConfigError("--launcher deepspeed needs --hostfile (lines of 'hostname slots=N')")
+    world_size = sum(slots for _, slots in hostfile_slots(args.hostfile))
+    spec = build_run(args.config, args.set, args.ds_config, args.run_dir, world_size)
+    prepare_data(spec)
+    write_run_dir(spec)
+    keel_args = ([args.config] if args.config else []) + ["--run-dir", str(spec.run_dir)]
+    if args.ds_config:
+        keel_args += ["--ds-config", args.ds_config]
+    for item in args.set:
+        keel_args += ["--set", item]
+    return launch_deepspeed(keel_args, args.hostfile, args.no_ssh, args.node_rank, args.master_addr,
+                            args.master_port)
 
 
 def _train_in_place(args: argparse.Namespace, world_size: int) -> int:
@@ -135,6 +157,13 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--ds-config", help="DeepSpeed JSON (default: train.ds_config)")
     train.add_argument("--nproc", type=int, help="local ranks (default: GPUs, or 2 on CPU)")
     train.add_argument("--run-dir", help="where checkpoints, metrics and logs go (default: runs/<config name>)")
+    train.add_argument("--launcher", choices=["local", "deepspeed"], default="local",
+                       help="local: torchrun's agent on this machine; deepspeed: the deepspeed launcher + --hostfile")
+    train.add_argument("--hostfile", help="deepspeed launcher: lines of 'hostname slots=N'")
+    train.add_argument("--no-ssh", action="store_true", help="deepspeed launcher: run once per node, no ssh")
+    train.add_argument("--node-rank", type=int, default=0, help="deepspeed launcher with --no-ssh: this node")
+    train.add_argument("--master-addr", help="deepspeed launcher: rendezvous host (default: first host)")
+    train.add_argument("--master-port", type=int, default=29500, help="deepspeed launcher: rendezvous port")
     train.add_argument("--max-restarts", type=int, default=0,
                        help="restart all local ranks after a failure, resuming from the latest checkpoint")
     train.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",

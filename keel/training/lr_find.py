@@ -197,7 +197,10 @@ def run_lr_find(spec, min_lr: float, max_lr: float, steps: int, out_dir: Path, b
             losses.append(loss.detach().float())
         engine.step()
         state["step"] += 1
-        return torch.stack(losses).mean().item()
+        loss = torch.stack(losses).mean().item()
+        if state["step"] % 10 == 0 or state["step"] == steps:
+            log.info("lr-find step %d/%d | lr %.3e | loss %.4f", state["step"], steps, lr, loss)
+        return loss
 
     result = range_test(one_step, lrs, beta)
     result.lrs = state["used_lrs"]  # what the optimizer was given, read back from the engine

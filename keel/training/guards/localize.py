@@ -132,7 +132,7 @@ def localize(model: nn.Module, micro_batches: Sequence[torch.Tensor], sample_ind
 
 
 def classify(first: list[Finding], second: list[Finding]) -> str:
-    """"data" when both replays found the same first bad module in the same micro-batch, else "transient".
+    """The class on this rank: "data" when both replays found the same first bad module in the same micro-batch.
 
     - Both found it at the same place: the batch and the weights make it, every time → "data".
     - Neither found anything: the step's non-finite value did not come back → "transient". A replay cannot tell
@@ -158,7 +158,7 @@ def replay(model: nn.Module, micro_batches: Sequence[torch.Tensor], grad_scale: 
     # ZeRO-3 keeps only this rank's partition (`ds_tensor`) outside forward; check that
     bad_params = [name for name, p in model.named_parameters() if not _finite(getattr(p, "ds_tensor", p))]
     findings = []
-    with _training_rng_kept(model), _train_mode(model):
+    with _training_rng_kept(model), _train_mode(model), torch.enable_grad():  # even if called under no_grad
         for index, batch in enumerate(micro_batches):
             watch = _Watch(model, batch.shape[0])
             try:
