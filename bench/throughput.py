@@ -148,12 +148,9 @@ def run_interleaved(steps: dict, batches: list[torch.Tensor], warmup: int, devic
 
 def keel_step(engine, topology):
     """One optimizer step exactly as `keel.training.trainer.Trainer.train_step` drives the engine (GA = 1)."""
-    from keel.parallel.grad_norm import clip_grad_norm_
+    from keel.training.engine import Fp32GradClipper
 
-    plain_fp32 = engine.zero_optimization_stage() == 0 and not engine.fp16_enabled() and not engine.bfloat16_enabled()
-    if plain_fp32 and engine.gradient_clipping() > 0:  # as Trainer._take_over_fp32_clipping: Keel clips this path
-        params = [p for p in engine.module.parameters() if p.requires_grad]
-        engine.clip_fp32_gradients = lambda: clip_grad_norm_(params, engine.gradient_clipping(), topology)
+    Fp32GradClipper(engine, topology)  # as the Trainer: Keel clips the plain fp32 ZeRO-0 path itself
 
     def step(inputs: torch.Tensor, labels: torch.Tensor) -> float:
         engine.set_gradient_accumulation_boundary(True)
