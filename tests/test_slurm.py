@@ -57,6 +57,20 @@ def submit(cluster: SlurmCluster, run_dir: Path, overrides: list[str]) -> str:
     return match.group(1)
 
 
+FAKE_RANK = """#!/bin/bash
+# Stands in for `python -m keel.launcher.cli train ... --run-dir DIR` in the script's srun step: it records its
+# rank variables, then waits for USR1 or TERM and exits 5 as Keel's ranks do; after a requeue it exits 0.
+while [ $# -gt 0 ]; do [ "$1" = --run-dir ] && dir=$2; shift; done
+restart=${SLURM_RESTART_COUNT:-0}
+echo "$RANK $WORLD_SIZE $LOCAL_RANK $MASTER_ADDR" > "$dir/rank$RANK.restart$restart"
+[ "$restart" != 0 ] && exit 0
+trap 'echo USR1 >> "$dir/rank$RANK.signal"; exit 5' USR1
+trap 'echo TERM >> "$dir/rank$RANK.signal"; exit 5' TERM
+touch "$dir/ready$RANK"
+while true; do sleep 0.1; done
+"""
+
+
 def job_log(run_dir: Path, job_id: str) -> str:
     path = run_dir / f"slurm-{job_id}.out"
     return path.read_text(errors="replace") if path.exists() else ""
@@ -201,3 +215,46 @@ def test_usr1_checkpoints_requeues_and_resumes(slurm_cluster, runs, reference, t
     assert ours.keys() == theirs.keys()
     for name in ours:
         assert torch.equal(ours[name], theirs[name]), name
+
+
+@pytest.mark.slow
+def test_time_limit_signal_is_forwarded_and_scancel_is_final(slurm_cluster, runs, tmp_path, capsys, monkeypatch):
+    """The script's own signal handling, with a stand-in for the ranks (no training): USR1 to the batch shell
+    (what --signal=B:USR1@lead sends before the time limit) reaches every rank and the job requeues; a plain
+    scancel (SIGTERM to the whole job) stops the ranks and the job stays cancelled."""
+    fake = tmp_path / "fake_python"
+    fake.write_text(FAKE_RANK)
+    fake.chmod(0o755)
+    monkeypatch.setenv("SLURM_CONF", str(slurm_cluster.conf))
+    jobs = {}
+    for mode in ("usr1", "cancel"):  # both at once: 2 x 4 tasks fit on the two 4-CPU nodes
+        run_dir = tmp_path / mode
+        code, out, err = keel_slurm_here(capsys, run_dir, runs.overrides(), "--nodes", "2", "--tasks-per-node", "2",
+                                         "--python", str(fake))
+        assert code == 0, out + err
+        jobs[mode] = (run_dir, re.search(r"submitted job (\d+)", out).group(1))
+    deadline = time.monotonic() + 120
+    while sum(len(list(run_dir.glob("ready*"))) for run_dir, _ in jobs.values()) < 8:
+        assert time.monotonic() < deadline, slurm_cluster.logs()
+        time.sleep(0.2)
+    slurm_cluster.run(["scancel", "--batch", "--signal=USR1", jobs["usr1"][1]])
+    slurm_cluster.run(["scancel", jobs["cancel"][1]])
+
+    run_dir, job_id = jobs["usr1"]
+    job = slurm_cluster.wait_job(job_id, timeout=120)
+    log = job_log(run_dir, job_id)
+    assert job["JobState"] == "COMPLETED" and job["Restarts"] == "1", f"{job}\n{log}"
+    assert "received SIGUSR1" in log and "requeueing job" in log
+    for rank in range(4):
+        assert (run_dir / f"rank{rank}.signal").read_text() == "USR1\n"
+        for restart in (0, 1):
+            assert (run_dir / f"rank{rank}.restart{restart}").read_text().split() == [str(rank), "4", str(rank % 2),
+                                                                                      "127.0.0.1"]
+    run_dir, job_id = jobs["cancel"]
+    job = slurm_cluster.wait_job(job_id, timeout=120)
+    log = job_log(run_dir, job_id)
+    assert job["JobState"] == "CANCELLED" and job["Restarts"] == "0", f"{job}\n{log}"
+    assert "not requeueing" in log, log
+    # every rank was asked to stop (SLURM's TERM, or the script's forwarded USR1 if that came first) and did
+    assert all((run_dir / f"rank{rank}.signal").read_text().split()[0] in ("TERM", "USR1") for rank in range(4))
+    assert not list(run_dir.glob("rank*.restart1"))

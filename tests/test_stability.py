@@ -26,8 +26,11 @@ def test_nan_on_one_rank_skips_the_step_everywhere(runs, tmp_path):
     faulty = runs.get("nan", 2, "ds_configs/zero1.json", faults__nan_step=5, faults__nan_rank=1)
     records = read_metrics(faulty / "metrics.jsonl")
     assert [r["step"] for r in records if r["skipped"]] == [5]
-    (event,) = events(faulty, "nonfinite")
-    assert event["step"] == 5 and event["samples"] == [4 * GB, 5 * GB]
+    detected, localized = events(faulty, "nonfinite")
+    assert detected["step"] == 5 and detected["samples"] == [4 * GB, 5 * GB] and detected["action"] == "skip"
+    assert localized["phase"] == "localized" and localized["classification"] == "data"
+    assert localized["bad_rank"] == 1 and localized["first_bad_module"] == "layers.0"  # the poisoned embedding
+    assert localized["samples"] == [4 * GB + GB // 2]  # the poisoned row: rank 1's first sample of step 5
     clean = tmp_path / "clean"
     keel_train(clean, 2, runs.overrides(data__skip_ranges=json.dumps([f"{4 * GB}:{5 * GB}"]), train__exit_after=9),
                "ds_configs/zero1.json")

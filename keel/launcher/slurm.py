@@ -184,6 +184,10 @@ def prepare_script(args: argparse.Namespace) -> tuple[str, Path]:
     if config is not None and not config.is_file():
         raise ConfigError(f"config: no such file {args.config}")
     spec = build_run(args.config, args.set, args.ds_config, args.run_dir, opts.nodes * opts.tasks_per_node)
+    _sbatch_safe("--run-dir", str(spec.run_dir))
+    if "%" in str(spec.run_dir):
+        raise ConfigError(f"--run-dir: {spec.run_dir} contains '%', which sbatch expands in the log's file name")
+    _sbatch_safe("working directory", str(Path.cwd()))
     prepare_data(spec)
     command = train_command(args.python or sys.executable, config, spec.run_dir, spec.cfg.train.ds_config, args.set)
     script = render(template, opts, spec.run_dir, Path.cwd(), command)

@@ -88,8 +88,8 @@ class Sinks:
     """TensorBoard (`<run_dir>/tensorboard/`) and W&B behind one `log(step, record)`; each optional.
 
     Only the rank given `enabled` writes. On resume, TensorBoard is told to drop the old events past
-    `resumed_step` (those steps are trained again), as metrics.jsonl does; W&B cannot rewrite history and
-    ignores re-logged steps at or below its last one.
+    `resumed_step` (those steps are trained again), as metrics.jsonl does. W&B cannot rewrite history: it keeps
+    the first values and warns about (and drops) steps logged again below its last one.
     """
 
     def __init__(self, run_dir: str | Path, stability: StabilityConfig, run_config: dict[str, Any] | None = None,
@@ -203,8 +203,8 @@ class ModelMonitor:
     4. `after_step(step)` after `engine.step()` (or `train_batch`): returns the scalars to merge into the
        metrics record, `{}` on other steps.
 
-    Statistics: gradient norms are pre-clipping and unscaled (fp16) — the same quantity as the record's
-    grad_norm, so their root-sum-square equals it. `params/norm` is ‖θ‖ after the step and
+    Statistics: gradient norms are pre-clipping and unscaled (fp16) — the quantity DeepSpeed reports as the
+    record's grad_norm, so their root-sum-square equals it. `params/norm` is ‖θ‖ after the step and
     `params/update_ratio` is ‖θ_after − θ_before‖ / ‖θ_after‖. Activation mean, std (population) and max-abs of
     each Block's output pool every token of the step's forward passes on this model replica (all its micro-batches;
     with sequence parallelism, all the TP ranks' shards); recomputation under activation checkpointing is ignored.
@@ -307,8 +307,17 @@ class ModelMonitor:
         engine._take_model_step = take_model_step_monitored
 
     def _loss_scale(self) -> float:
-        """fp16 gradients carry the dynamic loss scale until DeepSpeed's step divides it out."""
-        if self.engine is None:
+        """The factor this step's gradients still carry: fp16's dynamic loss scale, for ZeRO optimizers only.
+
+        DeepSpeed's `engine.backward` multiplies the loss by the scale only when the optimizer is a ZeROOptimizer
+        (fp16 at ZeRO ≥ 1); its step divides it out later. Its plain fp16 optimizers (ZeRO-0) see unscaled
+        gradients. tests/test_monitor.py checks both against fp32.
+        """
+        if self.engine is None or not self.engine.fp16_enabled():
+            return 1.0
+        from deepspeed.runtime.base_optimizer import ZeROOptimizer
+
+        if not isinstance(self.engine.optimizer, ZeROOptimizer):
             return 1.0
         from keel.training.trainer import loss_scale  # imported here: the trainer imports this module
 

@@ -16,13 +16,14 @@ import torch
 import torch.distributed as dist
 
 from keel.config import RunConfig
-from keel.data import GlobalSampleOrder, PackedSamples, step_batch
+from keel.data import GlobalSampleOrder, PackedSamples, step_batch, step_sample_indices
 from keel.parallel.topology import Topology
 from keel.training.checkpoint import Checkpointer, TrainState
 from keel.training.engine import Fp32GradClipper, LRScale
 from keel.training.faults import FaultInjector
 from keel.training.guards.base import Action, AnomalyLog, Decision, StepStats
 from keel.training.guards.gate import reported_grad_norm
+from keel.training.guards.localize import localize
 from keel.training.guards.stack import GuardStack
 from keel.training.metrics import MetricsWriter
 from keel.training.preemption import EXIT_PREEMPTED, PreemptionHandler
@@ -153,9 +154,37 @@ class Trainer:
         if skipped:
             self.guards.engine_skipped(self.engine.fp16_enabled())
         state.skipped_steps += int(skipped)
-        self.micro_batches = micro_batches
+        last = self.guards.last_event
+        if skipped and last is not None and last["kind"] == "nonfinite" and last["step"] == step:
+            self._localize(step, micro_batches, consumed)
         return {"loss": loss, "lr": lr, "grad_norm": self._pending.grad_norm, "skipped": skipped,
                 "loss_scale": loss_scale(self.engine)}
+
+    def _localize(self, step: int, micro_batches: list[torch.Tensor], consumed: int) -> None:
+        """Replay the skipped batch on every rank to name the first bad module and classify the cause."""
+        if not self.cfg.stability.localize_nonfinite or self.is_pipeline:
+            return
+        t = self.cfg.train
+        samples = step_sample_indices(consumed, t.global_batch_size, t.micro_batch_size, self.topology.dp_rank,
+                                      self.topology.dp_size)
+        event = localize(self.engine.module, micro_batches, samples).event()
+        if self.engine.zero_optimization_stage() == 3:
+            self.engine.empty_partition_cache()  # the replay leaves gathered parameters behind
+        found = [None] * dist.get_world_size()
+        dist.all_gather_object(found, {**event, "local_loss": self._local_loss})
+        data = [(rank, e) for rank, e in enumerate(found) if e["classification"] == "data"]
+        if data:
+            rank, event = data[0]
+            summary = {**event, "classification": "data", "bad_rank": rank}
+        else:
+            flaky = [rank for rank, e in enumerate(found)
+                     if e["replays_nonfinite"] or not torch.isfinite(torch.tensor(e["local_loss"] or 0.0))]
+            summary = {"classification": "transient", "bad_ranks": flaky,
+                       "hosts": [found[r].get("host") for r in flaky]}
+        self.anomalies.record("nonfinite", step, phase="localized", **summary)
+        log.warning("step %d: non-finite values localized: %s", step,
+                    f"{summary.get('first_bad_module')} on rank {summary['bad_rank']} (data; samples recorded)"
+                    if data else f"transient on rank(s) {summary['bad_ranks']}")
 
     @torch.no_grad()
     def evaluate(self) -> float:
