@@ -7,6 +7,7 @@ import json
 import math
 import os
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -56,10 +57,22 @@ def test_tensorboard_resume_drops_steps_trained_again(tmp_path):
     for step in range(1, 5):
         first.log(step, {"loss": float(step)})
     first.close()
+    time.sleep(1.1)  # a restart is a new process: its event file's name (a timestamp) sorts after the old one's
     resumed = Sinks(tmp_path, stability, resumed_step=2)  # steps 3, 4 are trained again
     for step in (3, 4):
         resumed.log(step, {"loss": 10.0 * step})
     resumed.close()
+    assert _scalars(tmp_path)["train/loss"] == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]
+
+
+def test_tensorboard_rollback_drops_steps_trained_again(tmp_path):
+    sinks = Sinks(tmp_path, StabilityConfig(tensorboard=True, wandb=False))
+    for step in range(1, 5):
+        sinks.log(step, {"loss": float(step)})
+    sinks.rewind(2)
+    for step in (3, 4):
+        sinks.log(step, {"loss": 10.0 * step})
+    sinks.close()
     assert _scalars(tmp_path)["train/loss"] == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]
 
 

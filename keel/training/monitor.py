@@ -122,6 +122,16 @@ class Sinks:
         if self._wandb is not None:
             self._wandb.log(tagged, step=step)
 
+    def rewind(self, step: int) -> None:
+        """Steps after `step` will be trained again (a rollback): TensorBoard drops its events past `step`, as
+        `MetricsWriter.rewind` moves those records aside. W&B keeps its first values (see above)."""
+        if self._tensorboard is not None:
+            from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+
+            # What SummaryWriter(purge_step=...) writes, but into the open file: read after the events it purges.
+            restart = Event(step=step + 1, session_log=SessionLog(status=SessionLog.START))
+            self._tensorboard.file_writer.add_event(restart)
+
     def flush(self) -> None:
         if self._tensorboard is not None:
             self._tensorboard.flush()
