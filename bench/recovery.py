@@ -9,7 +9,8 @@ from the latest complete checkpoint. Every time below is measured from the momen
     failure detected   the agent logs the worker failure ("failed (exitcode: -9)")
     old group gone     no worker process of the first attempt is left (the survivor was stopped)
     workers restarted  new worker processes exist (polled with pgrep every 50 ms)
-    checkpoint loaded  rank 0 logs "resumed from stepN" (imports, process group, engine, checkpoint load)
+    engine built       rank 0 logs its topology line (backoff, imports, process group, DeepSpeed engine)
+    checkpoint loaded  rank 0 logs "resumed from stepN" (the checkpoint is loaded)
     first step         rank 0 finished the first step after the checkpoint (step N+1)
 
 The first step is timed from rank 0's per-step stdout line (`logging.log_interval=1`), which it prints right
@@ -17,6 +18,9 @@ after appending that step's record to metrics.jsonl; the record is checked after
 rewound on resume: records past the checkpoint move to metrics.discarded.jsonl). Steps lost = the last step
 trained before the failure (the highest step in metrics.discarded.jsonl, or the kill step) − the checkpoint
 step; they are trained again, so the run still ends with one record per step.
+
+It also prints a yardstick measured in the same run: how long two fresh Pythons take to import torch and
+DeepSpeed side by side, the floor under "engine built" on this machine.
 
     python bench/recovery.py [--kill-at 12] [--interval 5] [--steps 30] [--repeats 1]
 """
@@ -44,7 +48,8 @@ from keel.training.metrics import read_metrics  # noqa: E402
 MODEL = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "data.seq_len=64",
          "data.tokenizer_vocab_size=512", "train.global_batch_size=8", "train.micro_batch_size=2",
          "train.warmup_steps=2", "train.lr=0.01", "train.eval_interval=0", "logging.log_interval=1"]
-PHASES = ("failure detected", "old group gone", "workers restarted", "checkpoint loaded", "first step")
+PHASES = ("failure detected", "old group gone", "workers restarted", "engine built", "checkpoint loaded",
+          "first step")
 
 
 def corpus() -> str:
@@ -105,6 +110,17 @@ def watch_pids(run_dir: Path, old: set[int], t_kill: float, out: dict, stop: thr
         time.sleep(0.05)
 
 
+def import_time(n: int = 2) -> float:
+    """Yardstick: seconds for `n` concurrent fresh Pythons to import torch and DeepSpeed (what a restarted
+    worker does before anything else)."""
+    start = time.monotonic()
+    procs = [subprocess.Popen([sys.executable, "-c", "import torch, deepspeed"], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL) for _ in range(n)]
+    for proc in procs:
+        proc.wait()
+    return time.monotonic() - start
+
+
 def run_once(workdir: Path, args, index: int) -> dict:
     run_dir = workdir / f"run{index}"
     sets = [*MODEL, f"train.steps={args.steps}", f"checkpoint.interval={args.interval}", f"data.corpus={corpus()}",
@@ -122,20 +138,23 @@ def run_once(workdir: Path, args, index: int) -> dict:
         output.start()
         try:
             deadline = time.monotonic() + 600
+            pids: set[int] = set()
+            victim = None
             while True:
+                if victim is None:  # find rank 1's process before the kill step, so the kill is not delayed
+                    pids = entry_pids(run_dir)
+                    ranks = {pid: worker_rank(pid) for pid in pids}
+                    victim = next((pid for pid, rank in ranks.items() if rank == 1), None) if len(pids) == 2 \
+                        else None
                 records = read_metrics(run_dir / "metrics.jsonl")
-                if records and records[-1]["step"] >= args.kill_at:
+                if victim is not None and records and records[-1]["step"] >= args.kill_at:
                     break
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"the run never reached step {args.kill_at}; see {log_path}")
                 time.sleep(0.02)
-            pids = entry_pids(run_dir)
-            if len(pids) != 2:
-                raise RuntimeError(f"expected 2 worker processes, found {sorted(pids)}")
-            victim = next(pid for pid in pids if worker_rank(pid) == 1)
-            kill_step = records[-1]["step"]
             t_kill = time.monotonic()
             os.kill(victim, signal.SIGKILL)
+            kill_step = records[-1]["step"]
             times: dict[str, float] = {}
             stop = threading.Event()
             watcher = threading.Thread(target=watch_pids, args=(run_dir, pids, t_kill, times, stop), daemon=True)
@@ -160,6 +179,9 @@ def run_once(workdir: Path, args, index: int) -> dict:
         raise RuntimeError(f"no step {ckpt_step + 1} line after the resume; see {log_path}")
     if failed is not None:
         times["failure detected"] = failed[0] - t_kill
+    built = output.first(r"\[keel r0\] world=\d+ ", t_kill)
+    if built is not None:
+        times["engine built"] = built[0] - t_kill
     times["checkpoint loaded"] = resumed[0] - t_kill
     times["first step"] = first[0] - t_kill
     records = read_metrics(run_dir / "metrics.jsonl")
@@ -204,6 +226,8 @@ def main() -> None:
             import shutil
 
             shutil.rmtree(workdir, ignore_errors=True)
+    print(f"yardstick: 2 concurrent fresh `import torch, deepspeed`: {import_time():.2f} s "
+          f"(part of 'engine built'; Keel's restart backoff adds 1 s on the first restart)")
     if len(results) > 1:
         print(f"median over {len(results)} runs (seconds after the kill):")
         for phase in PHASES:

@@ -15,6 +15,9 @@ from keel.training.metrics import MetricsWriter, read_metrics
 class FakeEngine:
     """Writes a file where DeepSpeed would; enough to exercise Keel's bookkeeping around it."""
 
+    def zero_optimization_stage(self) -> int:
+        return 1
+
     def save_checkpoint(self, save_dir, tag, client_state, save_latest):
         assert save_latest is False  # Keel writes 'latest' itself, after every rank finished
         path = Path(save_dir) / tag

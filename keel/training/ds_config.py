@@ -74,7 +74,11 @@ def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, dp_size: int) -> dict
     stage = zero_stage(ds)
     if stage not in (0, 1, 2, 3):
         raise ConfigError(f"ds_config.zero_optimization.stage={stage}: must be 0, 1, 2 or 3")
-    precision(ds)
+    if precision(ds) == "fp16" and stage == 0:
+        raise ConfigError(
+            "ds_config: fp16 with zero_optimization.stage 0 mis-scales gradients in DeepSpeed 0.19 (its ZeRO-0 fp16 "
+            "optimizer unscales a loss that was never scaled); use stage >= 1 (ds_configs/fp16.json) or bf16"
+        )
     ga = gradient_accumulation(cfg, dp_size)
     _fill(ds, "train_batch_size", cfg.train.global_batch_size, "train.global_batch_size")
     _fill(ds, "train_micro_batch_size_per_gpu", cfg.train.micro_batch_size, "train.micro_batch_size")

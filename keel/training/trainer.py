@@ -26,6 +26,7 @@ from keel.training.guards.gate import reported_grad_norm
 from keel.training.guards.localize import localize
 from keel.training.guards.stack import GuardStack
 from keel.training.metrics import MetricsWriter
+from keel.training.monitor import ModelMonitor, Sinks
 from keel.training.preemption import EXIT_PREEMPTED, PreemptionHandler
 from keel.training.watchdog import StragglerMonitor, Watchdog
 
@@ -85,6 +86,9 @@ class Trainer:
         self.faults = FaultInjector(cfg.faults, topology.rank, engine.module, cfg.model.vocab_size, cfg.train.seed)
         self.loss_fn = engine.module.loss_fn
         self.guards = GuardStack(cfg, engine, topology, self.anomalies, self._step_stats)
+        self.monitor = ModelMonitor(engine, topology, cfg.stability.monitor_interval)
+        if self.is_pipeline:
+            self.monitor.attach(engine)  # train_batch leaves no gap between the last backward and the step
         self.preemption = PreemptionHandler()
         self._pending: StepStats | None = None
         self._local_loss: float | None = None
@@ -133,6 +137,7 @@ class Trainer:
         self._pending = StepStats(step, loss=float("nan"), grad_norm=None,
                                   sample_range=(consumed, consumed + t.global_batch_size))
         self.guards.new_step()
+        self.monitor.arm(step)
         if self.is_pipeline:  # DeepSpeed's 1F1B schedule runs every micro-batch and the step
             pairs = iter([(batch[:, :-1], batch[:, 1:]) for batch in micro_batches])
             loss = self.engine.train_batch(data_iter=pairs).item()  # dp-averaged, broadcast to all stages
@@ -146,6 +151,7 @@ class Trainer:
             local = torch.stack(losses).mean()
             self._local_loss = local.item()
             loss = self._pending.loss = _mean_over(local, self.dp_group)
+            self.monitor.before_step(step)
             self.engine.step()
         self.loss_fn.scale = 1.0
         self.faults.after_step(step)
@@ -158,7 +164,7 @@ class Trainer:
         if skipped and last is not None and last["kind"] == "nonfinite" and last["step"] == step:
             self._localize(step, micro_batches, consumed)
         return {"loss": loss, "lr": lr, "grad_norm": self._pending.grad_norm, "skipped": skipped,
-                "loss_scale": loss_scale(self.engine)}
+                "loss_scale": loss_scale(self.engine), **self.monitor.after_step(step)}
 
     def _localize(self, step: int, micro_batches: list[torch.Tensor], consumed: int) -> None:
         """Replay the skipped batch on every rank to name the first bad module and classify the cause."""
@@ -220,6 +226,7 @@ class Trainer:
         self.lr_scale.value = scale
         sync_lr(self.engine.lr_scheduler)
         metrics.rewind(restored.step)
+        self.sinks.rewind(restored.step)
         self.anomalies.record("rollback", state.step, done=True, reason=reason, to_step=restored.step,
                               checkpoint=tag, lr_scale=scale, data_cursor=cursor)
         log.warning("step %d: %s — rolled back to %s, LR × %.3g, data continues at sample %d", state.step, reason,
@@ -249,6 +256,8 @@ class Trainer:
         state = self.resume()
         metrics = MetricsWriter(self.run_dir, self.topology.rank == 0, state.step, self.cfg.logging.log_interval,
                                 t.steps)
+        self.sinks = Sinks(self.run_dir, s, self.cfg.to_dict(), enabled=self.topology.rank == 0,
+                           resumed_step=state.step)
         watchdog = Watchdog(self.run_dir, self.topology.rank, s.watchdog_timeout, self.anomalies)
         stragglers = StragglerMonitor(self.topology, s.straggler_interval)
         try:
@@ -256,6 +265,7 @@ class Trainer:
                 return self._loop(state, metrics, watchdog, stragglers)
         finally:
             metrics.close()
+            self.sinks.close()
 
     def _loop(self, state: TrainState, metrics: MetricsWriter, watchdog: Watchdog,
               stragglers: StragglerMonitor) -> TrainResult:
@@ -283,6 +293,7 @@ class Trainer:
                 if t.eval_interval and (state.step % t.eval_interval == 0 or state.step == t.steps):
                     record["val_loss"] = self.evaluate()
             metrics.log(record)
+            self.sinks.log(state.step, record)
             if decision.action == Action.STOP:
                 log.error("stopping at step %d: %s", state.step, decision.reason)
                 return TrainResult(state, finished=False, exit_code=decision.exit_code, reason=decision.reason)
