@@ -1,28 +1,37 @@
-"""Recovery time after a rank dies: seconds from a SIGKILL of one worker to the first step trained after resuming.
+"""Recovery time after a rank dies: seconds from a SIGKILL to the first training step completed after the resume.
 
-Starts `keel train --nproc 2 --max-restarts 2` (Keel's local launcher: torchrun's elastic agent through its
-API) on a small model with a checkpoint every `--interval` steps, waits until metrics.jsonl reaches step
-`--kill-at`, and SIGKILLs rank 1's worker process. The agent notices the dead worker (it polls every 0.5 s),
-stops the surviving rank, restarts both ranks (restart 1: Keel's backoff sleeps 1 s first), and they resume
-from the latest complete checkpoint. Every time below is measured from the moment of the kill:
+Local (default): starts `keel train --nproc 2 --max-restarts 2` (Keel's local launcher: torchrun's elastic
+agent through its API) on a small model with a checkpoint every `--interval` steps, waits until metrics.jsonl
+reaches step `--kill-at`, and SIGKILLs rank 1's worker process. Rank 0's next collective fails, the agent (it
+polls every 0.5 s) sees the failed group, stops what is left of it and restarts both ranks; restart 1 sleeps 1 s
+(Keel's backoff) and they resume from the latest complete checkpoint at the same world size.
 
-    failure detected   the agent logs the worker failure ("failed (exitcode: -9)")
-    old group gone     no worker process of the first attempt is left (the survivor was stopped)
-    workers restarted  new worker processes exist (polled with pgrep every 50 ms)
-    engine built       rank 0 logs its topology line (backoff, imports, process group, DeepSpeed engine)
-    checkpoint loaded  rank 0 logs "resumed from stepN" (the checkpoint is loaded)
-    first step         rank 0 finished the first step after the checkpoint (step N+1)
+`--two-nodes`: the same model on two "nodes" in network namespaces joined by a veth pair (tests/netns.py; needs
+root and `ip`), one torchrun agent and one rank each. Every process of node B (agent and worker) is SIGKILLed;
+node A's agent re-rendezvouses alone (it first waits for B's rendezvous keep-alive to expire, 3 s, then the
+last-call window, 3 s), and its worker converts the 2-rank checkpoint to DeepSpeed's universal format and
+resumes at world size 1.
+
+Every time is measured from the moment of the kill (phases that do not occur are not printed):
+
+    failure detected      the (surviving) agent logs the failed worker ("failed (exitcode: ...)")
+    old group gone        no worker process of the first attempt is left (on the surviving node)
+    workers restarted     new worker processes exist (polled every 50 ms)
+    universal conversion  rank 0 logs that it converts the checkpoint (two nodes: the world size changed)
+    engine built          rank 0 logs its topology line: backoff, imports, process group, conversion, engine
+    checkpoint loaded     rank 0 logs "resumed from stepN"
+    first step            rank 0 finished the first step after the checkpoint (step N+1)
 
 The first step is timed from rank 0's per-step stdout line (`logging.log_interval=1`), which it prints right
-after appending that step's record to metrics.jsonl; the record is checked afterwards (the metrics file is
-rewound on resume: records past the checkpoint move to metrics.discarded.jsonl). Steps lost = the last step
-trained before the failure (the highest step in metrics.discarded.jsonl, or the kill step) − the checkpoint
-step; they are trained again, so the run still ends with one record per step.
+after appending that step's record to metrics.jsonl; this avoids guessing from the file, which is rewound on
+resume (records past the checkpoint move to metrics.discarded.jsonl). Afterwards the run is checked to end with
+steps 1..N once each. Steps lost = the last step trained before the failure (the highest step in
+metrics.discarded.jsonl, or the step seen at the kill) − the checkpoint step; they are trained again.
 
 It also prints a yardstick measured in the same run: how long two fresh Pythons take to import torch and
-DeepSpeed side by side, the floor under "engine built" on this machine.
+DeepSpeed side by side, a floor under "engine built" on this machine (imports dominate restarts on CPU).
 
-    python bench/recovery.py [--kill-at 12] [--interval 5] [--steps 30] [--repeats 1]
+    python bench/recovery.py [--kill-at 12] [--interval 5] [--steps 30] [--repeats 1] [--two-nodes]
 """
 
 from __future__ import annotations
@@ -38,18 +47,20 @@ import sysconfig
 import tempfile
 import threading
 import time
+import uuid
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from keel.training.metrics import read_metrics  # noqa: E402
+from tests.netns import RDZV_PORT, TwoNodes, cmdline, node_env, torchrun_cmd  # noqa: E402
 
 MODEL = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "data.seq_len=64",
          "data.tokenizer_vocab_size=512", "train.global_batch_size=8", "train.micro_batch_size=2",
          "train.warmup_steps=2", "train.lr=0.01", "train.eval_interval=0", "logging.log_interval=1"]
-PHASES = ("failure detected", "old group gone", "workers restarted", "engine built", "checkpoint loaded",
-          "first step")
+PHASES = ("failure detected", "old group gone", "workers restarted", "universal conversion", "engine built",
+          "checkpoint loaded", "first step")
 
 
 def corpus() -> str:
@@ -96,16 +107,16 @@ class Output(threading.Thread):
         return None
 
 
-def watch_pids(run_dir: Path, old: set[int], t_kill: float, out: dict, stop: threading.Event) -> None:
+def watch_pids(list_pids, old: set[int], t_kill: float, out: dict, stop: threading.Event) -> None:
     """Times when the first attempt's worker processes are all gone, and when new ones appear."""
     while not stop.is_set():
-        pids = entry_pids(run_dir)
+        pids = list_pids()
         now = time.monotonic()
         if "old group gone" not in out and not pids & old:
             out["old group gone"] = now - t_kill
         if "workers restarted" not in out and pids - old:
             out["workers restarted"] = now - t_kill
-        if len(out) == 2:
+        if "old group gone" in out and "workers restarted" in out:
             return
         time.sleep(0.05)
 
@@ -121,67 +132,146 @@ def import_time(n: int = 2) -> float:
     return time.monotonic() - start
 
 
-def run_once(workdir: Path, args, index: int) -> dict:
-    run_dir = workdir / f"run{index}"
+def keel_args(run_dir: Path, args) -> list[str]:
     sets = [*MODEL, f"train.steps={args.steps}", f"checkpoint.interval={args.interval}", f"data.corpus={corpus()}",
             f"data.cache_dir={args.cache_dir}"]
-    cmd = [sys.executable, "-u", "-m", "keel.launcher.cli", "train", "--nproc", "2", "--max-restarts", "2",
-           "--run-dir", str(run_dir), "--ds-config", str(REPO / "ds_configs" / args.ds_config)]
+    cmd = ["--run-dir", str(run_dir), "--ds-config", str(REPO / "ds_configs" / args.ds_config)]
     for item in sets:
         cmd += ["--set", item]
-    log_path = workdir / f"run{index}.log"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    with open(log_path, "w") as log_file:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                bufsize=1, start_new_session=True)
-        output = Output(proc, log_file)
-        output.start()
-        try:
-            deadline = time.monotonic() + 600
-            pids: set[int] = set()
-            victim = None
-            while True:
-                if victim is None:  # find rank 1's process before the kill step, so the kill is not delayed
-                    pids = entry_pids(run_dir)
-                    ranks = {pid: worker_rank(pid) for pid in pids}
-                    victim = next((pid for pid, rank in ranks.items() if rank == 1), None) if len(pids) == 2 \
-                        else None
-                records = read_metrics(run_dir / "metrics.jsonl")
-                if victim is not None and records and records[-1]["step"] >= args.kill_at:
-                    break
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the run never reached step {args.kill_at}; see {log_path}")
-                time.sleep(0.02)
-            t_kill = time.monotonic()
-            os.kill(victim, signal.SIGKILL)
-            kill_step = records[-1]["step"]
-            times: dict[str, float] = {}
-            stop = threading.Event()
-            watcher = threading.Thread(target=watch_pids, args=(run_dir, pids, t_kill, times, stop), daemon=True)
-            watcher.start()
-            code = proc.wait(timeout=900)
-            stop.set()
-            watcher.join()
-            output.join(timeout=10)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+    return cmd
+
+
+class Local:
+    """`keel train --nproc 2 --max-restarts 2`; the failure: rank 1's worker process is SIGKILLed."""
+
+    what = "rank 1's worker SIGKILLed"
+
+    def __init__(self, workdir: Path, run_dir: Path, args):
+        self.run_dir = run_dir
+        cmd = [sys.executable, "-u", "-m", "keel.launcher.cli", "train", "--nproc", "2", "--max-restarts", "2",
+               *keel_args(run_dir, args)]
+        self.log_file = open(workdir / f"{run_dir.name}.log", "w")
+        self.survivor = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                         start_new_session=True)
+        self.output = Output(self.survivor, self.log_file)
+        self.output.start()
+        self.victim = None
+
+    def alive(self) -> bool:
+        return self.survivor.poll() is None
+
+    def worker_pids(self) -> set[int]:
+        out = subprocess.run(["pgrep", "-f", f"keel.training.entry {self.run_dir}"], capture_output=True,
+                             text=True).stdout
+        return {int(pid) for pid in out.split()}
+
+    def ready(self) -> bool:
+        """Both workers are up and rank 1's process is known (found before the kill step: no delay then)."""
+        if self.victim is None:
+            pids = self.worker_pids()
+            if len(pids) == 2:
+                self.victim = next((pid for pid in pids if worker_rank(pid) == 1), None)
+        return self.victim is not None
+
+    def kill(self) -> None:
+        os.kill(self.victim, signal.SIGKILL)
+
+    def close(self) -> None:
+        if self.survivor.poll() is None:
+            os.killpg(self.survivor.pid, signal.SIGKILL)
+            self.survivor.wait()
+        self.output.join(timeout=10)
+        self.log_file.close()
+
+
+class NetnsNodes:
+    """Two network namespaces, one torchrun agent and one rank each (tests/netns.py); the failure: every process
+    of node B is SIGKILLed. Node A restarts alone, so the resume goes through the universal conversion."""
+
+    what = "node B (agent and worker) SIGKILLed"
+
+    def __init__(self, workdir: Path, run_dir: Path, args):
+        self.run_dir = run_dir
+        self.nodes = TwoNodes().__enter__()
+        endpoint = f"{self.nodes['a'].addr}:{RDZV_PORT}"
+        run_id = f"keel-bench-{uuid.uuid4().hex[:8]}"
+        program = ["-m", "keel.launcher.cli", "train", *keel_args(run_dir, args)]
+        self.log_files, self.procs = {}, {}
+        for name in ("b", "a"):  # B first: it retries until A's store is up, so the first round has both
+            node = self.nodes[name]
+            self.log_files[name] = open(workdir / f"{run_dir.name}.node_{name}.log", "w")
+            cmd = torchrun_cmd(node, endpoint, run_id, is_host=name == "a", program=program, max_restarts=2)
+            stdout = subprocess.PIPE if name == "a" else self.log_files[name]
+            self.procs[name] = self.nodes.popen(name, cmd, cwd=REPO, env=node_env(node, REPO), stdout=stdout,
+                                                stderr=subprocess.STDOUT, text=True, bufsize=1)
+        self.survivor = self.procs["a"]
+        self.output = Output(self.survivor, self.log_files["a"])
+        self.output.start()
+
+    def alive(self) -> bool:
+        return all(p.poll() is None for p in self.procs.values())
+
+    def worker_pids(self) -> set[int]:
+        return {pid for pid in self.nodes.pids("a")
+                if "keel.launcher.cli" in (c := cmdline(pid)) and "torch.distributed.run" not in c}
+
+    def ready(self) -> bool:
+        return bool(self.worker_pids()) and any("keel.launcher.cli" in cmdline(p) for p in self.nodes.pids("b"))
+
+    def kill(self) -> None:
+        self.nodes.kill_all("b")
+
+    def close(self) -> None:
+        self.nodes.close()
+        self.output.join(timeout=10)
+        for f in self.log_files.values():
+            f.close()
+
+
+def run_once(workdir: Path, args, index: int) -> dict:
+    run_dir = workdir / f"run{index}"
+    job = (NetnsNodes if args.two_nodes else Local)(workdir, run_dir, args)
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            ready = job.ready()
+            records = read_metrics(run_dir / "metrics.jsonl")
+            if ready and records and records[-1]["step"] >= args.kill_at:
+                break
+            if not job.alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the run never reached step {args.kill_at}; see the logs in {workdir}")
+            time.sleep(0.02)
+        old = job.worker_pids()
+        t_kill = time.monotonic()
+        job.kill()
+        kill_step = records[-1]["step"]
+        times: dict[str, float] = {}
+        stop = threading.Event()
+        watcher = threading.Thread(target=watch_pids, args=(job.worker_pids, old, t_kill, times, stop), daemon=True)
+        watcher.start()
+        code = job.survivor.wait(timeout=900)
+        stop.set()
+        watcher.join()
+    finally:
+        job.close()
     if code != 0:
-        raise RuntimeError(f"keel train exited {code}; see {log_path}")
-    failed = output.first(r"failed \(exitcode", t_kill)
+        raise RuntimeError(f"keel train exited {code}; see the logs in {workdir}")
+    output = job.output
     resumed = output.first(r"resumed from (step\d+): step (\d+)", t_kill)
     if resumed is None:
-        raise RuntimeError(f"no 'resumed from' line after the kill; see {log_path}")
+        raise RuntimeError(f"no 'resumed from' line after the kill; see the logs in {workdir}")
     ckpt_step = int(resumed[1].group(2))
     first = output.first(rf"^step\s+{ckpt_step + 1}/", resumed[0])
     if first is None:
-        raise RuntimeError(f"no step {ckpt_step + 1} line after the resume; see {log_path}")
-    if failed is not None:
-        times["failure detected"] = failed[0] - t_kill
-    built = output.first(r"\[keel r0\] world=\d+ ", t_kill)
-    if built is not None:
-        times["engine built"] = built[0] - t_kill
+        raise RuntimeError(f"no step {ckpt_step + 1} line after the resume; see the logs in {workdir}")
+    for phase, pattern in (("failure detected", r"failed \(exitcode"),
+                           ("universal conversion", r"converting to a universal checkpoint"),
+                           ("engine built", r"\[keel r0\] world=\d+ ")):
+        found = output.first(pattern, t_kill)
+        if found is not None:
+            times[phase] = found[0] - t_kill
+    world = output.first(r"\[keel r0\] world=(\d+) ", t_kill)
     times["checkpoint loaded"] = resumed[0] - t_kill
     times["first step"] = first[0] - t_kill
     records = read_metrics(run_dir / "metrics.jsonl")
@@ -191,7 +281,8 @@ def run_once(workdir: Path, args, index: int) -> dict:
     last_trained = max([kill_step, *(r["step"] for r in discarded)])
     step_time = statistics.median(r["step_time_s"] for r in records)
     return {"times": times, "kill_step": kill_step, "ckpt_step": ckpt_step, "lost": last_trained - ckpt_step,
-            "last_trained": last_trained, "step_time": step_time, "log": log_path}
+            "last_trained": last_trained, "step_time": step_time, "what": job.what,
+            "world": int(world[1].group(1)) if world else None}
 
 
 def main() -> None:
@@ -202,6 +293,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--ds-config", default="zero1.json", help="a file in ds_configs/")
     parser.add_argument("--cache-dir", default="~/.cache/keel", help="prepared data (reused across runs)")
+    parser.add_argument("--two-nodes", action="store_true",
+                        help="two network-namespace nodes (needs root and `ip`); kill all of node B instead")
     parser.add_argument("--keep", action="store_true", help="keep the run dirs and logs (printed)")
     args = parser.parse_args()
     if not 0 < args.kill_at < args.steps:
@@ -213,12 +306,13 @@ def main() -> None:
             result = run_once(workdir, args, i)
             results.append(result)
             t = result["times"]
-            print(f"run {i + 1}/{args.repeats}: rank 1 SIGKILLed at step {result['kill_step']} "
-                  f"(last step trained {result['last_trained']}); resumed from step {result['ckpt_step']}; "
-                  f"steps lost {result['lost']}; median step time {result['step_time'] * 1e3:.0f} ms", flush=True)
+            print(f"run {i + 1}/{args.repeats}: {result['what']} at step {result['kill_step']} "
+                  f"(last step trained {result['last_trained']}); resumed from step {result['ckpt_step']} at world "
+                  f"size {result['world']}; steps lost {result['lost']}; median step time "
+                  f"{result['step_time'] * 1e3:.0f} ms; seconds after the kill:", flush=True)
             for phase in PHASES:
-                value = f"{t[phase]:7.2f} s" if phase in t else "      -  (not seen)"
-                print(f"    {phase + ':':20s}{value}", flush=True)
+                if phase in t:
+                    print(f"    {phase + ':':22s}{t[phase]:7.2f} s", flush=True)
     finally:
         if args.keep:
             print(f"run dirs and logs kept in {workdir}")
@@ -233,8 +327,8 @@ def main() -> None:
         for phase in PHASES:
             values = [r["times"][phase] for r in results if phase in r["times"]]
             if values:
-                print(f"    {phase + ':':20s}{statistics.median(values):7.2f} s")
-        print(f"    {'steps lost:':20s}{statistics.median(r['lost'] for r in results):7.1f}")
+                print(f"    {phase + ':':22s}{statistics.median(values):7.2f} s")
+        print(f"    {'steps lost:':22s}{statistics.median(r['lost'] for r in results):7.1f}")
 
 
 if __name__ == "__main__":

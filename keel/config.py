@@ -355,6 +355,9 @@ def validate(cfg: RunConfig, world_size: int) -> None:
     _require(t.global_batch_size % (t.micro_batch_size * dp) == 0,
              f"train.global_batch_size={t.global_batch_size} must be a multiple of train.micro_batch_size×dp = "
              f"{t.micro_batch_size}×{dp} = {t.micro_batch_size * dp}")
+    from keel.training.lr_schedule import validate_schedule  # the schedule's own module owns its rules
+
+    validate_schedule(t, dp)
 
 
 def validate_tensor_parallel(cfg: RunConfig) -> None:

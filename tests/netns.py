@@ -7,6 +7,9 @@ every process still inside either namespace and deletes both (which deletes the 
     with TwoNodes() as nodes:            # raises NetnsUnavailable when namespaces cannot be created
         a = nodes.popen("a", ["python", "-c", "..."], env=..., stdout=log_file)
         nodes.kill_all("b")              # SIGKILL every process inside namespace b
+
+`torchrun_cmd` and `node_env` build one node's torchrun command line (one rank per node, c10d rendezvous hosted
+by node A's agent) and environment; tests/test_elastic_netns.py and bench/recovery.py share them.
 """
 
 from __future__ import annotations
@@ -15,9 +18,16 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
+
+RDZV_PORT = 29400  # inside node A's namespace: a fresh network stack, so the port is free
+# join: how long a node waits for a rendezvous round; last_call: how long a round with at least min nodes stays
+# open for latecomers; keep_alive: a dead node's agent is dropped after interval × max_attempt seconds
+RDZV_CONF = "join_timeout=120,last_call_timeout=3,close_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3"
 
 
 class NetnsUnavailable(RuntimeError):
@@ -54,7 +64,7 @@ class TwoNodes:
         return self.nodes[name]
 
     # -- setup / teardown ---------------------------------------------------------------------------------------
-    def __enter__(self) -> "TwoNodes":
+    def __enter__(self) -> TwoNodes:
         if shutil.which("ip") is None:
             raise NetnsUnavailable("`ip` (iproute2) is not installed")
         try:
@@ -140,3 +150,32 @@ def _kill_group(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def torchrun_cmd(node: Node, endpoint: str, run_id: str, is_host: bool, program: list[str],
+                 max_restarts: int = 3) -> list[str]:
+    """torchrun for one node of an elastic 1..2-node job, one rank per node. `is_host`: this node's agent hosts
+    the c10d rendezvous store (the endpoint is its address, which torch cannot recognise from the hostname
+    because both namespaces share one). `--local_addr` makes the node advertise its veth address, which then
+    becomes MASTER_ADDR when it is node rank 0."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc_per_node=1",
+            "--rdzv_backend=c10d", f"--rdzv_endpoint={endpoint}", f"--rdzv_id={run_id}",
+            f"--rdzv_conf={RDZV_CONF},is_host={int(is_host)}", f"--local_addr={node.addr}",
+            f"--max_restarts={max_restarts}", "--monitor_interval=1", *program]
+
+
+def node_env(node: Node, repo) -> dict[str, str]:
+    """The environment for one node: gloo bound to the node's veth, restarts that work with torch 2.13."""
+    drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    path = os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))
+    env.update(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=node.ifname,
+               PYTHONUNBUFFERED="1", PYTHONPATH=path)
+    return env
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""

@@ -10,10 +10,8 @@ latest checkpoint at world size 1 through DeepSpeed's universal conversion, with
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
-import sys
 import time
 import uuid
 
@@ -21,36 +19,11 @@ import pytest
 
 from keel.training.metrics import read_metrics
 from tests.keel_runs import REPO
-from tests.netns import NetnsUnavailable, TwoNodes
+from tests.netns import RDZV_PORT, NetnsUnavailable, TwoNodes, node_env, torchrun_cmd
 
 pytestmark = pytest.mark.slow
 
 STEPS, INTERVAL, KILL_AT = 40, 5, 12
-RDZV_PORT = 29400  # inside node A's namespace: a fresh network stack, so the port is free
-# join: how long a node waits for a rendezvous round; last_call: how long a round with at least min nodes
-# stays open for latecomers; keep_alive: a dead node's agent is dropped after interval × max_attempt seconds
-RDZV_CONF = "join_timeout=120,last_call_timeout=3,close_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3"
-
-
-def _torchrun(node, run_dir, overrides, run_id: str, is_host: bool, endpoint: str) -> list[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc_per_node=1",
-           "--rdzv_backend=c10d", f"--rdzv_endpoint={endpoint}", f"--rdzv_id={run_id}",
-           f"--rdzv_conf={RDZV_CONF},is_host={int(is_host)}", f"--local_addr={node.addr}",
-           "--max_restarts=3", "--monitor_interval=1",
-           "-m", "keel.launcher.cli", "train", "--run-dir", str(run_dir),
-           "--ds-config", str(REPO / "ds_configs" / "zero1.json")]
-    for item in overrides:
-        cmd += ["--set", item]
-    return cmd
-
-
-def _node_env(node) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                            "MASTER_PORT", "GLOO_SOCKET_IFNAME")}
-    env.update(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=node.ifname,
-               PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(filter(None, [str(REPO),
-                                                                               os.environ.get("PYTHONPATH")])))
-    return env
 
 
 def _tail(path, n: int = 6000) -> str:
@@ -68,13 +41,17 @@ def test_node_loss_shrinks_to_one_node_and_finishes_on_the_same_samples(runs, tm
     run_dir, logs = tmp_path / "run", {name: tmp_path / f"node_{name}.log" for name in "ab"}
     run_id = f"keel-netns-{uuid.uuid4().hex[:8]}"
     endpoint = f"{nodes['a'].addr}:{RDZV_PORT}"
+    program = ["-m", "keel.launcher.cli", "train", "--run-dir", str(run_dir),
+               "--ds-config", str(REPO / "ds_configs" / "zero1.json")]
+    for item in overrides:
+        program += ["--set", item]
     files = {}
     try:
         procs = {}
         for name in ("b", "a"):  # B first: it retries until A's store is up, so the first round has both
             files[name] = open(logs[name], "w")
-            cmd = _torchrun(nodes[name], run_dir, overrides, run_id, is_host=name == "a", endpoint=endpoint)
-            procs[name] = nodes.popen(name, cmd, cwd=REPO, env=_node_env(nodes[name]), stdout=files[name],
+            cmd = torchrun_cmd(nodes[name], endpoint, run_id, is_host=name == "a", program=program)
+            procs[name] = nodes.popen(name, cmd, cwd=REPO, env=node_env(nodes[name], REPO), stdout=files[name],
                                       stderr=subprocess.STDOUT)
 
         def report() -> str:

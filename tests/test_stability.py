@@ -42,7 +42,7 @@ def test_nan_on_one_rank_skips_the_step_everywhere(runs, tmp_path):
 
 def test_spikes_are_skipped_and_a_cluster_rolls_back(runs):
     run = runs.get("spikes", 2, "ds_configs/zero1.json", train__steps=20, checkpoint__interval=5,
-                   stability__spike_warmup=5, stability__rollback_window=10,
+                   stability__spike_warmup=5, stability__rollback_window=10, stability__monitor_interval=5,
                    faults__spike_steps="[12, 13, 14]", faults__spike_factor=1000)
     spikes = events(run, "spike")
     assert [e["step"] for e in spikes] == [12, 13, 14]
@@ -56,6 +56,15 @@ def test_spikes_are_skipped_and_a_cluster_rolls_back(runs):
     assert after[0]["consumed_samples"] == 15 * GB  # the data moved past the spiking window
     summary = (run / "summary.md").read_text()
     assert "rollback: 1" in summary and "spike: 3" in summary
+    # TensorBoard event files, read back with tensorboard's own reader
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events_tb = EventAccumulator(str(run / "tensorboard"))
+    events_tb.Reload()
+    tags = set(events_tb.Tags()["scalars"])
+    assert {"train/loss", "train/lr", "train/grad_norm", "params/update_ratio", "grad_norm/block0",
+            "act/block1/std"} <= tags
+    assert [e.step for e in events_tb.Scalars("train/loss")] == list(range(1, 21))  # rolled-back steps replaced
 
 
 def test_bit_flip_is_detected_naming_parameter_and_rank(runs, tmp_path):
@@ -116,3 +125,19 @@ def test_sleeping_rank_trips_the_watchdog(runs, tmp_path):
     assert "faults.py" in dump and "in before_forward" in dump  # the stalled frame: the injected sleep
     hangs = events(tmp_path, "hang")
     assert any(e["rank"] == 1 and e["step"] == 4 for e in hangs)
+
+
+def test_batch_rampup_trains_and_resumes_exactly(runs, tmp_path):
+    """Ramp-up from 4 to 8 samples over 6 steps (LR following √batch): DeepSpeed's accumulation follows the
+    batch, the data cursor follows the ramp, and a resume in the middle of the ramp is exact."""
+    sets = dict(train__steps=12, train__rampup_start_batch=4, train__rampup_steps=6, train__rampup_lr_scaling="sqrt")
+    straight = runs.get("rampup", 2, "ds_configs/zero1.json", **sets)
+    records = read_metrics(straight / "metrics.jsonl")
+    sizes = [r["batch_size"] for r in records]
+    assert sizes[0] == 4 and sizes[-1] == GB and sizes == sorted(sizes)
+    consumed = [r["consumed_samples"] for r in records]
+    assert consumed == [sum(sizes[: i + 1]) for i in range(len(sizes))]
+    resumed = tmp_path / "resumed"
+    keel_train(resumed, 2, runs.overrides(**sets, train__exit_after=3), "ds_configs/zero1.json")
+    keel_train(resumed, 2, runs.overrides(**sets), "ds_configs/zero1.json")
+    assert [r["loss"] for r in read_metrics(resumed / "metrics.jsonl")] == [r["loss"] for r in records]

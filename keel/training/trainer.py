@@ -25,6 +25,7 @@ from keel.training.guards.base import Action, AnomalyLog, Decision, StepStats
 from keel.training.guards.gate import reported_grad_norm
 from keel.training.guards.localize import localize
 from keel.training.guards.stack import GuardStack
+from keel.training.lr_schedule import rampup_batch_size
 from keel.training.metrics import MetricsWriter
 from keel.training.monitor import ModelMonitor, Sinks
 from keel.training.preemption import EXIT_PREEMPTED, PreemptionHandler
@@ -128,14 +129,17 @@ class Trainer:
         t = self.cfg.train
         step = state.step + 1
         consumed = self._data_cursor(state.consumed_samples)
-        micro_batches = step_batch(self.order, self.train_samples, consumed, t.global_batch_size,
+        batch_size = rampup_batch_size(state.step, t, self.topology.dp_size)
+        if batch_size != self.engine.train_batch_size():  # batch-size ramp-up: DeepSpeed adjusts accumulation
+            self.engine.set_train_batch_size(batch_size)
+        micro_batches = step_batch(self.order, self.train_samples, consumed, batch_size,
                                    t.micro_batch_size, self.topology.dp_rank, self.topology.dp_size)
         micro_batches = self.faults.batches(step, micro_batches)
         self.faults.before_forward(step)
-        self.loss_fn.scale = self.faults.loss_scale(consumed, t.global_batch_size)
+        self.loss_fn.scale = self.faults.loss_scale(consumed, batch_size)
         lr = self.engine.get_lr()[0]  # the LR this step uses (the scheduler advances inside the step)
         self._pending = StepStats(step, loss=float("nan"), grad_norm=None,
-                                  sample_range=(consumed, consumed + t.global_batch_size))
+                                  sample_range=(consumed, consumed + batch_size))
         self.guards.new_step()
         self.monitor.arm(step)
         if self.is_pipeline:  # DeepSpeed's 1F1B schedule runs every micro-batch and the step
@@ -155,7 +159,7 @@ class Trainer:
             self.engine.step()
         self.loss_fn.scale = 1.0
         self.faults.after_step(step)
-        state.step, state.consumed_samples = step, consumed + t.global_batch_size
+        state.step, state.consumed_samples = step, consumed + batch_size
         skipped = not self.engine.was_step_applied()
         if skipped:
             self.guards.engine_skipped(self.engine.fp16_enabled())
@@ -164,6 +168,7 @@ class Trainer:
         if skipped and last is not None and last["kind"] == "nonfinite" and last["step"] == step:
             self._localize(step, micro_batches, consumed)
         return {"loss": loss, "lr": lr, "grad_norm": self._pending.grad_norm, "skipped": skipped,
+                "batch_size": batch_size,
                 "loss_scale": loss_scale(self.engine), **self.monitor.after_step(step)}
 
     def _localize(self, step: int, micro_batches: list[torch.Tensor], consumed: int) -> None:
@@ -171,8 +176,8 @@ class Trainer:
         if not self.cfg.stability.localize_nonfinite or self.is_pipeline:
             return
         t = self.cfg.train
-        samples = step_sample_indices(consumed, t.global_batch_size, t.micro_batch_size, self.topology.dp_rank,
-                                      self.topology.dp_size)
+        samples = step_sample_indices(consumed, sum(len(b) for b in micro_batches) * self.topology.dp_size,
+                                      t.micro_batch_size, self.topology.dp_rank, self.topology.dp_size)
         event = localize(self.engine.module, micro_batches, samples).event()
         if self.engine.zero_optimization_stage() == 3:
             self.engine.empty_partition_cache()  # the replay leaves gathered parameters behind
@@ -270,7 +275,6 @@ class Trainer:
     def _loop(self, state: TrainState, metrics: MetricsWriter, watchdog: Watchdog,
               stragglers: StragglerMonitor) -> TrainResult:
         t, c = self.cfg.train, self.cfg.checkpoint
-        tokens_per_step = t.global_batch_size * self.cfg.data.seq_len
         steps_here = 0
         while state.step < t.steps:
             watchdog.beat(state.step + 1)
@@ -279,7 +283,7 @@ class Trainer:
             steps_here += 1
             elapsed = time.perf_counter() - start
             record = {"step": state.step, **record, "tokens": state.consumed_samples * self.cfg.data.seq_len,
-                      "tokens_per_s": tokens_per_step / elapsed, "step_time_s": elapsed,
+                      "tokens_per_s": record["batch_size"] * self.cfg.data.seq_len / elapsed, "step_time_s": elapsed,
                       "consumed_samples": state.consumed_samples, "lr_scale": state.lr_scale}
             report = stragglers.update(state.step, elapsed)
             if report is not None:
