@@ -43,7 +43,13 @@ class StepGate:
         self.decide = decide
         self.optimizer = basic_optimizer(engine)
         self._step = self.optimizer.step
-        self.optimizer.step = self._gated_step
+
+        def gated_step(*args, **kwargs):
+            return self._gated_step(*args, **kwargs)
+
+        # torch's LR scheduler marks the step it wrapped; keep the mark so it does not warn about the gate
+        gated_step._wrapped_by_lr_sched = getattr(self._step, "_wrapped_by_lr_sched", True)
+        self.optimizer.step = gated_step
         self.token = 0  # bumped by the trainer before each optimizer step
         self._decided_token = -1
         self.decision = Decision()
