@@ -234,8 +234,9 @@ def run_once(workdir: Path, args, index: int) -> dict:
     job = (NetnsNodes if args.two_nodes else Local)(workdir, run_dir, args)
     try:
         deadline = time.monotonic() + 600
+        ready = False
         while True:
-            ready = job.ready()
+            ready = ready or job.ready()  # checked until true only: it is slow, and the kill must not wait
             records = read_metrics(run_dir / "metrics.jsonl")
             if ready and records and records[-1]["step"] >= args.kill_at:
                 break

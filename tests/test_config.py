@@ -95,6 +95,7 @@ def test_bad_config_gives_one_line_naming_the_field(case, tmp_path, capsys, smal
     ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "fp16.enabled"),
     ({"zero_optimization": {"stage": 4}}, "ds_config.zero_optimization.stage"),
     ({"optimizer": {"type": "Lamb"}}, "ds_config.optimizer.type"),
+    ({"fp16": {"enabled": True}, "zero_optimization": {"stage": 0}}, "fp16 with zero_optimization.stage 0"),
 ])
 def test_bad_ds_config(ds, field, tmp_path):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):

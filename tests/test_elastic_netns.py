@@ -16,6 +16,7 @@ import time
 import uuid
 
 import pytest
+import torch
 
 from keel.training.metrics import read_metrics
 from tests.keel_runs import REPO
@@ -84,6 +85,12 @@ def test_node_loss_shrinks_to_one_node_and_finishes_on_the_same_samples(runs, tm
         resumed_step = int(tag.removeprefix("step"))
         assert f"resumed from {tag}: step {resumed_step}" in log_a
         assert resumed_step <= kill_step and resumed_step % INTERVAL == 0, (resumed_step, kill_step)
+
+        # the global batch stayed, so gradient accumulation doubled (micro batch 2: 2 ranks × 2 → 1 rank × 4)
+        final = torch.load(run_dir / "checkpoints" / f"step{STEPS:08d}" / "mp_rank_00_model_states.pt",
+                           map_location="cpu", weights_only=False)
+        ds = final["ds_config"]
+        assert (final["dp_world_size"], ds["train_batch_size"], ds["gradient_accumulation_steps"]) == (1, 8, 4)
 
         records, want = read_metrics(run_dir / "metrics.jsonl"), read_metrics(straight / "metrics.jsonl")
         assert [r["step"] for r in records] == list(range(1, STEPS + 1))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import json
 import math
 import os
 import socket
@@ -274,12 +273,9 @@ def _deepspeed_worker(_rank: int, port: int, configs: list[tuple[str, str, bool]
 def test_zero_stages_give_the_same_layer_statistics(tmp_path):
     """ZeRO-1/3 read gradients through safe_get_full_grad (p.grad is None there); fp16's come out unscaled."""
     ds_configs = Path(__file__).resolve().parents[1] / "ds_configs"
-    fp16_zero0 = load_ds_config(ds_configs / "fp16.json")
-    fp16_zero0["zero_optimization"] = {"stage": 0}
-    (tmp_path / "fp16_zero0.json").write_text(json.dumps(fp16_zero0))
     configs = [("zero0", str(ds_configs / "zero0.json"), False), ("zero1", str(ds_configs / "zero1.json"), False),
                ("zero1_attach", str(ds_configs / "zero1.json"), True), ("zero3", str(ds_configs / "zero3.json"), False),
-               ("fp16", str(ds_configs / "fp16.json"), False), ("fp16_zero0", str(tmp_path / "fp16_zero0.json"), False)]
+               ("fp16", str(ds_configs / "fp16.json"), False)]  # fp16 at ZeRO-0 is refused by Keel (ds_config.py)
     out = tmp_path / "results.pt"
     mp.start_processes(_deepspeed_worker, args=(_free_port(), configs, str(out)), nprocs=1, start_method="spawn")
     results = torch.load(out)
@@ -295,9 +291,3 @@ def test_zero_stages_give_the_same_layer_statistics(tmp_path):
                     assert got[key] == pytest.approx(want[key], rel=rel, abs=1e-6), (name, step, key)
             rss = math.sqrt(sum(got[k] ** 2 for k in layers))
             assert rss == pytest.approx(got["ds_norm"], rel=max(rel, 1e-5)), (name, step)  # DeepSpeed's own norm
-    # fp16 at ZeRO-0 keeps unscaled gradients in p.grad (DeepSpeed 0.19 scales the loss for ZeRO optimizers only).
-    # Only step 1 is compared: that optimizer still divides by the scale, so its updates differ from fp32's.
-    got, want = results["fp16_zero0"][0], reference[0]
-    assert got["has_grad"]
-    for key in [k for k in want if k.startswith("grad_norm/")]:
-        assert got[key] == pytest.approx(want[key], rel=2e-2), key

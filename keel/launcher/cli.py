@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
 
 from keel.config import ConfigError
 
@@ -200,13 +201,20 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     from keel.data import DataError
 
+    in_place = _external_world_size() is not None  # a rank of an external launcher (torchrun, deepspeed, srun)
     try:
         code = args.func(args)
     except (ConfigError, DataError) as exc:
         print(f"keel: error: {exc}", file=sys.stderr)
         code = EXIT_USAGE
+    except Exception:
+        if not in_place:
+            raise
+        traceback.print_exc()  # leave at once so the agent sees the failure (not after gloo's slow teardown)
+        code = 1
     sys.stdout.flush()
-    if _external_world_size() is not None:  # a rank of an external launcher: skip gloo's teardown
+    sys.stderr.flush()
+    if in_place:  # skip gloo's teardown, which can abort after a clean run
         os._exit(code)
     sys.exit(code)
 
