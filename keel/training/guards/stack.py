@@ -112,6 +112,3 @@ class GuardStack:
         if "spike" in state:
             self.spike.load_state_dict(state["spike"])
 
-
-def finite_or_none(value: float | None) -> float | None:
-    return None if value is None else (value if math.isfinite(value) else math.nan)
