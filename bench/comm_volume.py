@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import inspect
 import os
-import socket
 import sys
 from collections import Counter
 from collections.abc import Callable
@@ -48,6 +47,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from keel.config import ModelConfig
+from keel.launcher.local import free_port
 from keel.model import CausalLM
 from keel.parallel.tensor import TPContext
 from keel.parallel.topology import Topology
@@ -202,11 +202,6 @@ CASES = (
 
 
 # -- running ----------------------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _worker(rank: int, case_index: int, port: int, shape: Shape, results) -> None:
     torch.set_num_threads(1)  # one core per rank
@@ -242,7 +237,7 @@ def measure(case: Case, shape: Shape) -> Result:
     # only once its imports are cached.
     ctx.set_forkserver_preload(["keel.model", "keel.parallel.topology", __name__])
     results = ctx.SimpleQueue()
-    mp.start_processes(_worker, args=(CASES.index(case), _free_port(), shape, results), nprocs=case.world,
+    mp.start_processes(_worker, args=(CASES.index(case), free_port(), shape, results), nprocs=case.world,
                        start_method="forkserver")
     per_rank = dict(results.get() for _ in range(case.world))
     if any(calls != per_rank[0] for calls in per_rank.values()):

@@ -4,7 +4,6 @@ across real gloo processes, and never communicating more than one number per tok
 from __future__ import annotations
 
 import functools
-import socket
 
 import pytest
 import torch
@@ -12,6 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from keel.launcher.local import free_port
 from keel.model import causal_lm_loss
 from keel.parallel.cross_entropy import cross_entropy_reference, vocab_parallel_cross_entropy, vocab_range
 from keel.parallel.topology import Topology
@@ -124,11 +124,6 @@ COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_to_all
                "reduce_scatter_tensor")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _record_collectives(log: list[tuple[str, int]]) -> None:
     """Wrap this process's collectives so each call logs (name, numel) of every tensor it is given."""
@@ -180,7 +175,7 @@ def parallel_run(request, tmp_path_factory) -> list[dict]:
     # A forkserver imports torch (and this module) once, then forks every rank from that clean single-threaded
     # process: as safe as spawn, without each rank paying seconds of torch import.
     mp.get_context("forkserver").set_forkserver_preload([__name__])
-    mp.start_processes(_worker, args=(world_size, _free_port(), str(out)), nprocs=world_size, start_method="forkserver")
+    mp.start_processes(_worker, args=(world_size, free_port(), str(out)), nprocs=world_size, start_method="forkserver")
     return [torch.load(out / f"rank{r}.pt") for r in range(world_size)]
 
 

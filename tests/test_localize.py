@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ import torch
 import torch.multiprocessing as mp
 
 from keel.config import ModelConfig
+from keel.launcher.local import free_port
 from keel.model import CausalLM
 from keel.training.guards.localize import DATA, ROOT, TRANSIENT, Finding, classify, localize
 
@@ -207,11 +207,6 @@ def test_classify_needs_the_same_place_twice():
 
 
 # -- under real DeepSpeed engines ---------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _engine(stage: int, tp: int = 1):
     from keel.config import ParallelConfig, RunConfig, TrainConfig
@@ -269,7 +264,7 @@ def test_localize_under_zero_leaves_training_unchanged(stage):
     mp.get_context("forkserver").set_forkserver_preload([__name__])
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.start_processes(_zero_worker, args=(_free_port(), stage, results), nprocs=1, start_method="forkserver")
+        mp.start_processes(_zero_worker, args=(free_port(), stage, results), nprocs=1, start_method="forkserver")
         results = dict(results)
     assert results["healthy"]["first_bad_module"] is None
     poisoned = results["poisoned"]
@@ -301,7 +296,7 @@ def test_localize_on_every_rank(stage, tp):
     mp.get_context("forkserver").set_forkserver_preload([__name__])
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.start_processes(_every_rank_worker, args=(2, _free_port(), stage, tp, results), nprocs=2,
+        mp.start_processes(_every_rank_worker, args=(2, free_port(), stage, tp, results), nprocs=2,
                            start_method="forkserver")
         results = dict(results)
     assert results[0]["first_bad_module"] == results[0]["origin_module"] == "layers.2.attention.wq"

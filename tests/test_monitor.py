@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
-import socket
 import time
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import torch
 import torch.multiprocessing as mp
 
 from keel.config import ConfigError, ModelConfig, StabilityConfig
+from keel.launcher.local import free_port
 from keel.model import Block, CausalLM
 from keel.parallel.topology import Topology
 from keel.training.ds_config import load_ds_config
@@ -227,11 +227,6 @@ def test_after_step_without_before_step_says_how_to_call():
 
 
 # -- real DeepSpeed: ZeRO keeps gradients in its own buffers --------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _deepspeed_worker(_rank: int, port: int, configs: list[tuple[str, str, bool]], out: str) -> None:
     """One process, world size 1: the same model and batches under several DeepSpeed configs, 2 monitored steps."""
@@ -277,7 +272,7 @@ def test_zero_stages_give_the_same_layer_statistics(tmp_path):
                ("zero1_attach", str(ds_configs / "zero1.json"), True), ("zero3", str(ds_configs / "zero3.json"), False),
                ("fp16", str(ds_configs / "fp16.json"), False)]  # fp16 at ZeRO-0 is refused by Keel (ds_config.py)
     out = tmp_path / "results.pt"
-    mp.start_processes(_deepspeed_worker, args=(_free_port(), configs, str(out)), nprocs=1, start_method="spawn")
+    mp.start_processes(_deepspeed_worker, args=(free_port(), configs, str(out)), nprocs=1, start_method="spawn")
     results = torch.load(out)
     reference = results["zero0"]
     assert all(r["has_grad"] for r in reference)

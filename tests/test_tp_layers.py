@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -11,6 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from keel.config import ModelConfig
+from keel.launcher.local import free_port
 from keel.model import CausalLM
 from keel.parallel.tensor import TPContext
 from keel.parallel.topology import Topology
@@ -19,11 +19,6 @@ pytestmark = pytest.mark.slow
 
 CFG = dict(vocab_size=200, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_pad_multiple=16)
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _full_grad(param: torch.nn.Parameter, tp: TPContext) -> torch.Tensor:
@@ -75,7 +70,7 @@ def test_tensor_parallel_gradients_equal_single_process(world, kv_heads, sequenc
     """Every parameter's gathered gradient after one step equals tp=1's (embedding, projections, norms)."""
     # A forkserver imports torch and keel once, then forks each rank from that clean single-threaded process.
     mp.get_context("forkserver").set_forkserver_preload([__name__])
-    mp.start_processes(_worker, args=(world, _free_port(), kv_heads, sequence_parallel), nprocs=world,
+    mp.start_processes(_worker, args=(world, free_port(), kv_heads, sequence_parallel), nprocs=world,
                        start_method="forkserver")
 
 

@@ -15,6 +15,7 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from keel.launcher.local import free_port
 from keel.training.guards.base import read_anomalies
 from keel.training.watchdog import EXIT_HANG, StragglerMonitor
 
@@ -132,11 +133,6 @@ def test_gil_held_in_c_code_is_caught_by_the_faulthandler_backstop(tmp_path):
 
 
 # -- two real ranks -----------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 PEERS = """
     import os, sys, time
@@ -174,7 +170,7 @@ def test_hung_rank_and_its_blocked_peer_both_exit_with_hang_code(tmp_path, late)
     all-reduce 1 s before rank 0's deadline; the exception is taken for the hang, not reported as a failure.
     """
     (tmp_path / "script.py").write_text(textwrap.dedent(PEERS))
-    env = {**os.environ, "PYTHONPATH": str(REPO), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "WORLD_SIZE": "2"}
     procs = [subprocess.Popen([sys.executable, str(tmp_path / "script.py"), str(tmp_path), str(late)], text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**env, "RANK": str(r)})
@@ -210,7 +206,7 @@ def _straggler_worker(rank: int, world: int, port: int) -> None:
 @pytest.mark.slow
 def test_straggler_monitor_names_the_slowest_rank():
     mp.get_context("forkserver").set_forkserver_preload([__name__])
-    mp.start_processes(_straggler_worker, args=(2, _free_port()), nprocs=2, start_method="forkserver")
+    mp.start_processes(_straggler_worker, args=(2, free_port()), nprocs=2, start_method="forkserver")
 
 
 def test_straggler_monitor_single_process():
