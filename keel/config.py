@@ -36,6 +36,19 @@ class ModelConfig:
     init: str = "normal"  # normal | truncated_normal
     init_std: float = 0.02
     vocab_pad_multiple: int = 128  # embedding rows padded to a multiple of this × tp; padding gets no probability
+    # Mixture of experts (keel/model/moe.py); moe_experts = 0 keeps every block dense
+    moe_experts: int = 0
+    moe_every: int = 1  # block i is MoE when (i + 1) % moe_every == 0: 1 = all blocks, 2 = every second
+    moe_top_k: int = 2
+    moe_ffn_hidden: int = 0  # each expert's SwiGLU width; 0: the dense ffn width
+    moe_scoring: str = "softmax"  # softmax | sigmoid
+    moe_jitter: float = 0.0  # multiplicative input noise U(1-ε, 1+ε) on the router input while training
+    moe_shared_expert: bool = False  # a dense SwiGLU every token passes through, added to the routed output
+    moe_aux_loss: float = 0.01  # Switch/GShard load-balancing loss weight
+    moe_z_loss: float = 0.001  # router z-loss weight (ST-MoE)
+    moe_capacity_factor: float = 0.0  # tokens per expert = ceil(factor · tokens · k / experts); 0: dropless
+    moe_drop_policy: str = "probability"  # over capacity, drop the lowest-probability or the latest tokens
+    moe_bias_update: float = 0.0  # aux-loss-free balancing: per-expert bias step toward uniform load (0: off)
 
     @property
     def head_dim(self) -> int:
@@ -136,6 +149,9 @@ class StabilityConfig:
     watchdog_timeout: float = 600.0  # seconds a step may take before stacks are dumped and the rank exits (0: off)
     straggler_interval: int = 50  # log slowest/fastest rank step time every N steps (0: off)
     monitor_interval: int = 50  # per-layer grad norms and activation statistics every N steps (0: off)
+    expert_interval: int = 10  # MoE: per-layer expert load, dropped fraction, router entropy every N steps (0: off)
+    expert_collapse_share: float = 0.1  # an expert under this fraction of the uniform share 1/E is starving ...
+    expert_collapse_checks: int = 3  # ... for this many consecutive checks: the expert-collapse warning
     tensorboard: bool = True
     wandb: bool = False
     wandb_project: str = "keel"
@@ -147,6 +163,7 @@ class FaultsConfig:
     """Fault injection for tests and for rehearsing recovery; every value 0/-1 means off."""
 
     nan_step: int = 0
+    starve_expert: int = -1  # MoE: the router never chooses this expert (an imbalanced router, for the warning)
     nan_rank: int = 0
     spike_step: int = 0  # one step, or...
     spike_steps: list[int] = field(default_factory=list)  # ...several steps whose loss is scaled
@@ -304,6 +321,9 @@ def validate_model(m: ModelConfig) -> None:
     _require(m.vocab_pad_multiple >= 1, f"model.vocab_pad_multiple: must be >= 1, got {m.vocab_pad_multiple}")
     _require(m.init_std > 0, f"model.init_std: must be positive, got {m.init_std}")
     _require(m.norm_eps > 0 and m.rope_theta > 0, "model.norm_eps and model.rope_theta must be positive")
+    from keel.model.router import validate_moe  # the MoE router's module owns its rules
+
+    validate_moe(m)
 
 
 def validate(cfg: RunConfig, world_size: int) -> None:
@@ -337,10 +357,8 @@ def validate(cfg: RunConfig, world_size: int) -> None:
     for name in ("tp", "pp", "ep", "sp"):
         size = getattr(p, name)
         _require(size >= 1, f"parallel.{name}: must be >= 1, got {size}")
-    for name in ("ep", "sp"):
-        size = getattr(p, name)
-        _require(size == 1, f"parallel.{name}={size}: this Keel version trains with parallel.{name}=1 only")
     validate_tensor_parallel(cfg)
+    validate_expert_and_sequence_parallel(cfg)
     _require(t.activation_checkpoint_interval >= 0,
              f"train.activation_checkpoint_interval: must be >= 0 (0 disables), got {t.activation_checkpoint_interval}")
     _require(p.pipeline_partition in ("parameters", "uniform") or p.pipeline_partition.startswith("type:"),
@@ -352,6 +370,8 @@ def validate(cfg: RunConfig, world_size: int) -> None:
     dp = world_size // (p.tp * p.pp * p.sp)
     _require(world_size % (p.tp * p.pp * p.sp) == 0,
              f"parallel: world size {world_size} is not divisible by tp×pp×sp = {p.tp * p.pp * p.sp}")
+    _require(dp % p.ep == 0, f"parallel.ep={p.ep} must divide the data-parallel size {dp} "
+                             f"(world size {world_size} / tp×pp×sp {p.tp * p.pp * p.sp})")
     _require(t.global_batch_size % (t.micro_batch_size * dp) == 0,
              f"train.global_batch_size={t.global_batch_size} must be a multiple of train.micro_batch_size×dp = "
              f"{t.micro_batch_size}×{dp} = {t.micro_batch_size * dp}")
@@ -373,3 +393,25 @@ def validate_tensor_parallel(cfg: RunConfig) -> None:
     if cfg.parallel.sequence_parallel:
         _require(cfg.data.seq_len % tp == 0,
                  f"data.seq_len={cfg.data.seq_len} must be divisible by parallel.tp={tp} under sequence parallel")
+
+
+def validate_expert_and_sequence_parallel(cfg: RunConfig) -> None:
+    """ep shards the experts (so needs them, evenly); Ulysses sp shards the sequence and, in attention, the heads."""
+    m, p = cfg.model, cfg.parallel
+    if p.ep > 1:
+        _require(m.moe_experts > 0, f"parallel.ep={p.ep} needs a mixture-of-experts model: set model.moe_experts")
+        _require(m.moe_experts % p.ep == 0,
+                 f"model.moe_experts={m.moe_experts} must be divisible by parallel.ep={p.ep}")
+    if p.sp == 1:
+        return
+    heads = m.n_heads // p.tp
+    _require(heads % p.sp == 0, f"parallel.sp={p.sp} must divide the attention heads per tensor-parallel rank "
+                                f"(model.n_heads / parallel.tp = {heads})")
+    shards = p.sp * (p.tp if p.sequence_parallel else 1)
+    _require(cfg.data.seq_len % shards == 0,
+             f"data.seq_len={cfg.data.seq_len} must be divisible by {shards} (parallel.sp"
+             f"{' × parallel.tp under sequence_parallel' if p.sequence_parallel else ''})")
+    _require(p.pp == 1, f"parallel.sp={p.sp} with parallel.pp={p.pp}: Ulysses sequence parallel runs without "
+                        "pipeline stages in this version; use parallel.pp=1 or parallel.sp=1")
+    _require(m.moe_experts == 0, f"parallel.sp={p.sp} with model.moe_experts={m.moe_experts}: Ulysses sequence "
+                                 "parallel runs dense models only in this version; use parallel.sp=1")

@@ -14,8 +14,10 @@ from torch import nn
 
 from keel.config import ConfigError, ModelConfig
 from keel.parallel.tensor import ColumnParallelLinear, RowParallelLinear, TPContext, enter, exit, sum_grad_over_tp
+from keel.parallel.ulysses import SPContext, ulysses_attention
 
 NO_TP = TPContext()
+NO_SP = SPContext()
 
 
 class RMSNorm(nn.Module):
@@ -124,9 +126,12 @@ class Attention(nn.Module):
     divides n_kv_heads. When tp > n_kv_heads they are replicated instead (they are small under GQA): every rank
     keeps all of `wk`/`wv`, projects only the one kv head its query heads read, and the partial gradients of
     those replicated weights are summed over the TP group.
+
+    Under Ulysses sequence parallelism (`sp`) the projections see this rank's sequence chunk and the attention
+    itself runs on the whole sequence for heads / sp (keel/parallel/ulysses.py).
     """
 
-    def __init__(self, cfg: ModelConfig, tp: TPContext = NO_TP) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPContext = NO_TP, sp: SPContext = NO_SP) -> None:
         super().__init__()
         self.head_dim = cfg.head_dim
         self.tp = tp
@@ -140,6 +145,8 @@ class Attention(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
         heads_per_rank, n_rep = cfg.n_heads // tp.size, cfg.n_heads // cfg.n_kv_heads
         self.kv_head = (tp.rank * heads_per_rank) // n_rep  # the one kv head used here when replicated
+        self.sp_size = sp.size
+        self.ulysses = ulysses_attention(self._attend, sp) if sp.size > 1 else None
 
     def _kv(self, proj: ColumnParallelLinear, x: torch.Tensor) -> torch.Tensor:
         if not self.kv_replicated:
@@ -150,29 +157,46 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = enter(x, self.tp)
         b, s, _ = x.shape
-        q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # [b, heads, s, head_dim]
-        k = self._kv(self.wk, x).view(b, s, -1, self.head_dim).transpose(1, 2)  # [b, kv_heads, s, head_dim]
-        v = self._kv(self.wv, x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        q = self.wq(x).view(b, s, -1, self.head_dim)  # [b, s, heads, head_dim]
+        k = self._kv(self.wk, x).view(b, s, -1, self.head_dim)  # [b, s, kv_heads, head_dim]
+        v = self._kv(self.wv, x).view(b, s, -1, self.head_dim)
+        if self.ulysses is None:
+            out = self._attend(q, k, v)
+        else:
+            if k.shape[2] % self.sp_size:  # too few kv heads to split over sp: send one per query head
+                k, v = (t.repeat_interleave(q.shape[2] // k.shape[2], dim=2) for t in (k, v))
+            out = self.ulysses(q, k, v, 0)
+        return exit(self.wo(out.reshape(b, s, -1)), self.tp)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention over [b, s, heads, head_dim] inputs (full sequence), RoPE included."""
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, head_dim]
         cos, sin = self.rotary(q)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         n_rep = q.shape[1] // k.shape[1]
         if n_rep > 1:  # query head h reads kv head h // n_rep
             k = k.repeat_interleave(n_rep, dim=1)
             v = v.repeat_interleave(n_rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return exit(self.wo(out.transpose(1, 2).reshape(b, s, -1)), self.tp)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
 
 
 class SwiGLU(nn.Module):
-    """Gated MLP `w2(silu(w1 x) * w3 x)`: w1 is the gate, w3 the up projection, w2 the down projection."""
+    """Gated MLP `w2(silu(w1 x) * w3 x)`: w1 is the gate, w3 the up projection, w2 the down projection.
 
-    def __init__(self, cfg: ModelConfig, tp: TPContext = NO_TP) -> None:
+    `hidden` overrides the width (MoE experts); `inner` is the MLP without entering or exiting the TP region, for
+    callers that are already inside one (the experts and shared expert of an MoE layer).
+    """
+
+    def __init__(self, cfg: ModelConfig, tp: TPContext = NO_TP, hidden: int | None = None) -> None:
         super().__init__()
         self.tp = tp
-        self.w1 = ColumnParallelLinear(cfg.dim, cfg.ffn_dim, tp)
-        self.w3 = ColumnParallelLinear(cfg.dim, cfg.ffn_dim, tp)
-        self.w2 = RowParallelLinear(cfg.ffn_dim, cfg.dim, tp)
+        hidden = hidden or cfg.ffn_dim
+        self.w1 = ColumnParallelLinear(cfg.dim, hidden, tp)
+        self.w3 = ColumnParallelLinear(cfg.dim, hidden, tp)
+        self.w2 = RowParallelLinear(hidden, cfg.dim, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = enter(x, self.tp)
-        return exit(self.w2(F.silu(self.w1(x)) * self.w3(x)), self.tp)
+        return exit(self.inner(enter(x, self.tp)), self.tp)
+
+    def inner(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))

@@ -17,8 +17,10 @@ import torch.utils.checkpoint
 from torch import nn
 
 from keel.config import ConfigError, ModelConfig, validate_model
-from keel.model.layers import NO_TP, Attention, SwiGLU, make_norm
+from keel.model.layers import NO_SP, NO_TP, Attention, SwiGLU, make_norm
+from keel.model.router import is_moe_block
 from keel.parallel.cross_entropy import vocab_parallel_cross_entropy
+from keel.parallel.experts import NO_EP, EPContext
 from keel.parallel.tensor import (
     ColumnParallelLinear,
     TPContext,
@@ -29,9 +31,11 @@ from keel.parallel.tensor import (
     padded_vocab_size,
     shard_of,
 )
+from keel.parallel.ulysses import SPContext, sequence_chunk, sequence_mean
 
-# Parameters on the residual branch's output; initialised with std / sqrt(2·n_layers) (GPT-2, Megatron).
-_RESIDUAL_OUTPUTS = ("attention.wo.weight", "feed_forward.w2.weight")
+# Parameters on the residual branch's output; initialised with std / sqrt(2·n_layers) (GPT-2, Megatron): the
+# attention output and every MLP's down projection (dense, each expert's, the shared expert's).
+_RESIDUAL_OUTPUTS = (".wo.weight", ".w2.weight")
 # Layer seeds are seed·stride + index; the stride exceeds any layer count so (seed, index) pairs never collide.
 _SEED_STRIDE = 1_000_003
 
@@ -44,15 +48,17 @@ class EmbeddingLayer(nn.Module):
     """Token ids [b, s] → hidden [b, s, dim] (sequence-sharded under SP). RoPE lives in the attentions.
 
     The table is split by vocabulary rows over tp and padded to `vocab_rows`; padding rows are never looked up.
+    Under Ulysses sequence parallelism only this rank's sequence chunk of the tokens is embedded.
     """
 
-    def __init__(self, cfg: ModelConfig, tp: TPContext = NO_TP) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPContext = NO_TP, sp: SPContext = NO_SP) -> None:
         super().__init__()
         self.tp = tp
+        self.sp = sp
         self.tok_embeddings = VocabParallelEmbedding(cfg.vocab_size, vocab_rows(cfg, tp), cfg.dim, tp)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return exit(self.tok_embeddings(tokens), self.tp)
+        return exit(self.tok_embeddings(sequence_chunk(tokens, self.sp)), self.tp)
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """Use the table as the tied output head: hidden → logits over this rank's vocabulary shard."""
@@ -60,15 +66,24 @@ class EmbeddingLayer(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block; dropout sits on each residual branch's output, before the add."""
+    """Pre-norm transformer block; dropout sits on each residual branch's output, before the add.
 
-    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPContext = NO_TP) -> None:
+    The feed-forward is the dense SwiGLU, or an MoE layer in every `model.moe_every`-th block.
+    """
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPContext = NO_TP, ep: EPContext = NO_EP,
+                 sp: SPContext = NO_SP) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.attention_norm = make_norm(cfg, tp)
-        self.attention = Attention(cfg, tp)
+        self.attention = Attention(cfg, tp, sp)
         self.ffn_norm = make_norm(cfg, tp)
-        self.feed_forward = SwiGLU(cfg, tp)
+        if is_moe_block(cfg, layer_id):
+            from keel.model.moe import MoE  # imports DeepSpeed; dense models never need it
+
+            self.feed_forward = MoE(cfg, tp, ep, layer_id)
+        else:
+            self.feed_forward = SwiGLU(cfg, tp)
         self.tp = tp
         self.dropout = nn.Dropout(cfg.dropout)
 
@@ -119,10 +134,12 @@ class OutputLayer(nn.Module):
         return self.output(enter(x, self.tp))
 
 
-def build_layers(cfg: ModelConfig, tp: TPContext = NO_TP) -> list[nn.Module]:
+def build_layers(cfg: ModelConfig, tp: TPContext = NO_TP, ep: EPContext = NO_EP,
+                 sp: SPContext = NO_SP) -> list[nn.Module]:
     """`[EmbeddingLayer, Block × n_layers, FinalNorm, OutputLayer]`, head tied to the embedding if asked.
 
-    With a tensor-parallel `tp`, each layer holds this rank's shards. Weights are uninitialised until
+    With a tensor-parallel `tp`, each layer holds this rank's shards, and with an expert-parallel `ep` this
+    rank's experts; with a Ulysses `sp`, layers see this rank's sequence chunk. Weights are uninitialised until
     `init_weights` runs.
     """
     validate_model(cfg)
@@ -130,15 +147,17 @@ def build_layers(cfg: ModelConfig, tp: TPContext = NO_TP) -> list[nn.Module]:
         raise ConfigError(
             f"model.vocab_size: must be > 0 to build the model (got {cfg.vocab_size}); resolve it from the tokenizer"
         )
-    embedding = EmbeddingLayer(cfg, tp)
-    blocks = [Block(cfg, layer_id, tp) for layer_id in range(cfg.n_layers)]
+    embedding = EmbeddingLayer(cfg, tp, sp)
+    blocks = [Block(cfg, layer_id, tp, ep, sp) for layer_id in range(cfg.n_layers)]
     head = OutputLayer(cfg, embedding.tok_embeddings if cfg.tie_embeddings else None, tp)
     return [embedding, *blocks, FinalNorm(cfg, tp), head]
 
 
-def _layer_generator(seed: int, index: int) -> torch.Generator:
+def _layer_generator(seed: int, index: int, expert: int = -1) -> torch.Generator:
     # The CPU generator keeps only the low 32 bits of its seed; reduce explicitly so the rule is visible.
-    return torch.Generator().manual_seed((seed * _SEED_STRIDE + index) % 2**32)
+    # An expert's stream is keyed by its global id too, so its values do not depend on which rank holds it.
+    key = seed * _SEED_STRIDE + index
+    return torch.Generator().manual_seed((key if expert < 0 else key * _SEED_STRIDE + 1 + expert) % 2**32)
 
 
 def _draw_(param: torch.Tensor, std: float, truncated: bool, generator: torch.Generator) -> None:
@@ -166,7 +185,8 @@ def init_weights(layers: Iterable[nn.Module], cfg: ModelConfig, seed: int, first
     list), so a pipeline stage reproduces exactly its slice of the single-process model by calling
     `init_weights(stage_layers, cfg, seed, first_index=index_of_its_first_layer)`. An `OutputLayer` whose head
     is tied but not shared in this process (the embedding lives on another stage) draws from layer 0's
-    generator, which gives it the embedding's values.
+    generator, which gives it the embedding's values. Each expert draws from a stream of its own keyed by its
+    global id, so an expert-parallel rank reproduces exactly its experts.
     """
     if cfg.init not in ("normal", "truncated_normal"):
         raise ConfigError(f"model.init: expected normal or truncated_normal, got {cfg.init!r}")
@@ -174,11 +194,16 @@ def init_weights(layers: Iterable[nn.Module], cfg: ModelConfig, seed: int, first
     residual_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
     done: set[int] = set()  # a Parameter shared between layers is initialised once, by its first owner
     for offset, layer in enumerate(layers):
-        generator = _layer_generator(seed, first_index + offset)
+        index = first_index + offset
+        layer_generator = _layer_generator(seed, index)
+        expert_generators: dict[int, torch.Generator] = {}
         for name, param in layer.named_parameters():
             if id(param) in done:
                 continue
             done.add(id(param))
+            expert = getattr(param, "expert_id", None)
+            generator = layer_generator if expert is None else expert_generators.setdefault(
+                expert, _layer_generator(seed, index, expert))
             if param.ndim >= 2:
                 tied_head = isinstance(layer, OutputLayer) and cfg.tie_embeddings and name == "output.weight"
                 if tied_head or isinstance(layer, EmbeddingLayer):  # every copy of the table draws as layer 0
@@ -204,13 +229,14 @@ class CausalLM(nn.Module):
     """The whole layer list in one process: logits, or the loss when `labels` are given."""
 
     def __init__(self, cfg: ModelConfig, seed: int = 0, tp: TPContext = NO_TP, label_smoothing: float = 0.0,
-                 z_loss: float = 0.0, checkpoint_interval: int = 0) -> None:
+                 z_loss: float = 0.0, checkpoint_interval: int = 0, ep: EPContext = NO_EP,
+                 sp: SPContext = NO_SP) -> None:
         super().__init__()
         self.cfg = cfg
         self.checkpoint_interval = checkpoint_interval
-        self.layers = nn.ModuleList(build_layers(cfg, tp))
+        self.layers = nn.ModuleList(build_layers(cfg, tp, ep, sp))
         init_weights(self.layers, cfg, seed)
-        self.loss_fn = VocabParallelLoss(cfg, tp, label_smoothing, z_loss)
+        self.loss_fn = VocabParallelLoss(cfg, tp, label_smoothing, z_loss, sp)
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (this rank's vocabulary shard, padding included) or, given `labels`, the mean loss."""
@@ -236,19 +262,24 @@ class VocabParallelLoss:
     """`loss_fn(logits_shard, labels)`: cross-entropy over the true vocabulary, never gathering full logits.
 
     A plain callable (not a module) so it adds no parameters; the pipeline engine takes it as its loss_fn.
+    Under Ulysses sequence parallelism it scores this rank's label chunk and returns the full-sequence mean.
     """
 
-    def __init__(self, cfg: ModelConfig, tp: TPContext, label_smoothing: float = 0.0, z_loss: float = 0.0):
+    def __init__(self, cfg: ModelConfig, tp: TPContext, label_smoothing: float = 0.0, z_loss: float = 0.0,
+                 sp: SPContext = NO_SP):
         self.group = tp.group if tp.size > 1 else None
         self.vocab_start = tp.rank * vocab_rows(cfg, tp) // tp.size
         self.vocab_size = cfg.vocab_size
         self.label_smoothing = label_smoothing
         self.z_loss = z_loss
         self.scale = 1.0  # fault injection multiplies a step's loss (faults.spike_step)
+        self.sp = sp
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        loss = vocab_parallel_cross_entropy(logits, labels, self.group, self.vocab_start, self.vocab_size,
-                                            label_smoothing=self.label_smoothing, z_loss=self.z_loss)
+        loss = vocab_parallel_cross_entropy(logits, sequence_chunk(labels, self.sp), self.group, self.vocab_start,
+                                            self.vocab_size, label_smoothing=self.label_smoothing,
+                                            z_loss=self.z_loss)
+        loss = sequence_mean(loss, self.sp)
         return loss * self.scale if self.scale != 1.0 else loss
 
 
@@ -259,7 +290,8 @@ def weight_decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     for param in model.parameters():  # parameters() already yields each shared Parameter once
         if param.requires_grad:
             (decay if param.ndim >= 2 else no_decay).append(param)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"name": "decay", "params": decay, "weight_decay": weight_decay},
+              {"name": "no_decay", "params": no_decay, "weight_decay": 0.0}]
     return [group for group in groups if group["params"]]
 
 

@@ -4,7 +4,9 @@ DeepSpeed computes this itself for ZeRO and mixed precision (reading `tensor_mod
 from replicas and `ds_pipe_replicated` for tied copies). Its plain fp32 ZeRO-0 path clips by a norm it does not
 record and does not sum over pipeline stages, so Keel supplies the clipping for that path (`clip_grad_norm_`).
 Megatron's rule: shards count on every rank, replicas only on TP rank 0, tied pipeline copies only on the
-first stage holding them, and the squares are summed over the model-parallel (pp × tp) group.
+first stage holding them, and the squares are summed over the model-parallel (pp × tp) group — expert
+parameters' (DeepSpeed's `allreduce = False`) first over the expert-parallel group, whose ranks hold different
+experts.
 """
 
 from __future__ import annotations
@@ -19,12 +21,20 @@ from keel.parallel.topology import Topology
 
 def global_grad_norm(params: Iterable[torch.nn.Parameter], topology: Topology) -> float:
     tp_rank0 = topology.rank_in("tp") == 0
-    total = torch.zeros((), dtype=torch.float64)
+    dense = torch.zeros((), dtype=torch.float64)
+    experts = torch.zeros((), dtype=torch.float64)  # each ep rank holds different experts: sum over ep too
     for p in params:
         if p.grad is None or getattr(p, "ds_pipe_replicated", False):
             continue
         if getattr(p, "tensor_model_parallel", False) or tp_rank0:
-            total += p.grad.detach().double().pow(2).sum()
+            square = p.grad.detach().double().pow(2).sum()
+            if getattr(p, "allreduce", True):
+                dense += square
+            else:
+                experts += square
+    if topology.size("ep") > 1:
+        dist.all_reduce(experts, group=topology.group("ep"))
+    total = dense + experts
     if topology.size("model") > 1:
         dist.all_reduce(total, group=topology.group("model"))
     return total.sqrt().item()

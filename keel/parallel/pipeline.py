@@ -20,6 +20,7 @@ import torch.utils.checkpoint
 
 from keel.config import RunConfig
 from keel.model import Block, EmbeddingLayer, FinalNorm, OutputLayer, VocabParallelLoss, init_weights
+from keel.parallel.experts import EPContext
 from keel.parallel.tensor import TPContext
 from keel.parallel.topology import Topology
 
@@ -31,7 +32,7 @@ def _project(module: EmbeddingLayer, x: torch.Tensor) -> torch.Tensor:
     return module.project(x)
 
 
-def layer_specs(cfg: RunConfig, tp: TPContext) -> list:
+def layer_specs(cfg: RunConfig, tp: TPContext, ep: EPContext) -> list:
     """The flat layer list as specs: `[Embedding, Block × n, FinalNorm, Head]`, built lazily per stage."""
     from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
@@ -42,7 +43,7 @@ def layer_specs(cfg: RunConfig, tp: TPContext) -> list:
         head = TiedLayerSpec(TIED_KEY, EmbeddingLayer, m, tp, forward_fn=_project, tied_weight_attr=weight)
     else:
         first, head = LayerSpec(EmbeddingLayer, m, tp), LayerSpec(OutputLayer, m, None, tp)
-    blocks = [LayerSpec(Block, m, layer_id, tp) for layer_id in range(m.n_layers)]
+    blocks = [LayerSpec(Block, m, layer_id, tp, ep) for layer_id in range(m.n_layers)]
     return [first, *blocks, LayerSpec(FinalNorm, m, tp), head]
 
 
@@ -58,7 +59,7 @@ def local_layers(module) -> list[tuple[int, torch.nn.Module]]:
     return layers
 
 
-def build_pipeline(cfg: RunConfig, topology: Topology, tp: TPContext):
+def build_pipeline(cfg: RunConfig, topology: Topology, tp: TPContext, ep: EPContext):
     """A `PipelineModule` over this rank's stage, initialised as the single-process model would be."""
     from deepspeed.pipe import PipelineModule
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
@@ -66,7 +67,7 @@ def build_pipeline(cfg: RunConfig, topology: Topology, tp: TPContext):
     shape = topology.shape
     checkpoint = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
     module = PipelineModule(
-        layers=layer_specs(cfg, tp),
+        layers=layer_specs(cfg, tp, ep),
         topology=PipeModelDataParallelTopology(num_pp=shape.pp, num_mp=shape.tp, num_dp=shape.dp),
         loss_fn=VocabParallelLoss(cfg.model, tp, cfg.train.label_smoothing, cfg.train.z_loss),
         partition_method=cfg.parallel.pipeline_partition,

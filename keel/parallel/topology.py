@@ -92,6 +92,7 @@ GROUP_AXES = {
     "edp": ("edp",),  # expert data parallel
     "model": ("pp", "tp"),  # ranks holding different parameters of one model replica (sp ranks replicate)
     "tp_sp": ("sp", "tp"),
+    "sp_dp": ("edp", "ep", "sp"),  # ranks holding the same dense parameters: ZeRO's and gradient reduction's group
 }
 
 
@@ -198,3 +199,13 @@ class Topology:
 
     def get_sequence_parallel_group(self):
         return self.group("sp")
+
+    # Under Ulysses sp, DeepSpeed partitions ZeRO state and sums gradients over data × sequence parallel ranks.
+    def get_sequence_data_parallel_world_size(self) -> int:
+        return self.size("sp_dp")
+
+    def get_sequence_data_parallel_rank(self) -> int:
+        return self.rank_in("sp_dp")
+
+    def get_sequence_data_parallel_group(self):
+        return self.group("sp_dp")

@@ -137,7 +137,9 @@ class Checkpointer:
         saved, now = self.read_manifest(tag)["topology"], self.topology.stamp()
         if (saved["tp"], saved["pp"]) != (now["tp"], now["pp"]):
             return True
-        return saved["dp"] != now["dp"] and max(zero_stage, saved.get("zero_stage", zero_stage)) > 0
+        # ZeRO partitions over data × Ulysses-sequence parallel ranks
+        partitions = saved["dp"] * saved.get("sp", 1), now["dp"] * now["sp"]
+        return partitions[0] != partitions[1] and max(zero_stage, saved.get("zero_stage", zero_stage)) > 0
 
     def convert_universal(self, tag: str) -> None:
         """Rank 0: DeepSpeed's `ds_to_universal` into `<tag>/universal` (written aside, then renamed in)."""

@@ -14,9 +14,11 @@ import torch
 
 from keel.config import RunConfig
 from keel.model import CausalLM, weight_decay_groups
+from keel.parallel.experts import EPContext
 from keel.parallel.grad_norm import clip_grad_norm_, global_grad_norm
 from keel.parallel.tensor import TPContext
 from keel.parallel.topology import Topology
+from keel.parallel.ulysses import SPContext
 from keel.training.ds_config import precision, resolve_ds_config
 from keel.training.lr_schedule import build_scheduler
 
@@ -40,12 +42,14 @@ def allow_fp16_on_cpu() -> bool:
 def build_model(cfg: RunConfig, topology: Topology | None = None) -> torch.nn.Module:
     """The plain `CausalLM`, or this rank's pipeline stage when parallel.pp > 1."""
     tp = TPContext.from_topology(topology, cfg.parallel.sequence_parallel, seed=cfg.train.seed)
+    ep = EPContext.from_topology(topology)
     if cfg.parallel.pp > 1:
         from keel.parallel.pipeline import build_pipeline
 
-        return build_pipeline(cfg, topology, tp)
+        return build_pipeline(cfg, topology, tp, ep)
     return CausalLM(cfg.model, seed=cfg.train.seed, tp=tp, label_smoothing=cfg.train.label_smoothing,
-                    z_loss=cfg.train.z_loss, checkpoint_interval=cfg.train.activation_checkpoint_interval)
+                    z_loss=cfg.train.z_loss, checkpoint_interval=cfg.train.activation_checkpoint_interval, ep=ep,
+                    sp=SPContext.from_topology(topology))
 
 
 class LRScale:
@@ -94,6 +98,10 @@ def build_engine(cfg: RunConfig, ds_raw: dict[str, Any], topology: Topology, mod
         log.warning("fp16 on CPU: overriding DeepSpeed's CPU accelerator fp16 check (slow; use bf16 on CPU)")
     model = model if model is not None else build_model(cfg, topology)
     groups = weight_decay_groups(model, cfg.train.weight_decay)
+    if cfg.model.moe_experts:  # expert params in groups of their own, which ZeRO partitions over edp only
+        from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+        groups = split_params_into_different_moe_groups_for_optimizer(groups)
     optimizer = None
     if "optimizer" not in ds:
         optimizer = torch.optim.AdamW(

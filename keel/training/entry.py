@@ -102,6 +102,10 @@ def reshard_if_needed(cfg, ds_raw: dict, topology, run_dir: Path) -> dict:
         return ds_raw
     log = logging.getLogger("keel")
     saved = checkpointer.read_manifest(tag)["topology"]
+    if cfg.model.moe_experts:
+        raise RuntimeError(f"checkpoint {tag} was written at {saved}; this MoE run is {topology.stamp()}: "
+                           "DeepSpeed's universal checkpoints do not convert MoE models, so resume an MoE run "
+                           "on the layout that wrote it")
     if topology.rank == 0:
         log.warning("checkpoint %s was written at %s; this run is %s: converting to a universal checkpoint", tag,
                     {k: saved[k] for k in ("world_size", "dp", "tp", "pp")}, topology.describe())

@@ -20,6 +20,7 @@ from keel.data import GlobalSampleOrder, PackedSamples, step_batch, step_sample_
 from keel.parallel.topology import Topology
 from keel.training.checkpoint import Checkpointer, TrainState
 from keel.training.engine import Fp32GradClipper, LRScale
+from keel.training.expert_health import ExpertHealth
 from keel.training.faults import FaultInjector
 from keel.training.guards.base import Action, AnomalyLog, Decision, StepStats
 from keel.training.guards.gate import reported_grad_norm
@@ -90,6 +91,7 @@ class Trainer:
         self.monitor = ModelMonitor(engine, topology, cfg.stability.monitor_interval)
         if self.is_pipeline:
             self.monitor.attach(engine)  # train_batch leaves no gap between the last backward and the step
+        self.experts = ExpertHealth(cfg, engine.module, topology, self.anomalies)
         self.preemption = PreemptionHandler()
         self._pending: StepStats | None = None
         self._local_loss: float | None = None
@@ -132,6 +134,7 @@ class Trainer:
         batch_size = rampup_batch_size(state.step, t, self.topology.dp_size)
         if batch_size != self.engine.train_batch_size():  # batch-size ramp-up: DeepSpeed adjusts accumulation
             self.engine.set_train_batch_size(batch_size)
+        self.experts.before_step(loss_scale(self.engine) or 1.0, self.engine.gradient_accumulation_steps())
         micro_batches = step_batch(self.order, self.train_samples, consumed, batch_size,
                                    t.micro_batch_size, self.topology.dp_rank, self.topology.dp_size)
         micro_batches = self.faults.batches(step, micro_batches)
@@ -168,8 +171,8 @@ class Trainer:
         if skipped and last is not None and last["kind"] == "nonfinite" and last["step"] == step:
             self._localize(step, micro_batches, consumed)
         return {"loss": loss, "lr": lr, "grad_norm": self._pending.grad_norm, "skipped": skipped,
-                "batch_size": batch_size,
-                "loss_scale": loss_scale(self.engine), **self.monitor.after_step(step)}
+                "batch_size": batch_size, "loss_scale": loss_scale(self.engine), **self.monitor.after_step(step),
+                **self.experts.after_step(step, applied=not skipped)}
 
     def _localize(self, step: int, micro_batches: list[torch.Tensor], consumed: int) -> None:
         """Replay the skipped batch on every rank to name the first bad module and classify the cause."""

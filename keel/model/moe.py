@@ -1,0 +1,155 @@
+"""The mixture-of-experts feed-forward: router, SwiGLU experts sharded over ep (and tp), optional shared expert.
+
+One MoE layer is one tensor-parallel region, like the dense MLP: the tokens enter once (gathered under SP), every
+tp rank routes them identically, each expert is a tp-sharded SwiGLU whose partial outputs leave through the
+region's exit. Across the ep group the routed rows travel by all-to-all (keel/parallel/experts.py).
+
+The auxiliary losses cannot ride on the layer's output (a pipeline stage passes one tensor on), so they are
+attached to the backward pass instead (`_AttachAuxLoss`, Megatron's MoEAuxLossAutoScaler): the forward is the
+identity, the backward gives the aux loss the gradient the main loss has at that point — `aux_grad_scale`, which
+the trainer sets to loss_scale / gradient_accumulation_steps each step — so training minimises
+`loss + aux` exactly as if it had been added to the loss, at any pp.
+"""
+
+from __future__ import annotations
+
+import torch
+from deepspeed.moe.layer import MoE as DeepSpeedMoE
+from torch import nn
+
+from keel.config import ModelConfig
+from keel.model.layers import NO_TP, SwiGLU
+from keel.model.router import Router, Routing
+from keel.parallel.experts import (
+    NO_EP,
+    EPContext,
+    combine,
+    dispatch,
+    expert_group_name,
+    mark_expert_param,
+    register_expert_groups,
+)
+from keel.parallel.tensor import TPContext, enter, exit
+
+
+class _AttachAuxLoss(torch.autograd.Function):
+    """Forward: `y` unchanged. Backward: `y`'s gradient passes through and `aux` receives `scale`."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale, ctx.aux_like = scale, (aux.shape, aux.dtype, aux.device)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        shape, dtype, device = ctx.aux_like
+        return grad, torch.full(shape, ctx.scale, dtype=dtype, device=device), None
+
+
+class ExpertStats:
+    """Routing counts accumulated over training forwards (detached, on the layer's device): `step_routed` per
+    step (the balancing bias), the rest since the last health check."""
+
+    def __init__(self, num_experts: int):
+        self.num_experts = num_experts
+        self.step_routed = torch.zeros(num_experts, dtype=torch.float64)
+        self.reset()
+
+    def reset(self) -> None:
+        device = self.step_routed.device
+        self.routed = torch.zeros(self.num_experts, dtype=torch.float64, device=device)  # rows chosen, pre-drop
+        self.dropped = torch.zeros((), dtype=torch.float64, device=device)
+        self.entropy = torch.zeros((), dtype=torch.float64, device=device)  # Σ over tokens of routing entropy
+        self.tokens = torch.zeros((), dtype=torch.float64, device=device)
+
+    @torch.no_grad()
+    def add(self, route: Routing) -> None:
+        if self.step_routed.device != route.experts.device:
+            self.step_routed = self.step_routed.to(route.experts.device)
+            self.reset()
+        counts = torch.bincount(route.experts.flatten(), minlength=self.num_experts).double()
+        self.step_routed += counts
+        self.routed += counts
+        self.dropped += (~route.keep).sum().double()
+        p = route.probs.double()
+        self.entropy += -(p * p.clamp_min(1e-30).log()).sum()
+        self.tokens += route.experts.shape[0]
+
+    def vector(self) -> torch.Tensor:
+        """[routed × E, dropped, entropy, tokens] as one tensor (one all-reduce for every layer)."""
+        return torch.cat([self.routed, self.dropped.view(1), self.entropy.view(1), self.tokens.view(1)])
+
+
+class MoE(DeepSpeedMoE):
+    """The MoE feed-forward of one block. A `deepspeed.moe.layer.MoE` by type only, so DeepSpeed treats the
+    model as MoE (expert gradient reduction, ZeRO expert param groups, per-expert checkpoint files).
+
+    Submodule names follow DeepSpeed's checkpoint code, which finds experts by the key pattern
+    `deepspeed_moe.experts.deepspeed_experts.<local id>` and treats every other key containing "expert" as one
+    too — so nothing else here has "expert" in its name.
+    """
+
+    def __init__(self, cfg: ModelConfig, tp: TPContext = NO_TP, ep: EPContext = NO_EP, layer_id: int = 0) -> None:
+        nn.Module.__init__(self)  # DeepSpeed's __init__ would build its own gate, experts and process groups
+        self.tp, self.ep = tp, ep
+        self.layer_id = layer_id  # the block's index, for health reports
+        self.num_experts = cfg.moe_experts
+        self.ep_size = ep.size
+        self.expert_group_name = expert_group_name(ep.size)
+        self.num_local_experts = cfg.moe_experts // ep.size
+        self.router = Router(cfg, tp)
+        hidden = cfg.moe_ffn_hidden or cfg.ffn_dim
+        first = ep.rank * self.num_local_experts
+        self.deepspeed_moe = nn.Module()
+        self.deepspeed_moe.experts = nn.Module()
+        self.deepspeed_moe.experts.deepspeed_experts = nn.ModuleList(
+            SwiGLU(cfg, tp, hidden) for _ in range(self.num_local_experts))
+        for offset, mlp in enumerate(self.local_experts):
+            for param in mlp.parameters():
+                mark_expert_param(param, ep.size)
+                param.expert_id = first + offset  # init draws each expert from its own stream (llama.py)
+        self.shared = SwiGLU(cfg, tp) if cfg.moe_shared_expert else None
+        self.aux_grad_scale = 1.0  # set by the trainer: loss_scale / gradient_accumulation_steps
+        self.stats = ExpertStats(cfg.moe_experts)
+
+    @property
+    def local_experts(self) -> nn.ModuleList:
+        return self.deepspeed_moe.experts.deepspeed_experts
+
+    def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
+        """DeepSpeed's engine calls this on every MoE layer at start; Keel's groups already exist."""
+        register_expert_groups(self.ep)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = enter(x, self.tp)
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])
+        route = self.router(tokens)
+        y = self._run_experts(tokens, route)
+        if self.shared is not None:
+            y = y + self.shared.inner(tokens)
+        if self.training:
+            self.stats.add(route)
+            if route.aux_loss.requires_grad:
+                # aux is identical on every tp rank, and its gradient is summed over tp (router weight, tokens)
+                y = _AttachAuxLoss.apply(y, route.aux_loss, self.aux_grad_scale / self.tp.size)
+        return exit(y.view(shape), self.tp)
+
+    def _run_experts(self, tokens: torch.Tensor, route: Routing) -> torch.Tensor:
+        """Sort the kept (token, expert) rows by expert, run them through their experts (wherever those live),
+        and sum each token's weighted expert outputs."""
+        k = route.experts.shape[1]
+        token_of_row = torch.arange(tokens.shape[0], device=tokens.device).repeat_interleave(k)
+        kept = route.keep.flatten().nonzero().squeeze(1)
+        rows = kept[torch.argsort(route.experts.flatten()[kept], stable=True)]
+        counts = torch.bincount(route.experts.flatten()[rows], minlength=self.num_experts)
+        inputs, routes = dispatch(tokens[token_of_row[rows]], counts, self.ep)
+        chunks = inputs.split(routes.expert_counts)
+        outputs = torch.cat([mlp.inner(chunk) for mlp, chunk in zip(self.local_experts, chunks)])
+        outputs = combine(outputs, routes, self.ep)
+        weights = route.weights.flatten()[rows].unsqueeze(1).to(outputs.dtype)
+        return torch.zeros_like(tokens).index_add(0, token_of_row[rows], outputs * weights)
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]

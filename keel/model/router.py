@@ -1,0 +1,127 @@
+"""The MoE router: which experts each token visits, with what weight, which rows fit, and the balancing losses.
+
+Scores are computed in fp32 from a [experts, dim] projection. Softmax scoring (Switch, GShard, Mixtral) or
+sigmoid scoring (DeepSeek-V3) picks the top-k experts; with k > 1 the chosen weights are renormalised to sum to 1.
+The aux-loss-free balancing bias (DeepSeek-V3) shifts only the *choice*, never the weights, so it steers load
+without adding gradient.
+
+Capacity (GShard): with `capacity_factor` c > 0, each expert takes at most ceil(c · tokens · k / experts) rows
+from this rank's tokens; rows past it are dropped (the token keeps its residual only). Which rows win is the
+drop policy: "probability" keeps the highest-weight rows (batch-prioritised routing), "position" keeps every
+first choice before any second choice, then earlier tokens first. c = 0 is dropless.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from keel.config import ConfigError, ModelConfig
+from keel.parallel.tensor import TPContext, sum_grad_over_tp
+
+
+def validate_moe(m: ModelConfig) -> None:
+    """Raise a one-line ConfigError for an MoE setting that cannot work."""
+    if m.moe_experts == 0:
+        return
+    checks = [
+        (m.moe_experts >= 2, f"model.moe_experts: an MoE layer needs >= 2 experts, got {m.moe_experts}"),
+        (1 <= m.moe_top_k <= min(2, m.moe_experts), f"model.moe_top_k: expected 1 or 2, got {m.moe_top_k}"),
+        (1 <= m.moe_every <= m.n_layers, f"model.moe_every: expected 1..n_layers={m.n_layers}, got {m.moe_every}"),
+        (m.moe_ffn_hidden >= 0, f"model.moe_ffn_hidden: must be >= 0 (0: the dense width), got {m.moe_ffn_hidden}"),
+        (m.moe_scoring in ("softmax", "sigmoid"), f"model.moe_scoring: expected softmax or sigmoid, got "
+                                                  f"{m.moe_scoring!r}"),
+        (0.0 <= m.moe_jitter < 1.0, f"model.moe_jitter: expected a fraction in [0, 1), got {m.moe_jitter}"),
+        (m.moe_aux_loss >= 0 and m.moe_z_loss >= 0, "model.moe_aux_loss and model.moe_z_loss must be >= 0"),
+        (m.moe_capacity_factor >= 0, f"model.moe_capacity_factor: must be >= 0 (0: dropless), got "
+                                     f"{m.moe_capacity_factor}"),
+        (m.moe_drop_policy in ("probability", "position"),
+         f"model.moe_drop_policy: expected probability or position, got {m.moe_drop_policy!r}"),
+        (m.moe_bias_update >= 0, f"model.moe_bias_update: must be >= 0 (0: off), got {m.moe_bias_update}"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+
+
+def is_moe_block(cfg: ModelConfig, layer_id: int) -> bool:
+    return cfg.moe_experts > 0 and (layer_id + 1) % cfg.moe_every == 0
+
+
+@dataclass
+class Routing:
+    """One forward's routing of T tokens to k experts each."""
+
+    experts: torch.Tensor  # [T, k] expert ids
+    weights: torch.Tensor  # [T, k] combine weights (fp32, differentiable)
+    keep: torch.Tensor  # [T, k] bool: the row fits its expert's capacity
+    aux_loss: torch.Tensor  # weighted balancing + z loss (fp32 scalar, differentiable)
+    probs: torch.Tensor  # [T, E] routing distribution (detached), for the entropy statistic
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPContext) -> None:
+        super().__init__()
+        self.tp = tp
+        self.num_experts = cfg.moe_experts
+        self.top_k = cfg.moe_top_k
+        self.scoring = cfg.moe_scoring
+        self.jitter = cfg.moe_jitter
+        self.capacity_factor = cfg.moe_capacity_factor
+        self.drop_policy = cfg.moe_drop_policy
+        self.aux_weight = cfg.moe_aux_loss
+        self.z_weight = cfg.moe_z_loss
+        # Replicated over tp; every tp rank computes the same routing from the same (gathered) tokens.
+        self.weight = nn.Parameter(torch.empty(cfg.moe_experts, cfg.dim))
+        # Aux-loss-free balancing bias: a persistent buffer (checkpointed), moved by ExpertHealth after each step.
+        self.register_buffer("balance_bias", torch.zeros(cfg.moe_experts))
+        self.choice_offset: torch.Tensor | None = None  # fault injection: added to the choice scores only
+
+    def forward(self, tokens: torch.Tensor) -> Routing:
+        if self.training and self.jitter > 0:  # Switch's multiplicative jitter, same draw on every tp rank
+            tokens = tokens * torch.empty_like(tokens).uniform_(1.0 - self.jitter, 1.0 + self.jitter)
+        logits = F.linear(tokens.float(), sum_grad_over_tp(self.weight, self.tp).float())
+        scores = logits.softmax(-1) if self.scoring == "softmax" else logits.sigmoid()
+        choice = scores.detach() + self.balance_bias
+        if self.choice_offset is not None:
+            choice = choice + self.choice_offset
+        experts = choice.topk(self.top_k, dim=-1).indices
+        weights = scores.gather(-1, experts)
+        if self.top_k > 1:
+            weights = weights / weights.sum(-1, keepdim=True)
+        probs = scores if self.scoring == "softmax" else scores / scores.sum(-1, keepdim=True)
+        return Routing(experts, weights, self._capacity_keep(experts, weights.detach()),
+                       self._aux_loss(logits, probs, experts), probs.detach())
+
+    def _aux_loss(self, logits: torch.Tensor, probs: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """α · E · Σ_e f_e · P_e (f_e: share of the T·k rows routed to e, P_e: mean probability of e; 1.0 when
+        uniform) plus β · mean(logsumexp(logits)²), the router z-loss."""
+        loss = logits.new_zeros(())
+        if self.aux_weight > 0:
+            share = torch.bincount(experts.flatten(), minlength=self.num_experts).float() / experts.numel()
+            loss = loss + self.aux_weight * self.num_experts * (share * probs.mean(0)).sum()
+        if self.z_weight > 0:
+            loss = loss + self.z_weight * torch.logsumexp(logits, -1).pow(2).mean()
+        return loss
+
+    def _capacity_keep(self, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if self.capacity_factor <= 0:
+            return torch.ones_like(experts, dtype=torch.bool)
+        tokens, k = experts.shape
+        capacity = math.ceil(self.capacity_factor * tokens * k / self.num_experts)
+        if self.drop_policy == "position":  # every first choice, then every second choice, each in token order
+            priority = torch.argsort(experts.t().flatten(), stable=True)
+            row_ids = torch.arange(tokens * k, device=experts.device).view(tokens, k).t().flatten()[priority]
+        else:  # highest weight first (ties: token order)
+            by_weight = torch.argsort(weights.flatten(), descending=True, stable=True)
+            row_ids = by_weight[torch.argsort(experts.flatten()[by_weight], stable=True)]
+        sorted_experts = experts.flatten()[row_ids]
+        starts = torch.searchsorted(sorted_experts, sorted_experts, right=False)
+        fits = (torch.arange(tokens * k, device=experts.device) - starts) < capacity
+        keep = torch.zeros(tokens * k, dtype=torch.bool, device=experts.device)
+        keep[row_ids] = fits
+        return keep.view(tokens, k)

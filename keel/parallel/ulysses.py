@@ -1,0 +1,65 @@
+"""Ulysses sequence parallelism (DeepSpeed-Ulysses): the sequence is sharded over the sp group everywhere except
+inside attention, where an all-to-all trades sequence shards for head shards and back.
+
+Every sp rank of a data-parallel replica reads the same samples; the embedding keeps this rank's sequence chunk
+of the tokens and the loss its chunk of the labels. Attention runs through DeepSpeed's `DistributedAttention`
+(q, k, v: [b, s/sp, heads, d] → [b, s, heads/sp, d]; the output back), with RoPE applied after the exchange, on
+full-sequence positions. Everything else is position-wise and needs no communication.
+
+Gradients: each sp rank backpropagates its chunk's mean loss divided by sp, and DeepSpeed sums gradients over the
+sequence-data-parallel group and divides by dp (its Ulysses convention), which gives the full-sequence mean.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+SEQ_DIM = 1
+
+
+@dataclass(frozen=True)
+class SPContext:
+    group: object = None
+    rank: int = 0
+    size: int = 1
+
+    @classmethod
+    def from_topology(cls, topology) -> SPContext:
+        if topology is None or topology.size("sp") == 1:
+            return cls()
+        return cls(topology.group("sp"), topology.rank_in("sp"), topology.size("sp"))
+
+
+def sequence_chunk(x: torch.Tensor, sp: SPContext) -> torch.Tensor:
+    """This rank's chunk of a [b, s, ...] tensor every sp rank holds in full (token ids, labels)."""
+    return x if sp.size == 1 else x.chunk(sp.size, dim=SEQ_DIM)[sp.rank].contiguous()
+
+
+class _SequenceMean(torch.autograd.Function):
+    """Forward: the mean of the sp ranks' chunk losses (the full-sequence loss, on every rank).
+    Backward: each rank's chunk loss gets 1/sp (DeepSpeed sums the sp ranks' gradients)."""
+
+    @staticmethod
+    def forward(ctx, loss: torch.Tensor, sp: SPContext) -> torch.Tensor:
+        ctx.size = sp.size
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=sp.group)
+        return total / sp.size
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad / ctx.size, None
+
+
+def sequence_mean(loss: torch.Tensor, sp: SPContext) -> torch.Tensor:
+    return loss if sp.size == 1 else _SequenceMean.apply(loss, sp)
+
+
+def ulysses_attention(attend, sp: SPContext):
+    """Wrap `attend(q, k, v)` (layout [b, s, heads, d]) so it sees the whole sequence and heads / sp."""
+    from deepspeed.sequence.layer import DistributedAttention
+
+    return DistributedAttention(attend, sp.group, scatter_idx=2, gather_idx=SEQ_DIM)
