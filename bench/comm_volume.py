@@ -24,8 +24,19 @@ Not in the formula, printed separately so any ratio above 1 is explained: the vo
 all-reduces of [b, s] statistics (row max, target logit, sum of exp, and the logit sum when label smoothing is on),
 and under SP the all-reduce of each norm's weight gradient ([h] per norm, 2L + 1 norms).
 
+Expert parallel (all-to-all). An MoE layer sends each routed row to the rank holding its expert and the output
+back: forward dispatch sends the S rows this rank routes to other ranks' experts and combine sends back the R rows
+it received; backward repeats both. Minimum per rank: Σ_layers 2(S + R)·h·bytes, with S and R read from the
+step's own routing (balanced routing would make S = R = T·k·(ep-1)/ep). An uneven all-to-all is costed by the
+bytes that actually leave the rank (its split sizes), so padding or resending shows up. Not in the formula: the
+exchange of per-expert row counts (E integers per layer) that precedes each dispatch.
+
+Ulysses (all-to-all). Each attention layer exchanges q, k, v (sequence shards → head shards) and its output
+(back) forward, and the same four backward: per layer 2·(2H + 2K)·b·(s/sp)·d·bytes·(sp-1)/sp, H query heads, K kv
+heads sent, d the head dim. Not in the formula: the loss's scalar all-reduce over sp.
+
 Cases are a table (`CASES`): each has a world size, a step function that runs one recorded step in every rank,
-and an analytic function. Expert-parallel or Ulysses all-to-all cases slot in as new rows.
+and an analytic function (or a step that derives its analytic volume from its own routing).
 
 `python bench/comm_volume.py [--help]`; exits 1 if a ratio leaves [0.95, 1.05] (above: the acceptance bar of
 1.05 is missed; below: the wrapper missed calls or the formula is wrong).
@@ -34,6 +45,7 @@ and an analytic function. Expert-parallel or Ulysses all-to-all cases slot in as
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import inspect
 import os
 import sys
@@ -49,8 +61,11 @@ import torch.multiprocessing as mp
 from keel.config import ModelConfig
 from keel.launcher.local import free_port
 from keel.model import CausalLM
+from keel.model.moe import moe_layers
+from keel.parallel.experts import EPContext
 from keel.parallel.tensor import TPContext
 from keel.parallel.topology import Topology
+from keel.parallel.ulysses import SPContext
 
 LIMIT_HIGH, LIMIT_LOW = 1.05, 0.95
 MiB = 2**20
@@ -88,6 +103,7 @@ class Call:
     numel: int  # elements of the full logical tensor
     element_size: int
     group_size: int
+    sent: float | None = None  # bytes leaving this rank when known exactly (an uneven all-to-all's splits)
 
     @property
     def logical_bytes(self) -> int:
@@ -95,6 +111,8 @@ class Call:
 
     @property
     def rank_bytes(self) -> float:
+        if self.sent is not None:
+            return self.sent
         factor = next(op.factor for op in OPS if op.name == self.op)
         return factor(self.group_size) * self.logical_bytes
 
@@ -128,7 +146,13 @@ class CollectiveRecorder:
             tensors = list(logical) if isinstance(logical, (list, tuple)) else [logical]
             group_size = dist.get_world_size(bound.get("group"))
             numel = sum(t.numel() for t in tensors)
-            self.calls.append(Call(op.name, numel, tensors[0].element_size(), group_size))
+            splits = bound.get("input_split_sizes")
+            sent = None
+            if splits:  # uneven all-to-all: exactly the rows for the other ranks leave this one
+                me = dist.get_rank(bound.get("group"))
+                row = tensors[0].numel() // max(tensors[0].shape[0], 1) * tensors[0].element_size()
+                sent = float(sum(n for peer, n in enumerate(splits) if peer != me) * row)
+            self.calls.append(Call(op.name, numel, tensors[0].element_size(), group_size, sent))
             return original(*args, **kwargs)
 
         return recorded
@@ -185,12 +209,61 @@ def _tp_analytic(shape: Shape, t: int, sequence_parallel: bool) -> Analytic:
     return Analytic(formula, (2 * layers + 1) * 4 * _ring(t) * a, tuple(extras))
 
 
+def _tokens(shape: Shape) -> torch.Tensor:
+    return torch.randint(0, shape.vocab, (shape.batch, shape.seq_len + 1), generator=torch.Generator().manual_seed(0))
+
+
+def _ep_step(shape: Shape, experts: int = 8, top_k: int = 2) -> tuple[list[Call], Analytic]:
+    """One forward + backward of a dropless MoE model with its experts over ep = world; the minimum volume
+    comes from this step's routing (rows each rank sends to, and receives from, other ranks' experts)."""
+    ep_size = dist.get_world_size()
+    ep = EPContext.from_topology(Topology.from_env(ep=ep_size))
+    cfg = dataclasses.replace(shape.model_config(), moe_experts=experts, moe_top_k=top_k)
+    model = CausalLM(cfg, seed=0, ep=ep)
+    tokens = _tokens(shape)[dist.get_rank():dist.get_rank() + 1].repeat(shape.batch, 1)  # each rank its own
+    with CollectiveRecorder() as recorder:
+        model(tokens[:, :-1], tokens[:, 1:]).backward()
+    local = experts // ep_size
+    send = recv = 0.0
+    for layer in moe_layers(model):
+        counts = [torch.empty_like(layer.stats.routed) for _ in range(ep_size)]
+        dist.all_gather(counts, layer.stats.routed, group=ep.group)  # [rank][expert]: rows routed
+        mine = slice(ep.rank * local, (ep.rank + 1) * local)
+        send += float(counts[ep.rank].sum() - counts[ep.rank][mine].sum())
+        recv += float(sum(c[mine].sum() for peer, c in enumerate(counts) if peer != ep.rank))
+    row = shape.dim * 4
+    n_layers, t = shape.n_layers, ep_size
+    balanced = shape.batch * shape.seq_len * top_k * _ring(t)
+    formula = (f"sum over layers of 2(S + R) x h x 4 B  [S = {send / n_layers:.0f}, R = {recv / n_layers:.0f} rows "
+               f"per layer on this rank; balanced routing: {balanced:.0f}]")
+    extras = ((f"row-count exchange: {n_layers} all-to-alls of {experts} int64", n_layers * _ring(t) * experts * 8),)
+    return recorder.calls, Analytic(formula, 2 * (send + recv) * row, extras)
+
+
+def _ulysses_step(shape: Shape) -> list[Call]:
+    sp = SPContext.from_topology(Topology.from_env(sp=dist.get_world_size()))
+    model = CausalLM(shape.model_config(), seed=0, sp=sp)
+    tokens = _tokens(shape)
+    with CollectiveRecorder() as recorder:
+        model(tokens[:, :-1], tokens[:, 1:]).backward()
+    return recorder.calls
+
+
+def _ulysses_analytic(shape: Shape, t: int) -> Analytic:
+    head_dim = shape.dim // shape.n_heads
+    kv = shape.n_kv_heads if shape.n_kv_heads % t == 0 else shape.n_heads  # too few kv heads: sent per q head
+    per_layer = 2 * (2 * shape.n_heads + 2 * kv) * shape.batch * (shape.seq_len // t) * head_dim * 4 * _ring(t)
+    formula = f"L x 2 x (2H + 2K) x b x s/sp x d x 4 B x (sp-1)/sp  [H = {shape.n_heads}, K = {kv}, d = {head_dim}]"
+    return Analytic(formula, shape.n_layers * per_layer, (("loss mean over sp: one scalar all-reduce", 4.0),))
+
+
 @dataclass(frozen=True)
 class Case:
     name: str
     world: int
-    step: Callable[[Shape], list[Call]]  # runs in every rank of an initialised world; returns its calls
-    analytic: Callable[[Shape, int], Analytic]  # (shape, world) → per-rank bytes per the paper
+    # runs in every rank of an initialised world; returns its calls (and, without `analytic`, its own Analytic)
+    step: Callable[[Shape], list[Call] | tuple[list[Call], Analytic]]
+    analytic: Callable[[Shape, int], Analytic] | None = None  # (shape, world) → per-rank bytes per the paper
 
 
 CASES = (
@@ -198,6 +271,8 @@ CASES = (
          partial(_tp_analytic, sequence_parallel=False)),
     Case("tp=2, sequence parallel on", 2, partial(_tp_step, sequence_parallel=True),
          partial(_tp_analytic, sequence_parallel=True)),
+    Case("ep=2, dropless MoE all-to-all (8 experts, top-2)", 2, _ep_step),
+    Case("sp=2, Ulysses all-to-all", 2, _ulysses_step, _ulysses_analytic),
 )
 
 
@@ -208,6 +283,9 @@ def _worker(rank: int, case_index: int, port: int, shape: Shape, results) -> Non
     case = CASES[case_index]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=case.world)
+    import deepspeed  # Ulysses attention communicates through deepspeed.comm, which must know the group
+
+    deepspeed.init_distributed("gloo", auto_mpi_discovery=False, verbose=False)
     try:
         results.put((rank, case.step(shape)))
     finally:
@@ -240,6 +318,9 @@ def measure(case: Case, shape: Shape) -> Result:
     mp.start_processes(_worker, args=(CASES.index(case), free_port(), shape, results), nprocs=case.world,
                        start_method="forkserver")
     per_rank = dict(results.get() for _ in range(case.world))
+    if case.analytic is None:  # the step judged its own routing: report rank 0's calls against rank 0's minimum
+        calls, analytic = per_rank[0]
+        return Result(case, tuple(calls), analytic)
     if any(calls != per_rank[0] for calls in per_rank.values()):
         raise RuntimeError(f"{case.name}: ranks issued different collectives; per-rank volume is not uniform")
     return Result(case, tuple(per_rank[0]), case.analytic(shape, case.world))

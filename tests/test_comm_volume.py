@@ -1,4 +1,5 @@
-"""bench/comm_volume.py: one TP step's collective bytes lie within 5% of Megatron's analytic volume, both ways."""
+"""bench/comm_volume.py: one step's collective bytes (TP, expert-parallel and Ulysses all-to-all) lie within 5% of
+the analytic volume, both ways."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ def test_tp_collective_volume_matches_megatron(bench):
     shape = bench.Shape()
     names = [case.name for case in bench.CASES]
     assert any("sequence parallel on" in n for n in names) and any("sequence parallel off" in n for n in names)
+    assert any(n.startswith("ep=") for n in names) and any("Ulysses" in n for n in names)
     for case in bench.CASES:
         result = bench.measure(case, shape)
         assert result.calls, f"{case.name}: the recorder saw no collective"

@@ -1,0 +1,131 @@
+"""Expert parallel and Ulysses sequence parallel reproduce the single-process run (real `keel train`, gloo)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from keel.training.guards.base import read_anomalies
+from keel.training.metrics import read_metrics
+from tests.keel_runs import keel_train
+from tests.test_train_equivalence import assert_close
+
+pytestmark = pytest.mark.slow
+
+MOE = dict(model__moe_experts=4, stability__expert_interval=5)
+
+
+def column(run_dir, key):
+    return [r[key] for r in read_metrics(run_dir / "metrics.jsonl")]
+
+
+def health(run_dir) -> list[dict]:
+    return [r["moe"] for r in read_metrics(run_dir / "metrics.jsonl") if "moe" in r]
+
+
+@pytest.mark.parametrize("top_k,capacity,policy", [(1, 0.0, "probability"), (1, 1.0, "probability"),
+                                                   (2, 0.0, "probability"), (2, 1.0, "position")])
+def test_ep2_matches_ep1(runs, top_k, capacity, policy):
+    sets = dict(MOE, model__moe_top_k=top_k, model__moe_capacity_factor=capacity, model__moe_drop_policy=policy)
+    reference = runs.get(f"ep1-k{top_k}-c{capacity}", 2, **sets)
+    sharded = runs.get(f"ep2-k{top_k}-c{capacity}", 2, parallel__ep=2, **sets)
+    assert_close(column(sharded, "loss"), column(reference, "loss"), 1e-5)
+    assert_close(column(sharded, "grad_norm"), column(reference, "grad_norm"), 1e-5)
+    dropped = [layer["dropped"] for record in health(sharded) for layer in record.values()]
+    assert len(dropped) == 4  # 2 MoE blocks × checks at steps 5 and 10
+    if capacity:
+        assert min(dropped) > 0  # capacity 1.0 on a non-uniform router drops rows ...
+        assert dropped == pytest.approx([layer["dropped"] for record in health(reference)
+                                         for layer in record.values()])  # ... the same ones at any ep
+    else:
+        assert max(dropped) == 0.0  # dropless never drops
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_ep2_dp2_zero_matches_single_process(runs, zero):
+    reference = runs.get("moe-single", 1, **MOE)
+    sharded = runs.get(f"ep2dp2-zero{zero}", 4, f"ds_configs/zero{zero}.json", parallel__ep=2, **MOE)
+    assert_close(column(sharded, "loss"), column(reference, "loss"), 1e-5)
+    assert_close(column(sharded, "grad_norm"), column(reference, "grad_norm"), 1e-5)
+    assert health(sharded) == pytest.approx(health(reference))
+
+
+def test_ep2_pp2_matches_single_process(runs):
+    """The aux losses of both stages' MoE layers reach the gradients through the pipeline."""
+    reference = runs.get("moe-single", 1, **MOE)
+    piped = runs.get("ep2pp2", 4, "ds_configs/zero1.json", parallel__ep=2, parallel__pp=2, **MOE)
+    assert_close(column(piped, "loss"), column(reference, "loss"), 1e-5)
+    assert_close(column(piped, "grad_norm"), column(reference, "grad_norm"), 1e-5)
+
+
+def test_ulysses_sp2_matches_single_process(runs):
+    reference = runs.get("dense-single", 1)
+    ulysses = runs.get("sp2", 2, parallel__sp=2)
+    assert_close(column(ulysses, "loss"), column(reference, "loss"), 1e-5)
+    assert_close(column(ulysses, "grad_norm"), column(reference, "grad_norm"), 1e-5)
+
+
+@pytest.mark.parametrize("megatron_sp", ["false", "true"])
+def test_ulysses_sp2_tp2_matches_single_process(runs, megatron_sp):
+    reference = runs.get("dense-single", 1)
+    both = runs.get(f"sp2tp2-{megatron_sp}", 4, "ds_configs/zero1.json", parallel__sp=2, parallel__tp=2,
+                    parallel__sequence_parallel=megatron_sp)
+    assert_close(column(both, "loss"), column(reference, "loss"), 1e-5)
+    assert_close(column(both, "grad_norm"), column(reference, "grad_norm"), 1e-5)
+
+
+def _model_states(run_dir) -> dict[str, torch.Tensor]:
+    """Every tensor of the final checkpoint's model files (dense and per-expert), keyed by file and name."""
+    ckpt = run_dir / "checkpoints"
+    tag = (ckpt / "latest").read_text().strip()
+    out = {}
+    for path in sorted((ckpt / tag).glob("*model_states.pt")):
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        for name, value in state.get("module", state).items():
+            if torch.is_tensor(value):
+                out[f"{path.name}:{name}"] = value
+    return out
+
+
+def test_4d_tp2_pp2_ep2_trains_resumes_and_matches_single_process(runs, tmp_path):
+    """8 ranks: tp=2 × pp=2 × dp=2 with the experts split over ep=2 (edp=1)."""
+    sets = dict(MOE, parallel__tp=2, parallel__pp=2, parallel__ep=2, parallel__sequence_parallel="true")
+    reference = runs.get("moe-single", 1, **MOE)
+    straight = runs.get("4d", 8, "ds_configs/zero1.json", **sets)
+    assert_close(column(straight, "loss"), column(reference, "loss"), 1e-5)
+    assert_close(column(straight, "grad_norm"), column(reference, "grad_norm"), 1e-5)
+    assert column(straight, "loss")[-1] < column(straight, "loss")[0] - 0.5
+
+    resumed = tmp_path / "resumed"
+    keel_train(resumed, 8, runs.overrides(**sets, train__exit_after=5), "ds_configs/zero1.json")
+    keel_train(resumed, 8, runs.overrides(**sets), "ds_configs/zero1.json")
+    assert column(resumed, "loss") == column(straight, "loss")
+    assert health(resumed)[-1] == health(straight)[-1]
+    a, b = _model_states(resumed), _model_states(straight)
+    assert a.keys() == b.keys() and any("expert" in key for key in a)
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def test_starved_expert_raises_collapse_warning(runs):
+    run = runs.get("starved", 1, **{**MOE, "stability__expert_interval": 2}, faults__starve_expert=2,
+                   stability__expert_collapse_checks=3)
+    events = [e for e in read_anomalies(run) if e["kind"] == "expert_collapse"]
+    assert {(e["layer"], e["expert"]) for e in events} == {(0, 2), (1, 2)}
+    assert all(e["step"] == 6 and e["share"] == 0.0 for e in events)  # the third check, at step 6
+    assert all(layer["tokens_per_expert"][2] == 0 for record in health(run) for layer in record.values())
+
+
+def test_aux_loss_balances_expert_load(runs):
+    """Over 50 steps the load-balancing loss keeps expert load more uniform than no balancing at all."""
+    sets = {**MOE, "train__steps": 50, "model__moe_top_k": 1, "model__moe_z_loss": 0.0,
+            "stability__expert_interval": 10}
+    balanced = runs.get("aux-on", 1, **sets, model__moe_aux_loss=0.1)
+    unbalanced = runs.get("aux-off", 1, **sets, model__moe_aux_loss=0.0)
+
+    def mean_load_entropy(run):
+        return sum(layer["load_entropy"] for record in health(run) for layer in record.values()) / 10
+
+    on, off = mean_load_entropy(balanced), mean_load_entropy(unbalanced)
+    print(f"mean normalized load entropy over 50 steps: aux on {on:.4f}, aux off {off:.4f}")
+    assert on > off
