@@ -136,3 +136,13 @@ def test_bad_moe_and_sequence_parallel_settings_are_one_line_errors(overrides, w
     with pytest.raises(ConfigError, match=message.replace(".", r"\.").replace("(", r"\(")) as info:
         validate(cfg, world)
     assert "\n" not in str(info.value)
+
+
+def test_example_moe_config_validates_expert_parallel():
+    from pathlib import Path
+
+    from keel.config import load_config
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "moe.yaml", ["parallel.ep=2"])
+    validate(cfg, 2)
+    assert cfg.model.moe_experts == 8 and cfg.parallel.ep == 2

@@ -37,6 +37,8 @@ _HEAD = "lm_head.weight"
 def _require_rmsnorm(cfg: ModelConfig) -> None:
     if cfg.norm != "rmsnorm":
         raise ValueError(f"HF Llama has no {cfg.norm}; only model.norm=rmsnorm converts")
+    if cfg.moe_experts:
+        raise ValueError("HF Llama is dense; a model with model.moe_experts > 0 does not convert to LlamaForCausalLM")
 
 
 def _name_map(cfg: ModelConfig) -> dict[str, str]:

@@ -306,15 +306,21 @@ def num_params(model: nn.Module, exclude_embeddings: bool = False) -> int:
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
     """Training FLOPs per token: 6·N + 12·L·H·Q·T (PaLM, Chowdhery et al. 2022, appendix B).
 
-    N counts the matmul weights a token passes through: attention and MLP projections of every block plus the
-    output head (tied or not; the embedding lookup is not a matmul, norms are negligible). L = n_layers,
-    H·Q = n_heads·head_dim, T = seq_len; 12·L·H·Q·T is the QKᵀ and attention·V work, forward and backward,
-    without discounting the causal mask. MFU = tokens/s · flops_per_token / peak FLOP/s.
+    N counts the matmul weights a token passes through: attention and MLP projections of every block (in an MoE
+    block: the router, its top-k experts and the shared expert) plus the output head (tied or not; the embedding
+    lookup is not a matmul, norms are negligible). L = n_layers, H·Q = n_heads·head_dim, T = seq_len;
+    12·L·H·Q·T is the QKᵀ and attention·V work, forward and backward, without discounting the causal mask.
+    MFU = tokens/s · flops_per_token / peak FLOP/s.
     """
     if cfg.vocab_size <= 0:
         raise ConfigError(f"model.vocab_size: must be > 0 to count FLOPs (got {cfg.vocab_size})")
     q_width = cfg.n_heads * cfg.head_dim
     kv_width = cfg.n_kv_heads * cfg.head_dim
-    per_block = cfg.dim * q_width + 2 * cfg.dim * kv_width + q_width * cfg.dim + 3 * cfg.dim * cfg.ffn_dim
-    n = cfg.n_layers * per_block + cfg.dim * cfg.vocab_size
+    attention = cfg.dim * q_width + 2 * cfg.dim * kv_width + q_width * cfg.dim
+    dense_mlp = 3 * cfg.dim * cfg.ffn_dim
+    # an MoE block's token passes through its router, top_k experts and the shared expert (active parameters)
+    moe_mlp = (cfg.dim * cfg.moe_experts + cfg.moe_top_k * 3 * cfg.dim * (cfg.moe_ffn_hidden or cfg.ffn_dim)
+               + (dense_mlp if cfg.moe_shared_expert else 0))
+    n = sum(attention + (moe_mlp if is_moe_block(cfg, i) else dense_mlp) for i in range(cfg.n_layers))
+    n += cfg.dim * cfg.vocab_size
     return 6 * n + 12 * cfg.n_layers * q_width * seq_len

@@ -88,7 +88,7 @@ class Router(nn.Module):
         scores = logits.softmax(-1) if self.scoring == "softmax" else logits.sigmoid()
         choice = scores.detach() + self.balance_bias
         if self.choice_offset is not None:
-            choice = choice + self.choice_offset
+            choice = choice + self.choice_offset.to(choice.device)
         experts = choice.topk(self.top_k, dim=-1).indices
         weights = scores.gather(-1, experts)
         if self.top_k > 1:

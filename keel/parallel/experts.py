@@ -117,7 +117,8 @@ def dispatch(rows: torch.Tensor, counts: torch.Tensor, ep: EPContext) -> tuple[t
     recv = per_peer.sum(1).tolist()
     received = all_to_all(rows, send, recv, ep.group)
     # received rows are grouped by source peer, then by local expert: regroup by local expert
-    expert_of_row = torch.repeat_interleave(torch.arange(local).repeat(ep.size), per_peer.flatten())
+    expert_of_row = torch.repeat_interleave(torch.arange(local, device=counts.device).repeat(ep.size),
+                                            per_peer.flatten())
     order = torch.argsort(expert_of_row, stable=True)
     return received[order], Routes(send, recv, order, per_peer.sum(0).tolist())
 

@@ -79,6 +79,9 @@ def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, dp_size: int) -> dict
             "ds_config: fp16 with zero_optimization.stage 0 mis-scales gradients in DeepSpeed 0.19 (its ZeRO-0 fp16 "
             "optimizer unscales a loss that was never scaled); use stage >= 1 (ds_configs/fp16.json) or bf16"
         )
+    if stage == 3 and cfg.model.moe_experts:
+        raise ConfigError("ds_config.zero_optimization.stage=3 with model.moe_experts: DeepSpeed partitions MoE "
+                          "parameters at ZeRO stage 1 or 2 only; use ds_configs/zero1.json or zero2.json")
     ga = gradient_accumulation(cfg, dp_size)
     _fill(ds, "train_batch_size", cfg.train.global_batch_size, "train.global_batch_size")
     _fill(ds, "train_micro_batch_size_per_gpu", cfg.train.micro_batch_size, "train.micro_batch_size")

@@ -34,12 +34,13 @@ def setup_logging(rank: int) -> None:
 
 
 def init_distributed() -> None:
-    """gloo on CPU, nccl on GPU; DeepSpeed's init reads RANK/WORLD_SIZE/MASTER_* from the environment."""
+    """gloo on CPU, nccl (+ gloo for host tensors) on GPU; DeepSpeed's init reads RANK/WORLD_SIZE/MASTER_*."""
     import deepspeed
 
     if dist.is_initialized():
         return
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    # On GPUs, device tensors go through NCCL and the guards' small host-side tensors through gloo.
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)

@@ -40,6 +40,8 @@ class ExpertHealth:
         self.top_k = m.moe_top_k
         self.contributes = topology.rank_in("tp") == 0
         self.distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        # the counts live where the model runs; NCCL reduces device tensors only
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
         self.anomalies = anomalies
         self.streaks = [[0] * self.num_experts for _ in self.block_ids]
         if cfg.faults.starve_expert >= 0:
@@ -60,7 +62,7 @@ class ExpertHealth:
 
     def _all_layers(self, rows: int, fill) -> torch.Tensor:
         """Sum over ranks of a [MoE blocks, rows] table each rank fills for its own layers (tp rank 0 only)."""
-        table = torch.zeros(len(self.block_ids), rows, dtype=torch.float64)
+        table = torch.zeros(len(self.block_ids), rows, dtype=torch.float64, device=self.device)
         if self.contributes:
             for layer in self.layers:
                 table[self.slot[layer.layer_id]] = fill(layer).to(table.device)

@@ -18,7 +18,7 @@ log = logging.getLogger("keel")
 
 
 def _fingerprint(batch: torch.Tensor) -> int:
-    return hash(batch.numpy().tobytes())
+    return hash(batch.cpu().numpy().tobytes())
 
 
 class FaultInjector:

@@ -152,6 +152,7 @@ class Trainer:
             losses = []
             for i, batch in enumerate(micro_batches):
                 self.engine.set_gradient_accumulation_boundary(i == len(micro_batches) - 1)
+                batch = batch.to(self.engine.device)  # the pipeline engine moves its micro-batches itself
                 loss = self.engine(batch[:, :-1], batch[:, 1:])
                 self.engine.backward(loss)
                 losses.append(loss.detach().float())
@@ -181,7 +182,8 @@ class Trainer:
         t = self.cfg.train
         samples = step_sample_indices(consumed, sum(len(b) for b in micro_batches) * self.topology.dp_size,
                                       t.micro_batch_size, self.topology.dp_rank, self.topology.dp_size)
-        event = localize(self.engine.module, micro_batches, samples).event()
+        on_device = [batch.to(self.engine.device) for batch in micro_batches]
+        event = localize(self.engine.module, on_device, samples).event()
         if self.engine.zero_optimization_stage() == 3:
             self.engine.empty_partition_cache()  # the replay leaves gathered parameters behind
         found = [None] * dist.get_world_size()
@@ -209,7 +211,7 @@ class Trainer:
         for b in range(t.eval_batches):
             first = (b * self.topology.dp_size + self.topology.dp_rank) * t.micro_batch_size
             rows = [torch.from_numpy(self.val_samples[(first + j) % n]) for j in range(t.micro_batch_size)]
-            batches.append(torch.stack(rows))
+            batches.append(torch.stack(rows).to(self.engine.device))
         if self.is_pipeline:
             pairs = iter([(batch[:, :-1], batch[:, 1:]) for batch in batches])
             return self.engine.eval_batch(pairs, num_micro_batches=t.eval_batches).item()
