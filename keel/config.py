@@ -357,8 +357,9 @@ def validate(cfg: RunConfig, world_size: int) -> None:
     for name in ("tp", "pp", "ep", "sp"):
         size = getattr(p, name)
         _require(size >= 1, f"parallel.{name}: must be >= 1, got {size}")
-    validate_tensor_parallel(cfg)
-    validate_expert_and_sequence_parallel(cfg)
+    from keel.parallel.layout import validate_layout  # the parallel package owns its layout rules
+
+    validate_layout(cfg)
     _require(t.activation_checkpoint_interval >= 0,
              f"train.activation_checkpoint_interval: must be >= 0 (0 disables), got {t.activation_checkpoint_interval}")
     _require(p.pipeline_partition in ("parameters", "uniform") or p.pipeline_partition.startswith("type:"),
@@ -378,40 +379,3 @@ def validate(cfg: RunConfig, world_size: int) -> None:
     from keel.training.lr_schedule import validate_schedule  # the schedule's own module owns its rules
 
     validate_schedule(t, dp)
-
-
-def validate_tensor_parallel(cfg: RunConfig) -> None:
-    """Heads, kv heads and the MLP width must split evenly over tp; SP shards the sequence over tp."""
-    m, tp = cfg.model, cfg.parallel.tp
-    if tp == 1:
-        return
-    _require(m.n_heads % tp == 0, f"model.n_heads={m.n_heads} must be divisible by parallel.tp={tp}")
-    _require(m.n_kv_heads % tp == 0 or tp % m.n_kv_heads == 0,
-             f"model.n_kv_heads={m.n_kv_heads} and parallel.tp={tp}: one must divide the other "
-             "(kv heads are split when tp divides them, replicated when they divide tp)")
-    _require(m.ffn_dim % tp == 0, f"model.ffn_hidden: the MLP width {m.ffn_dim} must be divisible by parallel.tp={tp}")
-    if cfg.parallel.sequence_parallel:
-        _require(cfg.data.seq_len % tp == 0,
-                 f"data.seq_len={cfg.data.seq_len} must be divisible by parallel.tp={tp} under sequence parallel")
-
-
-def validate_expert_and_sequence_parallel(cfg: RunConfig) -> None:
-    """ep shards the experts (so needs them, evenly); Ulysses sp shards the sequence and, in attention, the heads."""
-    m, p = cfg.model, cfg.parallel
-    if p.ep > 1:
-        _require(m.moe_experts > 0, f"parallel.ep={p.ep} needs a mixture-of-experts model: set model.moe_experts")
-        _require(m.moe_experts % p.ep == 0,
-                 f"model.moe_experts={m.moe_experts} must be divisible by parallel.ep={p.ep}")
-    if p.sp == 1:
-        return
-    heads = m.n_heads // p.tp
-    _require(heads % p.sp == 0, f"parallel.sp={p.sp} must divide the attention heads per tensor-parallel rank "
-                                f"(model.n_heads / parallel.tp = {heads})")
-    shards = p.sp * (p.tp if p.sequence_parallel else 1)
-    _require(cfg.data.seq_len % shards == 0,
-             f"data.seq_len={cfg.data.seq_len} must be divisible by {shards} (parallel.sp"
-             f"{' × parallel.tp under sequence_parallel' if p.sequence_parallel else ''})")
-    _require(p.pp == 1, f"parallel.sp={p.sp} with parallel.pp={p.pp}: Ulysses sequence parallel runs without "
-                        "pipeline stages in this version; use parallel.pp=1 or parallel.sp=1")
-    _require(m.moe_experts == 0, f"parallel.sp={p.sp} with model.moe_experts={m.moe_experts}: Ulysses sequence "
-                                 "parallel runs dense models only in this version; use parallel.sp=1")

@@ -12,7 +12,8 @@ from tests.test_train_equivalence import assert_close
 
 pytestmark = pytest.mark.slow
 
-MOE = dict(model__moe_experts=4, stability__expert_interval=5)
+# checksums every 5 steps: expert parameters differ across ep ranks, and must not be mistaken for a bit flip
+MOE = dict(model__moe_experts=4, stability__expert_interval=5, stability__checksum_interval=5)
 
 
 def column(run_dir, key):
@@ -119,6 +120,22 @@ def test_4d_tp2_pp2_ep2_trains_resumes_and_matches_single_process(runs, tmp_path
         assert torch.equal(a[key], b[key]), key
 
 
+def test_ep2_zero1_resume_is_exact(runs, tmp_path):
+    """Per-expert checkpoint files, expert optimizer partitions and the balancing bias all come back."""
+    sets = {**MOE, "parallel__ep": 2, "model__moe_bias_update": 0.01}
+    straight = runs.get("ep2-zero1-bias", 2, "ds_configs/zero1.json", **sets)
+    resumed = tmp_path / "resumed"
+    keel_train(resumed, 2, runs.overrides(**sets, train__exit_after=5), "ds_configs/zero1.json")
+    keel_train(resumed, 2, runs.overrides(**sets), "ds_configs/zero1.json")
+    assert column(resumed, "loss") == column(straight, "loss")
+    a, b = _model_states(resumed), _model_states(straight)
+    assert a.keys() == b.keys() and any("expert" in key for key in a)
+    biases = [key for key in a if key.endswith("balance_bias")]
+    assert biases and all(a[key].abs().sum() > 0 for key in biases)  # the bias moved, and was restored
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
 def test_starved_expert_raises_collapse_warning(runs):
     run = runs.get("starved", 1, **{**MOE, "stability__expert_interval": 2}, faults__starve_expert=2,
                    stability__expert_collapse_checks=3)
@@ -128,8 +145,9 @@ def test_starved_expert_raises_collapse_warning(runs):
     assert all(layer["tokens_per_expert"][2] == 0 for record in health(run) for layer in record.values())
 
 
-def test_aux_loss_balances_expert_load(runs):
-    """Over 50 steps the load-balancing loss keeps expert load more uniform than no balancing at all."""
+def test_balancing_keeps_expert_load_more_uniform(runs):
+    """Over 50 steps the load-balancing loss, and separately the aux-loss-free bias, keep expert load more
+    uniform than no balancing at all."""
     sets = {**MOE, "train__steps": 50, "model__moe_top_k": 1, "model__moe_z_loss": 0.0,
             "stability__expert_interval": 10}
     balanced = runs.get("aux-on", 1, **sets, model__moe_aux_loss=0.1)
@@ -141,3 +159,8 @@ def test_aux_loss_balances_expert_load(runs):
     on, off = mean_load_entropy(balanced), mean_load_entropy(unbalanced)
     print(f"mean normalized load entropy over 50 steps: aux on {on:.4f}, aux off {off:.4f}")
     assert on > off
+
+    bias = runs.get("bias-on", 1, **sets, model__moe_aux_loss=0.0, model__moe_bias_update=0.01)
+    biased = mean_load_entropy(bias)
+    print(f"aux-loss-free bias balancing (no aux loss): {biased:.4f}")
+    assert biased > off

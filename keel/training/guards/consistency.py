@@ -59,13 +59,15 @@ class LossOutlierCheck:
 def checksum(tensor: torch.Tensor) -> int:
     """Position-weighted sum of the raw bytes: any single flipped bit changes it."""
     raw = tensor.detach().contiguous().view(-1).view(torch.uint8).to(torch.int64)
-    weights = torch.arange(raw.numel(), dtype=torch.int64) % 65521 + 1
+    weights = torch.arange(raw.numel(), dtype=torch.int64, device=raw.device) % 65521 + 1
     return int((raw * weights).sum())
 
 
 class ChecksumCheck:
-    """Compares checksums of replicated parameters across data-parallel replicas (unless ZeRO-3 partitions
-    them) and of TP-replicated parameters across the TP group; names each mismatching parameter and rank."""
+    """Compares checksums of replicated parameters across their replicas (unless ZeRO-3 partitions them): dense
+    parameters over data × Ulysses-sequence parallel ranks, expert parameters over the expert-data-parallel
+    group (ep ranks hold different experts), TP-replicated parameters over the TP group. Names each
+    mismatching parameter and rank."""
 
     name = "checksum_mismatch"
 
@@ -76,15 +78,18 @@ class ChecksumCheck:
 
     def check(self) -> list[dict]:
         events = []
-        if self.check_dp and self.topology.dp_size > 1:
-            events += self._compare("dp", [(n, p) for n, p in self.params])
+        dense = [(n, p) for n, p in self.params if getattr(p, "allreduce", True)]
+        experts = [(n, p) for n, p in self.params if not getattr(p, "allreduce", True)]  # DeepSpeed's MoE mark
+        for group, params in (("sp_dp", dense), ("edp", experts)):
+            if self.check_dp and params and self.topology.size(group) > 1:
+                events += self._compare(group, params)
         if self.topology.size("tp") > 1:
             replicated = [(n, p) for n, p in self.params if not getattr(p, "tensor_model_parallel", False)]
             events += self._compare("tp", replicated)
         return events
 
     def _compare(self, group_name: str, params: list[tuple[str, torch.Tensor]]) -> list[dict]:
-        sums = torch.tensor([checksum(p) for _, p in params], dtype=torch.int64)
+        sums = torch.tensor([checksum(p) for _, p in params], dtype=torch.int64)  # on the host: gloo
         group = self.topology.group(group_name)
         gathered = [torch.empty_like(sums) for _ in range(self.topology.size(group_name))]
         dist.all_gather(gathered, sums, group=group)
