@@ -28,6 +28,9 @@ def validate_tensor_parallel(cfg: RunConfig) -> None:
              f"model.n_kv_heads={m.n_kv_heads} and parallel.tp={tp}: one must divide the other "
              "(kv heads are split when tp divides them, replicated when they divide tp)")
     require(m.ffn_dim % tp == 0, f"model.ffn_hidden: the MLP width {m.ffn_dim} must be divisible by parallel.tp={tp}")
+    expert_width = m.moe_ffn_hidden or m.ffn_dim
+    require(not m.moe_experts or expert_width % tp == 0,
+            f"model.moe_ffn_hidden: the expert width {expert_width} must be divisible by parallel.tp={tp}")
     if cfg.parallel.sequence_parallel:
         require(cfg.data.seq_len % tp == 0,
                  f"data.seq_len={cfg.data.seq_len} must be divisible by parallel.tp={tp} under sequence parallel")
