@@ -4,7 +4,11 @@
 #      the same run, and the Keel/HF ratio.
 #   2. `keel train` on one GPU (NCCL), dense and MoE (8 experts, top-2, dropless, bias balancing): the CUDA code
 #      paths run end to end and the loss falls.
-# Usage there: bash bench/device_check.sh [OUT_DIR]   (needs DeepSpeed and its missing deps as wheels in .whl/)
+# Usage there: bash bench/device_check.sh [OUT_DIR]. A machine with no network needs DeepSpeed and the deps its
+# image lacks as wheels in .whl/ (made beforehand where pip works; the image had Python 3.12):
+#   DS_BUILD_OPS=0 pip wheel --no-deps --no-build-isolation deepspeed==0.19.8 -w .whl
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_17_x86_64 -d .whl hjson pydantic pydantic_core annotated-types typing-inspection
 set -u
 out=${1:-${OUT:-/tmp/device_check}}
 mkdir -p "$out"

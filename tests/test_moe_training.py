@@ -87,6 +87,15 @@ def test_ulysses_sp2_tp2_matches_single_process(runs, megatron_sp):
     assert_close(column(both, "grad_norm"), column(reference, "grad_norm"), 1e-5)
 
 
+def test_ulysses_sp2_with_ep2_matches_single_process(runs):
+    """MoE under Ulysses: each sp rank routes its sequence chunk; the balancing statistics span the sequence."""
+    reference = runs.get("moe-single", 1, **MOE)
+    both = runs.get("sp2ep2", 4, "ds_configs/zero2.json", parallel__sp=2, parallel__ep=2, **MOE)
+    assert_close(column(both, "loss"), column(reference, "loss"), 1e-5)
+    assert_close(column(both, "grad_norm"), column(reference, "grad_norm"), 1e-5)
+    assert_same_health(health(both), health(reference))
+
+
 def _model_states(run_dir) -> dict[str, torch.Tensor]:
     """Every tensor of the final checkpoint's model files (dense and per-expert), keyed by file and name."""
     ckpt = run_dir / "checkpoints"

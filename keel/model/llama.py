@@ -81,7 +81,7 @@ class Block(nn.Module):
         if is_moe_block(cfg, layer_id):
             from keel.model.moe import MoE  # imports DeepSpeed; dense models never need it
 
-            self.feed_forward = MoE(cfg, tp, ep, layer_id)
+            self.feed_forward = MoE(cfg, tp, ep, layer_id, sp)
         else:
             self.feed_forward = SwiGLU(cfg, tp)
         self.tp = tp

@@ -18,7 +18,7 @@ from deepspeed.moe.layer import MoE as DeepSpeedMoE
 from torch import nn
 
 from keel.config import ModelConfig
-from keel.model.layers import NO_TP, SwiGLU
+from keel.model.layers import NO_SP, NO_TP, SwiGLU
 from keel.model.router import Router, Routing
 from keel.parallel.experts import (
     NO_EP,
@@ -30,6 +30,7 @@ from keel.parallel.experts import (
     register_expert_groups,
 )
 from keel.parallel.tensor import TPContext, enter, exit
+from keel.parallel.ulysses import SPContext
 
 
 class _AttachAuxLoss(torch.autograd.Function):
@@ -89,7 +90,8 @@ class MoE(DeepSpeedMoE):
     too — so nothing else here has "expert" in its name.
     """
 
-    def __init__(self, cfg: ModelConfig, tp: TPContext = NO_TP, ep: EPContext = NO_EP, layer_id: int = 0) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPContext = NO_TP, ep: EPContext = NO_EP, layer_id: int = 0,
+                 sp: SPContext = NO_SP) -> None:
         nn.Module.__init__(self)  # DeepSpeed's __init__ would build its own gate, experts and process groups
         self.tp, self.ep = tp, ep
         self.layer_id = layer_id  # the block's index, for health reports
@@ -97,7 +99,7 @@ class MoE(DeepSpeedMoE):
         self.ep_size = ep.size
         self.expert_group_name = expert_group_name(ep.size)
         self.num_local_experts = cfg.moe_experts // ep.size
-        self.router = Router(cfg, tp)
+        self.router = Router(cfg, tp, sp)
         hidden = cfg.moe_ffn_hidden or cfg.ffn_dim
         first = ep.rank * self.num_local_experts
         self.deepspeed_moe = nn.Module()

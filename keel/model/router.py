@@ -17,11 +17,13 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from keel.config import ConfigError, ModelConfig
 from keel.parallel.tensor import TPContext, sum_grad_over_tp
+from keel.parallel.ulysses import SPContext
 
 
 def validate_moe(m: ModelConfig) -> None:
@@ -64,9 +66,10 @@ class Routing:
 
 
 class Router(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPContext) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPContext, sp: SPContext = SPContext()) -> None:
         super().__init__()
         self.tp = tp
+        self.sp = sp
         self.num_experts = cfg.moe_experts
         self.top_k = cfg.moe_top_k
         self.scoring = cfg.moe_scoring
@@ -99,13 +102,25 @@ class Router(nn.Module):
 
     def _aux_loss(self, logits: torch.Tensor, probs: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """α · E · Σ_e f_e · P_e (f_e: share of the T·k rows routed to e, P_e: mean probability of e; 1.0 when
-        uniform) plus β · mean(logsumexp(logits)²), the router z-loss."""
+        uniform) plus β · mean(logsumexp(logits)²), the router z-loss.
+
+        Under Ulysses sp the T tokens of a sequence are spread over the sp ranks: the counts f_e and T are summed
+        over the group (no gradient), and each rank returns its tokens' share of the sums, so the sp ranks' losses
+        add up to the full sequence's and their gradients (which DeepSpeed sums over sp) to its gradient.
+        """
         loss = logits.new_zeros(())
+        if self.aux_weight == 0 and self.z_weight == 0:
+            return loss
+        counts = torch.bincount(experts.flatten(), minlength=self.num_experts).float()
+        stats = torch.cat([counts, counts.new_tensor([experts.shape[0]])])
+        if self.sp.size > 1:
+            dist.all_reduce(stats, group=self.sp.group)
+        counts, tokens = stats[:-1], stats[-1]
         if self.aux_weight > 0:
-            share = torch.bincount(experts.flatten(), minlength=self.num_experts).float() / experts.numel()
-            loss = loss + self.aux_weight * self.num_experts * (share * probs.mean(0)).sum()
+            share = counts / (tokens * self.top_k)
+            loss = loss + self.aux_weight * self.num_experts * (share * probs.sum(0)).sum() / tokens
         if self.z_weight > 0:
-            loss = loss + self.z_weight * torch.logsumexp(logits, -1).pow(2).mean()
+            loss = loss + self.z_weight * torch.logsumexp(logits, -1).pow(2).sum() / tokens
         return loss
 
     def _capacity_keep(self, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

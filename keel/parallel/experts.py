@@ -21,8 +21,8 @@ import torch.distributed as dist
 
 @dataclass(frozen=True)
 class EPContext:
-    """What an MoE layer needs to know about expert parallelism: its ep group, its place in it, and the edp
-    group its expert parameters are replicated over (for DeepSpeed's reduction and ZeRO partitioning)."""
+    """What an MoE layer needs to know about expert parallelism: its ep group, its place in it, and the group its
+    expert parameters are replicated over (edp × Ulysses sp; DeepSpeed reduces and ZeRO partitions them there)."""
 
     group: object = None
     rank: int = 0
@@ -36,7 +36,7 @@ class EPContext:
         if topology is None:
             return cls()
         return cls(topology.group("ep"), topology.rank_in("ep"), topology.size("ep"), tuple(topology.ranks("ep")),
-                   topology.group("edp"), tuple(topology.ranks("edp")))
+                   topology.group("expert_dp"), tuple(topology.ranks("expert_dp")))
 
 
 NO_EP = EPContext()

@@ -54,5 +54,3 @@ def validate_expert_and_sequence_parallel(cfg: RunConfig) -> None:
              f"{' × parallel.tp under sequence_parallel' if p.sequence_parallel else ''})")
     require(p.pp == 1, f"parallel.sp={p.sp} with parallel.pp={p.pp}: Ulysses sequence parallel runs without "
                         "pipeline stages in this version; use parallel.pp=1 or parallel.sp=1")
-    require(m.moe_experts == 0, f"parallel.sp={p.sp} with model.moe_experts={m.moe_experts}: Ulysses sequence "
-                                 "parallel runs dense models only in this version; use parallel.sp=1")

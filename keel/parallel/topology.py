@@ -93,6 +93,7 @@ GROUP_AXES = {
     "model": ("pp", "tp"),  # ranks holding different parameters of one model replica (sp ranks replicate)
     "tp_sp": ("sp", "tp"),
     "sp_dp": ("edp", "ep", "sp"),  # ranks holding the same dense parameters: ZeRO's and gradient reduction's group
+    "expert_dp": ("edp", "sp"),  # ranks holding the same experts (Ulysses sp ranks replicate them too)
 }
 
 

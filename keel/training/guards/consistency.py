@@ -65,8 +65,8 @@ def checksum(tensor: torch.Tensor) -> int:
 
 class ChecksumCheck:
     """Compares checksums of replicated parameters across their replicas (unless ZeRO-3 partitions them): dense
-    parameters over data × Ulysses-sequence parallel ranks, expert parameters over the expert-data-parallel
-    group (ep ranks hold different experts), TP-replicated parameters over the TP group. Names each
+    parameters over data × Ulysses-sequence parallel ranks, expert parameters over their expert-data-parallel
+    replicas (ep ranks hold different experts), TP-replicated parameters over the TP group. Names each
     mismatching parameter and rank."""
 
     name = "checksum_mismatch"
@@ -80,7 +80,7 @@ class ChecksumCheck:
         events = []
         dense = [(n, p) for n, p in self.params if getattr(p, "allreduce", True)]
         experts = [(n, p) for n, p in self.params if not getattr(p, "allreduce", True)]  # DeepSpeed's MoE mark
-        for group, params in (("sp_dp", dense), ("edp", experts)):
+        for group, params in (("sp_dp", dense), ("expert_dp", experts)):
             if self.check_dp and params and self.topology.size(group) > 1:
                 events += self._compare(group, params)
         if self.topology.size("tp") > 1:
