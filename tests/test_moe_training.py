@@ -87,10 +87,12 @@ def test_ulysses_sp2_tp2_matches_single_process(runs, megatron_sp):
     assert_close(column(both, "grad_norm"), column(reference, "grad_norm"), 1e-5)
 
 
-def test_ulysses_sp2_with_ep2_matches_single_process(runs):
-    """MoE under Ulysses: each sp rank routes its sequence chunk; the balancing statistics span the sequence."""
+def test_tp2_sp2_ep2_matches_single_process(runs):
+    """8 ranks: tp=2 (Megatron SP) × Ulysses sp=2 × dp=2 with ep=2, ZeRO-2. Each sp rank routes its sequence
+    chunk; the balancing statistics span the whole sequence."""
     reference = runs.get("moe-single", 1, **MOE)
-    both = runs.get("sp2ep2", 4, "ds_configs/zero2.json", parallel__sp=2, parallel__ep=2, **MOE)
+    both = runs.get("tp2sp2ep2", 8, "ds_configs/zero2.json", parallel__tp=2, parallel__sequence_parallel="true",
+                    parallel__sp=2, parallel__ep=2, **MOE)
     assert_close(column(both, "loss"), column(reference, "loss"), 1e-5)
     assert_close(column(both, "grad_norm"), column(reference, "grad_norm"), 1e-5)
     assert_same_health(health(both), health(reference))
