@@ -7,6 +7,7 @@ starts; tracebacks are for bugs.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 import traceback
@@ -74,7 +75,7 @@ def _train_in_place(args: argparse.Namespace, world_size: int) -> int:
     import torch.distributed as dist
 
     from keel.launcher.run_dir import build_run, prepare_data, write_run_dir
-    from keel.training.entry import init_distributed, run_rank
+    from keel.training.entry import init_distributed, run_sequence
 
     spec = build_run(args.config, args.set, args.ds_config, args.run_dir, world_size)  # cheap: every rank checks
     init_distributed()
@@ -88,7 +89,7 @@ def _train_in_place(args: argparse.Namespace, world_size: int) -> int:
     dist.broadcast_object_list(verdict, src=0)
     if verdict[0] is not None:
         raise ConfigError(verdict[0])
-    return run_rank(spec.run_dir)
+    return run_sequence([spec.run_dir])
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
@@ -119,6 +120,9 @@ def cmd_lr_find(args: argparse.Namespace) -> int:
         raise ConfigError(f"--min-lr/--max-lr: need 0 < min-lr < max-lr, got {args.min_lr} and {args.max_lr}")
     if not 0 <= args.beta < 1:
         raise ConfigError(f"--beta: the smoothing must lie in [0, 1), got {args.beta}")
+    if importlib.util.find_spec("matplotlib") is None:  # the plot comes after the sweep: say it before any work
+        raise ConfigError("lr-find plots its curve with matplotlib, which is not installed: "
+                          "pip install 'keel[plot]' (or pip install matplotlib)")
     out = Path(args.out).expanduser().resolve()
     spec = build_run(args.config, args.set + single_process_overrides(), args.ds_config, str(out), 1)
     prepare_data(spec)

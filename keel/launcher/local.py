@@ -15,8 +15,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_local(run_dir: Path, nproc: int, max_restarts: int = 0) -> int:
-    """Run `python -m keel.training.entry RUN_DIR` on `nproc` local ranks; returns 0 when all succeeded."""
+def launch_local(run_dir: Path | list[Path], nproc: int, max_restarts: int = 0) -> int:
+    """Run `python -m keel.training.entry RUN_DIR [RUN_DIR ...]` on `nproc` local ranks (several run dirs train
+    one after another in the same world); returns 0 when all succeeded."""
+    run_dirs = [str(d) for d in (run_dir if isinstance(run_dir, list) else [run_dir])]
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -35,10 +37,10 @@ def launch_local(run_dir: Path, nproc: int, max_restarts: int = 0) -> int:
         monitor_interval=0.5,
     )
     try:
-        elastic_launch(config, sys.executable)("-u", "-m", "keel.training.entry", str(run_dir))
+        elastic_launch(config, sys.executable)("-u", "-m", "keel.training.entry", *run_dirs)
     except ChildFailedError as exc:
         failures = ", ".join(f"rank {r} exit {f.exitcode}" for r, f in sorted(exc.failures.items()))
-        print(f"keel: training failed ({failures}); see the log above and {run_dir}", file=sys.stderr)
+        print(f"keel: training failed ({failures}); see the log above and {' '.join(run_dirs)}", file=sys.stderr)
         codes = [f.exitcode for f in exc.failures.values() if f.exitcode and f.exitcode > 0]
         return max(codes) if codes else 1  # keep Keel's documented codes (3 checksum, 4 hang) for the caller
     return 0

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from keel.adapters import deepspeed_internals
+
 
 @dataclass(frozen=True)
 class EPContext:
@@ -60,15 +62,8 @@ def register_expert_groups(ep: EPContext) -> None:
     param groups, MoE checkpoints); its own builder would derive them from a different rank order. Writing
     ours there is the seam DeepSpeed itself uses when a layer calls `set_deepspeed_parallelism`.
     """
-    from deepspeed.utils import groups
-
-    name = expert_group_name(ep.size)
-    # a single process has no groups of its own; DeepSpeed still needs a registered group to address
-    single = groups._clone_world_group() if ep.edp_group is None and dist.is_initialized() else None
-    groups._EXPERT_PARALLEL_GROUP[name] = ep.group if ep.group is not None else single
-    groups._EXPERT_PARALLEL_GROUP_RANKS[name] = list(ep.ranks)
-    groups._EXPERT_DATA_PARALLEL_GROUP[name] = ep.edp_group if ep.edp_group is not None else single
-    groups._EXPERT_DATA_PARALLEL_GROUP_RANKS[name] = list(ep.edp_ranks)
+    deepspeed_internals.register_expert_groups(expert_group_name(ep.size), ep.group, ep.ranks, ep.edp_group,
+                                               ep.edp_ranks)
 
 
 class _AllToAll(torch.autograd.Function):

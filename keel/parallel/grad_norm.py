@@ -16,6 +16,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
+from keel.adapters.deepspeed_internals import is_pipe_replicated
 from keel.parallel.topology import Topology
 
 
@@ -24,7 +25,7 @@ def global_grad_norm(params: Iterable[torch.nn.Parameter], topology: Topology) -
     dense = torch.zeros((), dtype=torch.float64)
     experts = torch.zeros((), dtype=torch.float64)  # each ep rank holds different experts: sum over ep too
     for p in params:
-        if p.grad is None or getattr(p, "ds_pipe_replicated", False):
+        if p.grad is None or is_pipe_replicated(p):
             continue
         if getattr(p, "tensor_model_parallel", False) or tp_rank0:
             square = p.grad.detach().double().pow(2).sum()

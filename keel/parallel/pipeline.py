@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
 
+from keel.adapters.deepspeed_internals import pipeline_local_specs, pipeline_local_stop
 from keel.config import RunConfig
 from keel.model import Block, EmbeddingLayer, FinalNorm, OutputLayer, VocabParallelLoss, init_weights
 from keel.parallel.experts import EPContext
@@ -51,10 +52,11 @@ def local_layers(module) -> list[tuple[int, torch.nn.Module]]:
     """(index in the full list, module) for every layer this stage holds, tied copies included."""
     from deepspeed.pipe import TiedLayerSpec
 
+    first, specs = pipeline_local_specs(module)
     layers = []
     for offset, func in enumerate(module.forward_funcs):
-        index = int(module._local_start) + offset
-        spec = module._layer_specs[index]
+        index = first + offset
+        spec = specs[index]
         layers.append((index, module.tied_modules[spec.key] if isinstance(spec, TiedLayerSpec) else func))
     return layers
 
@@ -85,7 +87,7 @@ def describe_stages(module, topology: Topology, method: str) -> None:
     """Print each stage's layers and parameter count from rank 0 (the partition users tune)."""
     names = [type(layer).__name__ for _, layer in local_layers(module)]
     params = sum(p.numel() for p in module.parameters())
-    first, last = int(module._local_start), int(module._local_stop) - 1
+    first, last = pipeline_local_specs(module)[0], pipeline_local_stop(module) - 1
     summary = f"layers {first}-{last} ({_compact(names)}) {params / 1e6:.2f}M params"
     group = topology.group("pp")
     gathered = [None] * topology.size("pp")

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from keel.adapters.deepspeed_internals import allow_fp16_on_cpu, check_engine, replace_fp32_clipping
+from keel.adapters.torch_internals import check_torch
 from keel.config import RunConfig
 from keel.model import CausalLM, weight_decay_groups
 from keel.parallel.experts import EPContext
@@ -23,20 +25,6 @@ from keel.training.ds_config import precision, resolve_ds_config
 from keel.training.lr_schedule import build_scheduler
 
 log = logging.getLogger("keel")
-
-
-def allow_fp16_on_cpu() -> bool:
-    """DeepSpeed's CPU accelerator refuses fp16 although torch runs it; lift that check on CPU only.
-
-    Returns True when the override was applied (the caller logs it).
-    """
-    from deepspeed.accelerator import get_accelerator
-
-    accelerator = get_accelerator()
-    if accelerator.device_name() != "cpu" or accelerator.is_fp16_supported():
-        return False
-    accelerator.is_fp16_supported = lambda: True
-    return True
 
 
 def build_model(cfg: RunConfig, topology: Topology | None = None) -> torch.nn.Module:
@@ -76,7 +64,7 @@ class Fp32GradClipper:
         self.topology = topology
         self.max_norm = engine.gradient_clipping()
         if self.max_norm > 0:
-            engine.clip_fp32_gradients = self.clip  # DeepSpeed calls it right before optimizer.step()
+            replace_fp32_clipping(engine, self.clip)
 
     def clip(self) -> float:
         self.norm = clip_grad_norm_(self.params, self.max_norm, self.topology)
@@ -118,4 +106,6 @@ def build_engine(cfg: RunConfig, ds_raw: dict[str, Any], topology: Topology, mod
         # the pipeline engine builds its groups from the PipelineModule's topology (same grid order as ours)
         mpu=topology if topology.shape.world_size > 1 and cfg.parallel.pp == 1 else None,
     )
+    check_engine(engine)  # an upgrade that removed an internal Keel needs fails here, naming it
+    check_torch()
     return engine

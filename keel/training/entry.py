@@ -1,7 +1,9 @@
 """What every rank runs: init the process group, build topology, data, engine, and train.
 
-Started as `python -m keel.training.entry RUN_DIR` by Keel's local launcher (torchrun's API), or in place by
-`keel train` when an external launcher (torchrun, deepspeed, srun) already set RANK and WORLD_SIZE.
+Started as `python -m keel.training.entry RUN_DIR [RUN_DIR ...]` by Keel's local launcher (torchrun's API), or in
+place by `keel train` when an external launcher (torchrun, deepspeed, srun) already set RANK and WORLD_SIZE.
+Several run dirs train one after another in the same world (a sweep of short runs in one allocation pays the
+process start, imports and rendezvous once); each keeps its own outcome in its run dir.
 """
 
 from __future__ import annotations
@@ -58,9 +60,6 @@ def run_rank(run_dir: Path) -> int:
     from keel.training.trainer import Trainer
 
     cfg, ds_raw, data = read_run_dir(run_dir)
-    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if restarts:  # back off before rejoining: a failing node or filesystem often needs a moment
-        time.sleep(min(2 ** (restarts - 1), 30))
     init_distributed()
     rank = dist.get_rank()
     setup_logging(rank)
@@ -78,7 +77,10 @@ def run_rank(run_dir: Path) -> int:
         n_params = sum(p.numel() for p in engine.module.parameters())
         log.info("%s | %.2fM params | %d train samples of %d tokens | run dir %s", topology.describe(),
                  n_params / 1e6, len(train_samples), cfg.data.seq_len, run_dir)
-    result = Trainer(cfg, engine, topology, train_samples, val_samples, run_dir, lr_scale).fit()
+    try:
+        result = Trainer(cfg, engine, topology, train_samples, val_samples, run_dir, lr_scale).fit()
+    finally:
+        release_run(engine)
     if rank == 0:
         verb = "finished" if result.finished else "stopped early"
         log.info("%s at step %d; checkpoint in %s", verb, result.state.step, run_dir / "checkpoints")
@@ -88,6 +90,15 @@ def run_rank(run_dir: Path) -> int:
         return result.exit_code  # a guard stopped the run; peers stop at the same step with the same code
     dist.barrier()
     return EXIT_OK
+
+
+def release_run(engine) -> None:
+    """Free what one run held so the next run in this process starts clean: the engine's buffers and the groups
+    it handed DeepSpeed (the Topology's own groups stay with torch.distributed, as every rank created them)."""
+    from keel.adapters.deepspeed_internals import forget_run_groups
+
+    engine.destroy()
+    forget_run_groups()
 
 
 def reshard_if_needed(cfg, ds_raw: dict, topology, run_dir: Path) -> dict:
@@ -122,12 +133,25 @@ def exit_now(code: int) -> None:
     os._exit(code)
 
 
+def run_sequence(run_dirs: list[Path]) -> int:
+    """Train each run dir in turn in this world. A run a guard stops (its exit code is in its summary) does not
+    stop the sequence — every rank agreed on it, so the world is still in step; an exception does. Returns the
+    highest exit code."""
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restarts:  # back off before rejoining: a failing node or filesystem often needs a moment
+        time.sleep(min(2 ** (restarts - 1), 30))
+    code = EXIT_OK
+    for run_dir in run_dirs:
+        code = max(code, run_rank(run_dir))
+    return code
+
+
 def main() -> None:
-    if len(sys.argv) != 2:
-        print("usage: python -m keel.training.entry RUN_DIR", file=sys.stderr)
+    if len(sys.argv) < 2:
+        print("usage: python -m keel.training.entry RUN_DIR [RUN_DIR ...]", file=sys.stderr)
         exit_now(2)
     try:
-        code = run_rank(Path(sys.argv[1]))
+        code = run_sequence([Path(arg) for arg in sys.argv[1:]])
     except Exception:
         logging.getLogger("keel").exception("rank failed")
         code = EXIT_FAILED

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import torch
 
+from keel.adapters.torch_internals import set_last_lr
 from keel.config import ConfigError, TrainConfig
 
 SCHEDULES = ("cosine", "linear", "constant", "inverse_sqrt", "wsd")
@@ -148,7 +149,7 @@ def refresh_lr(scheduler: torch.optim.lr_scheduler.LambdaLR) -> list[float]:
     lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
     for group, lr in zip(scheduler.optimizer.param_groups, lrs):
         group["lr"] = lr
-    scheduler._last_lr = lrs  # what get_last_lr() reports; LambdaLR keeps no public setter
+    set_last_lr(scheduler, lrs)
     return lrs
 
 

@@ -24,9 +24,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from keel.adapters.deepspeed_internals import (
+    is_pipe_replicated,
+    loss_scale,
+    pipeline_local_specs,
+    wrap_model_step,
+)
 from keel.config import ConfigError, StabilityConfig
 from keel.data.atomic import write_atomic
 from keel.model import Block
+from keel.parallel.pipeline import local_layers
 from keel.parallel.topology import Topology
 
 # -- sinks ------------------------------------------------------------------------------------------------------
@@ -160,9 +167,7 @@ def layer_name(index: int, n_layers_total: int) -> str:
 def _local_layers(module: nn.Module) -> tuple[int, list[tuple[int, nn.Module]]]:
     """(length of the full layer list, [(index, layer)] for the layers this rank holds)."""
     if hasattr(module, "forward_funcs"):  # one pipeline stage (DeepSpeed PipelineModule)
-        from keel.parallel.pipeline import local_layers
-
-        return len(module._layer_specs), local_layers(module)
+        return len(pipeline_local_specs(module)[1]), local_layers(module)
     return len(module.layers), list(enumerate(module.layers))
 
 
@@ -175,7 +180,7 @@ def _counted_params(layers: Iterable[tuple[int, nn.Module]], topology: Topology)
     counted = []
     for index, layer in layers:
         for p in layer.parameters():
-            if id(p) in seen or not p.requires_grad or getattr(p, "ds_pipe_replicated", False):
+            if id(p) in seen or not p.requires_grad or is_pipe_replicated(p):
                 continue
             seen.add(id(p))
             if getattr(p, "tensor_model_parallel", False) or tp_rank0:
@@ -303,18 +308,15 @@ class ModelMonitor:
     def attach(self, engine: Any) -> None:
         """Run `before_step` inside DeepSpeed's step, for the pipeline engine's `train_batch`.
 
-        Wraps `engine._take_model_step` (DeepSpeed-private; both engines call it at the accumulation boundary
-        after gradients are reduced and before clipping and the update). Takes the step from the last `arm`.
-        With this attached, the trainer must not call `before_step` itself.
+        Runs inside DeepSpeed's model step (`wrap_model_step`), after gradients are reduced and before clipping and
+        the update. Takes the step from the last `arm`. With this attached, the trainer must not call `before_step`.
         """
-        take_model_step = engine._take_model_step
 
-        def take_model_step_monitored(*args: Any, **kwargs: Any) -> Any:
+        def before_model_step() -> None:
             if self._armed is not None:
                 self.before_step(self._armed)
-            return take_model_step(*args, **kwargs)
 
-        engine._take_model_step = take_model_step_monitored
+        wrap_model_step(engine, before_model_step)
 
     def _loss_scale(self) -> float:
         """The factor this step's gradients still carry: fp16's dynamic loss scale, for ZeRO optimizers only.
@@ -329,8 +331,6 @@ class ModelMonitor:
 
         if not isinstance(self.engine.optimizer, ZeROOptimizer):
             return 1.0
-        from keel.training.trainer import loss_scale  # imported here: the trainer imports this module
-
         return loss_scale(self.engine) or 1.0
 
     def _grad(self, p: nn.Parameter) -> torch.Tensor | None:

@@ -1,20 +1,23 @@
-"""The training loop: batch → forward/backward per micro-batch → guarded optimizer step → metrics → checkpoint.
+"""The training loop, one screen: fetch → forward/backward → the guards' one agreed decision → apply → metrics →
+periodic checks → checkpoint.
 
 The data position is the global number of consumed samples, so the loop is the same at any data-parallel size
-and a resume continues with exactly the samples an uninterrupted run would have used. Guards decide inside the
-optimizer step (keel/training/guards/); this loop acts on their decisions: skip, roll back, or stop.
+and a resume continues with exactly the samples an uninterrupted run would have used. Guards decide, the trainer
+acts: the step's decision is taken inside the engine's step (after gradient reduction, before the update) through
+keel/training/step_gate.py; the periodic cross-rank checks decide after it; the loop skips, rolls back or stops.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from keel.adapters.deepspeed_internals import grad_norm_before_update, loss_scale, pipeline_summed_loss
 from keel.config import RunConfig
 from keel.data import GlobalSampleOrder, PackedSamples, step_batch, step_sample_indices
 from keel.parallel.topology import Topology
@@ -23,13 +26,13 @@ from keel.training.engine import Fp32GradClipper, LRScale
 from keel.training.expert_health import ExpertHealth
 from keel.training.faults import FaultInjector
 from keel.training.guards.base import Action, AnomalyLog, Decision, StepStats
-from keel.training.guards.gate import reported_grad_norm
-from keel.training.guards.localize import localize
+from keel.training.guards.localize import localize_on_all_ranks
 from keel.training.guards.stack import GuardStack
-from keel.training.lr_schedule import rampup_batch_size
+from keel.training.lr_schedule import rampup_batch_size, refresh_lr
 from keel.training.metrics import MetricsWriter
 from keel.training.monitor import ModelMonitor, Sinks
 from keel.training.preemption import EXIT_PREEMPTED, PreemptionHandler
+from keel.training.step_gate import StepGate
 from keel.training.watchdog import StragglerMonitor, Watchdog
 
 log = logging.getLogger("keel")
@@ -43,21 +46,28 @@ class TrainResult:
     reason: str = ""
 
 
+@dataclass
+class StepBatch:
+    """What one optimizer step consumes: this rank's micro-batches of global samples [start, start + size)."""
+
+    step: int
+    start: int
+    size: int
+    micro_batches: list[torch.Tensor] = field(default_factory=list)
+    loss: float = float("nan")  # the data-parallel mean, once known
+    grad_norm: float | None = None  # the global norm the guards decided on (None: not known on this path)
+
+    @property
+    def end(self) -> int:
+        return self.start + self.size
+
+
 def _mean_over(value: torch.Tensor, group) -> float:
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         value = value.clone()
         dist.all_reduce(value, group=group)
         value /= dist.get_world_size(group)
     return value.item()
-
-
-def loss_scale(engine) -> float | None:
-    """fp16's current dynamic loss scale (after this step's update); None in fp32/bf16."""
-    if not engine.fp16_enabled():
-        return None
-    optimizer = engine.optimizer
-    config = getattr(optimizer, "loss_scale_config", None)
-    return float(config.cur_scale if config is not None else optimizer.cur_scale)
 
 
 def parse_skip_ranges(ranges: list[str]) -> list[tuple[int, int]]:
@@ -87,118 +97,118 @@ class Trainer:
         self.anomalies = AnomalyLog(run_dir, topology.rank)
         self.faults = FaultInjector(cfg.faults, topology.rank, engine.module, cfg.model.vocab_size, cfg.train.seed)
         self.loss_fn = engine.module.loss_fn
-        self.guards = GuardStack(cfg, engine, topology, self.anomalies, self._step_stats)
+        self.guards = GuardStack(cfg, engine, topology, self.anomalies)
+        self.gate = StepGate(engine)
         self.monitor = ModelMonitor(engine, topology, cfg.stability.monitor_interval)
         if self.is_pipeline:
             self.monitor.attach(engine)  # train_batch leaves no gap between the last backward and the step
         self.experts = ExpertHealth(cfg, engine.module, topology, self.anomalies)
         self.preemption = PreemptionHandler()
-        self._pending: StepStats | None = None
         self._local_loss: float | None = None
 
-    # -- what the guards see ------------------------------------------------------------------------------------
-    def _step_stats(self) -> StepStats:
-        """Called inside the optimizer step: the step's global loss and gradient norm."""
-        stats = self._pending
+    # -- one optimizer step, straight down ------------------------------------------------------------------------
+    def train_step(self, state: TrainState) -> tuple[dict, Decision]:
+        """Fetch → forward/backward → the guards' one agreed decision, applied by the engine → the step's record.
+
+        Returns the metrics record and the decision the loop acts on (skip: already applied; rollback, stop)."""
+        batch = self._fetch(state)
+        lr = self.engine.get_lr()[0]  # the LR this step uses (the scheduler advances inside the step)
+        self.monitor.arm(batch.step)
+        # DeepSpeed calls `_decide` after the gradients are reduced and before it updates (step_gate.py)
+        with self.gate.deciding(lambda: self._decide(batch)):
+            loss = self._forward_backward(batch)
+        self.loss_fn.scale = 1.0
+        self.faults.after_step(batch.step)
+        applied = self.engine.was_step_applied()
+        decision = self.gate.decision
+        if not applied and not self.gate.consulted:  # DeepSpeed dropped the step before asking (non-finite, fp16)
+            stats = self._stats(batch)
+            decision = self.guards.engine_skipped(stats, self.engine.fp16_enabled())
+            batch.grad_norm = stats.grad_norm  # NaN unless fp16 (where the loss scaler's overflow is routine)
+        state.step, state.consumed_samples = batch.step, batch.end
+        state.skipped_steps += int(not applied)
+        if not applied and self.guards.nonfinite_at(batch.step):
+            self._localize(batch)
+        record = {"loss": loss, "lr": lr, "grad_norm": batch.grad_norm, "skipped": not applied,
+                  "batch_size": batch.size, "loss_scale": loss_scale(self.engine),
+                  **self.monitor.after_step(batch.step), **self.experts.after_step(batch.step, applied=applied)}
+        return record, decision
+
+    def _fetch(self, state: TrainState) -> StepBatch:
+        """This rank's micro-batches for the next step (skip ranges, batch-size ramp-up, injected faults)."""
+        t, step = self.cfg.train, state.step + 1
+        start = state.consumed_samples
+        for first, end in self.skip_ranges:  # data.skip_ranges: jump over known-bad samples
+            if first <= start < end:
+                start = end
+        size = rampup_batch_size(state.step, t, self.topology.dp_size)
+        if size != self.engine.train_batch_size():  # batch-size ramp-up: DeepSpeed adjusts accumulation
+            self.engine.set_train_batch_size(size)
+        self.experts.before_step(loss_scale(self.engine) or 1.0, self.engine.gradient_accumulation_steps())
+        micro_batches = step_batch(self.order, self.train_samples, start, size, t.micro_batch_size,
+                                   self.topology.dp_rank, self.topology.dp_size)
+        self.faults.before_forward(step)
+        self.loss_fn.scale = self.faults.loss_scale(start, size)
+        return StepBatch(step, start, size, self.faults.batches(step, micro_batches))
+
+    def _forward_backward(self, batch: StepBatch) -> float:
+        """Every micro-batch forward and backward, then the engine's step (where the gate decides)."""
+        if self.is_pipeline:  # DeepSpeed's 1F1B schedule runs every micro-batch and the step
+            pairs = iter([(mb[:, :-1], mb[:, 1:]) for mb in batch.micro_batches])
+            return self.engine.train_batch(data_iter=pairs).item()  # dp-averaged, broadcast to all stages
+        losses = []
+        for i, micro_batch in enumerate(batch.micro_batches):
+            self.engine.set_gradient_accumulation_boundary(i == len(batch.micro_batches) - 1)
+            micro_batch = micro_batch.to(self.engine.device)  # the pipeline engine moves its micro-batches itself
+            loss = self.engine(micro_batch[:, :-1], micro_batch[:, 1:])
+            self.engine.backward(loss)
+            losses.append(loss.detach().float())
+        local = torch.stack(losses).mean()
+        self._local_loss = local.item()
+        batch.loss = _mean_over(local, self.dp_group)
+        self.monitor.before_step(batch.step)
+        self.engine.step()
+        return batch.loss
+
+    def _decide(self, batch: StepBatch) -> Decision:
+        """The guards' decision on this step's global loss and gradient norm (called inside the engine's step)."""
         if self.is_pipeline:
-            stats.loss = self._pipeline_loss()
-        stats.grad_norm = self._grad_norm()
-        return stats
+            batch.loss = self._pipeline_loss()
+        batch.grad_norm = self._grad_norm()
+        return self.guards.decide(self._stats(batch))
+
+    @staticmethod
+    def _stats(batch: StepBatch) -> StepStats:
+        return StepStats(batch.step, loss=batch.loss, grad_norm=batch.grad_norm, sample_range=(batch.start, batch.end))
 
     def _grad_norm(self) -> float | None:
         if self.clipper.active:
             return self.clipper.norm if self.clipper.max_norm > 0 else self.clipper.measure()
-        return reported_grad_norm(self.engine)
+        return grad_norm_before_update(self.engine)
 
     def _pipeline_loss(self) -> float:
         """The pipeline's last stage holds the summed micro-batch losses; average them over replicas."""
-        engine = self.engine
-        local = torch.zeros(())
-        if engine.is_last_stage() and self.topology.rank_in("tp") == 0:
-            local = engine.total_loss.detach().float() / engine.gradient_accumulation_steps()
+        summed = pipeline_summed_loss(self.engine)
+        local = torch.zeros((), device=self.engine.device)
+        if summed is not None and self.topology.rank_in("tp") == 0:
+            local = summed.detach().float() / self.engine.gradient_accumulation_steps()
         dist.all_reduce(local)
-        self._local_loss = float(local) if engine.is_last_stage() else None
+        self._local_loss = float(local) if summed is not None else None
         return float(local) / self.topology.dp_size
 
-    # -- one optimizer step --------------------------------------------------------------------------------
-    def _data_cursor(self, consumed: int) -> int:
-        for start, end in self.skip_ranges:  # data.skip_ranges: jump over known-bad samples
-            if start <= consumed < end:
-                consumed = end
-        return consumed
-
-    def train_step(self, state: TrainState) -> dict:
-        t = self.cfg.train
-        step = state.step + 1
-        consumed = self._data_cursor(state.consumed_samples)
-        batch_size = rampup_batch_size(state.step, t, self.topology.dp_size)
-        if batch_size != self.engine.train_batch_size():  # batch-size ramp-up: DeepSpeed adjusts accumulation
-            self.engine.set_train_batch_size(batch_size)
-        self.experts.before_step(loss_scale(self.engine) or 1.0, self.engine.gradient_accumulation_steps())
-        micro_batches = step_batch(self.order, self.train_samples, consumed, batch_size,
-                                   t.micro_batch_size, self.topology.dp_rank, self.topology.dp_size)
-        micro_batches = self.faults.batches(step, micro_batches)
-        self.faults.before_forward(step)
-        self.loss_fn.scale = self.faults.loss_scale(consumed, batch_size)
-        lr = self.engine.get_lr()[0]  # the LR this step uses (the scheduler advances inside the step)
-        self._pending = StepStats(step, loss=float("nan"), grad_norm=None,
-                                  sample_range=(consumed, consumed + batch_size))
-        self.guards.new_step()
-        self.monitor.arm(step)
-        if self.is_pipeline:  # DeepSpeed's 1F1B schedule runs every micro-batch and the step
-            pairs = iter([(batch[:, :-1], batch[:, 1:]) for batch in micro_batches])
-            loss = self.engine.train_batch(data_iter=pairs).item()  # dp-averaged, broadcast to all stages
-        else:
-            losses = []
-            for i, batch in enumerate(micro_batches):
-                self.engine.set_gradient_accumulation_boundary(i == len(micro_batches) - 1)
-                batch = batch.to(self.engine.device)  # the pipeline engine moves its micro-batches itself
-                loss = self.engine(batch[:, :-1], batch[:, 1:])
-                self.engine.backward(loss)
-                losses.append(loss.detach().float())
-            local = torch.stack(losses).mean()
-            self._local_loss = local.item()
-            loss = self._pending.loss = _mean_over(local, self.dp_group)
-            self.monitor.before_step(step)
-            self.engine.step()
-        self.loss_fn.scale = 1.0
-        self.faults.after_step(step)
-        state.step, state.consumed_samples = step, consumed + batch_size
-        skipped = not self.engine.was_step_applied()
-        if skipped:
-            self.guards.engine_skipped(self.engine.fp16_enabled())
-        state.skipped_steps += int(skipped)
-        last = self.guards.last_event
-        if skipped and last is not None and last["kind"] == "nonfinite" and last["step"] == step:
-            self._localize(step, micro_batches, consumed)
-        return {"loss": loss, "lr": lr, "grad_norm": self._pending.grad_norm, "skipped": skipped,
-                "batch_size": batch_size, "loss_scale": loss_scale(self.engine), **self.monitor.after_step(step),
-                **self.experts.after_step(step, applied=not skipped)}
-
-    def _localize(self, step: int, micro_batches: list[torch.Tensor], consumed: int) -> None:
+    def _localize(self, batch: StepBatch) -> None:
         """Replay the skipped batch on every rank to name the first bad module and classify the cause."""
         if not self.cfg.stability.localize_nonfinite or self.is_pipeline:
             return
-        t = self.cfg.train
-        samples = step_sample_indices(consumed, sum(len(b) for b in micro_batches) * self.topology.dp_size,
-                                      t.micro_batch_size, self.topology.dp_rank, self.topology.dp_size)
-        on_device = [batch.to(self.engine.device) for batch in micro_batches]
-        event = localize(self.engine.module, on_device, samples).event()
+        samples = step_sample_indices(batch.start, batch.size, self.cfg.train.micro_batch_size,
+                                      self.topology.dp_rank, self.topology.dp_size)
+        on_device = [mb.to(self.engine.device) for mb in batch.micro_batches]
+        summary = localize_on_all_ranks(self.engine.module, on_device, samples, self._local_loss)
         if self.engine.zero_optimization_stage() == 3:
             self.engine.empty_partition_cache()  # the replay leaves gathered parameters behind
-        found = [None] * dist.get_world_size()
-        dist.all_gather_object(found, {**event, "local_loss": self._local_loss})
-        data = [(rank, e) for rank, e in enumerate(found) if e["classification"] == "data"]
-        if data:
-            rank, event = data[0]
-            summary = {**event, "classification": "data", "bad_rank": rank}
-        else:
-            flaky = [rank for rank, e in enumerate(found)
-                     if e["replays_nonfinite"] or not torch.isfinite(torch.tensor(e["local_loss"] or 0.0))]
-            summary = {"classification": "transient", "bad_ranks": flaky,
-                       "hosts": [found[r].get("host") for r in flaky]}
-        self.anomalies.record("nonfinite", step, phase="localized", **summary)
-        log.warning("step %d: non-finite values localized: %s", step,
+        self.anomalies.record("nonfinite", batch.step, phase="localized", **summary)
+        data = summary["classification"] == "data"
+        log.warning("step %d: non-finite values localized: %s", batch.step,
                     f"{summary.get('first_bad_module')} on rank {summary['bad_rank']} (data; samples recorded)"
                     if data else f"transient on rank(s) {summary['bad_ranks']}")
 
@@ -234,7 +244,7 @@ class Trainer:
         restored = self.checkpointer.load(self.engine, tag, self.cfg.train.seed)
         restored.consumed_samples, restored.lr_scale, restored.rollbacks = cursor, scale, rollbacks + 1
         self.lr_scale.value = scale
-        sync_lr(self.engine.lr_scheduler)
+        refresh_lr(self.engine.lr_scheduler)
         metrics.rewind(restored.step)
         self.sinks.rewind(restored.step)
         self.anomalies.record("rollback", state.step, done=True, reason=reason, to_step=restored.step,
@@ -243,7 +253,6 @@ class Trainer:
                     tag, scale, cursor)
         return restored
 
-    # -- the loop -------------------------------------------------------------------------------------------
     def resume(self) -> TrainState:
         if not self.cfg.checkpoint.resume:
             return TrainState()
@@ -253,7 +262,7 @@ class Trainer:
         state = self.checkpointer.load(self.engine, tag, self.cfg.train.seed)
         self.guards.load_state_dict(self.checkpointer.read_manifest(tag).get("guards", {}))
         self.lr_scale.value = state.lr_scale
-        sync_lr(self.engine.lr_scheduler)
+        refresh_lr(self.engine.lr_scheduler)
         if self.topology.rank == 0:
             log.info("resumed from %s: step %d, %d samples consumed", tag, state.step, state.consumed_samples)
         return state
@@ -261,6 +270,7 @@ class Trainer:
     def save(self, state: TrainState) -> None:
         self.checkpointer.save(self.engine, state, guards=self.guards.state_dict())
 
+    # -- the loop -------------------------------------------------------------------------------------------
     def fit(self) -> TrainResult:
         t, s = self.cfg.train, self.cfg.stability
         state = self.resume()
@@ -284,21 +294,12 @@ class Trainer:
         while state.step < t.steps:
             watchdog.beat(state.step + 1)
             start = time.perf_counter()
-            record = self.train_step(state)
+            record, decision = self.train_step(state)
             steps_here += 1
-            elapsed = time.perf_counter() - start
-            record = {"step": state.step, **record, "tokens": state.consumed_samples * self.cfg.data.seq_len,
-                      "tokens_per_s": record["batch_size"] * self.cfg.data.seq_len / elapsed, "step_time_s": elapsed,
-                      "consumed_samples": state.consumed_samples, "lr_scale": state.lr_scale}
-            report = stragglers.update(state.step, elapsed)
-            if report is not None:
-                record.update(report.metrics)
-                if self.topology.rank == 0:
-                    log.info(report.line)
-            with watchdog.paused():  # collectives of their own; a hang here is not the step's
-                decision = Decision.most_severe([
-                    self.guards.decision,
-                    self.guards.after_step(state.step, record["loss_scale"], self._local_loss)])
+            record = self._timed(record, state, time.perf_counter() - start, stragglers)
+            with watchdog.paused():  # periodic checks and evaluation: collectives of their own, not the step's
+                checks = self.guards.after_step(state.step, record["loss_scale"], self._local_loss)
+                decision = Decision.most_severe([decision, checks])
                 if t.eval_interval and (state.step % t.eval_interval == 0 or state.step == t.steps):
                     record["val_loss"] = self.evaluate()
             metrics.log(record)
@@ -324,10 +325,15 @@ class Trainer:
                 return TrainResult(state, finished=False)
         return TrainResult(state, finished=True)
 
-
-def sync_lr(scheduler) -> None:
-    """Put the schedule's LR for its current position into the optimizer (after a load or an LR rescale)."""
-    if scheduler is None:
-        return
-    for group, base, factor in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
-        group["lr"] = base * factor(scheduler.last_epoch)
+    def _timed(self, record: dict, state: TrainState, elapsed: float, stragglers: StragglerMonitor) -> dict:
+        """The step's record with its position, throughput and (every straggler interval) the slowest rank."""
+        seq_len = self.cfg.data.seq_len
+        record = {"step": state.step, **record, "tokens": state.consumed_samples * seq_len,
+                  "tokens_per_s": record["batch_size"] * seq_len / elapsed, "step_time_s": elapsed,
+                  "consumed_samples": state.consumed_samples, "lr_scale": state.lr_scale}
+        report = stragglers.update(state.step, elapsed)
+        if report is not None:
+            record.update(report.metrics)
+            if self.topology.rank == 0:
+                log.info(report.line)
+        return record

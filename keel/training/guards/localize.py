@@ -35,12 +35,16 @@ Memory: one micro-batch's activations plus one gradient-sized copy of the parame
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+
+from keel.adapters.deepspeed_internals import zero3_partition
 
 ROOT = "<model>"  # the name reported for the model itself (named_modules calls it "")
 DATA, TRANSIENT = "data", "transient"
@@ -155,8 +159,8 @@ def replay(model: nn.Module, micro_batches: Sequence[torch.Tensor], grad_scale: 
     if getattr(model, "num_stages", 1) > 1:
         raise ValueError("localize: a pipeline stage cannot compute the loss alone; localization needs pp == 1")
     named_params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    # ZeRO-3 keeps only this rank's partition (`ds_tensor`) outside forward; check that
-    bad_params = [name for name, p in model.named_parameters() if not _finite(getattr(p, "ds_tensor", p))]
+    # ZeRO-3 keeps only this rank's partition outside forward; check that
+    bad_params = [name for name, p in model.named_parameters() if not _finite(zero3_partition(p))]
     findings = []
     with _training_rng_kept(model), _train_mode(model), torch.enable_grad():  # even if called under no_grad
         for index, batch in enumerate(micro_batches):
@@ -300,3 +304,25 @@ def _samples(findings: list[Finding], micro_batches: Sequence[torch.Tensor],
         rows = f.bad_rows or range(micro_batches[f.micro_batch].shape[0])
         samples.extend(int(sample_indices[starts[f.micro_batch] + row]) for row in rows)
     return samples
+
+
+def localize_on_all_ranks(model: nn.Module, micro_batches: Sequence[torch.Tensor], samples: Sequence[int],
+                          local_loss: float | None) -> dict[str, Any]:
+    """Every rank replays its own micro-batches of the skipped step; the findings are gathered and combined into
+    one summary all ranks hold (a collective: call on every rank, see the module docstring)."""
+    event = localize(model, micro_batches, samples).event()
+    found = [None] * dist.get_world_size()
+    dist.all_gather_object(found, {**event, "local_loss": local_loss})
+    return combine_rank_findings(found)
+
+
+def combine_rank_findings(found: list[dict[str, Any]]) -> dict[str, Any]:
+    """The first rank whose batch reproduces the fault names it ("data"); otherwise it was transient, on the ranks
+    whose replays or own loss saw a non-finite value."""
+    data = [(rank, e) for rank, e in enumerate(found) if e["classification"] == DATA]
+    if data:
+        rank, event = data[0]
+        return {**event, "classification": DATA, "bad_rank": rank}
+    flaky = [rank for rank, e in enumerate(found)
+             if e["replays_nonfinite"] or not math.isfinite(e["local_loss"] or 0.0)]
+    return {"classification": TRANSIENT, "bad_ranks": flaky, "hosts": [found[r].get("host") for r in flaky]}

@@ -1,21 +1,19 @@
 """All guards of a run behind one object the trainer calls at fixed points of a step.
 
-`decide` runs inside DeepSpeed's optimizer step (through the `StepGate`), when the step's global loss and
-gradient norm are known; `after_step` runs the periodic cross-rank checks. Every event goes to anomalies.jsonl
-(and the end-of-run summary); the returned decisions are acted on by the trainer alone.
+`decide` reads the step's global loss and gradient norm (the trainer calls it from inside the engine's step,
+through keel/training/step_gate.py); `after_step` runs the periodic cross-rank checks. Every event goes to
+anomalies.jsonl (and the end-of-run summary); the returned decisions are acted on by the trainer alone.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
 
 from keel.config import RunConfig
 from keel.parallel.topology import Topology
 from keel.training.guards.base import Action, AnomalyLog, Decision, StepStats
 from keel.training.guards.consistency import ChecksumCheck, LossOutlierCheck
-from keel.training.guards.gate import StepGate
 from keel.training.guards.numerics import LossScaleGuard, NonfiniteGuard
 from keel.training.guards.spike import SpikeGuard
 
@@ -25,25 +23,21 @@ CHECKSUM_EXIT = 3
 
 
 class GuardStack:
-    def __init__(self, cfg: RunConfig, engine, topology: Topology, anomalies: AnomalyLog,
-                 stats: Callable[[], StepStats]):
+    def __init__(self, cfg: RunConfig, engine, topology: Topology, anomalies: AnomalyLog):
         s = cfg.stability
         self.cfg = cfg
         self.anomalies = anomalies
         self.topology = topology
-        self.stats = stats  # the trainer's view of the step being decided
         self.nonfinite = NonfiniteGuard(s)
         self.spike = SpikeGuard(s)
         min_scale = float(engine.config.get("fp16", {}).get("min_loss_scale", 1)) if engine.fp16_enabled() else 1.0
         self.loss_scale = LossScaleGuard(s, min_scale)
         self.loss_outliers = LossOutlierCheck(topology, s.loss_check_sigmas, s.loss_check_repeats)
         self.checksums = ChecksumCheck(engine.module, topology, engine.zero_optimization_stage())
-        self.gate = StepGate(engine, self.decide)
         self.last_event: dict | None = None
 
     # -- inside the optimizer step -----------------------------------------------------------------------------
-    def decide(self) -> Decision:
-        stats = self.stats()
+    def decide(self, stats: StepStats) -> Decision:
         decisions = []
         self.last_event = None
         for guard in (self.nonfinite, self.spike):
@@ -58,25 +52,22 @@ class GuardStack:
                 break  # a non-finite step says nothing about spikes
         return Decision.most_severe(decisions)
 
-    def new_step(self) -> None:
-        self.gate.new_step()
-
-    def engine_skipped(self, fp16: bool) -> None:
-        """DeepSpeed dropped the step itself (its overflow check) before the gate was asked. Under fp16 that is
+    def engine_skipped(self, stats: StepStats, fp16: bool) -> Decision:
+        """DeepSpeed dropped the step itself (its overflow check) before the guards were asked. Under fp16 that is
         loss scaling at work (the loss-scale guard watches it); otherwise the gradients were non-finite."""
-        if fp16 or self.gate.consulted:
-            return
-        stats = self.stats()
+        if fp16:
+            return Decision(Action.SKIP, "fp16 overflow: DeepSpeed lowered the loss scale")
         stats.grad_norm = math.nan
         decision, event = self.nonfinite.check(stats)
         self.last_event = self.anomalies.record("nonfinite", stats.step, action=decision.action.name.lower(),
                                                 reason=decision.reason, loss=stats.loss, grad_norm=None, **event)
         log.warning("step %d: nonfinite — %s (detected by DeepSpeed)", stats.step, decision.reason)
-        self.gate.decision = decision
+        return decision
 
-    @property
-    def decision(self) -> Decision:
-        return self.gate.decision
+    def nonfinite_at(self, step: int) -> bool:
+        """Did this step end in a non-finite event (the trigger for localizing it)?"""
+        event = self.last_event or {}
+        return event.get("kind") == "nonfinite" and event.get("step") == step
 
     # -- after the optimizer step --------------------------------------------------------------------------------
     def after_step(self, step: int, loss_scale: float | None, local_loss: float | None) -> Decision:

@@ -1,0 +1,228 @@
+"""Every DeepSpeed internal Keel reads or patches, in one place.
+
+Keel uses DeepSpeed's public API wherever one exists. What is left below has no public equivalent in DeepSpeed
+0.19 (each function says which public API is missing); nothing else in `keel/` touches a private DeepSpeed
+attribute. `check_engine` probes every internal an engine of that kind needs, so an upgrade that removes one
+fails at start-up — and in tests/test_adapters.py — with one line naming the attribute, not mid-run.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+class DeepSpeedInternalsError(RuntimeError):
+    """A DeepSpeed internal Keel relies on is gone: the installed DeepSpeed is outside the verified range."""
+
+
+@dataclass(frozen=True)
+class Internal:
+    name: str  # what is read or patched, as written in DeepSpeed
+    missing_api: str  # the public API that would replace it
+    applies: Callable[[Any], bool]  # does an engine of this kind need it?
+    probe: Callable[[Any], bool]  # is it there?
+
+
+def _has_path(obj: Any, path: str) -> bool:
+    for part in path.split("."):
+        if not hasattr(obj, part):
+            return False
+        obj = getattr(obj, part)
+    return True
+
+
+def _wraps_optimizer(engine) -> bool:
+    """ZeRO, bf16 and fp16 engines put a DeepSpeed wrapper around the torch optimizer; plain fp32 ZeRO-0 does not."""
+    return not isinstance(engine.optimizer, torch.optim.Optimizer)
+
+
+def _is_pipeline(engine) -> bool:
+    return hasattr(engine, "train_batch") and hasattr(engine.module, "forward_funcs")
+
+
+def _plain_fp32(engine) -> bool:
+    return engine.zero_optimization_stage() == 0 and not engine.fp16_enabled() and not engine.bfloat16_enabled()
+
+
+def _fp16_scale_holder(engine):
+    optimizer = engine.optimizer
+    return getattr(optimizer, "loss_scale_config", optimizer)
+
+
+INTERNALS = [
+    Internal("optimizer.optimizer", "a public accessor for the torch optimizer inside ZeRO/bf16/fp16 wrappers",
+             _wraps_optimizer, lambda e: isinstance(getattr(e.optimizer, "optimizer", None), torch.optim.Optimizer)),
+    Internal("optimizer._global_grad_norm", "the step's global grad norm before the update (engine."
+             "get_global_grad_norm() is set only after it)", _wraps_optimizer,
+             lambda e: hasattr(e.optimizer, "_global_grad_norm")),
+    Internal("optimizer.overflow", "a way to veto one optimizer step (DeepSpeed reads this flag after step())",
+             lambda e: True, lambda e: "overflow" in type(e)._take_model_step.__code__.co_names),
+    Internal("engine._take_model_step", "a hook between gradient reduction and the update", lambda e: True,
+             lambda e: callable(getattr(e, "_take_model_step", None))),
+    Internal("engine.clip_fp32_gradients", "a clipping hook for the fp32 ZeRO-0 path", _plain_fp32,
+             lambda e: "clip_fp32_gradients" in type(e)._take_model_step.__code__.co_names),
+    Internal("optimizer.cur_scale / loss_scale_config.cur_scale", "the current dynamic loss scale",
+             lambda e: e.fp16_enabled(), lambda e: hasattr(_fp16_scale_holder(e), "cur_scale")),
+    Internal("PipelineEngine.total_loss", "the last stage's summed micro-batch losses inside train_batch",
+             _is_pipeline, lambda e: hasattr(e, "total_loss")),
+    Internal("PipelineModule._layer_specs / _local_start / _local_stop", "the stage's slice of the layer list",
+             _is_pipeline, lambda e: all(hasattr(e.module, a) for a in ("_layer_specs", "_local_start",
+                                                                        "_local_stop"))),
+    Internal("deepspeed.utils.groups._EXPERT_PARALLEL_GROUP (+ _RANKS, _EXPERT_DATA_PARALLEL_GROUP, _RANKS) and "
+             "_clone_world_group", "registering caller-built expert groups", lambda e: True,
+             lambda e: _expert_group_tables() is not None),
+    Internal("deepspeed.utils.groups.mpu", "resetting the groups a finished run handed DeepSpeed", lambda e: True,
+             lambda e: _has_path(_groups_module(), "mpu")),
+    Internal("accelerator.is_fp16_supported", "an fp16 override for the CPU accelerator", lambda e: True,
+             lambda e: _has_path(_accelerator(), "is_fp16_supported")),
+]
+
+
+def check_engine(engine) -> None:
+    """Raise one line naming the first internal this engine needs that the installed DeepSpeed lacks."""
+    import deepspeed
+
+    for internal in INTERNALS:
+        if internal.applies(engine) and not internal.probe(engine):
+            raise DeepSpeedInternalsError(
+                f"DeepSpeed {deepspeed.__version__} has no `{internal.name}`, which Keel uses for want of "
+                f"{internal.missing_api}; install a DeepSpeed in the range setup.py pins")
+
+
+# -- the optimizer step ---------------------------------------------------------------------------------------------
+def inner_optimizer(engine) -> torch.optim.Optimizer:
+    """The torch optimizer inside DeepSpeed's wrappers (`optimizer.optimizer`), or the engine's own."""
+    optimizer = engine.optimizer
+    inner = getattr(optimizer, "optimizer", None)
+    return inner if isinstance(inner, torch.optim.Optimizer) else optimizer
+
+
+def grad_norm_before_update(engine) -> float | None:
+    """The global norm DeepSpeed computed for this step (`optimizer._global_grad_norm`, set before the inner
+    optimizer steps); None where DeepSpeed computes none (fp32 ZeRO-0, where Keel clips itself)."""
+    norm = getattr(engine.optimizer, "_global_grad_norm", None)
+    if norm is None or not _wraps_optimizer(engine):
+        return None
+    norm = float(norm)
+    return math.nan if norm < 0 else norm  # DeepSpeed masks a non-finite norm as -1
+
+
+def veto_step(engine, vetoed: bool) -> None:
+    """Set `optimizer.overflow`, which DeepSpeed reads right after `step()` to count a skipped step and hold the
+    LR schedule; the plain torch optimizer (ZeRO-0 fp32) gets the attribute as DeepSpeed's wrappers have it."""
+    engine.optimizer.overflow = vetoed
+
+
+def wrap_model_step(engine, before: Callable[[], None]) -> None:
+    """Call `before()` inside `engine._take_model_step`: both engines call it at the accumulation boundary, after
+    gradients are reduced and before clipping and the update (the pipeline's `train_batch` leaves no other gap)."""
+    take_model_step = engine._take_model_step
+
+    def take_model_step_then(*args: Any, **kwargs: Any) -> Any:
+        before()
+        return take_model_step(*args, **kwargs)
+
+    engine._take_model_step = take_model_step_then
+
+
+def replace_fp32_clipping(engine, clip: Callable[[], Any]) -> None:
+    """DeepSpeed calls `engine.clip_fp32_gradients()` right before the fp32 ZeRO-0 update; Keel's replacement
+    clips by the model-parallel-aware norm and records it (DeepSpeed's neither records nor sums over stages)."""
+    engine.clip_fp32_gradients = clip
+
+
+def loss_scale(engine) -> float | None:
+    """fp16's current dynamic loss scale (`cur_scale`, after this step's update); None in fp32/bf16."""
+    if not engine.fp16_enabled():
+        return None
+    return float(_fp16_scale_holder(engine).cur_scale)
+
+
+def pipeline_summed_loss(engine) -> torch.Tensor | None:
+    """Inside `train_batch` at the step: the last stage's sum of this batch's micro-batch losses
+    (`PipelineEngine.total_loss`); None on other stages (the public `train_batch` result comes after the step)."""
+    return engine.total_loss if engine.is_last_stage() else None
+
+
+# -- model structure --------------------------------------------------------------------------------------------------
+def pipeline_local_specs(module) -> tuple[int, list]:
+    """(index of this stage's first layer, the full layer-spec list) of a `PipelineModule`."""
+    return int(module._local_start), list(module._layer_specs)
+
+
+def pipeline_local_stop(module) -> int:
+    return int(module._local_stop)
+
+
+def is_pipe_replicated(param: torch.nn.Parameter) -> bool:
+    """A tied copy on a later pipeline stage (DeepSpeed marks it `ds_pipe_replicated`); counted once, on the first."""
+    return bool(getattr(param, "ds_pipe_replicated", False))
+
+
+def zero3_partition(param: torch.nn.Parameter) -> torch.Tensor:
+    """Under ZeRO-3 the rank's own partition (`ds_tensor`); outside forward the parameter itself is empty."""
+    return getattr(param, "ds_tensor", param)
+
+
+def _groups_module():
+    from deepspeed.utils import groups
+
+    return groups
+
+
+def _expert_group_tables():
+    groups = _groups_module()
+    names = ("_EXPERT_PARALLEL_GROUP", "_EXPERT_PARALLEL_GROUP_RANKS", "_EXPERT_DATA_PARALLEL_GROUP",
+             "_EXPERT_DATA_PARALLEL_GROUP_RANKS", "_clone_world_group")
+    return groups if all(hasattr(groups, n) for n in names) else None
+
+
+def register_expert_groups(name: str, ep_group, ep_ranks: list[int], edp_group, edp_ranks: list[int]) -> None:
+    """Give DeepSpeed caller-built expert groups under `name` (`deepspeed.utils.groups._EXPERT_*` tables).
+
+    DeepSpeed looks expert groups up by name there (gradient reduction, ZeRO's MoE param groups, MoE checkpoints);
+    its own builder would derive them from a different rank order. A single process has no groups of its own,
+    so DeepSpeed gets a clone of the world group to address (`_clone_world_group`).
+    """
+    import torch.distributed as dist
+
+    groups = _expert_group_tables()
+    single = groups._clone_world_group() if edp_group is None and dist.is_initialized() else None
+    groups._EXPERT_PARALLEL_GROUP[name] = ep_group if ep_group is not None else single
+    groups._EXPERT_PARALLEL_GROUP_RANKS[name] = list(ep_ranks)
+    groups._EXPERT_DATA_PARALLEL_GROUP[name] = edp_group if edp_group is not None else single
+    groups._EXPERT_DATA_PARALLEL_GROUP_RANKS[name] = list(edp_ranks)
+
+
+# -- the accelerator ------------------------------------------------------------------------------------------------
+def _accelerator():
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator()
+
+
+def allow_fp16_on_cpu() -> bool:
+    """DeepSpeed's CPU accelerator refuses fp16 although torch runs it: replace its `is_fp16_supported` (no
+    public override exists). CPU only; returns True when applied, so the caller can say so."""
+    accelerator = _accelerator()
+    if accelerator.device_name() != "cpu" or accelerator.is_fp16_supported():
+        return False
+    accelerator.is_fp16_supported = lambda: True
+    return True
+
+
+# -- several runs in one process ------------------------------------------------------------------------------------
+def forget_run_groups() -> None:
+    """Drop the process groups one run handed DeepSpeed (`groups.mpu`, the expert-group tables), so the next run
+    in the same process starts from DeepSpeed's initial state; `deepspeed.comm.destroy_process_group` releases
+    these only on world teardown, which would end the sequence."""
+    groups = _groups_module()
+    groups.mpu = None
+    for table in ("_EXPERT_PARALLEL_GROUP", "_EXPERT_PARALLEL_GROUP_RANKS", "_EXPERT_DATA_PARALLEL_GROUP",
+                  "_EXPERT_DATA_PARALLEL_GROUP_RANKS"):
+        getattr(groups, table).clear()

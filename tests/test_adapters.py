@@ -1,0 +1,188 @@
+"""The DeepSpeed and torch internals Keel relies on (keel/adapters/), probed and used on real one-rank engines.
+
+One spawned process (world size 1) builds an engine per kind — ZeRO 0-3, fp16, bf16, an MoE model, DeepSpeed's
+pipeline engine — and on each one: `check_engine` passes; every adapter function returns what its docstring
+says at the moment Keel calls it (inside the step gate); a vetoed step leaves parameters, optimizer state and
+the LR schedule untouched while an allowed one changes them; and removing each internal the engine needs
+makes `check_engine` fail with one line naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from keel.adapters import deepspeed_internals as dsi
+from keel.adapters.torch_internals import INTERNALS as TORCH_INTERNALS
+from keel.adapters.torch_internals import check_torch, set_last_lr
+from keel.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
+from keel.launcher.local import free_port
+
+DS_CONFIGS = Path(__file__).resolve().parents[1] / "ds_configs"
+MODEL = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_pad_multiple=1)
+KINDS = ["zero0", "zero1", "zero2", "zero3", "fp16", "bf16", "moe", "pipeline"]
+
+
+def _batches(n: int = 2) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, MODEL["vocab_size"], (2, 9), generator=g) for _ in range(n)]
+
+
+def _engine(kind: str):
+    from keel.parallel.experts import EPContext
+    from keel.parallel.pipeline import build_pipeline
+    from keel.parallel.tensor import TPContext
+    from keel.parallel.topology import Topology
+    from keel.training.engine import build_engine
+
+    moe = dict(moe_experts=4, moe_top_k=2) if kind == "moe" else {}
+    cfg = RunConfig(model=ModelConfig(**MODEL, **moe), parallel=ParallelConfig(),
+                    train=TrainConfig(global_batch_size=4, micro_batch_size=2, lr=1e-2, warmup_steps=0, grad_clip=1.0))
+    ds_name = {"zero0": "zero0", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3", "fp16": "fp16",
+               "bf16": "bf16", "moe": "zero1", "pipeline": "zero1"}[kind]
+    ds = json.loads((DS_CONFIGS / f"{ds_name}.json").read_text())
+    if kind == "fp16":  # a scale the first steps cannot overflow, so the gate is asked on both
+        ds["fp16"]["initial_scale_power"] = 8
+    topology = Topology.from_env()
+    torch.manual_seed(0)
+    model = None
+    if kind == "pipeline":  # one stage: DeepSpeed's PipelineEngine all the same
+        model = build_pipeline(cfg, topology, TPContext.from_topology(topology), EPContext.from_topology(topology))
+    return build_engine(cfg, ds, topology, model=model)
+
+
+def _run_step(engine, gate, decide) -> None:
+    with gate.deciding(decide):
+        if hasattr(engine, "train_batch"):
+            engine.train_batch(data_iter=iter([(b[:, :-1], b[:, 1:]) for b in _batches()]))
+            return
+        for i, batch in enumerate(_batches()):
+            engine.set_gradient_accumulation_boundary(i == 1)
+            engine.backward(engine(batch[:, :-1], batch[:, 1:]))
+        engine.step()
+
+
+def _snapshot(engine) -> list[torch.Tensor]:
+    import deepspeed
+
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params, enabled=engine.zero_optimization_stage() == 3):
+        return [p.detach().float().clone() for p in params]
+
+
+def _probe_kind(kind: str) -> dict:
+    """Everything the test asserts about one engine kind, as plain values."""
+    from keel.training.guards.base import Action, Decision
+    from keel.training.step_gate import StepGate
+
+    engine = _engine(kind)
+    dsi.check_engine(engine)
+    gate = StepGate(engine)
+    seen: dict = {}
+    wrapped_calls = []
+    dsi.wrap_model_step(engine, lambda: wrapped_calls.append(1))
+
+    def decide(action: Action):
+        def inner() -> Decision:
+            seen["norm"] = dsi.grad_norm_before_update(engine)
+            seen["scale"] = dsi.loss_scale(engine)
+            if hasattr(engine, "train_batch"):
+                summed = dsi.pipeline_summed_loss(engine)
+                seen["pipeline_loss"] = None if summed is None else float(summed)
+            return Decision(action)
+        return inner
+
+    before, lr_before = _snapshot(engine), engine.get_lr()[0]
+    _run_step(engine, gate, decide(Action.SKIP))
+    vetoed = {"unchanged": all(torch.equal(a, b) for a, b in zip(before, _snapshot(engine))),
+              "applied": engine.was_step_applied(), "lr_steps": engine.lr_scheduler.last_epoch,
+              "consulted": gate.consulted}
+    _run_step(engine, gate, decide(Action.STEP))
+    stepped = {"changed": not all(torch.equal(a, b) for a, b in zip(before, _snapshot(engine))),
+               "applied": engine.was_step_applied(), "lr_steps": engine.lr_scheduler.last_epoch}
+    missing = {}
+    for internal in dsi.INTERNALS:  # take each needed internal away: check_engine must name it
+        if not internal.applies(engine):
+            continue
+        original = internal.probe
+        object.__setattr__(internal, "probe", lambda e: False)
+        try:
+            dsi.check_engine(engine)
+            missing[internal.name] = None
+        except dsi.DeepSpeedInternalsError as exc:
+            missing[internal.name] = str(exc)
+        finally:
+            object.__setattr__(internal, "probe", original)
+    return {"seen": seen, "vetoed": vetoed, "stepped": stepped, "lr_before": lr_before, "missing": missing,
+            "model_step_wrapped": len(wrapped_calls), "wraps": dsi._wraps_optimizer(engine)}
+
+
+def _worker(_rank: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    from keel.training.entry import init_distributed
+
+    init_distributed()
+    torch.save({kind: _probe_kind(kind) for kind in KINDS}, out)
+    os._exit(0)  # gloo can abort at interpreter exit
+
+
+@pytest.fixture(scope="module")
+def probed(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("adapters") / "probed.pt"
+    mp.start_processes(_worker, args=(free_port(), str(out)), nprocs=1, start_method="spawn")
+    return torch.load(out)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_internals_are_present_and_do_what_keel_needs(probed, kind):
+    got = probed[kind]
+    seen = got["seen"]
+    if got["wraps"]:  # DeepSpeed's wrappers report the norm before the update; fp32 ZeRO-0 is Keel's own clipper
+        assert seen["norm"] is not None and math.isfinite(seen["norm"]) and seen["norm"] > 0, seen
+    else:
+        assert kind == "zero0" and seen["norm"] is None
+    assert (seen["scale"] is not None) == (kind == "fp16")
+    if kind == "fp16":
+        assert seen["scale"] == 2.0 ** 8
+    if kind == "pipeline":
+        assert seen["pipeline_loss"] is not None and math.isfinite(seen["pipeline_loss"])
+    assert got["model_step_wrapped"] == 2  # the hook ran inside both steps
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_vetoed_step_changes_nothing_and_an_allowed_one_updates(probed, kind):
+    vetoed, stepped = probed[kind]["vetoed"], probed[kind]["stepped"]
+    assert vetoed["consulted"] and not vetoed["applied"] and vetoed["unchanged"] and vetoed["lr_steps"] == 0
+    assert stepped["applied"] and stepped["changed"] and stepped["lr_steps"] == 1
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_missing_internal_fails_in_one_line_naming_it(probed, kind):
+    missing = probed[kind]["missing"]
+    needed = {"engine._take_model_step", "optimizer.overflow"}
+    needed |= {"engine.clip_fp32_gradients"} if kind == "zero0" else {"optimizer._global_grad_norm"}
+    assert needed <= set(missing)
+    if kind == "pipeline":
+        assert {"PipelineEngine.total_loss", "PipelineModule._layer_specs / _local_start / _local_stop"} <= set(missing)
+    for name, message in missing.items():
+        assert message is not None, f"check_engine did not notice {name} missing"
+        assert "\n" not in message and f"`{name}`" in message and "setup.py" in message
+
+
+def test_torch_internals_are_present_and_named_when_missing(monkeypatch):
+    check_torch()
+    sched = torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1.0),
+                                              lambda step: 0.5)
+    set_last_lr(sched, [0.25])
+    assert sched.get_last_lr() == [0.25]
+    name, _, _ = TORCH_INTERNALS[0]
+    monkeypatch.setattr("keel.adapters.torch_internals._scheduler_source", lambda: "")
+    with pytest.raises(RuntimeError, match=f"no `{name}`") as info:
+        check_torch()
+    assert "\n" not in str(info.value)
