@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from keel.config import ConfigError, TrainConfig
+from keel.config import ConfigError, TrainConfig, validate_schedule
 from keel.launcher.cli import build_parser, cmd_lr_find
 from keel.training.lr_find import range_test, steepest_descent_index, sweep_lrs, write_csv, write_plot
 from keel.training.lr_schedule import (
@@ -21,7 +21,6 @@ from keel.training.lr_schedule import (
     rampup_lr_factor,
     refresh_lr,
     samples_before_step,
-    validate_schedule,
 )
 from tests.keel_runs import REPO, tiny_overrides
 

@@ -13,10 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from keel.config import ConfigError, TrainConfig
-
-SCHEDULES = ("cosine", "linear", "constant", "inverse_sqrt", "wsd")
-RAMPUP_SCALINGS = ("linear", "sqrt", "none")
+from keel.config import LR_SCHEDULES, RAMPUP_SCALINGS, TrainConfig
 
 
 # -- the LR shape ---------------------------------------------------------------------------------------------
@@ -57,7 +54,7 @@ def lr_multiplier(step: int, cfg: TrainConfig) -> float:
     elif cfg.lr_schedule == "linear":
         shape = 1.0 - progress
     else:
-        raise ValueError(f"train.lr_schedule={cfg.lr_schedule!r}: choose one of {', '.join(SCHEDULES)}")
+        raise ValueError(f"train.lr_schedule={cfg.lr_schedule!r}: choose one of {', '.join(LR_SCHEDULES)}")
     return floor + (1.0 - floor) * shape
 
 
@@ -150,33 +147,3 @@ def refresh_lr(scheduler: torch.optim.lr_scheduler.LambdaLR) -> list[float]:
         group["lr"] = lr
     scheduler._last_lr = lrs  # what get_last_lr() reports; LambdaLR keeps no public setter
     return lrs
-
-
-# -- checks for config.validate -------------------------------------------------------------------------------
-def validate_schedule(t: TrainConfig, dp: int) -> None:
-    """Schedule and ramp-up fields, checked before launch; raises ConfigError with one line naming the field."""
-
-    def require(ok: bool, message: str) -> None:
-        if not ok:
-            raise ConfigError(message)
-
-    require(t.lr_schedule in SCHEDULES,
-            f"train.lr_schedule: expected one of {', '.join(SCHEDULES)}, got {t.lr_schedule!r}")
-    require(0.0 < t.decay_fraction <= 1.0,
-            f"train.decay_fraction: expected a fraction in (0, 1], got {t.decay_fraction}")
-    require(t.rampup_lr_scaling in RAMPUP_SCALINGS,
-            f"train.rampup_lr_scaling: expected one of {', '.join(RAMPUP_SCALINGS)}, got {t.rampup_lr_scaling!r}")
-    require(t.rampup_start_batch >= 0, f"train.rampup_start_batch: must be >= 0 (0: no ramp-up), got "
-            f"{t.rampup_start_batch}")
-    require(t.rampup_steps >= 0, f"train.rampup_steps: must be >= 0, got {t.rampup_steps}")
-    if not rampup_enabled(t):
-        return
-    unit = t.micro_batch_size * dp
-    require(t.rampup_start_batch < t.global_batch_size,
-            f"train.rampup_start_batch={t.rampup_start_batch} must be smaller than "
-            f"train.global_batch_size={t.global_batch_size}")
-    require(t.rampup_start_batch % unit == 0,
-            f"train.rampup_start_batch={t.rampup_start_batch} must be a multiple of train.micro_batch_size×dp = "
-            f"{t.micro_batch_size}×{dp} = {unit}")
-    require(t.rampup_steps >= 1,
-            f"train.rampup_steps: must be >= 1 when train.rampup_start_batch > 0, got {t.rampup_steps}")
