@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from keel.config import LR_SCHEDULES, RAMPUP_SCALINGS, TrainConfig
+from keel.config import TrainConfig, validate_schedule_choices
 
 
 # -- the LR shape ---------------------------------------------------------------------------------------------
@@ -36,26 +36,47 @@ def lr_multiplier(step: int, cfg: TrainConfig) -> float:
     """
     if cfg.warmup_steps > 0 and step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
-    floor = cfg.min_lr_ratio
-    if cfg.lr_schedule == "constant":
+    if cfg.lr_schedule not in AFTER_WARMUP:  # a TrainConfig that skipped validation: the config's own error
+        validate_schedule_choices(cfg)
+    return AFTER_WARMUP[cfg.lr_schedule](step, cfg)
+
+
+def _decay_to_floor(shape: float, cfg: TrainConfig) -> float:
+    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape
+
+
+def _progress_after_warmup(step: int, cfg: TrainConfig) -> float:
+    return min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
+
+
+def _cosine(step: int, cfg: TrainConfig) -> float:
+    return _decay_to_floor(0.5 * (1.0 + math.cos(math.pi * _progress_after_warmup(step, cfg))), cfg)
+
+
+def _linear(step: int, cfg: TrainConfig) -> float:
+    return _decay_to_floor(1.0 - _progress_after_warmup(step, cfg), cfg)
+
+
+def _constant(step: int, cfg: TrainConfig) -> float:
+    return 1.0
+
+
+def _inverse_sqrt(step: int, cfg: TrainConfig) -> float:
+    return max(cfg.min_lr_ratio, math.sqrt(max(1, cfg.warmup_steps) / (step + 1)))
+
+
+def _wsd(step: int, cfg: TrainConfig) -> float:
+    decay_start = max(cfg.warmup_steps, cfg.steps - round(cfg.decay_fraction * cfg.steps))
+    if step < decay_start:
         return 1.0
-    if cfg.lr_schedule == "inverse_sqrt":
-        return max(floor, math.sqrt(max(1, cfg.warmup_steps) / (step + 1)))
-    if cfg.lr_schedule == "wsd":
-        decay_start = max(cfg.warmup_steps, cfg.steps - round(cfg.decay_fraction * cfg.steps))
-        if step < decay_start:
-            return 1.0
-        progress = min(1.0, (step - decay_start) / max(1, cfg.steps - decay_start))
-        return floor + (1.0 - floor) * (1.0 - math.sqrt(progress))
-    decay_steps = max(1, cfg.steps - cfg.warmup_steps)
-    progress = min(1.0, (step - cfg.warmup_steps) / decay_steps)
-    if cfg.lr_schedule == "cosine":
-        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
-    elif cfg.lr_schedule == "linear":
-        shape = 1.0 - progress
-    else:
-        raise ValueError(f"train.lr_schedule={cfg.lr_schedule!r}: choose one of {', '.join(LR_SCHEDULES)}")
-    return floor + (1.0 - floor) * shape
+    progress = min(1.0, (step - decay_start) / max(1, cfg.steps - decay_start))
+    return _decay_to_floor(1.0 - math.sqrt(progress), cfg)
+
+
+# The multiplier after warmup, by train.lr_schedule; keyed by exactly keel.config.LR_SCHEDULES (tested).
+AFTER_WARMUP: dict[str, Callable[[int, TrainConfig], float]] = {
+    "cosine": _cosine, "linear": _linear, "constant": _constant, "inverse_sqrt": _inverse_sqrt, "wsd": _wsd,
+}
 
 
 # -- batch-size ramp-up ---------------------------------------------------------------------------------------
@@ -111,14 +132,15 @@ def rampup_lr_factor(step: int, cfg: TrainConfig, dp: int = 1) -> float:
     A smaller batch has noisier gradients, so the peak LR tuned for the full batch is too high for it; linear is
     the SGD scaling rule, sqrt the usual one for Adam.
     """
-    ratio = rampup_batch_size(step, cfg, dp) / cfg.global_batch_size
-    if cfg.rampup_lr_scaling == "linear":
-        return ratio
-    if cfg.rampup_lr_scaling == "sqrt":
-        return math.sqrt(ratio)
-    if cfg.rampup_lr_scaling == "none":
-        return 1.0
-    raise ValueError(f"train.rampup_lr_scaling={cfg.rampup_lr_scaling!r}: choose one of {', '.join(RAMPUP_SCALINGS)}")
+    if cfg.rampup_lr_scaling not in RAMPUP_LR_FACTORS:  # a TrainConfig that skipped validation
+        validate_schedule_choices(cfg)
+    return RAMPUP_LR_FACTORS[cfg.rampup_lr_scaling](rampup_batch_size(step, cfg, dp) / cfg.global_batch_size)
+
+
+# batch / global batch → LR factor, by train.rampup_lr_scaling; keyed by exactly keel.config.RAMPUP_SCALINGS.
+RAMPUP_LR_FACTORS: dict[str, Callable[[float], float]] = {
+    "linear": lambda ratio: ratio, "sqrt": math.sqrt, "none": lambda ratio: 1.0,
+}
 
 
 # -- the scheduler DeepSpeed steps ----------------------------------------------------------------------------
