@@ -11,6 +11,7 @@ import pytest
 
 from keel.config import ConfigError, RunConfig, load_config, validate
 from keel.launcher.cli import main
+from keel.parallel.topology import GridShape
 from keel.training.ds_config import load_ds_config, resolve_ds_config
 from tests.keel_runs import REPO, tiny_overrides
 
@@ -100,6 +101,31 @@ def test_bad_config_gives_one_line_naming_the_field(case, tmp_path, capsys, smal
 def test_bad_ds_config(ds, field, tmp_path):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         resolve_ds_config(load_ds_config(_write(tmp_path, "ds.json", ds)), RunConfig(), dp_size=2)
+
+
+@pytest.mark.parametrize("world, sizes, message", [
+    (2, dict(tp=4), "parallel: world size 2 is not divisible by tp×pp×sp = 4"),
+    (6, dict(tp=2, ep=2), "parallel.ep=2 must divide the data-parallel size 3 (world size 6 / tp×pp×sp 2)"),
+])
+def test_topology_checks_the_world_with_the_configs_rule(world, sizes, message):
+    """The rank grid, built from the world size the process group has, refuses it with validate's message."""
+    with pytest.raises(ConfigError) as err:
+        GridShape(world, **sizes).check()
+    assert str(err.value) == message
+    cfg = RunConfig()
+    cfg.model.moe_experts = 2
+    for name, size in sizes.items():
+        setattr(cfg.parallel, name, size)
+    with pytest.raises(ConfigError) as before_launch:
+        validate(cfg, world)
+    assert str(before_launch.value) == message
+
+
+def test_ds_config_checks_the_batch_split_for_the_ranks_it_has():
+    """After a resize on resume the data-parallel size differs from the validated one; the same rule applies."""
+    with pytest.raises(ConfigError) as err:
+        resolve_ds_config({}, RunConfig(), dp_size=3)
+    assert str(err.value) == "train.global_batch_size=16 must be a multiple of train.micro_batch_size×dp = 4×3 = 12"
 
 
 def test_invalid_json_and_yaml(tmp_path):

@@ -11,17 +11,18 @@ import sys
 import pytest
 import torch
 
-from keel.config import ConfigError, TrainConfig
+from keel.config import LR_SCHEDULES, RAMPUP_SCALINGS, ConfigError, TrainConfig, validate_schedule
 from keel.launcher.cli import build_parser, cmd_lr_find
 from keel.training.lr_find import range_test, steepest_descent_index, sweep_lrs, write_csv, write_plot
 from keel.training.lr_schedule import (
+    AFTER_WARMUP,
+    RAMPUP_LR_FACTORS,
     build_scheduler,
     lr_multiplier,
     rampup_batch_size,
     rampup_lr_factor,
     refresh_lr,
     samples_before_step,
-    validate_schedule,
 )
 from tests.keel_runs import REPO, tiny_overrides
 
@@ -84,8 +85,16 @@ def test_wsd_decay_never_starts_inside_warmup():
 
 
 def test_unknown_schedule_raises():
-    with pytest.raises(ValueError, match="lr_schedule"):
+    """A TrainConfig that never went through validation gets the config's own one-line error, not a KeyError."""
+    with pytest.raises(ConfigError, match=r"^train\.lr_schedule: expected cosine, linear, constant"):
         lr_multiplier(50, TrainConfig(steps=100, warmup_steps=0, lr_schedule="step"))
+    with pytest.raises(ConfigError, match=r"^train\.rampup_lr_scaling: expected one of"):
+        rampup_lr_factor(0, TrainConfig(rampup_start_batch=8, rampup_steps=4, rampup_lr_scaling="cubic"))
+
+
+def test_dispatch_tables_cover_exactly_the_names_the_config_admits():
+    assert set(AFTER_WARMUP) == set(LR_SCHEDULES)
+    assert set(RAMPUP_LR_FACTORS) == set(RAMPUP_SCALINGS)
 
 
 # -- batch-size ramp-up ---------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from keel.config import ConfigError, ModelConfig
+from keel.config import INITS, NORMS, ConfigError, ModelConfig
 from keel.model import (
     CausalLM,
     FinalNorm,
@@ -23,6 +23,8 @@ from keel.model import (
     to_hf_state_dict,
     weight_decay_groups,
 )
+from keel.model.layers import NORM_CLASSES
+from keel.model.llama import TRUNCATED_BY_INIT
 
 SEQ = 16
 
@@ -273,3 +275,9 @@ def test_dropout_only_in_training():
 def test_build_rejects_bad_config(field, value):
     with pytest.raises(ConfigError, match=f"model.{field}|model.n_heads"):
         build_layers(dataclasses.replace(tiny(), **{field: value}))
+
+
+def test_name_tables_cover_exactly_the_names_the_config_admits():
+    """make_norm and init_weights index these by name; validate_model is what refuses any other name."""
+    assert set(NORM_CLASSES) == set(NORMS)
+    assert set(TRUNCATED_BY_INIT) == set(INITS)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from keel.config import ConfigError, ModelConfig
+from keel.config import ModelConfig
 from keel.parallel.tensor import ColumnParallelLinear, RowParallelLinear, TPContext, enter, exit, sum_grad_over_tp
 from keel.parallel.ulysses import SPContext, ulysses_attention
 
@@ -61,13 +61,14 @@ class LayerNorm(nn.Module):
         return F.layer_norm(x, (x.shape[-1],), weight, bias, self.eps)
 
 
+# The norm class by model.norm; keyed by exactly keel.config.NORMS (tested), which validate_model checks against.
+NORM_CLASSES: dict[str, type[RMSNorm] | type[LayerNorm]] = {"rmsnorm": RMSNorm, "layernorm": LayerNorm}
+
+
 def make_norm(cfg: ModelConfig, tp: TPContext = NO_TP) -> nn.Module:
-    """The norm named by `cfg.norm`: RMSNorm (Llama) or LayerNorm with bias."""
-    if cfg.norm == "rmsnorm":
-        return RMSNorm(cfg.dim, eps=cfg.norm_eps, tp=tp)
-    if cfg.norm == "layernorm":
-        return LayerNorm(cfg.dim, eps=cfg.norm_eps, tp=tp)
-    raise ConfigError(f"model.norm: expected rmsnorm or layernorm, got {cfg.norm!r}")
+    """The norm named by `cfg.norm`: RMSNorm (Llama) or LayerNorm with bias. `cfg` was validated (`build_layers`
+    runs `validate_model`; a pipeline's layer specs use the run's config, validated before launch)."""
+    return NORM_CLASSES[cfg.norm](cfg.dim, eps=cfg.norm_eps, tp=tp)
 
 
 class RotaryEmbedding(nn.Module):

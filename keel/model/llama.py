@@ -174,6 +174,10 @@ def _draw_(param: torch.Tensor, std: float, truncated: bool, generator: torch.Ge
     param.copy_(shard_of(values, param))
 
 
+# Whether model.init draws from the ±3σ truncated normal; keyed by exactly keel.config.INITS (tested).
+TRUNCATED_BY_INIT = {"normal": False, "truncated_normal": True}
+
+
 @torch.no_grad()
 def init_weights(layers: Iterable[nn.Module], cfg: ModelConfig, seed: int, first_index: int = 0) -> None:
     """Initialise `layers` deterministically and independently of how the full layer list is split.
@@ -188,9 +192,7 @@ def init_weights(layers: Iterable[nn.Module], cfg: ModelConfig, seed: int, first
     generator, which gives it the embedding's values. Each expert draws from a stream of its own keyed by its
     global id, so an expert-parallel rank reproduces exactly its experts.
     """
-    if cfg.init not in ("normal", "truncated_normal"):
-        raise ConfigError(f"model.init: expected normal or truncated_normal, got {cfg.init!r}")
-    truncated = cfg.init == "truncated_normal"
+    truncated = TRUNCATED_BY_INIT[cfg.init]  # cfg was validated: by build_layers, or as the run's config
     residual_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
     done: set[int] = set()  # a Parameter shared between layers is initialised once, by its first owner
     for offset, layer in enumerate(layers):

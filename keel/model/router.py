@@ -21,33 +21,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from keel.config import ConfigError, ModelConfig
+from keel.config import ModelConfig
 from keel.parallel.tensor import TPContext, sum_grad_over_tp
 from keel.parallel.ulysses import SPContext
-
-
-def validate_moe(m: ModelConfig) -> None:
-    """Raise a one-line ConfigError for an MoE setting that cannot work."""
-    if m.moe_experts == 0:
-        return
-    checks = [
-        (m.moe_experts >= 2, f"model.moe_experts: an MoE layer needs >= 2 experts, got {m.moe_experts}"),
-        (1 <= m.moe_top_k <= min(2, m.moe_experts), f"model.moe_top_k: expected 1 or 2, got {m.moe_top_k}"),
-        (1 <= m.moe_every <= m.n_layers, f"model.moe_every: expected 1..n_layers={m.n_layers}, got {m.moe_every}"),
-        (m.moe_ffn_hidden >= 0, f"model.moe_ffn_hidden: must be >= 0 (0: the dense width), got {m.moe_ffn_hidden}"),
-        (m.moe_scoring in ("softmax", "sigmoid"), f"model.moe_scoring: expected softmax or sigmoid, got "
-                                                  f"{m.moe_scoring!r}"),
-        (0.0 <= m.moe_jitter < 1.0, f"model.moe_jitter: expected a fraction in [0, 1), got {m.moe_jitter}"),
-        (m.moe_aux_loss >= 0 and m.moe_z_loss >= 0, "model.moe_aux_loss and model.moe_z_loss must be >= 0"),
-        (m.moe_capacity_factor >= 0, f"model.moe_capacity_factor: must be >= 0 (0: dropless), got "
-                                     f"{m.moe_capacity_factor}"),
-        (m.moe_drop_policy in ("probability", "position"),
-         f"model.moe_drop_policy: expected probability or position, got {m.moe_drop_policy!r}"),
-        (m.moe_bias_update >= 0, f"model.moe_bias_update: must be >= 0 (0: off), got {m.moe_bias_update}"),
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise ConfigError(message)
 
 
 def is_moe_block(cfg: ModelConfig, layer_id: int) -> bool:

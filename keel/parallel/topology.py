@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from keel.config import validate_world_size
+
 AXES = ("pp", "edp", "ep", "sp", "tp")
 
 
@@ -41,18 +43,15 @@ class GridShape:
         return {"pp": self.pp, "edp": self.edp, "ep": self.ep, "sp": self.sp, "tp": self.tp}
 
     def check(self) -> None:
-        """Raise ValueError with a one-line fix when the world does not factor into this grid."""
-        model_parallel = self.tp * self.pp * self.sp
-        if self.world_size % model_parallel:
-            raise ValueError(
-                f"parallel: world size {self.world_size} is not divisible by tp×pp×sp = {model_parallel}; "
-                "change the number of processes or the parallel sizes"
-            )
-        if self.dp % self.ep:
-            raise ValueError(
-                f"parallel.ep={self.ep} must divide the data-parallel size {self.dp} "
-                f"(world {self.world_size} / tp×pp×sp {model_parallel})"
-            )
+        """Raise ConfigError (a ValueError) naming the field when the world does not factor into this grid.
+
+        `keel.config.validate` checks the same rule before launch, for the world size the launch planned. This
+        one is the world the process group actually has, and some paths never validated a config for it:
+        `python -m keel.training.entry RUN_DIR` reads a run dir written for whatever world size it was prepared
+        for, and lr-find, tests and benchmarks call `from_env` with no config at all. So it runs here too, by
+        calling the config's rule rather than restating it.
+        """
+        validate_world_size(self.world_size, tp=self.tp, pp=self.pp, sp=self.sp, ep=self.ep)
 
     def coords(self, rank: int) -> dict[str, int]:
         coords = {}

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from keel.config import ConfigError, RunConfig
+from keel.config import ConfigError, RunConfig, validate_batch_split
 
 AUTO = "auto"
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
@@ -45,14 +45,13 @@ def precision(ds: dict[str, Any]) -> str:
 
 
 def gradient_accumulation(cfg: RunConfig, dp_size: int) -> int:
-    """Micro-batches per optimizer step on each data-parallel rank, so the global batch stays fixed."""
-    per_step = cfg.train.micro_batch_size * dp_size
-    if cfg.train.global_batch_size % per_step:
-        raise ConfigError(
-            f"train.global_batch_size={cfg.train.global_batch_size} must be a multiple of "
-            f"train.micro_batch_size×data-parallel size = {cfg.train.micro_batch_size}×{dp_size} = {per_step}"
-        )
-    return cfg.train.global_batch_size // per_step
+    """Micro-batches per optimizer step on each data-parallel rank, so the global batch stays fixed.
+
+    `dp_size` is the one the ranks have, which after a resize on resume is not the one `validate` saw: so the
+    config's batch-split rule runs again here for it.
+    """
+    validate_batch_split(cfg.train, dp_size)
+    return cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp_size)
 
 
 def _fill(ds: dict[str, Any], key: str, value: Any, source: str) -> None:

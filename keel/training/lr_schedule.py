@@ -14,10 +14,7 @@ from collections.abc import Callable
 import torch
 
 from keel.adapters.torch_internals import set_last_lr
-from keel.config import ConfigError, TrainConfig
-
-SCHEDULES = ("cosine", "linear", "constant", "inverse_sqrt", "wsd")
-RAMPUP_SCALINGS = ("linear", "sqrt", "none")
+from keel.config import TrainConfig, validate_schedule_choices
 
 
 # -- the LR shape ---------------------------------------------------------------------------------------------
@@ -40,26 +37,47 @@ def lr_multiplier(step: int, cfg: TrainConfig) -> float:
     """
     if cfg.warmup_steps > 0 and step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
-    floor = cfg.min_lr_ratio
-    if cfg.lr_schedule == "constant":
+    if cfg.lr_schedule not in AFTER_WARMUP:  # a TrainConfig that skipped validation: the config's own error
+        validate_schedule_choices(cfg)
+    return AFTER_WARMUP[cfg.lr_schedule](step, cfg)
+
+
+def _decay_to_floor(shape: float, cfg: TrainConfig) -> float:
+    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape
+
+
+def _progress_after_warmup(step: int, cfg: TrainConfig) -> float:
+    return min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
+
+
+def _cosine(step: int, cfg: TrainConfig) -> float:
+    return _decay_to_floor(0.5 * (1.0 + math.cos(math.pi * _progress_after_warmup(step, cfg))), cfg)
+
+
+def _linear(step: int, cfg: TrainConfig) -> float:
+    return _decay_to_floor(1.0 - _progress_after_warmup(step, cfg), cfg)
+
+
+def _constant(step: int, cfg: TrainConfig) -> float:
+    return 1.0
+
+
+def _inverse_sqrt(step: int, cfg: TrainConfig) -> float:
+    return max(cfg.min_lr_ratio, math.sqrt(max(1, cfg.warmup_steps) / (step + 1)))
+
+
+def _wsd(step: int, cfg: TrainConfig) -> float:
+    decay_start = max(cfg.warmup_steps, cfg.steps - round(cfg.decay_fraction * cfg.steps))
+    if step < decay_start:
         return 1.0
-    if cfg.lr_schedule == "inverse_sqrt":
-        return max(floor, math.sqrt(max(1, cfg.warmup_steps) / (step + 1)))
-    if cfg.lr_schedule == "wsd":
-        decay_start = max(cfg.warmup_steps, cfg.steps - round(cfg.decay_fraction * cfg.steps))
-        if step < decay_start:
-            return 1.0
-        progress = min(1.0, (step - decay_start) / max(1, cfg.steps - decay_start))
-        return floor + (1.0 - floor) * (1.0 - math.sqrt(progress))
-    decay_steps = max(1, cfg.steps - cfg.warmup_steps)
-    progress = min(1.0, (step - cfg.warmup_steps) / decay_steps)
-    if cfg.lr_schedule == "cosine":
-        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
-    elif cfg.lr_schedule == "linear":
-        shape = 1.0 - progress
-    else:
-        raise ValueError(f"train.lr_schedule={cfg.lr_schedule!r}: choose one of {', '.join(SCHEDULES)}")
-    return floor + (1.0 - floor) * shape
+    progress = min(1.0, (step - decay_start) / max(1, cfg.steps - decay_start))
+    return _decay_to_floor(1.0 - math.sqrt(progress), cfg)
+
+
+# The multiplier after warmup, by train.lr_schedule; keyed by exactly keel.config.LR_SCHEDULES (tested).
+AFTER_WARMUP: dict[str, Callable[[int, TrainConfig], float]] = {
+    "cosine": _cosine, "linear": _linear, "constant": _constant, "inverse_sqrt": _inverse_sqrt, "wsd": _wsd,
+}
 
 
 # -- batch-size ramp-up ---------------------------------------------------------------------------------------
@@ -115,14 +133,15 @@ def rampup_lr_factor(step: int, cfg: TrainConfig, dp: int = 1) -> float:
     A smaller batch has noisier gradients, so the peak LR tuned for the full batch is too high for it; linear is
     the SGD scaling rule, sqrt the usual one for Adam.
     """
-    ratio = rampup_batch_size(step, cfg, dp) / cfg.global_batch_size
-    if cfg.rampup_lr_scaling == "linear":
-        return ratio
-    if cfg.rampup_lr_scaling == "sqrt":
-        return math.sqrt(ratio)
-    if cfg.rampup_lr_scaling == "none":
-        return 1.0
-    raise ValueError(f"train.rampup_lr_scaling={cfg.rampup_lr_scaling!r}: choose one of {', '.join(RAMPUP_SCALINGS)}")
+    if cfg.rampup_lr_scaling not in RAMPUP_LR_FACTORS:  # a TrainConfig that skipped validation
+        validate_schedule_choices(cfg)
+    return RAMPUP_LR_FACTORS[cfg.rampup_lr_scaling](rampup_batch_size(step, cfg, dp) / cfg.global_batch_size)
+
+
+# batch / global batch → LR factor, by train.rampup_lr_scaling; keyed by exactly keel.config.RAMPUP_SCALINGS.
+RAMPUP_LR_FACTORS: dict[str, Callable[[float], float]] = {
+    "linear": lambda ratio: ratio, "sqrt": math.sqrt, "none": lambda ratio: 1.0,
+}
 
 
 # -- the scheduler DeepSpeed steps ----------------------------------------------------------------------------
@@ -151,33 +170,3 @@ def refresh_lr(scheduler: torch.optim.lr_scheduler.LambdaLR) -> list[float]:
         group["lr"] = lr
     set_last_lr(scheduler, lrs)
     return lrs
-
-
-# -- checks for config.validate -------------------------------------------------------------------------------
-def validate_schedule(t: TrainConfig, dp: int) -> None:
-    """Schedule and ramp-up fields, checked before launch; raises ConfigError with one line naming the field."""
-
-    def require(ok: bool, message: str) -> None:
-        if not ok:
-            raise ConfigError(message)
-
-    require(t.lr_schedule in SCHEDULES,
-            f"train.lr_schedule: expected one of {', '.join(SCHEDULES)}, got {t.lr_schedule!r}")
-    require(0.0 < t.decay_fraction <= 1.0,
-            f"train.decay_fraction: expected a fraction in (0, 1], got {t.decay_fraction}")
-    require(t.rampup_lr_scaling in RAMPUP_SCALINGS,
-            f"train.rampup_lr_scaling: expected one of {', '.join(RAMPUP_SCALINGS)}, got {t.rampup_lr_scaling!r}")
-    require(t.rampup_start_batch >= 0, f"train.rampup_start_batch: must be >= 0 (0: no ramp-up), got "
-            f"{t.rampup_start_batch}")
-    require(t.rampup_steps >= 0, f"train.rampup_steps: must be >= 0, got {t.rampup_steps}")
-    if not rampup_enabled(t):
-        return
-    unit = t.micro_batch_size * dp
-    require(t.rampup_start_batch < t.global_batch_size,
-            f"train.rampup_start_batch={t.rampup_start_batch} must be smaller than "
-            f"train.global_batch_size={t.global_batch_size}")
-    require(t.rampup_start_batch % unit == 0,
-            f"train.rampup_start_batch={t.rampup_start_batch} must be a multiple of train.micro_batch_size×dp = "
-            f"{t.micro_batch_size}×{dp} = {unit}")
-    require(t.rampup_steps >= 1,
-            f"train.rampup_steps: must be >= 1 when train.rampup_start_batch > 0, got {t.rampup_steps}")

@@ -1,7 +1,9 @@
-"""Run configuration: one YAML file mapped onto validated dataclasses.
+"""What a run configuration is: its dataclasses, the values its choice fields admit, and YAML loading.
 
-Everything a run needs is checked here, before any rank starts, so a mistake costs seconds rather than a
-queued job. Every error is a `ConfigError` whose message names the field and what to change.
+Only shape and type live here (an unknown key, a string where an integer belongs); whether the values make sense
+together is `keel.config.validate`'s job. The allowed-value tuples are the single list of names: the rules check
+against them, and domain modules that dispatch on a name (the norm, the LR schedule) key their tables by them.
+Nothing here imports the rest of keel, so every module can import the config without a cycle.
 """
 
 from __future__ import annotations
@@ -17,6 +19,17 @@ import yaml
 
 class ConfigError(ValueError):
     """A user-facing configuration mistake; the message is one line naming the field."""
+
+
+# -- the values each choice field admits ------------------------------------------------------------------------
+NORMS = ("rmsnorm", "layernorm")
+INITS = ("normal", "truncated_normal")
+MOE_SCORINGS = ("softmax", "sigmoid")
+MOE_DROP_POLICIES = ("probability", "position")
+LR_SCHEDULES = ("cosine", "linear", "constant", "inverse_sqrt", "wsd")
+RAMPUP_SCALINGS = ("linear", "sqrt", "none")
+PIPELINE_PARTITIONS = ("parameters", "uniform")  # or "type:<LayerClass>"
+PARALLEL_AXES = ("tp", "pp", "ep", "sp")
 
 
 @dataclass
@@ -261,6 +274,7 @@ def _build_section(section: str, cls: type, values: Any) -> Any:
 
 
 def build_config(raw: dict[str, Any] | None) -> RunConfig:
+    """A RunConfig from a parsed YAML mapping; unknown sections/keys and mistyped values are ConfigErrors."""
     raw = raw or {}
     if not isinstance(raw, dict):
         raise ConfigError("config: the YAML file must be a mapping of sections (model, data, train, ...)")
@@ -287,6 +301,7 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
 
 
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Read `path` (None: all defaults), apply `section.key=value` overrides, build the dataclasses; not validated."""
     raw: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
@@ -299,83 +314,3 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         if not isinstance(raw, dict):
             raise ConfigError(f"config: {path} must be a mapping of sections (model, data, train, ...)")
     return build_config(apply_overrides(raw, list(overrides)))
-
-
-# -- consistency checks, run before any rank starts -------------------------------------------------------------
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
-
-
-def validate_model(m: ModelConfig) -> None:
-    _require(m.vocab_size >= 0, f"model.vocab_size: must be >= 0 (0 takes the tokenizer's), got {m.vocab_size}")
-    _require(m.dim > 0 and m.n_layers > 0, "model.dim and model.n_layers must be positive")
-    _require(m.n_heads > 0 and m.dim % m.n_heads == 0, f"model.n_heads: {m.n_heads} does not divide model.dim {m.dim}")
-    _require(m.n_kv_heads > 0 and m.n_heads % m.n_kv_heads == 0,
-             f"model.n_kv_heads: {m.n_kv_heads} must divide model.n_heads {m.n_heads}")
-    _require(m.head_dim % 2 == 0, f"model.dim: head_dim = dim / n_heads = {m.head_dim} must be even for RoPE")
-    _require(m.norm in ("rmsnorm", "layernorm"), f"model.norm: expected rmsnorm or layernorm, got {m.norm!r}")
-    _require(m.init in ("normal", "truncated_normal"),
-             f"model.init: expected normal or truncated_normal, got {m.init!r}")
-    _require(0.0 <= m.dropout < 1.0, f"model.dropout: expected a probability in [0, 1), got {m.dropout}")
-    _require(m.vocab_pad_multiple >= 1, f"model.vocab_pad_multiple: must be >= 1, got {m.vocab_pad_multiple}")
-    _require(m.init_std > 0, f"model.init_std: must be positive, got {m.init_std}")
-    _require(m.norm_eps > 0 and m.rope_theta > 0, "model.norm_eps and model.rope_theta must be positive")
-    from keel.model.router import validate_moe  # the MoE router's module owns its rules
-
-    validate_moe(m)
-
-
-def validate(cfg: RunConfig, world_size: int) -> None:
-    """Everything that can be checked without data or DeepSpeed; the DeepSpeed JSON is checked against it later."""
-    validate_model(cfg.model)
-    d, t, p, c = cfg.data, cfg.train, cfg.parallel, cfg.checkpoint
-    _require(d.seq_len > 0, f"data.seq_len: must be positive, got {d.seq_len}")
-    _require(0.0 < d.val_fraction < 0.5, f"data.val_fraction: expected a fraction in (0, 0.5), got {d.val_fraction}")
-    _require(d.tokenizer_vocab_size >= 300,
-             f"data.tokenizer_vocab_size: {d.tokenizer_vocab_size} is too small (byte fallback needs >= 300)")
-    _require(len(d.corpus) > 0, "data.corpus: give at least one file, glob, or 'default'")
-    _require(t.steps > 0, f"train.steps: must be positive, got {t.steps}")
-    _require(t.exit_after >= 0, f"train.exit_after: must be >= 0 (0 disables), got {t.exit_after}")
-    _require(t.micro_batch_size > 0, f"train.micro_batch_size: must be positive, got {t.micro_batch_size}")
-    _require(t.global_batch_size > 0, f"train.global_batch_size: must be positive, got {t.global_batch_size}")
-    _require(t.lr > 0, f"train.lr: must be positive, got {t.lr}")
-    _require(0.0 <= t.label_smoothing < 1.0 and t.z_loss >= 0,
-             "train.label_smoothing must lie in [0, 1) and train.z_loss be >= 0")
-    _require(0.0 <= t.min_lr_ratio <= 1.0, f"train.min_lr_ratio: expected a ratio in [0, 1], got {t.min_lr_ratio}")
-    _require(0 <= t.warmup_steps <= t.steps,
-             f"train.warmup_steps: {t.warmup_steps} must lie in [0, train.steps={t.steps}]")
-    _require(t.lr_schedule in ("cosine", "linear", "constant", "inverse_sqrt", "wsd"),
-             f"train.lr_schedule: expected cosine, linear, constant, inverse_sqrt or wsd, got {t.lr_schedule!r}")
-    _require(all(0.0 <= b < 1.0 for b in t.betas), f"train.betas: each must lie in [0, 1), got {list(t.betas)}")
-    _require(t.eps > 0 and t.weight_decay >= 0 and t.grad_clip >= 0,
-             "train.eps must be positive; train.weight_decay and train.grad_clip must be >= 0")
-    _require(t.eval_interval >= 0 and t.eval_batches > 0,
-             "train.eval_interval must be >= 0 (0 disables) and train.eval_batches positive")
-    _require(c.interval >= 0, f"checkpoint.interval: must be >= 0 (0: only at the end), got {c.interval}")
-    _require(c.keep_last >= 1, f"checkpoint.keep_last: must keep at least 1, got {c.keep_last}")
-    for name in ("tp", "pp", "ep", "sp"):
-        size = getattr(p, name)
-        _require(size >= 1, f"parallel.{name}: must be >= 1, got {size}")
-    from keel.parallel.layout import validate_layout  # the parallel package owns its layout rules
-
-    validate_layout(cfg)
-    _require(t.activation_checkpoint_interval >= 0,
-             f"train.activation_checkpoint_interval: must be >= 0 (0 disables), got {t.activation_checkpoint_interval}")
-    _require(p.pipeline_partition in ("parameters", "uniform") or p.pipeline_partition.startswith("type:"),
-             f"parallel.pipeline_partition: expected parameters, uniform or type:<LayerClass>, "
-             f"got {p.pipeline_partition!r}")
-    _require(p.pp <= cfg.model.n_layers + 3,
-             f"parallel.pp={p.pp}: more pipeline stages than the {cfg.model.n_layers + 3} layers to split")
-    _require(world_size >= 1, f"world size must be >= 1, got {world_size}")
-    dp = world_size // (p.tp * p.pp * p.sp)
-    _require(world_size % (p.tp * p.pp * p.sp) == 0,
-             f"parallel: world size {world_size} is not divisible by tp×pp×sp = {p.tp * p.pp * p.sp}")
-    _require(dp % p.ep == 0, f"parallel.ep={p.ep} must divide the data-parallel size {dp} "
-                             f"(world size {world_size} / tp×pp×sp {p.tp * p.pp * p.sp})")
-    _require(t.global_batch_size % (t.micro_batch_size * dp) == 0,
-             f"train.global_batch_size={t.global_batch_size} must be a multiple of train.micro_batch_size×dp = "
-             f"{t.micro_batch_size}×{dp} = {t.micro_batch_size * dp}")
-    from keel.training.lr_schedule import validate_schedule  # the schedule's own module owns its rules
-
-    validate_schedule(t, dp)
