@@ -278,16 +278,17 @@ CASES = (
 
 # -- running ----------------------------------------------------------------------------------------------------
 
-def _worker(rank: int, case_index: int, port: int, shape: Shape, results) -> None:
+def _worker(rank: int, case_indices: list[int], port: int, shape: Shape, results) -> None:
+    """Every case of one world size in turn, in one gloo world: the start-up (imports, rendezvous) is paid once."""
     torch.set_num_threads(1)  # one core per rank
-    case = CASES[case_index]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=case.world)
+    dist.init_process_group("gloo", rank=rank, world_size=CASES[case_indices[0]].world)
     import deepspeed  # Ulysses attention communicates through deepspeed.comm, which must know the group
 
     deepspeed.init_distributed("gloo", auto_mpi_discovery=False, verbose=False)
     try:
-        results.put((rank, case.step(shape)))
+        for index in case_indices:
+            results.put((index, rank, CASES[index].step(shape)))
     finally:
         dist.destroy_process_group()
 
@@ -309,15 +310,30 @@ class Result:
 
 def measure(case: Case, shape: Shape) -> Result:
     """Run `case` in `case.world` fresh gloo processes; every rank must issue the same collectives."""
+    return measure_all([case], shape)[0]
+
+
+def measure_all(cases: list[Case] | tuple[Case, ...], shape: Shape) -> list[Result]:
+    """Run `cases` (one world size) in one world of fresh gloo processes, one after another."""
+    world = cases[0].world
+    if any(case.world != world for case in cases):
+        raise ValueError("measure_all: the cases must share one world size")
     ctx = mp.get_context("forkserver")
     # Import torch and keel once in the server, not once per rank. Named explicitly: up to Python 3.12 the
     # forkserver never preloads "__main__" (the bench run as a script), and re-running it in a child is cheap
     # only once its imports are cached.
     ctx.set_forkserver_preload(["keel.model", "keel.parallel.topology", __name__])
     results = ctx.SimpleQueue()
-    mp.start_processes(_worker, args=(CASES.index(case), free_port(), shape, results), nprocs=case.world,
-                       start_method="forkserver")
-    per_rank = dict(results.get() for _ in range(case.world))
+    indices = [CASES.index(case) for case in cases]
+    mp.start_processes(_worker, args=(indices, free_port(), shape, results), nprocs=world, start_method="forkserver")
+    per_case: dict[int, dict[int, object]] = {index: {} for index in indices}
+    for _ in range(world * len(cases)):
+        index, rank, got = results.get()
+        per_case[index][rank] = got
+    return [_result(CASES[index], per_case[index], shape) for index in indices]
+
+
+def _result(case: Case, per_rank: dict, shape: Shape) -> Result:
     if case.analytic is None:  # the step judged its own routing: report rank 0's calls against rank 0's minimum
         calls, analytic = per_rank[0]
         return Result(case, tuple(calls), analytic)
@@ -363,7 +379,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"one step (forward + backward, fp32) of CausalLM: b={shape.batch} s={shape.seq_len} h={shape.dim} "
           f"L={shape.n_layers} heads={shape.n_heads} kv_heads={shape.n_kv_heads} vocab={shape.vocab}; "
           "per-rank bytes by ring costs (all-reduce 2(t-1)/t, all-gather / reduce-scatter (t-1)/t)")
-    ok = [report(measure(case, shape), shape) for case in CASES]
+    worlds = sorted({case.world for case in CASES})
+    results = [r for w in worlds for r in measure_all([c for c in CASES if c.world == w], shape)]
+    ok = [report(result, shape) for result in results]
     return 0 if all(ok) else 1
 
 

@@ -7,7 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.keel_runs import RunCache
+from tests.keel_runs import Run, RunCache
+
+DECLARED_RUNS = pytest.StashKey[list[Run]]()
+RUN_CACHE = pytest.StashKey[RunCache]()
 
 
 def pytest_addoption(parser):
@@ -15,12 +18,26 @@ def pytest_addoption(parser):
 
 
 def pytest_collection_modifyitems(config, items):
-    if config.getoption("--slow"):
+    if not config.getoption("--slow"):
+        skip = pytest.mark.skip(reason="multi-process test: run with --slow")
+        for item in items:
+            if "slow" in item.keywords:
+                item.add_marker(skip)
+    # the runs the selected tests' modules declare train in shared launches (tests/keel_runs.py)
+    modules = {item.module for item in items if item.get_closest_marker("skip") is None}
+    config.stash[DECLARED_RUNS] = [run for module in modules for run in getattr(module, "KEEL_RUNS", [])]
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    cache = config.stash.get(RUN_CACHE, None)
+    if cache is None or not cache.launches:
         return
-    skip = pytest.mark.skip(reason="multi-process test: run with --slow")
-    for item in items:
-        if "slow" in item.keywords:
-            item.add_marker(skip)
+    terminalreporter.write_line(f"keel runs: {sum(len(n) for _, n in cache.launches)} runs in "
+                                f"{len(cache.launches)} launches "
+                                f"({', '.join(f'{w} ranks × {len(n)}' for w, n in cache.launches)})")
+    if cache.undeclared:
+        terminalreporter.write_line(f"keel runs not declared in KEEL_RUNS (each got a launch of its own): "
+                                    f"{cache.undeclared}")
 
 
 @pytest.fixture(scope="session")
@@ -31,5 +48,8 @@ def small_corpus() -> list[str]:
 
 
 @pytest.fixture(scope="session")
-def runs(tmp_path_factory, small_corpus) -> RunCache:
-    return RunCache(tmp_path_factory.mktemp("runs"), tmp_path_factory.mktemp("data_cache"), small_corpus)
+def runs(request, tmp_path_factory, small_corpus) -> RunCache:
+    cache = RunCache(tmp_path_factory.mktemp("runs"), tmp_path_factory.mktemp("data_cache"), small_corpus)
+    cache.declare(request.config.stash.get(DECLARED_RUNS, []))
+    request.config.stash[RUN_CACHE] = cache
+    return cache

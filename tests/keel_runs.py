@@ -1,10 +1,19 @@
-"""Run real `keel train` jobs (real processes, gloo) on a tiny model and read back what they wrote."""
+"""Run real `keel train` jobs (real processes, gloo) on a tiny model and read back what they wrote.
+
+Starting a world is the expensive part on 2 cores (every rank imports torch and DeepSpeed, rendezvous, gloo
+connections), so runs share launches: test modules declare the runs they read (`KEEL_RUNS`, a list of `Run`);
+the first time a test asks for one, every declared run of that world size not yet done trains in the same launch,
+one after another (`keel.training.entry.run_sequence`), and later requests find it done. A run nobody declared
+still works — it just gets a launch of its own. A `Run` with `resume_at` trains in two invocations in the same
+run dir: up to that step (`train.exit_after`), then on from its checkpoint to the end.
+"""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +38,7 @@ TINY = {
     "logging.log_interval": 5,
 }
 REPO = Path(__file__).resolve().parent.parent
+ZERO0 = "ds_configs/zero0.json"
 
 
 def tiny_overrides(corpus: list[str], cache_dir: Path, **changes: Any) -> list[str]:
@@ -37,15 +47,19 @@ def tiny_overrides(corpus: list[str], cache_dir: Path, **changes: Any) -> list[s
     return [f"{k}={v}" for k, v in values.items()]
 
 
-def keel_train(run_dir: Path, nproc: int, overrides: list[str], ds_config: str = "ds_configs/zero0.json",
+def keel_train(run_dir: Path, nproc: int, overrides: list[str], ds_config: str = ZERO0,
                timeout: int = 600, expect_code: int = 0) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "keel.launcher.cli", "train", "--nproc", str(nproc), "--run-dir", str(run_dir),
            "--ds-config", str(REPO / ds_config)]
     for item in overrides:
         cmd += ["--set", item]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    return _checked(subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO), expect_code,
+                    "keel train")
+
+
+def _checked(proc: subprocess.CompletedProcess, expect_code: int, what: str) -> subprocess.CompletedProcess:
     if proc.returncode != expect_code:
-        raise AssertionError(f"keel train exited {proc.returncode}, expected {expect_code}:\n"
+        raise AssertionError(f"{what} exited {proc.returncode}, expected {expect_code}:\n"
                              f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     return proc
 
@@ -61,20 +75,90 @@ def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return state["module"]
 
 
+@dataclass(frozen=True)
+class Run:
+    """One tiny `keel train` run: world size, DeepSpeed JSON, and the `--set` changes to TINY (`a__b=v`)."""
+
+    name: str
+    nproc: int
+    ds_config: str = ZERO0
+    changes: tuple[tuple[str, str], ...] = ()
+    resume_at: int = 0  # > 0: stop with a checkpoint after this many steps, then resume to the end
+    ds_patch: str = ""  # JSON merged into the DeepSpeed config's sections (e.g. {"fp16": {...}})
+
+    @staticmethod
+    def of(name: str, nproc: int, ds_config: str = ZERO0, resume_at: int = 0, ds_patch: dict | None = None,
+           **changes: Any) -> Run:
+        text = {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in changes.items()}
+        patch = json.dumps(ds_patch, sort_keys=True) if ds_patch else ""
+        return Run(name, nproc, ds_config, tuple(sorted(text.items())), resume_at, patch)
+
+    @property
+    def key(self) -> tuple:
+        """What makes two runs the same run (the name is only a label for its directory)."""
+        return self.nproc, self.ds_config, self.changes, self.resume_at, self.ds_patch
+
+    def ds_config_file(self, run_dir: Path) -> Path:
+        """The DeepSpeed JSON to train with: the named one, or a patched copy beside the run dir."""
+        path = REPO / self.ds_config
+        if not self.ds_patch:
+            return path
+        ds = json.loads(path.read_text())
+        for section, values in json.loads(self.ds_patch).items():
+            ds[section] = {**ds.get(section, {}), **values} if isinstance(values, dict) else values
+        patched = run_dir.with_name(run_dir.name + ".ds_config.json")
+        patched.write_text(json.dumps(ds, indent=2))
+        return patched
+
+
 class RunCache:
-    """Memoizes runs by their arguments so several tests can compare against one reference run."""
+    """Trains declared runs in shared launches (see the module docstring) and memoizes them by configuration."""
 
     def __init__(self, root: Path, cache_dir: Path, corpus: list[str]):
         self.root, self.cache_dir, self.corpus = root, cache_dir, corpus
-        self._done: dict[str, Path] = {}
+        self._done: dict[tuple, Path] = {}
+        self._declared: dict[tuple, Run] = {}
+        self.launches: list[tuple[int, list[str]]] = []  # (world size, run names) per launch, for the summary
+        self.undeclared: list[str] = []
 
-    def get(self, name: str, nproc: int, ds_config: str = "ds_configs/zero0.json", **changes: Any) -> Path:
-        key = json.dumps([name, nproc, ds_config, sorted(changes.items())], default=str)
-        if key not in self._done:
-            run_dir = self.root / f"{name}-{len(self._done)}"
-            keel_train(run_dir, nproc, self.overrides(**changes), ds_config)
-            self._done[key] = run_dir
-        return self._done[key]
+    def declare(self, runs: list[Run]) -> None:
+        for run in runs:
+            self._declared.setdefault(run.key, run)
+
+    def get(self, name: str, nproc: int, ds_config: str = ZERO0, resume_at: int = 0, ds_patch: dict | None = None,
+            **changes: Any) -> Path:
+        return self.run(Run.of(name, nproc, ds_config, resume_at, ds_patch, **changes))
+
+    def run(self, wanted: Run) -> Path:
+        if wanted.key not in self._done:
+            if wanted.key not in self._declared:
+                self.undeclared.append(wanted.name)
+            batch = [wanted] + [r for k, r in self._declared.items()
+                                if r.nproc == wanted.nproc and k not in self._done and k != wanted.key]
+            self._launch(batch)
+        return self._done[wanted.key]
 
     def overrides(self, **changes: Any) -> list[str]:
         return tiny_overrides(self.corpus, self.cache_dir, **changes)
+
+    def _launch(self, batch: list[Run]) -> None:
+        from keel.launcher.run_dir import build_run, prepare_data, write_run_dir
+
+        dirs = []
+        for run in batch:
+            run_dir = self.root / f"{run.name}-{len(self._done) + len(dirs)}"
+            changes = dict(run.changes) | ({"train.exit_after": run.resume_at} if run.resume_at else {})
+            self.root.mkdir(parents=True, exist_ok=True)
+            spec = build_run(None, self.overrides(**changes), str(run.ds_config_file(run_dir)), str(run_dir),
+                             run.nproc)
+            prepare_data(spec)
+            write_run_dir(spec)
+            dirs += [run_dir, run_dir] if run.resume_at else [run_dir]
+        code = (f"import sys; from keel.launcher.local import launch_local; "
+                f"sys.exit(launch_local([__import__('pathlib').Path(d) for d in sys.argv[1:]], {batch[0].nproc}))")
+        proc = subprocess.run([sys.executable, "-c", code, *map(str, dirs)], capture_output=True, text=True,
+                              timeout=1200, cwd=REPO)
+        _checked(proc, 0, f"{batch[0].nproc}-rank launch of {[r.name for r in batch]}")
+        self.launches.append((batch[0].nproc, [r.name for r in batch]))
+        for run, run_dir in zip(batch, dict.fromkeys(dirs)):
+            self._done[run.key] = run_dir

@@ -10,8 +10,10 @@ import pytest
 from keel.config import ConfigError
 from keel.launcher.deepspeed_launcher import deepspeed_command, hostfile_slots
 from keel.training.metrics import read_metrics
-from tests.keel_runs import REPO
+from tests.keel_runs import REPO, Run
 from tests.test_train_equivalence import assert_close
+
+KEEL_RUNS = [Run.of("zero0", 2)]
 
 
 def test_hostfile_parsing_and_command(tmp_path):

@@ -19,12 +19,13 @@ import pytest
 import torch
 
 from keel.training.metrics import read_metrics
-from tests.keel_runs import REPO
+from tests.keel_runs import REPO, Run
 from tests.netns import RDZV_PORT, NetnsUnavailable, TwoNodes, node_env, torchrun_cmd
 
 pytestmark = pytest.mark.slow
 
 STEPS, INTERVAL, KILL_AT = 40, 5, 12
+KEEL_RUNS = [Run.of("elastic-ref", 2, "ds_configs/zero1.json", train__steps=STEPS, checkpoint__interval=INTERVAL)]
 
 
 def _tail(path, n: int = 6000) -> str:

@@ -8,9 +8,10 @@ import sys
 import pytest
 
 from keel.training.metrics import FIELDS, read_metrics
-from tests.keel_runs import REPO
+from tests.keel_runs import REPO, Run
 
 pytestmark = pytest.mark.slow
+KEEL_RUNS = [Run.of("zero0", 2)]
 
 
 def test_default_run_learns(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import importlib.util
 import math
 import re
 import subprocess
@@ -270,6 +271,16 @@ def test_lr_find_rejects_bad_arguments_before_any_work(argv, field):
     args = build_parser().parse_args(["lr-find", *argv])
     with pytest.raises(ConfigError, match=field):
         cmd_lr_find(args)
+
+
+def test_lr_find_without_matplotlib_says_what_to_install_before_any_work(monkeypatch, tmp_path):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib"
+                        else real_find_spec(name, *a))
+    args = build_parser().parse_args(["lr-find", "--out", str(tmp_path / "out")])
+    with pytest.raises(ConfigError, match=r"pip install 'keel\[plot\]'") as info:
+        cmd_lr_find(args)
+    assert "\n" not in str(info.value) and not (tmp_path / "out").exists()
 
 
 # -- `keel lr-find` end to end ------------------------------------------------------------------------------------

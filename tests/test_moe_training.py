@@ -7,13 +7,41 @@ import torch
 
 from keel.training.guards.base import read_anomalies
 from keel.training.metrics import read_metrics
-from tests.keel_runs import keel_train
+from tests.keel_runs import Run
 from tests.test_train_equivalence import assert_close
 
 pytestmark = pytest.mark.slow
 
 # checksums every 5 steps: expert parameters differ across ep ranks, and must not be mistaken for a bit flip
 MOE = dict(model__moe_experts=4, stability__expert_interval=5, stability__checksum_interval=5)
+FOUR_D = dict(MOE, parallel__tp=2, parallel__pp=2, parallel__ep=2, parallel__sequence_parallel="true")
+EP2_BIAS = {**MOE, "parallel__ep": 2, "model__moe_bias_update": 0.01}
+ROUTING = [(1, 0.0, "probability"), (1, 1.0, "probability"), (2, 0.0, "probability"), (2, 1.0, "position")]
+BALANCING = {**MOE, "train__steps": 50, "model__moe_top_k": 1, "model__moe_z_loss": 0.0,
+             "stability__expert_interval": 10}
+STARVED = {**MOE, "stability__expert_interval": 2, "faults__starve_expert": 2, "stability__expert_collapse_checks": 3}
+
+
+def _routing(top_k: int, capacity: float, policy: str) -> dict:
+    return dict(MOE, model__moe_top_k=top_k, model__moe_capacity_factor=capacity, model__moe_drop_policy=policy)
+
+
+KEEL_RUNS = [Run.of("moe-single", 1, **MOE), Run.of("dense-single", 1), Run.of("sp2", 2, parallel__sp=2),
+             Run.of("ep2pp2", 4, "ds_configs/zero1.json", parallel__ep=2, parallel__pp=2, **MOE),
+             Run.of("tp2sp2ep2", 8, "ds_configs/zero2.json", parallel__tp=2, parallel__sequence_parallel="true",
+                    parallel__sp=2, parallel__ep=2, **MOE),
+             Run.of("4d", 8, "ds_configs/zero1.json", **FOUR_D),
+             Run.of("4d-resumed", 8, "ds_configs/zero1.json", resume_at=5, **FOUR_D),
+             Run.of("ep2-zero1-bias", 2, "ds_configs/zero1.json", **EP2_BIAS),
+             Run.of("ep2-zero1-bias-resumed", 2, "ds_configs/zero1.json", resume_at=5, **EP2_BIAS),
+             Run.of("starved", 1, **STARVED), Run.of("aux-on", 1, **BALANCING, model__moe_aux_loss=0.1),
+             Run.of("aux-off", 1, **BALANCING, model__moe_aux_loss=0.0),
+             Run.of("bias-on", 1, **BALANCING, model__moe_aux_loss=0.0, model__moe_bias_update=0.01)]
+KEEL_RUNS += [Run.of(f"ep{ep}-k{k}-c{c}", 2, **({"parallel__ep": 2} if ep == 2 else {}), **_routing(k, c, policy))
+              for k, c, policy in ROUTING for ep in (1, 2)]
+KEEL_RUNS += [Run.of(f"ep2dp2-zero{zero}", 4, f"ds_configs/zero{zero}.json", parallel__ep=2, **MOE) for zero in (1, 2)]
+KEEL_RUNS += [Run.of(f"sp2tp2-{sp}", 4, "ds_configs/zero1.json", parallel__sp=2, parallel__tp=2,
+                     parallel__sequence_parallel=sp) for sp in ("false", "true")]
 
 
 def column(run_dir, key):
@@ -36,10 +64,9 @@ def assert_same_health(a: list[dict], b: list[dict]) -> None:
                 assert x[key] == pytest.approx(y[key], rel=1e-6), (layer, key)
 
 
-@pytest.mark.parametrize("top_k,capacity,policy", [(1, 0.0, "probability"), (1, 1.0, "probability"),
-                                                   (2, 0.0, "probability"), (2, 1.0, "position")])
+@pytest.mark.parametrize("top_k,capacity,policy", ROUTING)
 def test_ep2_matches_ep1(runs, top_k, capacity, policy):
-    sets = dict(MOE, model__moe_top_k=top_k, model__moe_capacity_factor=capacity, model__moe_drop_policy=policy)
+    sets = _routing(top_k, capacity, policy)
     reference = runs.get(f"ep1-k{top_k}-c{capacity}", 2, **sets)
     sharded = runs.get(f"ep2-k{top_k}-c{capacity}", 2, parallel__ep=2, **sets)
     assert_close(column(sharded, "loss"), column(reference, "loss"), 1e-5)
@@ -111,18 +138,15 @@ def _model_states(run_dir) -> dict[str, torch.Tensor]:
     return out
 
 
-def test_4d_tp2_pp2_ep2_trains_resumes_and_matches_single_process(runs, tmp_path):
+def test_4d_tp2_pp2_ep2_trains_resumes_and_matches_single_process(runs):
     """8 ranks: tp=2 × pp=2 × dp=2 with the experts split over ep=2 (edp=1)."""
-    sets = dict(MOE, parallel__tp=2, parallel__pp=2, parallel__ep=2, parallel__sequence_parallel="true")
     reference = runs.get("moe-single", 1, **MOE)
-    straight = runs.get("4d", 8, "ds_configs/zero1.json", **sets)
+    straight = runs.get("4d", 8, "ds_configs/zero1.json", **FOUR_D)
     assert_close(column(straight, "loss"), column(reference, "loss"), 1e-5)
     assert_close(column(straight, "grad_norm"), column(reference, "grad_norm"), 1e-5)
     assert column(straight, "loss")[-1] < column(straight, "loss")[0] - 0.5
 
-    resumed = tmp_path / "resumed"
-    keel_train(resumed, 8, runs.overrides(**sets, train__exit_after=5), "ds_configs/zero1.json")
-    keel_train(resumed, 8, runs.overrides(**sets), "ds_configs/zero1.json")
+    resumed = runs.get("4d-resumed", 8, "ds_configs/zero1.json", resume_at=5, **FOUR_D)
     assert column(resumed, "loss") == column(straight, "loss")
     assert_same_health(health(resumed)[-1:], health(straight)[-1:])
     a, b = _model_states(resumed), _model_states(straight)
@@ -131,13 +155,10 @@ def test_4d_tp2_pp2_ep2_trains_resumes_and_matches_single_process(runs, tmp_path
         assert torch.equal(a[key], b[key]), key
 
 
-def test_ep2_zero1_resume_is_exact(runs, tmp_path):
+def test_ep2_zero1_resume_is_exact(runs):
     """Per-expert checkpoint files, expert optimizer partitions and the balancing bias all come back."""
-    sets = {**MOE, "parallel__ep": 2, "model__moe_bias_update": 0.01}
-    straight = runs.get("ep2-zero1-bias", 2, "ds_configs/zero1.json", **sets)
-    resumed = tmp_path / "resumed"
-    keel_train(resumed, 2, runs.overrides(**sets, train__exit_after=5), "ds_configs/zero1.json")
-    keel_train(resumed, 2, runs.overrides(**sets), "ds_configs/zero1.json")
+    straight = runs.get("ep2-zero1-bias", 2, "ds_configs/zero1.json", **EP2_BIAS)
+    resumed = runs.get("ep2-zero1-bias-resumed", 2, "ds_configs/zero1.json", resume_at=5, **EP2_BIAS)
     assert column(resumed, "loss") == column(straight, "loss")
     a, b = _model_states(resumed), _model_states(straight)
     assert a.keys() == b.keys() and any("expert" in key for key in a)
@@ -148,8 +169,7 @@ def test_ep2_zero1_resume_is_exact(runs, tmp_path):
 
 
 def test_starved_expert_raises_collapse_warning(runs):
-    run = runs.get("starved", 1, **{**MOE, "stability__expert_interval": 2}, faults__starve_expert=2,
-                   stability__expert_collapse_checks=3)
+    run = runs.get("starved", 1, **STARVED)
     events = [e for e in read_anomalies(run) if e["kind"] == "expert_collapse"]
     assert {(e["layer"], e["expert"]) for e in events} == {(0, 2), (1, 2)}
     assert all(e["step"] == 6 and e["share"] == 0.0 for e in events)  # the third check, at step 6
@@ -159,8 +179,7 @@ def test_starved_expert_raises_collapse_warning(runs):
 def test_balancing_keeps_expert_load_more_uniform(runs):
     """Over 50 steps the load-balancing loss, and separately the aux-loss-free bias, keep expert load more
     uniform than no balancing at all."""
-    sets = {**MOE, "train__steps": 50, "model__moe_top_k": 1, "model__moe_z_loss": 0.0,
-            "stability__expert_interval": 10}
+    sets = BALANCING
     balanced = runs.get("aux-on", 1, **sets, model__moe_aux_loss=0.1)
     unbalanced = runs.get("aux-off", 1, **sets, model__moe_aux_loss=0.0)
 

@@ -6,10 +6,20 @@ import pytest
 import torch
 
 from keel.training.metrics import read_metrics
-from tests.keel_runs import keel_train
+from tests.keel_runs import Run
 from tests.test_train_equivalence import assert_close
 
 pytestmark = pytest.mark.slow
+PP2_20 = dict(train__steps=20, parallel__pp=2, train__eval_interval=5)
+KEEL_RUNS = [Run.of("pp2tp2dp2", 8, "ds_configs/zero1.json", parallel__pp=2, parallel__tp=2,
+                    parallel__sequence_parallel="true"),
+             Run.of("pp2-20", 2, "ds_configs/zero1.json", **PP2_20),
+             Run.of("pp2-20-resumed", 2, "ds_configs/zero1.json", resume_at=10, **PP2_20)]
+KEEL_RUNS += [Run.of(f"pp{pp}-tied{tied}", pp, **({"parallel__pp": 2} if pp == 2 else {}), model__tie_embeddings=tied)
+              for pp in (1, 2) for tied in ("true", "false")]
+KEEL_RUNS += [Run.of(f"ckpt-{on}-pp{pp}", pp, parallel__pp=pp,
+                     **({"train__activation_checkpoint_interval": 1} if on == "on" else {}))
+              for pp in (1, 2) for on in ("off", "on")]
 
 
 def column(run_dir, key):
@@ -47,12 +57,9 @@ def _layer_states(run_dir):
     return {p.name: torch.load(p, weights_only=False) for p in sorted((ckpt / tag).glob("layer_*-model_states.pt"))}
 
 
-def test_pipeline_resume_is_exact(runs, tmp_path):
-    sets = dict(train__steps=20, parallel__pp=2, train__eval_interval=5)
-    straight = runs.get("pp2-20", 2, "ds_configs/zero1.json", **sets)
-    resumed = tmp_path / "resumed"
-    keel_train(resumed, 2, runs.overrides(**sets, train__exit_after=10), "ds_configs/zero1.json")
-    keel_train(resumed, 2, runs.overrides(**sets), "ds_configs/zero1.json")
+def test_pipeline_resume_is_exact(runs):
+    straight = runs.get("pp2-20", 2, "ds_configs/zero1.json", **PP2_20)
+    resumed = runs.get("pp2-20-resumed", 2, "ds_configs/zero1.json", resume_at=10, **PP2_20)
     assert column(resumed, "loss") == column(straight, "loss")
     assert [r.get("val_loss") for r in read_metrics(resumed / "metrics.jsonl")] == \
         [r.get("val_loss") for r in read_metrics(straight / "metrics.jsonl")]

@@ -12,10 +12,13 @@ import pytest
 import torch
 
 from keel.training.metrics import read_metrics
-from tests.keel_runs import REPO, final_weights, keel_train
+from tests.keel_runs import REPO, Run, final_weights, keel_train
 from tests.test_train_equivalence import assert_close
 
 pytestmark = pytest.mark.slow
+RESTART = dict(train__steps=30, checkpoint__interval=5)
+KEEL_RUNS = [Run.of("zero1-20", 2, "ds_configs/zero1.json", train__steps=20),
+             Run.of("restart-ref", 2, "ds_configs/zero1.json", **RESTART)]
 
 
 def test_resume_on_fewer_ranks_reshards_through_a_universal_checkpoint(runs, tmp_path):
@@ -38,7 +41,7 @@ def _entry_pids(run_dir) -> list[int]:
 
 
 def test_killed_rank_restarts_and_resumes_to_the_same_weights(runs, tmp_path):
-    sets = dict(train__steps=30, checkpoint__interval=5)
+    sets = RESTART
     straight = runs.get("restart-ref", 2, "ds_configs/zero1.json", **sets)
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "keel.launcher.cli", "train", "--nproc", "2", "--run-dir", str(run_dir),

@@ -21,11 +21,12 @@ from keel.launcher.cli import main
 from keel.launcher.slurm import SbatchOptions, parse_time_limit, render
 from keel.training.metrics import read_metrics
 from keel.training.preemption import EXIT_PREEMPTED
-from tests.keel_runs import REPO, final_weights, losses
+from tests.keel_runs import REPO, Run, final_weights, losses
 from tests.slurm_cluster import SlurmCluster, ensure_installed
 
 DS = "ds_configs/zero1.json"
 STEPS = 16  # both cluster runs and the local reference: the same config, so the same losses
+KEEL_RUNS = [Run.of("slurm-reference", 4, DS, train__steps=STEPS)]
 SLEEP_STEP = 6  # the preempted run sleeps here (rank 0), so the signal surely lands in the middle of a run
 
 

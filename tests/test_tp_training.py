@@ -6,10 +6,17 @@ import pytest
 import torch
 
 from keel.training.metrics import read_metrics
-from tests.keel_runs import keel_train
+from tests.keel_runs import Run
 from tests.test_train_equivalence import assert_close
 
 pytestmark = pytest.mark.slow
+TP2_SP_20 = dict(train__steps=20, parallel__tp=2, parallel__sequence_parallel="true")
+KEEL_RUNS = [Run.of("zero0", 1), Run.of("tp2", 2, parallel__tp=2), Run.of("tp4", 4, parallel__tp=4),
+             Run.of("tp2-sp", 2, parallel__tp=2, parallel__sequence_parallel="true"),
+             Run.of("tp2-sp-20", 2, "ds_configs/zero1.json", **TP2_SP_20),
+             Run.of("tp2-sp-20-resumed", 2, "ds_configs/zero1.json", resume_at=10, **TP2_SP_20)]
+KEEL_RUNS += [Run.of(f"tp2dp2-zero{stage}", 4, f"ds_configs/zero{stage}.json", parallel__tp=2,
+                     parallel__sequence_parallel="true") for stage in (1, 2)]
 
 
 def metrics(run_dir):
@@ -47,11 +54,10 @@ def _tp_checkpoint_states(run_dir):
             for r in range(2)]
 
 
-def test_tp_replicated_parameters_stay_identical_and_resume_is_exact(runs, tmp_path):
+def test_tp_replicated_parameters_stay_identical_and_resume_is_exact(runs):
     """20 steps of tp=2 with SP: norm weights (TP-replicated) are bitwise equal on both TP ranks; a run
     stopped at step 10 and resumed ends bitwise equal to the straight one."""
-    sets = dict(train__steps=20, parallel__tp=2, parallel__sequence_parallel="true")
-    straight = runs.get("tp2-sp-20", 2, "ds_configs/zero1.json", **sets)
+    straight = runs.get("tp2-sp-20", 2, "ds_configs/zero1.json", **TP2_SP_20)
     rank0, rank1 = _tp_checkpoint_states(straight)
     replicated = [name for name in rank0 if "norm" in name]
     assert len(replicated) == 2 * 2 + 1  # two norms per block, one final norm
@@ -59,9 +65,7 @@ def test_tp_replicated_parameters_stay_identical_and_resume_is_exact(runs, tmp_p
         assert torch.equal(rank0[name], rank1[name]), name
     assert not torch.equal(rank0["layers.1.attention.wq.weight"], rank1["layers.1.attention.wq.weight"])
 
-    resumed = tmp_path / "resumed"
-    keel_train(resumed, 2, runs.overrides(**sets, train__exit_after=10), "ds_configs/zero1.json")
-    keel_train(resumed, 2, runs.overrides(**sets), "ds_configs/zero1.json")
+    resumed = runs.get("tp2-sp-20-resumed", 2, "ds_configs/zero1.json", resume_at=10, **TP2_SP_20)
     assert [r["loss"] for r in metrics(resumed)] == [r["loss"] for r in metrics(straight)]
     for a, b in zip(_tp_checkpoint_states(resumed), (rank0, rank1)):
         for name in a:

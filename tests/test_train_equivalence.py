@@ -6,9 +6,13 @@ import pytest
 import torch
 
 from keel.training.metrics import read_metrics
-from tests.keel_runs import final_weights, keel_train, losses
+from tests.keel_runs import Run, final_weights, keel_train, losses
 
 pytestmark = pytest.mark.slow
+KEEL_RUNS = [Run.of("zero0", 2), Run.of("zero0", 1), Run.of("zero1-20", 2, "ds_configs/zero1.json", train__steps=20),
+             Run.of("zero0-20", 2, train__steps=20)]
+KEEL_RUNS += [Run.of(f"zero{stage}", 2, f"ds_configs/zero{stage}.json") for stage in (1, 2, 3)]
+KEEL_RUNS += [Run.of(precision, 2, f"ds_configs/{precision}.json") for precision in ("bf16", "fp16")]
 
 
 def assert_close(a: list[float], b: list[float], rel: float) -> None:
