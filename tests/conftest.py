@@ -32,9 +32,10 @@ def pytest_terminal_summary(terminalreporter, config):
     cache = config.stash.get(RUN_CACHE, None)
     if cache is None or not cache.launches:
         return
-    terminalreporter.write_line(f"keel runs: {sum(len(n) for _, n in cache.launches)} runs in "
-                                f"{len(cache.launches)} launches "
-                                f"({', '.join(f'{w} ranks × {len(n)}' for w, n in cache.launches)})")
+    terminalreporter.write_line(f"keel runs: {sum(len(n) for _, n, _ in cache.launches)} runs in "
+                                f"{len(cache.launches)} shared launches")
+    for world, names, seconds in cache.launches:
+        terminalreporter.write_line(f"  {world} rank(s), {len(names)} run(s), {seconds:.1f} s: {', '.join(names)}")
     if cache.undeclared:
         terminalreporter.write_line(f"keel runs not declared in KEEL_RUNS (each got a launch of its own): "
                                     f"{cache.undeclared}")

@@ -4,8 +4,9 @@ Starting a world is the expensive part on 2 cores (every rank imports torch and 
 connections), so runs share launches: test modules declare the runs they read (`KEEL_RUNS`, a list of `Run`);
 the first time a test asks for one, every declared run of that world size not yet done trains in the same launch,
 one after another (`keel.training.entry.run_sequence`), and later requests find it done. A run nobody declared
-still works — it just gets a launch of its own. A `Run` with `resume_at` trains in two invocations in the same
-run dir: up to that step (`train.exit_after`), then on from its checkpoint to the end.
+still works — it just gets a launch of its own. A `Run` with `resume_at` N trains in several invocations in the
+same run dir (`train.exit_after=N`): each stops with a checkpoint after N steps and the next resumes from it, until
+the run reaches `train.steps`.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -83,7 +85,7 @@ class Run:
     nproc: int
     ds_config: str = ZERO0
     changes: tuple[tuple[str, str], ...] = ()
-    resume_at: int = 0  # > 0: stop with a checkpoint after this many steps, then resume to the end
+    resume_at: int = 0  # > 0: stop with a checkpoint every this many steps, and resume, until the end
     ds_patch: str = ""  # JSON merged into the DeepSpeed config's sections (e.g. {"fp16": {...}})
 
     @staticmethod
@@ -118,7 +120,7 @@ class RunCache:
         self.root, self.cache_dir, self.corpus = root, cache_dir, corpus
         self._done: dict[tuple, Path] = {}
         self._declared: dict[tuple, Run] = {}
-        self.launches: list[tuple[int, list[str]]] = []  # (world size, run names) per launch, for the summary
+        self.launches: list[tuple[int, list[str], float]] = []  # (world size, run names, seconds) per launch
         self.undeclared: list[str] = []
 
     def declare(self, runs: list[Run]) -> None:
@@ -153,12 +155,13 @@ class RunCache:
                              run.nproc)
             prepare_data(spec)
             write_run_dir(spec)
-            dirs += [run_dir, run_dir] if run.resume_at else [run_dir]
+            dirs += [run_dir] * (-(-spec.cfg.train.steps // run.resume_at) if run.resume_at else 1)
         code = (f"import sys; from keel.launcher.local import launch_local; "
                 f"sys.exit(launch_local([__import__('pathlib').Path(d) for d in sys.argv[1:]], {batch[0].nproc}))")
+        start = time.perf_counter()
         proc = subprocess.run([sys.executable, "-c", code, *map(str, dirs)], capture_output=True, text=True,
                               timeout=1200, cwd=REPO)
         _checked(proc, 0, f"{batch[0].nproc}-rank launch of {[r.name for r in batch]}")
-        self.launches.append((batch[0].nproc, [r.name for r in batch]))
+        self.launches.append((batch[0].nproc, [r.name for r in batch], time.perf_counter() - start))
         for run, run_dir in zip(batch, dict.fromkeys(dirs)):
             self._done[run.key] = run_dir

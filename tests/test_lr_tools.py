@@ -25,7 +25,7 @@ from keel.training.lr_schedule import (
     refresh_lr,
     samples_before_step,
 )
-from tests.keel_runs import REPO, tiny_overrides
+from tests.keel_runs import REPO
 
 
 def curve(cfg: TrainConfig, steps: int | None = None) -> list[float]:
@@ -285,11 +285,11 @@ def test_lr_find_without_matplotlib_says_what_to_install_before_any_work(monkeyp
 
 # -- `keel lr-find` end to end ------------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_keel_lr_find_writes_csv_png_and_a_suggestion_in_the_falling_region(tmp_path, small_corpus):
+def test_keel_lr_find_writes_csv_png_and_a_suggestion_in_the_falling_region(tmp_path, runs):
     out = tmp_path / "lr_find"
     cmd = [sys.executable, "-m", "keel.launcher.cli", "lr-find", "--steps", "40", "--min-lr", "1e-5",
            "--max-lr", "1", "--out", str(out), "--ds-config", str(REPO / "ds_configs/zero1.json")]
-    for item in tiny_overrides(small_corpus, tmp_path / "cache"):
+    for item in runs.overrides():  # the session's prepared tiny corpus
         cmd += ["--set", item]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO)
     assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
