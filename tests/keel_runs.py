@@ -12,6 +12,7 @@ the run reaches `train.steps`.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -64,6 +65,13 @@ def _checked(proc: subprocess.CompletedProcess, expect_code: int, what: str) -> 
         raise AssertionError(f"{what} exited {proc.returncode}, expected {expect_code}:\n"
                              f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     return proc
+
+
+def copy_run(run_dir: Path, dest: Path) -> Path:
+    """A private copy of a finished (or stopped) run dir, for a test that continues it: shared runs stay as they
+    were for the other tests reading them."""
+    shutil.copytree(run_dir, dest)
+    return dest
 
 
 def losses(run_dir: Path) -> list[float]:

@@ -12,12 +12,14 @@ import pytest
 import torch
 
 from keel.training.metrics import read_metrics
-from tests.keel_runs import REPO, Run, final_weights, keel_train
+from tests.keel_runs import REPO, Run, copy_run, final_weights, keel_train
 from tests.test_train_equivalence import assert_close
 
 pytestmark = pytest.mark.slow
 RESTART = dict(train__steps=30, checkpoint__interval=5)
+FIRST_HALF = dict(train__steps=20, train__exit_after=10)  # stops at step 10 with a checkpoint
 KEEL_RUNS = [Run.of("zero1-20", 2, "ds_configs/zero1.json", train__steps=20),
+             Run.of("zero1-20-first-half", 2, "ds_configs/zero1.json", **FIRST_HALF),
              Run.of("restart-ref", 2, "ds_configs/zero1.json", **RESTART)]
 
 
@@ -25,8 +27,7 @@ def test_resume_on_fewer_ranks_reshards_through_a_universal_checkpoint(runs, tmp
     """ZeRO-1 at dp=2 → stop at step 10 → resume at dp=1: DeepSpeed's universal conversion, same global batch
     (gradient accumulation doubles), the same samples, the same losses."""
     straight = runs.get("zero1-20", 2, "ds_configs/zero1.json", train__steps=20)
-    resumed = tmp_path / "resumed"
-    keel_train(resumed, 2, runs.overrides(train__steps=20, train__exit_after=10), "ds_configs/zero1.json")
+    resumed = copy_run(runs.get("zero1-20-first-half", 2, "ds_configs/zero1.json", **FIRST_HALF), tmp_path / "resumed")
     proc = keel_train(resumed, 1, runs.overrides(train__steps=20), "ds_configs/zero1.json")
     assert "converting to a universal checkpoint" in proc.stdout
     assert (resumed / "checkpoints" / "step00000010" / "universal").is_dir()

@@ -6,11 +6,14 @@ import pytest
 import torch
 
 from keel.training.metrics import read_metrics
-from tests.keel_runs import Run, final_weights, keel_train, losses
+from tests.keel_runs import Run, copy_run, final_weights, keel_train, losses
 
 pytestmark = pytest.mark.slow
+FIRST_HALF = dict(train__steps=20, train__exit_after=10)  # stops at step 10 with a checkpoint
 KEEL_RUNS = [Run.of("zero0", 2), Run.of("zero0", 1), Run.of("zero1-20", 2, "ds_configs/zero1.json", train__steps=20),
-             Run.of("zero0-20", 2, train__steps=20)]
+             Run.of("zero0-20", 2, train__steps=20), Run.of("zero1-20-first-half", 2, "ds_configs/zero1.json",
+                                                              **FIRST_HALF),
+             Run.of("zero0-20-first-half", 2, **FIRST_HALF)]
 KEEL_RUNS += [Run.of(f"zero{stage}", 2, f"ds_configs/zero{stage}.json") for stage in (1, 2, 3)]
 KEEL_RUNS += [Run.of(precision, 2, f"ds_configs/{precision}.json") for precision in ("bf16", "fp16")]
 
@@ -36,12 +39,11 @@ def test_data_parallel_matches_one_process(runs):
 
 def test_resume_is_exact(runs, tmp_path):
     straight = runs.get("zero1-20", 2, "ds_configs/zero1.json", train__steps=20)
-    resumed = tmp_path / "resumed"
-    keel_train(resumed, 2, runs.overrides(train__steps=20, train__exit_after=10), "ds_configs/zero1.json")
+    resumed = copy_run(runs.get("zero1-20-first-half", 2, "ds_configs/zero1.json", **FIRST_HALF), tmp_path / "resumed")
     first = read_metrics(resumed / "metrics.jsonl")
     assert [r["step"] for r in first] == list(range(1, 11))
     assert (resumed / "checkpoints" / "latest").read_text() == "step00000010"
-    keel_train(resumed, 2, runs.overrides(train__steps=20), "ds_configs/zero1.json")
+    keel_train(resumed, 2, runs.overrides(train__steps=20), "ds_configs/zero1.json")  # a fresh process resumes
     assert losses(resumed) == losses(straight)  # bitwise: same floats
     a, b = final_weights(resumed), final_weights(straight)
     assert a.keys() == b.keys()
@@ -51,8 +53,7 @@ def test_resume_is_exact(runs, tmp_path):
 
 def test_resume_at_another_world_size_continues_with_the_same_samples(runs, tmp_path):
     straight = runs.get("zero0-20", 2, train__steps=20)
-    resumed = tmp_path / "resumed"
-    keel_train(resumed, 2, runs.overrides(train__steps=20, train__exit_after=10))
+    resumed = copy_run(runs.get("zero0-20-first-half", 2, **FIRST_HALF), tmp_path / "resumed")
     keel_train(resumed, 1, runs.overrides(train__steps=20))
     got, want = read_metrics(resumed / "metrics.jsonl"), read_metrics(straight / "metrics.jsonl")
     assert [r["consumed_samples"] for r in got] == [r["consumed_samples"] for r in want]

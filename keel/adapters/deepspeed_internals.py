@@ -8,6 +8,7 @@ fails at start-up — and in tests/test_adapters.py — with one line naming the
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -78,6 +79,10 @@ INTERNALS = [
              lambda e: _expert_group_tables() is not None),
     Internal("deepspeed.utils.groups.mpu", "resetting the groups a finished run handed DeepSpeed", lambda e: True,
              lambda e: _has_path(_groups_module(), "mpu")),
+    Internal("param.ds_tensor", "this rank's ZeRO-3 partition without a gather", lambda e:
+             e.zero_optimization_stage() == 3, lambda e: any(hasattr(p, "ds_tensor") for p in e.module.parameters())),
+    Internal("param.ds_pipe_replicated", "which parameters are pipeline replicas", _is_pipeline,
+             lambda e: "ds_pipe_replicated" in inspect.getsource(type(e.module))),
     Internal("accelerator.is_fp16_supported", "an fp16 override for the CPU accelerator", lambda e: True,
              lambda e: _has_path(_accelerator(), "is_fp16_supported")),
 ]
@@ -96,7 +101,8 @@ def check_engine(engine) -> None:
 
 # -- the optimizer step ---------------------------------------------------------------------------------------------
 def inner_optimizer(engine) -> torch.optim.Optimizer:
-    """The torch optimizer inside DeepSpeed's wrappers (`optimizer.optimizer`), or the engine's own."""
+    """The torch optimizer inside DeepSpeed's wrappers (`optimizer.optimizer`), or the engine's own.
+    Missing public API: an accessor for the wrapped torch optimizer."""
     optimizer = engine.optimizer
     inner = getattr(optimizer, "optimizer", None)
     return inner if isinstance(inner, torch.optim.Optimizer) else optimizer
@@ -104,7 +110,8 @@ def inner_optimizer(engine) -> torch.optim.Optimizer:
 
 def grad_norm_before_update(engine) -> float | None:
     """The global norm DeepSpeed computed for this step (`optimizer._global_grad_norm`, set before the inner
-    optimizer steps); None where DeepSpeed computes none (fp32 ZeRO-0, where Keel clips itself)."""
+    optimizer steps); None where DeepSpeed computes none (fp32 ZeRO-0, where Keel clips itself).
+    Missing public API: the norm before the update (`engine.get_global_grad_norm()` is only set after it)."""
     norm = getattr(engine.optimizer, "_global_grad_norm", None)
     if norm is None or not _wraps_optimizer(engine):
         return None
@@ -114,13 +121,15 @@ def grad_norm_before_update(engine) -> float | None:
 
 def veto_step(engine, vetoed: bool) -> None:
     """Set `optimizer.overflow`, which DeepSpeed reads right after `step()` to count a skipped step and hold the
-    LR schedule; the plain torch optimizer (ZeRO-0 fp32) gets the attribute as DeepSpeed's wrappers have it."""
+    LR schedule; the plain torch optimizer (ZeRO-0 fp32) gets the attribute as DeepSpeed's wrappers have it.
+    Missing public API: a veto of one optimizer step."""
     engine.optimizer.overflow = vetoed
 
 
 def wrap_model_step(engine, before: Callable[[], None]) -> None:
     """Call `before()` inside `engine._take_model_step`: both engines call it at the accumulation boundary, after
-    gradients are reduced and before clipping and the update (the pipeline's `train_batch` leaves no other gap)."""
+    gradients are reduced and before clipping and the update (the pipeline's `train_batch` leaves no other gap).
+    Missing public API: a hook between gradient reduction and the update."""
     take_model_step = engine._take_model_step
 
     def take_model_step_then(*args: Any, **kwargs: Any) -> Any:
@@ -132,12 +141,14 @@ def wrap_model_step(engine, before: Callable[[], None]) -> None:
 
 def replace_fp32_clipping(engine, clip: Callable[[], Any]) -> None:
     """DeepSpeed calls `engine.clip_fp32_gradients()` right before the fp32 ZeRO-0 update; Keel's replacement
-    clips by the model-parallel-aware norm and records it (DeepSpeed's neither records nor sums over stages)."""
+    clips by the model-parallel-aware norm and records it (DeepSpeed's neither records nor sums over stages).
+    Missing public API: a clipping hook for the fp32 ZeRO-0 path."""
     engine.clip_fp32_gradients = clip
 
 
 def loss_scale(engine) -> float | None:
-    """fp16's current dynamic loss scale (`cur_scale`, after this step's update); None in fp32/bf16."""
+    """fp16's current dynamic loss scale (`cur_scale`, after this step's update); None in fp32/bf16.
+    Missing public API: a getter for the dynamic loss scale."""
     if not engine.fp16_enabled():
         return None
     return float(_fp16_scale_holder(engine).cur_scale)
@@ -145,27 +156,32 @@ def loss_scale(engine) -> float | None:
 
 def pipeline_summed_loss(engine) -> torch.Tensor | None:
     """Inside `train_batch` at the step: the last stage's sum of this batch's micro-batch losses
-    (`PipelineEngine.total_loss`); None on other stages (the public `train_batch` result comes after the step)."""
+    (`PipelineEngine.total_loss`); None on other stages. Missing public API: the batch loss before the step
+    (`train_batch` returns it only afterwards)."""
     return engine.total_loss if engine.is_last_stage() else None
 
 
 # -- model structure --------------------------------------------------------------------------------------------------
 def pipeline_local_specs(module) -> tuple[int, list]:
-    """(index of this stage's first layer, the full layer-spec list) of a `PipelineModule`."""
+    """(index of this stage's first layer, the full layer-spec list) of a `PipelineModule` (`_local_start`,
+    `_layer_specs`). Missing public API: the stage's slice of the layer list."""
     return int(module._local_start), list(module._layer_specs)
 
 
 def pipeline_local_stop(module) -> int:
+    """One past this stage's last layer (`_local_stop`); see `pipeline_local_specs`."""
     return int(module._local_stop)
 
 
 def is_pipe_replicated(param: torch.nn.Parameter) -> bool:
-    """A tied copy on a later pipeline stage (DeepSpeed marks it `ds_pipe_replicated`); counted once, on the first."""
+    """A tied copy on a later pipeline stage (DeepSpeed marks it `ds_pipe_replicated`); counted once, on the first.
+    Missing public API: which parameters are pipeline replicas."""
     return bool(getattr(param, "ds_pipe_replicated", False))
 
 
 def zero3_partition(param: torch.nn.Parameter) -> torch.Tensor:
-    """Under ZeRO-3 the rank's own partition (`ds_tensor`); outside forward the parameter itself is empty."""
+    """Under ZeRO-3 the rank's own partition (`ds_tensor`); outside forward the parameter itself is empty.
+    Missing public API: this rank's partition without gathering (`safe_get_local_fp32_param` copies to fp32)."""
     return getattr(param, "ds_tensor", param)
 
 
