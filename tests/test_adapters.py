@@ -2,9 +2,9 @@
 
 One spawned process (world size 1) builds an engine per kind — ZeRO 0-3, fp16, bf16, an MoE model, DeepSpeed's
 pipeline engine — and on each one: `check_engine` passes; every adapter function returns what its docstring
-says at the moment Keel calls it (inside the step gate); a vetoed step leaves parameters, optimizer state and
-the LR schedule untouched while an allowed one changes them; and removing each internal the engine needs
-makes `check_engine` fail with one line naming it.
+says at the moment Keel calls it (inside the step gate); a vetoed step leaves parameters, Adam moments and the
+LR schedule untouched while an allowed one changes them; and removing each internal the engine needs makes
+`check_engine` fail with one line naming it.
 """
 
 from __future__ import annotations
@@ -69,11 +69,15 @@ def _run_step(engine, gate, decide) -> None:
 
 
 def _snapshot(engine) -> list[torch.Tensor]:
+    """Every parameter (gathered under ZeRO-3) and every Adam moment of the torch optimizer DeepSpeed wraps."""
     import deepspeed
 
     params = list(engine.module.parameters())
     with deepspeed.zero.GatheredParameters(params, enabled=engine.zero_optimization_stage() == 3):
-        return [p.detach().float().clone() for p in params]
+        values = [p.detach().float().clone() for p in params]
+    optimizer = dsi.inner_optimizer(engine)
+    moments = [t.detach().clone() for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
+    return values + moments
 
 
 def _probe_kind(kind: str) -> dict:
@@ -98,14 +102,16 @@ def _probe_kind(kind: str) -> dict:
             return Decision(action)
         return inner
 
-    before, lr_before = _snapshot(engine), engine.get_lr()[0]
-    _run_step(engine, gate, decide(Action.SKIP))
-    vetoed = {"unchanged": all(torch.equal(a, b) for a, b in zip(before, _snapshot(engine))),
+    before = _snapshot(engine)
+    _run_step(engine, gate, decide(Action.STEP))
+    after = _snapshot(engine)
+    stepped = {"changed": len(after) > len(before) and not all(torch.equal(a, b) for a, b in zip(before, after)),
+               "applied": engine.was_step_applied(), "lr_steps": engine.lr_scheduler.last_epoch}
+    _run_step(engine, gate, decide(Action.SKIP))  # now with Adam moments to leave alone
+    again = _snapshot(engine)
+    vetoed = {"unchanged": len(again) == len(after) and all(torch.equal(a, b) for a, b in zip(after, again)),
               "applied": engine.was_step_applied(), "lr_steps": engine.lr_scheduler.last_epoch,
               "consulted": gate.consulted}
-    _run_step(engine, gate, decide(Action.STEP))
-    stepped = {"changed": not all(torch.equal(a, b) for a, b in zip(before, _snapshot(engine))),
-               "applied": engine.was_step_applied(), "lr_steps": engine.lr_scheduler.last_epoch}
     missing = {}
     for internal in dsi.INTERNALS:  # take each needed internal away: check_engine must name it
         if not internal.applies(engine):
@@ -119,7 +125,7 @@ def _probe_kind(kind: str) -> dict:
             missing[internal.name] = str(exc)
         finally:
             object.__setattr__(internal, "probe", original)
-    return {"seen": seen, "vetoed": vetoed, "stepped": stepped, "lr_before": lr_before, "missing": missing,
+    return {"seen": seen, "vetoed": vetoed, "stepped": stepped, "missing": missing,
             "model_step_wrapped": len(wrapped_calls), "wraps": dsi._wraps_optimizer(engine)}
 
 
@@ -158,8 +164,8 @@ def test_internals_are_present_and_do_what_keel_needs(probed, kind):
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_vetoed_step_changes_nothing_and_an_allowed_one_updates(probed, kind):
     vetoed, stepped = probed[kind]["vetoed"], probed[kind]["stepped"]
-    assert vetoed["consulted"] and not vetoed["applied"] and vetoed["unchanged"] and vetoed["lr_steps"] == 0
-    assert stepped["applied"] and stepped["changed"] and stepped["lr_steps"] == 1
+    assert stepped["applied"] and stepped["changed"] and stepped["lr_steps"] == 1  # params moved, moments created
+    assert vetoed["consulted"] and not vetoed["applied"] and vetoed["unchanged"] and vetoed["lr_steps"] == 1
 
 
 @pytest.mark.parametrize("kind", KINDS)
