@@ -62,6 +62,7 @@ from keel.config import ModelConfig
 from keel.launcher.local import free_port
 from keel.model import CausalLM
 from keel.model.moe import moe_layers
+from keel.parallel import comm
 from keel.parallel.experts import EPContext
 from keel.parallel.tensor import TPContext
 from keel.parallel.topology import Topology
@@ -226,8 +227,7 @@ def _ep_step(shape: Shape, experts: int = 8, top_k: int = 2) -> tuple[list[Call]
     local = experts // ep_size
     send = recv = 0.0
     for layer in moe_layers(model):
-        counts = [torch.empty_like(layer.stats.routed) for _ in range(ep_size)]
-        dist.all_gather(counts, layer.stats.routed, group=ep.group)  # [rank][expert]: rows routed
+        counts = comm.all_gather(layer.stats.routed, ep.group)  # [rank][expert]: rows routed
         mine = slice(ep.rank * local, (ep.rank + 1) * local)
         send += float(counts[ep.rank].sum() - counts[ep.rank][mine].sum())
         recv += float(sum(c[mine].sum() for peer, c in enumerate(counts) if peer != ep.rank))

@@ -82,12 +82,13 @@ def _snapshot(engine) -> list[torch.Tensor]:
 
 def _probe_kind(kind: str) -> dict:
     """Everything the test asserts about one engine kind, as plain values."""
+    from keel.parallel.comm import single as single_control
     from keel.training.guards.base import Action, Decision
     from keel.training.step_gate import StepGate
 
     engine = _engine(kind)
     dsi.check_engine(engine)
-    gate = StepGate(engine)
+    gate = StepGate(engine, single_control())
     seen: dict = {}
     wrapped_calls = []
     dsi.wrap_model_step(engine, lambda: wrapped_calls.append(1))

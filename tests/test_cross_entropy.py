@@ -115,7 +115,7 @@ def test_vocab_range():
 
 # -- real processes ---------------------------------------------------------------------------------------------
 # Spawning is the slow part (each process imports torch), so every process runs several cases:
-#   world:  the whole world is the TP group (dist.group.WORLD), true vocab 61 padded to 64;
+#   world:  the whole world is the TP group, true vocab 61 padded to 64;
 #   tp2:    Topology(tp=2) groups; with 4 processes each TP pair sees different data, so a wrong group fails;
 #   empty:  true vocab 45 padded to 64, so with 4 ranks the last shard is all padding.
 
@@ -146,9 +146,9 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
     try:
         topology = Topology.from_env(tp=2)
         cases = {  # name: (group, rank in it, its size, true vocab, data seed)
-            "world": (dist.group.WORLD, rank, world_size, 61, 0),
-            "tp2": (topology.group("tp"), topology.rank_in("tp"), 2, 61, topology.dp_rank),
-            "empty": (dist.group.WORLD, rank, world_size, 45, 0),
+            "world": (topology.device("world"), rank, world_size, 61, 0),
+            "tp2": (topology.device("tp"), topology.rank_in("tp"), 2, 61, topology.dp_rank),
+            "empty": (topology.device("world"), rank, world_size, 45, 0),
         }
         log: list[tuple[str, int]] = []
         _record_collectives(log)

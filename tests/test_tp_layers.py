@@ -12,6 +12,7 @@ import torch.multiprocessing as mp
 from keel.config import ModelConfig
 from keel.launcher.local import free_port
 from keel.model import CausalLM
+from keel.parallel import comm
 from keel.parallel.tensor import TPContext
 from keel.parallel.topology import Topology
 
@@ -27,9 +28,7 @@ def _full_grad(param: torch.nn.Parameter, tp: TPContext) -> torch.Tensor:
     dim = getattr(param, "partition_dim", None)
     if dim is None or not getattr(param, "tensor_model_parallel", False):
         return grad
-    parts = [torch.empty_like(grad) for _ in range(tp.size)]
-    dist.all_gather(parts, grad.contiguous(), group=tp.group)
-    return torch.cat(parts, dim=dim)
+    return torch.cat(comm.all_gather(grad, tp.group), dim=dim)
 
 
 def _worker(rank: int, world: int, port: int, kv_heads: int, sequence_parallel: bool) -> None:

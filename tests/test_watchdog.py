@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from keel.launcher.local import free_port
+from keel.parallel.topology import Topology
 from keel.training.guards.base import read_anomalies
 from keel.training.watchdog import EXIT_HANG, StragglerMonitor
 
@@ -192,7 +193,7 @@ def _straggler_worker(rank: int, world: int, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        monitor = StragglerMonitor(None, interval=2)
+        monitor = StragglerMonitor(Topology.from_env().control("world"), interval=2)
         reports = [monitor.update(step, (1.0 + 0.25 * rank) * step / 2) for step in range(1, 5)]
         assert reports[0] is None and reports[2] is None  # only every `interval` steps
         for step, report in ((2, reports[1]), (4, reports[3])):

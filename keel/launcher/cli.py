@@ -75,20 +75,21 @@ def _train_in_place(args: argparse.Namespace, world_size: int) -> int:
     import torch.distributed as dist
 
     from keel.launcher.run_dir import build_run, prepare_data, write_run_dir
+    from keel.parallel import comm
     from keel.training.entry import init_distributed, run_sequence
 
     spec = build_run(args.config, args.set, args.ds_config, args.run_dir, world_size)  # cheap: every rank checks
     init_distributed()
-    verdict = [None]
+    verdict = None
     if dist.get_rank() == 0:
         try:
             prepare_data(spec)
             write_run_dir(spec)
         except (ConfigError, ValueError) as exc:
-            verdict = [str(exc)]
-    dist.broadcast_object_list(verdict, src=0)
-    if verdict[0] is not None:
-        raise ConfigError(verdict[0])
+            verdict = str(exc)
+    verdict = comm.broadcast_object(verdict, comm.world_control())
+    if verdict is not None:
+        raise ConfigError(verdict)
     return run_sequence([spec.run_dir])
 
 

@@ -17,11 +17,11 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from keel.config import ModelConfig
+from keel.parallel import comm
 from keel.parallel.tensor import TPContext, sum_grad_over_tp
 from keel.parallel.ulysses import SPContext
 
@@ -90,7 +90,7 @@ class Router(nn.Module):
         counts = torch.bincount(experts.flatten(), minlength=self.num_experts).float()
         stats = torch.cat([counts, counts.new_tensor([experts.shape[0]])])
         if self.sp.size > 1:
-            dist.all_reduce(stats, group=self.sp.group)
+            comm.all_reduce(stats, self.sp.group)
         counts, tokens = stats[:-1], stats[-1]
         if self.aux_weight > 0:
             share = counts / (tokens * self.top_k)

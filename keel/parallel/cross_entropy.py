@@ -12,8 +12,9 @@ index is >= `vocab_size` are not classes. They get no probability mass, no smoot
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
+
+from keel.parallel import comm
 
 
 def vocab_range(padded_vocab_size: int, rank: int, world_size: int) -> tuple[int, int]:
@@ -52,9 +53,9 @@ def cross_entropy_reference(
     return torch.where(valid, loss, 0.0).sum() / valid.sum()
 
 
-def _all_reduce(tensor: torch.Tensor, op: dist.ReduceOp, group) -> None:
+def _all_reduce(tensor: torch.Tensor, op: str, group: comm.Group | None) -> None:
     if group is not None:
-        dist.all_reduce(tensor, op=op, group=group)
+        comm.all_reduce(tensor, group, op)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -71,7 +72,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         x[..., n_real:] = float("-inf")
 
         row_max = x.amax(dim=-1)  # -inf on a shard that is all padding; the MAX over the group is finite
-        _all_reduce(row_max, dist.ReduceOp.MAX, group)
+        _all_reduce(row_max, "max", group)
         x.sub_(row_max.unsqueeze(-1))  # shifted logits: exp cannot overflow
 
         valid = labels != ignore_index
@@ -80,15 +81,15 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local_target = torch.where(on_shard, local_target, 0)
         target_logit = x.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
         target_logit = torch.where(on_shard, target_logit, 0.0)  # only the owning rank contributes
-        _all_reduce(target_logit, dist.ReduceOp.SUM, group)
+        _all_reduce(target_logit, "sum", group)
 
         if label_smoothing:
             logit_sum = x[..., :n_real].sum(dim=-1)
-            _all_reduce(logit_sum, dist.ReduceOp.SUM, group)
+            _all_reduce(logit_sum, "sum", group)
 
         x.exp_()  # padding: exp(-inf) = 0
         sum_exp = x.sum(dim=-1)
-        _all_reduce(sum_exp, dist.ReduceOp.SUM, group)
+        _all_reduce(sum_exp, "sum", group)
         x.div_(sum_exp.unsqueeze(-1))  # now the softmax over the true vocabulary
 
         log_sum_exp = sum_exp.log()  # logsumexp of the shifted logits

@@ -16,9 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from keel.adapters import deepspeed_internals
+from keel.parallel import comm
 
 
 @dataclass(frozen=True)
@@ -26,18 +26,18 @@ class EPContext:
     """What an MoE layer needs to know about expert parallelism: its ep group, its place in it, and the group its
     expert parameters are replicated over (edp × Ulysses sp; DeepSpeed reduces and ZeRO partitions them there)."""
 
-    group: object = None
+    group: comm.Group | None = None  # the ep group's device channel
     rank: int = 0
     size: int = 1
     ranks: tuple[int, ...] = (0,)
-    edp_group: object = None
+    edp_group: object = None  # torch's group, for DeepSpeed
     edp_ranks: tuple[int, ...] = (0,)
 
     @classmethod
     def from_topology(cls, topology) -> EPContext:
         if topology is None:
             return cls()
-        return cls(topology.group("ep"), topology.rank_in("ep"), topology.size("ep"), tuple(topology.ranks("ep")),
+        return cls(topology.device("ep"), topology.rank_in("ep"), topology.size("ep"), tuple(topology.ranks("ep")),
                    topology.group("expert_dp"), tuple(topology.ranks("expert_dp")))
 
 
@@ -62,7 +62,8 @@ def register_expert_groups(ep: EPContext) -> None:
     param groups, MoE checkpoints); its own builder would derive them from a different rank order. Writing
     ours there is the seam DeepSpeed itself uses when a layer calls `set_deepspeed_parallelism`.
     """
-    deepspeed_internals.register_expert_groups(expert_group_name(ep.size), ep.group, ep.ranks, ep.edp_group,
+    ep_handle = ep.group.handle if ep.group is not None else None
+    deepspeed_internals.register_expert_groups(expert_group_name(ep.size), ep_handle, ep.ranks, ep.edp_group,
                                                ep.edp_ranks)
 
 
@@ -72,9 +73,7 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
         ctx.send, ctx.recv, ctx.group = send, recv, group
-        out = x.new_empty((sum(recv), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
-        return out
+        return comm.all_to_all(x, group, send, recv)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -105,8 +104,7 @@ def dispatch(rows: torch.Tensor, counts: torch.Tensor, ep: EPContext) -> tuple[t
     local = counts.numel() // ep.size
     if ep.size == 1:
         return rows, Routes([rows.shape[0]], [rows.shape[0]], None, counts.tolist())
-    received_counts = torch.empty_like(counts)
-    dist.all_to_all_single(received_counts, counts.contiguous(), group=ep.group)  # [peer, local expert]
+    received_counts = comm.all_to_all(counts, ep.group)  # [peer, local expert]
     send = counts.view(ep.size, local).sum(1).tolist()
     per_peer = received_counts.view(ep.size, local)
     recv = per_peer.sum(1).tolist()

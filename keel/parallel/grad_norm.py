@@ -14,16 +14,19 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.distributed as dist
 
 from keel.adapters.deepspeed_internals import is_pipe_replicated
+from keel.parallel import comm
 from keel.parallel.topology import Topology
 
 
 def global_grad_norm(params: Iterable[torch.nn.Parameter], topology: Topology) -> float:
+    """Squares accumulate on the gradients' device (one host sync at the end, none per parameter)."""
+    params = list(params)
+    device = next((p.grad.device for p in params if p.grad is not None), torch.device("cpu"))
     tp_rank0 = topology.rank_in("tp") == 0
-    dense = torch.zeros((), dtype=torch.float64)
-    experts = torch.zeros((), dtype=torch.float64)  # each ep rank holds different experts: sum over ep too
+    dense = torch.zeros((), dtype=torch.float64, device=device)
+    experts = torch.zeros((), dtype=torch.float64, device=device)  # ep ranks hold different experts: sum over ep
     for p in params:
         if p.grad is None or is_pipe_replicated(p):
             continue
@@ -33,11 +36,8 @@ def global_grad_norm(params: Iterable[torch.nn.Parameter], topology: Topology) -
                 dense += square
             else:
                 experts += square
-    if topology.size("ep") > 1:
-        dist.all_reduce(experts, group=topology.group("ep"))
-    total = dense + experts
-    if topology.size("model") > 1:
-        dist.all_reduce(total, group=topology.group("model"))
+    comm.all_reduce(experts, topology.device("ep"))
+    total = comm.all_reduce(dense + experts, topology.device("model"))
     return total.sqrt().item()
 
 

@@ -15,12 +15,12 @@ import functools
 import logging
 
 import torch
-import torch.distributed as dist
 import torch.utils.checkpoint
 
 from keel.adapters.deepspeed_internals import pipeline_local_specs, pipeline_local_stop
 from keel.config import RunConfig
 from keel.model import Block, EmbeddingLayer, FinalNorm, OutputLayer, VocabParallelLoss, init_weights
+from keel.parallel import comm
 from keel.parallel.experts import EPContext
 from keel.parallel.tensor import TPContext
 from keel.parallel.topology import Topology
@@ -89,9 +89,7 @@ def describe_stages(module, topology: Topology, method: str) -> None:
     params = sum(p.numel() for p in module.parameters())
     first, last = pipeline_local_specs(module)[0], pipeline_local_stop(module) - 1
     summary = f"layers {first}-{last} ({_compact(names)}) {params / 1e6:.2f}M params"
-    group = topology.group("pp")
-    gathered = [None] * topology.size("pp")
-    dist.all_gather_object(gathered, summary, group=group)
+    gathered = comm.all_gather_object(summary, topology.control("pp"))
     if topology.rank == 0:
         log.info("pipeline partition (%s): %s", method,
                  " | ".join(f"stage {i}: {s}" for i, s in enumerate(gathered)))

@@ -15,10 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from keel.parallel import comm
 from keel.parallel.random import ShardedRNG
 
 SEQ_DIM = 1
@@ -28,7 +28,7 @@ SEQ_DIM = 1
 class TPContext:
     """What a tensor-parallel layer needs to know: its group, its place in it, and whether SP is on."""
 
-    group: object = None
+    group: comm.Group | None = None  # the tp group's device channel
     rank: int = 0
     size: int = 1
     sequence_parallel: bool = False
@@ -40,27 +40,20 @@ class TPContext:
             return cls()
         rank = topology.rank_in("tp")
         rng = ShardedRNG(seed, rank) if sequence_parallel else None
-        return cls(topology.group("tp"), rank, topology.size("tp"), sequence_parallel, rng)
+        return cls(topology.device("tp"), rank, topology.size("tp"), sequence_parallel, rng)
 
 
 # -- the communication primitives, each a pair of conjugate operations ----------------------------------------
-def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
-    x = x.contiguous()
-    dist.all_reduce(x, group=group)
-    return x
+def _all_reduce(x: torch.Tensor, group: comm.Group) -> torch.Tensor:
+    return comm.all_reduce(x.contiguous(), group)
 
 
 def _gather_seq(x: torch.Tensor, ctx: TPContext) -> torch.Tensor:
-    parts = [torch.empty_like(x) for _ in range(ctx.size)]
-    dist.all_gather(parts, x.contiguous(), group=ctx.group)
-    return torch.cat(parts, dim=SEQ_DIM)
+    return torch.cat(comm.all_gather(x, ctx.group), dim=SEQ_DIM)
 
 
 def _reduce_scatter_seq(x: torch.Tensor, ctx: TPContext) -> torch.Tensor:
-    parts = [p.contiguous() for p in x.chunk(ctx.size, dim=SEQ_DIM)]
-    out = torch.empty_like(parts[0])
-    dist.reduce_scatter(out, parts, group=ctx.group)
-    return out
+    return comm.reduce_scatter(list(x.chunk(ctx.size, dim=SEQ_DIM)), ctx.group)
 
 
 class _CopyToRegion(torch.autograd.Function):

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from keel.config import validate_world_size
+from keel.parallel import comm
 
 AXES = ("pp", "edp", "ep", "sp", "tp")
 
@@ -91,9 +92,11 @@ GROUP_AXES = {
     "edp": ("edp",),  # expert data parallel
     "model": ("pp", "tp"),  # ranks holding different parameters of one model replica (sp ranks replicate)
     "tp_sp": ("sp", "tp"),
+    "stage": ("edp", "ep", "sp", "tp"),  # every rank of one pipeline stage
     "sp_dp": ("edp", "ep", "sp"),  # ranks holding the same dense parameters: ZeRO's and gradient reduction's group
     "expert_dp": ("edp", "sp"),  # ranks holding the same experts (Ulysses sp ranks replicate them too)
 }
+WORLD = "world"  # every rank: the default process group (no group of its own is created)
 
 
 class Topology:
@@ -108,9 +111,14 @@ class Topology:
         self.shape = shape
         self.rank = rank
         self.coords = shape.coords(rank)
-        self._groups: dict[str, object] = {}
-        self._ranks: dict[str, list[int]] = {}
+        self._groups: dict[str, object] = {WORLD: None}
+        self._ranks: dict[str, list[int]] = {WORLD: list(range(shape.world_size))}
         initialized = dist.is_available() and dist.is_initialized()
+        # NCCL serves the device channel on GPUs; CPU tensors of the same groups go through gloo (entry.py's
+        # "cpu:gloo,cuda:nccl"), so the control channel needs no groups of its own.
+        self.device_type = "cuda" if initialized and "nccl" in str(dist.get_backend()) else "cpu"
+        self.trace = comm.CollectiveTrace.from_env(rank) if initialized else None
+        self._handles: dict[tuple[str, str], comm.Group] = {}
         for name, axes in GROUP_AXES.items():
             for ranks in shape.groups_along(axes):
                 # new_group is collective over the whole world: every rank creates every group, in order.
@@ -130,6 +138,22 @@ class Topology:
     # -- generic access -------------------------------------------------------------------------------------
     def group(self, name: str):
         return self._groups[name]
+
+    def comm(self, name: str, channel: str) -> comm.Group:
+        """The handle Keel's collectives take (keel/parallel/comm.py): group `name` through `channel`."""
+        key = (name, channel)
+        if key not in self._handles:
+            if channel not in comm.CHANNELS:
+                raise ValueError(f"unknown channel {channel!r}; one of {comm.CHANNELS}")
+            self._handles[key] = comm.Group(name, tuple(self._ranks[name]), self.rank_in(name), channel,
+                                            self._groups[name], self.device_type, self.trace)
+        return self._handles[key]
+
+    def device(self, name: str) -> comm.Group:
+        return self.comm(name, comm.DEVICE)
+
+    def control(self, name: str) -> comm.Group:
+        return self.comm(name, comm.CONTROL)
 
     def ranks(self, name: str) -> list[int]:
         return self._ranks[name]

@@ -15,14 +15,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
+
+from keel.parallel import comm
 
 SEQ_DIM = 1
 
 
 @dataclass(frozen=True)
 class SPContext:
-    group: object = None
+    group: comm.Group | None = None  # the sp group's device channel
     rank: int = 0
     size: int = 1
 
@@ -30,7 +31,7 @@ class SPContext:
     def from_topology(cls, topology) -> SPContext:
         if topology is None or topology.size("sp") == 1:
             return cls()
-        return cls(topology.group("sp"), topology.rank_in("sp"), topology.size("sp"))
+        return cls(topology.device("sp"), topology.rank_in("sp"), topology.size("sp"))
 
 
 def sequence_chunk(x: torch.Tensor, sp: SPContext) -> torch.Tensor:
@@ -46,7 +47,7 @@ class _SequenceMean(torch.autograd.Function):
     def forward(ctx, loss: torch.Tensor, sp: SPContext) -> torch.Tensor:
         ctx.size = sp.size
         total = loss.detach().clone()
-        dist.all_reduce(total, group=sp.group)
+        comm.all_reduce(total, sp.group)
         return total / sp.size
 
     @staticmethod
@@ -62,4 +63,4 @@ def ulysses_attention(attend, sp: SPContext):
     """Wrap `attend(q, k, v)` (layout [b, s, heads, d]) so it sees the whole sequence and heads / sp."""
     from deepspeed.sequence.layer import DistributedAttention
 
-    return DistributedAttention(attend, sp.group, scatter_idx=2, gather_idx=SEQ_DIM)
+    return DistributedAttention(attend, sp.group.handle, scatter_idx=2, gather_idx=SEQ_DIM)

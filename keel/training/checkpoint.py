@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
+from keel.parallel import comm
 from keel.parallel.topology import Topology
 
 COMPLETE = "keel_complete.json"
@@ -64,16 +64,12 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
 
 
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-
-
 class Checkpointer:
     def __init__(self, directory: Path, keep_last: int, topology: Topology):
         self.directory = Path(directory)
         self.keep_last = keep_last
         self.topology = topology
+        self.control = topology.control("world")
 
     # -- discovery ------------------------------------------------------------------------------------------
     def tag_at_or_before(self, step: int) -> str | None:
@@ -107,7 +103,7 @@ class Checkpointer:
         if rank == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
             (tag_dir / COMPLETE).unlink(missing_ok=True)  # re-saving a step: it is incomplete until we finish
-        _barrier()
+        comm.barrier(self.control)
         client_state = {"keel": asdict(state), "topology": self.topology.stamp()}
         engine.save_checkpoint(str(self.directory), tag=tag, client_state=client_state, save_latest=False)
         tag_dir.mkdir(parents=True, exist_ok=True)
@@ -115,14 +111,14 @@ class Checkpointer:
         tmp = rng_path.with_name(f".{rng_path.name}.tmp")
         torch.save(rng_state(), tmp)
         os.replace(tmp, rng_path)
-        _barrier()  # every rank has written its DeepSpeed shards and RNG file
+        comm.barrier(self.control)  # every rank has written its DeepSpeed shards and RNG file
         if rank == 0:
             topology = {**self.topology.stamp(), "zero_stage": engine.zero_optimization_stage()}
             manifest = {"tag": tag, **asdict(state), "topology": topology, "guards": guards or {}}
             atomic_write_text(tag_dir / COMPLETE, json.dumps(manifest) + "\n")
             atomic_write_text(self.directory / LATEST, tag)
             self._prune(keep=tag)
-        _barrier()
+        comm.barrier(self.control)
         return tag
 
     def _prune(self, keep: str) -> None:

@@ -52,6 +52,7 @@ def run_rank(run_dir: Path) -> int:
     """Train the run described by `run_dir`; returns the process exit code."""
     from keel.data import IndexedDataset, PackedSamples
     from keel.launcher.run_dir import read_run_dir
+    from keel.parallel import comm
     from keel.parallel.random import data_parallel_seed
     from keel.parallel.topology import Topology
     from keel.training.checkpoint import seed_everything
@@ -88,7 +89,7 @@ def run_rank(run_dir: Path) -> int:
         log.info("summary: %s", summary)
     if result.exit_code:
         return result.exit_code  # a guard stopped the run; peers stop at the same step with the same code
-    dist.barrier()
+    comm.barrier(topology.control("world"))
     return EXIT_OK
 
 
@@ -105,6 +106,7 @@ def reshard_if_needed(cfg, ds_raw: dict, topology, run_dir: Path) -> dict:
     """Resuming on another layout (a node lost, a different world size): rank 0 converts the latest checkpoint
     to DeepSpeed's universal format and every rank loads that; the global batch stays fixed because gradient
     accumulation is derived from the new data-parallel size."""
+    from keel.parallel import comm
     from keel.training.checkpoint import Checkpointer
     from keel.training.ds_config import zero_stage
 
@@ -122,7 +124,7 @@ def reshard_if_needed(cfg, ds_raw: dict, topology, run_dir: Path) -> dict:
         log.warning("checkpoint %s was written at %s; this run is %s: converting to a universal checkpoint", tag,
                     {k: saved[k] for k in ("world_size", "dp", "tp", "pp")}, topology.describe())
         checkpointer.convert_universal(tag)
-    dist.barrier()
+    comm.barrier(topology.control("world"))
     return {**ds_raw, "checkpoint": {**ds_raw.get("checkpoint", {}), "load_universal": True}}
 
 

@@ -16,11 +16,11 @@ import logging
 import math
 
 import torch
-import torch.distributed as dist
 
 from keel.config import RunConfig
 from keel.model.moe import moe_layers
 from keel.model.router import is_moe_block
+from keel.parallel import comm
 from keel.parallel.topology import Topology
 from keel.training.guards.base import AnomalyLog
 
@@ -39,9 +39,10 @@ class ExpertHealth:
         self.bias_update = m.moe_bias_update
         self.top_k = m.moe_top_k
         self.contributes = topology.rank_in("tp") == 0
-        self.distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        # the counts live where the model runs; NCCL reduces device tensors only
+        # the counts live where the model runs: the device channel. Each step's bias update needs only this
+        # stage's layers (the stage group); the periodic health record reports every stage's (the world).
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        self.stage_group, self.world_group = topology.device("stage"), topology.device("world")
         self.anomalies = anomalies
         self.streaks = [[0] * self.num_experts for _ in self.block_ids]
         if cfg.faults.starve_expert >= 0:
@@ -60,29 +61,27 @@ class ExpertHealth:
         for layer in self.layers:
             layer.aux_grad_scale = loss_scale / accumulation_steps
 
-    def _all_layers(self, rows: int, fill) -> torch.Tensor:
-        """Sum over ranks of a [MoE blocks, rows] table each rank fills for its own layers (tp rank 0 only)."""
+    def _all_layers(self, rows: int, fill, group: comm.Group) -> torch.Tensor:
+        """Sum over `group` of a [MoE blocks, rows] table each rank fills for its own layers (tp rank 0 only)."""
         table = torch.zeros(len(self.block_ids), rows, dtype=torch.float64, device=self.device)
         if self.contributes:
             for layer in self.layers:
                 table[self.slot[layer.layer_id]] = fill(layer).to(table.device)
-        if self.distributed:
-            dist.all_reduce(table)
-        return table
+        return comm.all_reduce(table, group)
 
     def after_step(self, step: int, applied: bool) -> dict:
         """Bias balancing after an applied step; every `interval` steps the health record for this step."""
         if not self.active:
             return {}
         if self.bias_update > 0:
-            counts = self._all_layers(self.num_experts, lambda layer: layer.stats.step_routed)
+            counts = self._all_layers(self.num_experts, lambda layer: layer.stats.step_routed, self.stage_group)
             if applied:
                 self._nudge_biases(counts)
         for layer in self.layers:
             layer.stats.step_routed.zero_()
         if not self.interval or step % self.interval:
             return {}
-        table = self._all_layers(self.num_experts + 3, lambda layer: layer.stats.vector())
+        table = self._all_layers(self.num_experts + 3, lambda layer: layer.stats.vector(), self.world_group)
         for layer in self.layers:
             layer.stats.reset()
         return {"moe": {f"L{block}": self._report(step, n, block, row.tolist())

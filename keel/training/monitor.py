@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from keel.adapters.deepspeed_internals import (
@@ -33,6 +32,7 @@ from keel.adapters.deepspeed_internals import (
 from keel.config import ConfigError, StabilityConfig
 from keel.data.atomic import write_atomic
 from keel.model import Block
+from keel.parallel import comm
 from keel.parallel.pipeline import local_layers
 from keel.parallel.topology import Topology
 
@@ -368,9 +368,9 @@ class ModelMonitor:
         grad_count = torch.tensor(self._params_per_layer, dtype=torch.float64, device=self._device)
         summed = torch.cat([grad_sq, grad_count, acts[:, :3].flatten(), param_sq.view(1), update_sq.view(1)])
         maxes = acts[:, 3].clone()
-        if self.topology.size("model") > 1:  # one sum for everything additive, one max
-            dist.all_reduce(summed, group=self.topology.group("model"))
-            dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=self.topology.group("model"))
+        model = self.topology.device("model")  # one sum for everything additive, one max
+        comm.all_reduce(summed, model)
+        comm.all_reduce(maxes, model, "max")
         values, maxes_list = summed.tolist(), maxes.tolist()  # the one device → host sync
         grad_sq_list, counts = values[:n_layers], values[n_layers:2 * n_layers]
         act_list = values[2 * n_layers:5 * n_layers]

@@ -1,17 +1,14 @@
 """Preemption: on SIGUSR1 or SIGTERM every rank finishes its step, a checkpoint is saved, and the process
 exits with `EXIT_PREEMPTED`, which the SLURM script answers by requeueing the job.
 
-The signal may reach only some ranks (or reach them at different times), so the flag is agreed on with one
-scalar all-reduce at the end of each step: every rank stops after the same step.
+The signal may reach only some ranks (or reach them at different times), so the flag rides on the step's one
+agreement (keel/training/step_gate.py `agree`): every rank stops after the same step.
 """
 
 from __future__ import annotations
 
 import logging
 import signal
-
-import torch
-import torch.distributed as dist
 
 log = logging.getLogger("keel")
 
@@ -31,12 +28,9 @@ class PreemptionHandler:
             log.warning("received %s: stopping after this step with a checkpoint", signal.Signals(signum).name)
         self.received = signum
 
-    def should_stop(self) -> bool:
-        """Collective: True on every rank if any rank was signalled."""
-        flag = torch.tensor([1 if self.received is not None else 0], dtype=torch.int64)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+    def signalled(self) -> bool:
+        """This rank's flag (not agreed: the step gate agrees it with the step's decision)."""
+        return self.received is not None
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():

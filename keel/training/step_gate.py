@@ -5,9 +5,11 @@ gradients, before the update); the pipeline engine runs forward, backward and st
 So the trainer cannot decide between backward and step, and instead hands the gate its decision function for
 the duration of the step (`with gate.deciding(trainer._decide): ...`). Every engine — ZeRO 0-3, bf16, fp16, the
 pipeline — ends in the torch optimizer's `step()`; the gate wraps exactly that call, asks once, agrees the answer
-across ranks, and either steps or vetoes. A veto leaves parameters, Adam moments, the LR schedule and the loss
-scaler untouched: DeepSpeed treats it as it treats an fp16 overflow (gradients dropped, `skipped_steps` counted,
-scheduler held). The DeepSpeed internals this needs live in keel/adapters/deepspeed_internals.py.
+across ranks, and either steps or vetoes. The agreement is the step's one control collective: it carries the
+preemption flag too, and a step DeepSpeed dropped before asking (fp16 overflow) is agreed by `agree_unconsulted`.
+A veto leaves parameters, Adam moments, the LR schedule and the loss scaler untouched: DeepSpeed treats it as it
+treats an fp16 overflow (gradients dropped, `skipped_steps` counted, scheduler held). The DeepSpeed internals this
+needs live in keel/adapters/deepspeed_internals.py.
 """
 
 from __future__ import annotations
@@ -16,16 +18,20 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
-import torch.distributed as dist
 
 from keel.adapters.deepspeed_internals import inner_optimizer, veto_step
 from keel.adapters.torch_internals import keep_scheduler_mark
+from keel.parallel import comm
 from keel.training.guards.base import Action, Decision
 
 
 class StepGate:
-    def __init__(self, engine):
+    def __init__(self, engine, control: comm.Group, signalled: Callable[[], bool] = lambda: False):
+        """`control`: the world's control channel; `signalled()`: this rank's preemption flag, agreed each step."""
         self.engine = engine
+        self.control = control
+        self.signalled = signalled
+        self.preempted = False  # agreed: some rank was signalled by the time of this step's agreement
         self.optimizer = inner_optimizer(engine)
         self._step = self.optimizer.step
 
@@ -51,19 +57,24 @@ class StepGate:
         if self._decide is None:
             raise RuntimeError("the optimizer stepped outside StepGate.deciding(): the guards were not asked")
         if not self.consulted:  # ZeRO-3 calls step once per parameter sub-group: decide once per step
-            self.decision = agree(self._decide())
+            self.decision, self.preempted = agree(self._decide(), self.signalled(), self.control)
             self.consulted = True
         vetoed = self.decision.action != Action.STEP
         veto_step(self.engine, vetoed)
         return None if vetoed else self._step(*args, **kwargs)
 
 
-def agree(decision: Decision) -> Decision:
-    """Every rank acts on the most severe decision any rank reached (one scalar all-reduce)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return decision
-    code = torch.tensor([int(decision.action)], dtype=torch.int64)
-    dist.all_reduce(code, op=dist.ReduceOp.MAX)
-    if int(code) == decision.action:
-        return decision
-    return Decision(Action(int(code)), reason="decided on another rank")
+    def agree_unconsulted(self, decision: Decision) -> Decision:
+        """The agreement for a step the engine dropped before asking the gate (its fp16 overflow handling)."""
+        self.decision, self.preempted = agree(decision, self.signalled(), self.control)
+        return self.decision
+
+
+def agree(decision: Decision, signalled: bool, control: comm.Group) -> tuple[Decision, bool]:
+    """Every rank acts on the most severe decision any rank reached, and stops if any rank was signalled: one
+    two-element all-reduce (MAX) on the control channel."""
+    codes = torch.tensor([int(decision.action), int(signalled)], dtype=torch.int64)
+    action, preempted = comm.all_reduce(codes, control, "max").tolist()
+    if action == decision.action:
+        return decision, bool(preempted)
+    return Decision(Action(action), reason="decided on another rank"), bool(preempted)

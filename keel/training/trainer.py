@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from keel.adapters.deepspeed_internals import grad_norm_before_update, loss_scale, pipeline_summed_loss
 from keel.config import RunConfig
 from keel.data import GlobalSampleOrder, PackedSamples, step_batch, step_sample_indices
+from keel.parallel import comm
 from keel.parallel.topology import Topology
 from keel.training.checkpoint import Checkpointer, TrainState
 from keel.training.engine import Fp32GradClipper, LRScale
@@ -62,12 +62,9 @@ class StepBatch:
         return self.start + self.size
 
 
-def _mean_over(value: torch.Tensor, group) -> float:
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-        value = value.clone()
-        dist.all_reduce(value, group=group)
-        value /= dist.get_world_size(group)
-    return value.item()
+def _mean_over(value: torch.Tensor, group: comm.Group) -> float:
+    """The mean over `group` of a device scalar, read back once (the step's one host sync on this path)."""
+    return (comm.all_reduce(value.clone(), group) / group.size).item()
 
 
 def parse_skip_ranges(ranges: list[str]) -> list[tuple[int, int]]:
@@ -89,7 +86,7 @@ class Trainer:
         self.order = GlobalSampleOrder(len(train_samples), cfg.train.seed)
         self.checkpointer = Checkpointer(run_dir / "checkpoints", cfg.checkpoint.keep_last, topology)
         self.run_dir = run_dir
-        self.dp_group = topology.group("dp")
+        self.dp_group = topology.device("dp")
         self.is_pipeline = cfg.parallel.pp > 1
         self.lr_scale = lr_scale or LRScale()
         self.clipper = Fp32GradClipper(engine, topology)
@@ -98,12 +95,12 @@ class Trainer:
         self.faults = FaultInjector(cfg.faults, topology.rank, engine.module, cfg.model.vocab_size, cfg.train.seed)
         self.loss_fn = engine.module.loss_fn
         self.guards = GuardStack(cfg, engine, topology, self.anomalies)
-        self.gate = StepGate(engine)
+        self.preemption = PreemptionHandler()
+        self.gate = StepGate(engine, topology.control("world"), self.preemption.signalled)
         self.monitor = ModelMonitor(engine, topology, cfg.stability.monitor_interval)
         if self.is_pipeline:
             self.monitor.attach(engine)  # train_batch leaves no gap between the last backward and the step
         self.experts = ExpertHealth(cfg, engine.module, topology, self.anomalies)
-        self.preemption = PreemptionHandler()
         self._local_loss: float | None = None
 
     # -- one optimizer step, straight down ------------------------------------------------------------------------
@@ -123,7 +120,7 @@ class Trainer:
         decision = self.gate.decision
         if not applied and not self.gate.consulted:  # DeepSpeed dropped the step before asking (non-finite, fp16)
             stats = self._stats(batch)
-            decision = self.guards.engine_skipped(stats, self.engine.fp16_enabled())
+            decision = self.gate.agree_unconsulted(self.guards.engine_skipped(stats, self.engine.fp16_enabled()))
             batch.grad_norm = stats.grad_norm  # NaN unless fp16 (where the loss scaler's overflow is routine)
         state.step, state.consumed_samples = batch.step, batch.end
         state.skipped_steps += int(not applied)
@@ -187,14 +184,17 @@ class Trainer:
         return grad_norm_before_update(self.engine)
 
     def _pipeline_loss(self) -> float:
-        """The pipeline's last stage holds the summed micro-batch losses; average them over replicas."""
+        """The pipeline's last stage holds the summed micro-batch losses; every rank needs their mean over
+        replicas (the guards decide on it). One device all-reduce over the world, to which only the last stage's
+        tp-rank-0 ranks contribute; every other rank adds a zero on the same device (never a CPU tensor)."""
         summed = pipeline_summed_loss(self.engine)
         local = torch.zeros((), device=self.engine.device)
         if summed is not None and self.topology.rank_in("tp") == 0:
             local = summed.detach().float() / self.engine.gradient_accumulation_steps()
-        dist.all_reduce(local)
-        self._local_loss = float(local) if summed is not None else None
-        return float(local) / self.topology.dp_size
+        mine = local.clone() if summed is not None else None
+        total = comm.all_reduce(local, self.topology.device("world")).item()
+        self._local_loss = float(mine) if mine is not None else None  # already computed: no second stall
+        return total / self.topology.dp_size
 
     def _localize(self, batch: StepBatch) -> None:
         """Replay the skipped batch on every rank to name the first bad module and classify the cause."""
@@ -203,7 +203,8 @@ class Trainer:
         samples = step_sample_indices(batch.start, batch.size, self.cfg.train.micro_batch_size,
                                       self.topology.dp_rank, self.topology.dp_size)
         on_device = [mb.to(self.engine.device) for mb in batch.micro_batches]
-        summary = localize_on_all_ranks(self.engine.module, on_device, samples, self._local_loss)
+        summary = localize_on_all_ranks(self.engine.module, on_device, samples, self._local_loss,
+                                        self.topology.control("world"))
         if self.engine.zero_optimization_stage() == 3:
             self.engine.empty_partition_cache()  # the replay leaves gathered parameters behind
         self.anomalies.record("nonfinite", batch.step, phase="localized", **summary)
@@ -279,7 +280,7 @@ class Trainer:
         self.sinks = Sinks(self.run_dir, s, self.cfg.to_dict(), enabled=self.topology.rank == 0,
                            resumed_step=state.step)
         watchdog = Watchdog(self.run_dir, self.topology.rank, s.watchdog_timeout, self.anomalies)
-        stragglers = StragglerMonitor(self.topology, s.straggler_interval)
+        stragglers = StragglerMonitor(self.topology.control("world"), s.straggler_interval)
         try:
             with watchdog:  # leaving the block within a hang's deadline counts as that hang (see watchdog.py)
                 return self._loop(state, metrics, watchdog, stragglers)
@@ -314,7 +315,7 @@ class Trainer:
                     state = self.rollback(state, metrics, first, decision.reason, factor)
                 continue
             stop_early = t.exit_after and steps_here >= t.exit_after and state.step < t.steps
-            preempted = self.preemption.should_stop() and state.step < t.steps
+            preempted = self.gate.preempted and state.step < t.steps
             if state.step == t.steps or stop_early or preempted or (c.interval and state.step % c.interval == 0):
                 with watchdog.paused():
                     self.save(state)

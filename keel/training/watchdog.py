@@ -57,9 +57,7 @@ from typing import TYPE_CHECKING, NoReturn
 from keel.training.guards.base import AnomalyLog
 
 if TYPE_CHECKING:
-    from torch.distributed import ProcessGroup
-
-    from keel.parallel.topology import Topology
+    from keel.parallel import comm
 
 EXIT_HANG = 4
 BACKSTOP_MARGIN_S = 60.0  # the faulthandler backstop fires this long after the watchdog thread last ran
@@ -226,10 +224,9 @@ class StragglerMonitor:
     measure it; whole-step times still show the step's spread between ranks and its host.
     """
 
-    def __init__(self, topology_or_group: Topology | ProcessGroup | None = None, interval: int = 50):
-        from keel.parallel.topology import Topology
-
-        self.group = None if isinstance(topology_or_group, Topology) else topology_or_group  # None: the world
+    def __init__(self, control: comm.Group | None = None, interval: int = 50):
+        """`control`: the world's control channel (step times are host values); None: one process."""
+        self.control = control
         self.interval = interval
         self._ranks: list[int] = []
         self._hosts: list[str] = []
@@ -248,18 +245,14 @@ class StragglerMonitor:
 
     def _gather(self, value: float) -> list[float]:
         import torch  # here, not at the top: the watchdog above must stay importable without torch's start-up
-        import torch.distributed as dist
 
-        if not (dist.is_available() and dist.is_initialized()):
+        from keel.parallel import comm
+
+        if self.control is None or not self.control.active:
             self._ranks, self._hosts = [0], [socket.gethostname()]
             return [value]
         if not self._ranks:  # once: hosts do not change
-            self._ranks = dist.get_process_group_ranks(self.group or dist.group.WORLD)
-            self._hosts = [""] * len(self._ranks)
-            dist.all_gather_object(self._hosts, socket.gethostname(), group=self.group)
-        on_gpu = dist.get_backend(self.group) == "nccl"
-        device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-        mine = torch.tensor([value], dtype=torch.float64, device=device)
-        parts = [torch.empty_like(mine) for _ in self._ranks]
-        dist.all_gather(parts, mine, group=self.group)
+            self._ranks = list(self.control.ranks)
+            self._hosts = comm.all_gather_object(socket.gethostname(), self.control)
+        parts = comm.all_gather(torch.tensor([value], dtype=torch.float64), self.control)
         return [p.item() for p in parts]

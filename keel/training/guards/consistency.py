@@ -10,8 +10,8 @@ import math
 import socket
 
 import torch
-import torch.distributed as dist
 
+from keel.parallel import comm
 from keel.parallel.topology import Topology
 
 
@@ -30,10 +30,8 @@ class LossOutlierCheck:
         """Collective over the world; `local_loss` is this replica's loss where this rank holds it, else None.
 
         Returns one event per flagged replica (identical on every rank)."""
-        world = dist.get_world_size()
         value = math.nan if local_loss is None else float(local_loss)
-        gathered = [None] * world
-        dist.all_gather_object(gathered, (value, socket.gethostname()))
+        gathered = comm.all_gather_object((value, socket.gethostname()), self.topology.control("world"))
         per_replica: dict[int, tuple[float, str, int]] = {}
         for rank, (loss, host) in enumerate(gathered):
             dp_rank = self.topology.shape.coords(rank)["edp"] * self.topology.shape.ep + \
@@ -89,10 +87,8 @@ class ChecksumCheck:
         return events
 
     def _compare(self, group_name: str, params: list[tuple[str, torch.Tensor]]) -> list[dict]:
-        sums = torch.tensor([checksum(p) for _, p in params], dtype=torch.int64)  # on the host: gloo
-        group = self.topology.group(group_name)
-        gathered = [torch.empty_like(sums) for _ in range(self.topology.size(group_name))]
-        dist.all_gather(gathered, sums, group=group)
+        sums = torch.tensor([checksum(p) for _, p in params], dtype=torch.int64)  # host integers: control
+        gathered = comm.all_gather(sums, self.topology.control(group_name))
         ranks = self.topology.ranks(group_name)
         table = torch.stack(gathered)  # [ranks, params]
         events = []

@@ -41,10 +41,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from keel.adapters.deepspeed_internals import zero3_partition
+from keel.parallel import comm
 
 ROOT = "<model>"  # the name reported for the model itself (named_modules calls it "")
 DATA, TRANSIENT = "data", "transient"
@@ -307,13 +307,11 @@ def _samples(findings: list[Finding], micro_batches: Sequence[torch.Tensor],
 
 
 def localize_on_all_ranks(model: nn.Module, micro_batches: Sequence[torch.Tensor], samples: Sequence[int],
-                          local_loss: float | None) -> dict[str, Any]:
-    """Every rank replays its own micro-batches of the skipped step; the findings are gathered and combined into
-    one summary all ranks hold (a collective: call on every rank, see the module docstring)."""
+                          local_loss: float | None, control: comm.Group) -> dict[str, Any]:
+    """Every rank replays its own micro-batches of the skipped step; the findings are gathered (over the world's
+    control channel) and combined into one summary all ranks hold (a collective: call on every rank)."""
     event = localize(model, micro_batches, samples).event()
-    found = [None] * dist.get_world_size()
-    dist.all_gather_object(found, {**event, "local_loss": local_loss})
-    return combine_rank_findings(found)
+    return combine_rank_findings(comm.all_gather_object({**event, "local_loss": local_loss}, control))
 
 
 def combine_rank_findings(found: list[dict[str, Any]]) -> dict[str, Any]:
