@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
-# One prepared run on a lent GPU machine (no network there): what the CPU machines cannot show.
-#   1. bench/throughput.py in bf16 on a mid-sized Llama: tokens/s, MFU against the bf16 matmul peak measured in
-#      the same run, and the Keel/HF ratio.
-#   2. `keel train` on one GPU (NCCL), dense and MoE (8 experts, top-2, dropless, bias balancing): the CUDA code
-#      paths run end to end and the loss falls.
+# One prepared run on a lent GPU machine (no network there): what the CPU machines cannot show. ≤ 5 minutes.
+# Stages (all by default; choose with STAGES="gpu-tests dense-z1 ..." in the environment):
+#   gpu-tests   pytest -m gpu: the model on CUDA equals the CPU reference; the channel rule on real CUDA tensors.
+#   throughput  bench/throughput.py in bf16 on a mid-sized Llama: tokens/s, MFU, the Keel/HF ratio.
+#   dense-z1 dense-z2 dense-z3 moe-z1 moe-z2
+#               `keel train` on one GPU (NCCL + gloo control group) through the paths that need no second GPU,
+#               covered pairwise: ZeRO-1/2/3 dense and ZeRO-1/2 MoE, fp16 and bf16 each twice or more, monitor
+#               and checksums on in every run, and a resume (stop at step 30, start again) in three of them.
+#               Each prints its last log lines and its peak GPU memory next to Keel's memory model.
 # Usage there: bash bench/device_check.sh [OUT_DIR]. A machine with no network needs DeepSpeed and the deps its
 # image lacks as wheels in .whl/ (made beforehand where pip works; the image had Python 3.12):
 #   DS_BUILD_OPS=0 pip wheel --no-deps --no-build-isolation deepspeed==0.19.8 -w .whl
@@ -18,20 +22,60 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   export PYTHONPATH=/tmp/site:$PWD
 fi
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-$PWD}
+stages=${STAGES:-gpu-tests throughput dense-z1 dense-z2 dense-z3 moe-z1 moe-z2}
+want() { [[ " $stages " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
 python3 -c "import torch, deepspeed; print('torch', torch.__version__, 'deepspeed', deepspeed.__version__)"
 
-[ -n "${SKIP_THROUGHPUT:-}" ] || timeout 300 python3 bench/throughput.py --precision bf16 --ds-config ds_configs/bf16.json --dim 2048 --layers 8 \
-  --heads 16 --kv-heads 8 --vocab 32000 --seq-len 2048 --micro-batch 4 --steps 10 --warmup 3 2>&1 \
-  | grep -v "^\[20" | tee "$out/throughput.txt"
+if want gpu-tests; then
+  timeout 120 python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider 2>&1 | tail -5 | tee "$out/gpu_tests.txt"
+fi
+if want throughput; then
+  timeout 150 python3 bench/throughput.py --precision bf16 --ds-config ds_configs/bf16.json --dim 2048 --layers 8 \
+    --heads 16 --kv-heads 8 --vocab 32000 --seq-len 2048 --micro-batch 4 --steps 8 --warmup 2 2>&1 \
+    | grep -v "^\[20" | tee "$out/throughput.txt"
+fi
 
-common=(--nproc 1 --set train.steps=60 --set train.eval_interval=0 --set checkpoint.interval=0
+# ds_config STAGE PRECISION → a DeepSpeed JSON in $out (ZeRO stage from zeroN.json, precision section added)
+ds_config() {
+  python3 - "$1" "$2" "$out/ds_z$1_$2.json" <<'EOF'
+import json, sys
+stage, precision, path = sys.argv[1:]
+ds = json.load(open(f"ds_configs/zero{stage}.json"))
+ds[precision] = {"enabled": True, **({"initial_scale_power": 12} if precision == "fp16" else {})}
+json.dump(ds, open(path, "w"), indent=1)
+print(path)
+EOF
+}
+
+common=(--nproc 1 --set train.steps=60 --set train.eval_interval=30 --set checkpoint.interval=30
         --set logging.log_interval=20 --set data.seq_len=256 --set model.dim=256 --set train.micro_batch_size=8
-        --set train.global_batch_size=16)
-timeout 150 python3 -m keel.launcher.cli train --run-dir /tmp/dense "${common[@]}" > "$out/train_dense.txt" 2>&1
-grep -v "^\[20" "$out/train_dense.txt" | tail -12
-timeout 150 python3 -m keel.launcher.cli train --run-dir /tmp/moe "${common[@]}" --set model.moe_experts=8 \
-  --set model.moe_bias_update=0.001 --set stability.expert_interval=20 > "$out/train_moe.txt" 2>&1
-grep -v "^\[20" "$out/train_moe.txt" | tail -12
-cp /tmp/moe/metrics.jsonl "$out/moe_metrics.jsonl" 2>/dev/null
+        --set train.global_batch_size=16 --set stability.monitor_interval=10 --set stability.checksum_interval=10)
+moe=(--set model.moe_experts=8 --set model.moe_bias_update=0.001 --set stability.expert_interval=20)
+
+# train NAME STAGE PRECISION RESUME(0/1) [extra --set ...]
+train() {
+  local name=$1 stage=$2 prec=$3 resume=$4
+  shift 4
+  local cfg run=/tmp/keel_$name
+  cfg=$(ds_config "$stage" "$prec")
+  rm -rf "$run"
+  if [ "$resume" = 1 ]; then
+    timeout 100 python3 -m keel.launcher.cli train --run-dir "$run" --ds-config "$cfg" "${common[@]}" "$@" \
+      --set train.exit_after=30 > "$out/train_$name.txt" 2>&1
+  fi
+  timeout 100 python3 -m keel.launcher.cli train --run-dir "$run" --ds-config "$cfg" "${common[@]}" "$@" \
+    >> "$out/train_$name.txt" 2>&1
+  echo "== $name: exit $? (ZeRO-$stage $prec, resume=$resume)"
+  grep -v "^\[20" "$out/train_$name.txt" | grep -E "step +[0-9]+|resumed|finished|error|Error" | tail -6
+  cp "$run/metrics.jsonl" "$out/metrics_$name.jsonl" 2>/dev/null
+  cp "$run/anomalies.jsonl" "$out/anomalies_$name.jsonl" 2>/dev/null
+  python3 bench/memory_vs_model.py "$run" 2>&1 | tee -a "$out/memory.txt"
+}
+
+want dense-z1 && train dense-z1 1 fp16 1
+want dense-z2 && train dense-z2 2 bf16 0
+want dense-z3 && train dense-z3 3 bf16 1
+want moe-z1 && train moe-z1 1 bf16 0 "${moe[@]}"
+want moe-z2 && train moe-z2 2 fp16 1 "${moe[@]}"
 exit 0

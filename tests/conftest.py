@@ -23,9 +23,20 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "slow" in item.keywords:
                 item.add_marker(skip)
+    if not _cuda_available():
+        skip_gpu = pytest.mark.skip(reason="needs CUDA: torch sees no GPU here (bench/device_check.sh runs these)")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip_gpu)
     # the runs the selected tests' modules declare train in shared launches (tests/keel_runs.py)
     modules = {item.module for item in items if item.get_closest_marker("skip") is None}
     config.stash[DECLARED_RUNS] = [run for module in modules for run in getattr(module, "KEEL_RUNS", [])]
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def pytest_terminal_summary(terminalreporter, config):

@@ -14,7 +14,11 @@ pytestmark = pytest.mark.slow
 
 # checksums every 5 steps: expert parameters differ across ep ranks, and must not be mistaken for a bit flip
 MOE = dict(model__moe_experts=4, stability__expert_interval=5, stability__checksum_interval=5)
-FOUR_D = dict(MOE, parallel__tp=2, parallel__pp=2, parallel__ep=2, parallel__sequence_parallel="true")
+# the 8-rank runs also record their collectives for tests/test_collective_trace.py (it changes no numerics)
+FOUR_D = dict(MOE, parallel__tp=2, parallel__pp=2, parallel__ep=2, parallel__sequence_parallel="true",
+              logging__collective_trace="true")
+TP_SP_EP = dict(MOE, parallel__tp=2, parallel__sequence_parallel="true", parallel__sp=2, parallel__ep=2,
+                logging__collective_trace="true")
 EP2_BIAS = {**MOE, "parallel__ep": 2, "model__moe_bias_update": 0.01}
 ROUTING = [(1, 0.0, "probability"), (1, 1.0, "probability"), (2, 0.0, "probability"), (2, 1.0, "position")]
 BALANCING = {**MOE, "train__steps": 50, "model__moe_top_k": 1, "model__moe_z_loss": 0.0,
@@ -28,8 +32,7 @@ def _routing(top_k: int, capacity: float, policy: str) -> dict:
 
 KEEL_RUNS = [Run.of("moe-single", 1, **MOE), Run.of("dense-single", 1), Run.of("sp2", 2, parallel__sp=2),
              Run.of("ep2pp2", 4, "ds_configs/zero1.json", parallel__ep=2, parallel__pp=2, **MOE),
-             Run.of("tp2sp2ep2", 8, "ds_configs/zero2.json", parallel__tp=2, parallel__sequence_parallel="true",
-                    parallel__sp=2, parallel__ep=2, **MOE),
+             Run.of("tp2sp2ep2", 8, "ds_configs/zero2.json", **TP_SP_EP),
              Run.of("4d", 8, "ds_configs/zero1.json", **FOUR_D),
              Run.of("4d-resumed", 8, "ds_configs/zero1.json", resume_at=5, **FOUR_D),
              Run.of("ep2-zero1-bias", 2, "ds_configs/zero1.json", **EP2_BIAS),
@@ -118,8 +121,7 @@ def test_tp2_sp2_ep2_matches_single_process(runs):
     """8 ranks: tp=2 (Megatron SP) × Ulysses sp=2 × dp=2 with ep=2, ZeRO-2. Each sp rank routes its sequence
     chunk; the balancing statistics span the whole sequence."""
     reference = runs.get("moe-single", 1, **MOE)
-    both = runs.get("tp2sp2ep2", 8, "ds_configs/zero2.json", parallel__tp=2, parallel__sequence_parallel="true",
-                    parallel__sp=2, parallel__ep=2, **MOE)
+    both = runs.get("tp2sp2ep2", 8, "ds_configs/zero2.json", **TP_SP_EP)
     assert_close(column(both, "loss"), column(reference, "loss"), 1e-5)
     assert_close(column(both, "grad_norm"), column(reference, "grad_norm"), 1e-5)
     assert_same_health(health(both), health(reference))

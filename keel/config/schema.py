@@ -134,6 +134,7 @@ class CheckpointConfig:
 @dataclass
 class LoggingConfig:
     log_interval: int = 10  # stdout line every N steps; metrics.jsonl gets every step
+    collective_trace: bool = False  # record every Keel collective per rank in RUN_DIR/collectives/ (debug, tests)
 
 
 @dataclass

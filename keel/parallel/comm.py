@@ -12,15 +12,15 @@ that names the channel:
   names, timestamps.
 
 A tensor on the wrong device for its channel is an error here, on every rank that makes it, instead of a hang
-on some. Handles come from `Topology.comm(name, channel)`. With `KEEL_COLLECTIVE_TRACE=DIR` in the environment
-every call is also recorded (op, group, ranks, channel, dtype, numel) in `DIR/trace_rank<R>.jsonl`, which
-tests/test_collective_trace.py compares across ranks.
+on some. Handles come from `Topology.comm(name, channel)`. With `logging.collective_trace: true` every call is
+also recorded (op, group, ranks, channel, dtype, numel) in `RUN_DIR/collectives/trace_rank<R>.jsonl`, which
+tests/test_collective_trace.py compares across ranks (and which shows where ranks parted ways after a hang).
 """
 
 from __future__ import annotations
 
 import json
-import os
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,7 +31,6 @@ import torch.distributed as dist
 DEVICE = "device"
 CONTROL = "control"
 CHANNELS = (DEVICE, CONTROL)
-TRACE_ENV = "KEEL_COLLECTIVE_TRACE"
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -44,15 +43,11 @@ class CollectiveTrace:
         self.path = directory / f"trace_rank{rank}.jsonl"
         self._file = self.path.open("a", buffering=1)
 
-    @classmethod
-    def from_env(cls, rank: int) -> CollectiveTrace | None:
-        directory = os.environ.get(TRACE_ENV)
-        return cls(Path(directory), rank) if directory else None
-
-    def record(self, op: str, group: Group, tensor: torch.Tensor | None) -> None:
+    def record(self, op: str, group: Group, tensor: torch.Tensor | None, numel: int | None = None) -> None:
+        """`numel`: what every rank must agree on, when not the tensor's size (an uneven all-to-all's row)."""
         entry = {"op": op, "group": group.name, "ranks": list(group.ranks), "channel": group.channel,
                  "dtype": str(tensor.dtype).removeprefix("torch.") if tensor is not None else "object",
-                 "numel": tensor.numel() if tensor is not None else 0,
+                 "numel": numel if numel is not None else tensor.numel() if tensor is not None else 0,
                  "device": tensor.device.type if tensor is not None else "cpu"}
         self._file.write(json.dumps(entry) + "\n")
 
@@ -105,10 +100,10 @@ def check(op: str, group: Group, tensor: torch.Tensor | None) -> None:
         raise RuntimeError(f"{op} of Python objects belongs on the {CONTROL} channel (group {group.name!r})")
 
 
-def _enter(op: str, group: Group, tensor: torch.Tensor | None) -> None:
+def _enter(op: str, group: Group, tensor: torch.Tensor | None, numel: int | None = None) -> None:
     check(op, group, tensor)
     if group.trace is not None:
-        group.trace.record(op, group, tensor)
+        group.trace.record(op, group, tensor, numel)
 
 
 # -- tensors ---------------------------------------------------------------------------------------------------
@@ -145,7 +140,9 @@ def all_to_all(tensor: torch.Tensor, group: Group, send_splits: list[int] | None
     """Rows of `tensor` split by `send_splits` go to each peer; returns the rows received (`recv_splits`)."""
     if not group.active:
         return tensor if out is None else out.copy_(tensor)
-    _enter("all_to_all", group, tensor)
+    uneven = send_splits is not None or recv_splits is not None  # ranks agree on the row size, not the rows
+    _enter("all_to_all_uneven" if uneven else "all_to_all", group, tensor,
+           math.prod(tensor.shape[1:]) if uneven else None)
     if out is None:
         rows = sum(recv_splits) if recv_splits is not None else tensor.shape[0]
         out = tensor.new_empty((rows, *tensor.shape[1:]))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -117,7 +118,7 @@ class Topology:
         # NCCL serves the device channel on GPUs; CPU tensors of the same groups go through gloo (entry.py's
         # "cpu:gloo,cuda:nccl"), so the control channel needs no groups of its own.
         self.device_type = "cuda" if initialized and "nccl" in str(dist.get_backend()) else "cpu"
-        self.trace = comm.CollectiveTrace.from_env(rank) if initialized else None
+        self.trace: comm.CollectiveTrace | None = None
         self._handles: dict[tuple[str, str], comm.Group] = {}
         for name, axes in GROUP_AXES.items():
             for ranks in shape.groups_along(axes):
@@ -148,6 +149,12 @@ class Topology:
             self._handles[key] = comm.Group(name, tuple(self._ranks[name]), self.rank_in(name), channel,
                                             self._groups[name], self.device_type, self.trace)
         return self._handles[key]
+
+    def trace_into(self, directory: Path) -> None:
+        """Record every collective of this rank's handles in `directory` (call before handing any out)."""
+        if self._handles:
+            raise RuntimeError("trace_into must run before any comm handle is handed out")
+        self.trace = comm.CollectiveTrace(directory, self.rank)
 
     def device(self, name: str) -> comm.Group:
         return self.comm(name, comm.DEVICE)

@@ -67,6 +67,8 @@ def run_rank(run_dir: Path) -> int:
     log = logging.getLogger("keel")
     p = cfg.parallel
     topology = Topology.from_env(tp=p.tp, pp=p.pp, ep=p.ep, sp=p.sp)
+    if cfg.logging.collective_trace:
+        topology.trace_into(run_dir / "collectives")
     seed_everything(data_parallel_seed(cfg.train.seed, topology))
     dataset = IndexedDataset(data["prefix"])
     train_samples = PackedSamples(dataset, cfg.data.seq_len, "train", cfg.data.val_fraction)

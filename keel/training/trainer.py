@@ -332,6 +332,8 @@ class Trainer:
         record = {"step": state.step, **record, "tokens": state.consumed_samples * seq_len,
                   "tokens_per_s": record["batch_size"] * seq_len / elapsed, "step_time_s": elapsed,
                   "consumed_samples": state.consumed_samples, "lr_scale": state.lr_scale}
+        if torch.device(self.engine.device).type == "cuda":  # the allocator's own counter: no device sync
+            record["gpu_mem_peak_gib"] = torch.cuda.max_memory_allocated(self.engine.device) / 2**30
         report = stragglers.update(state.step, elapsed)
         if report is not None:
             record.update(report.metrics)

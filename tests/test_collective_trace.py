@@ -1,0 +1,91 @@
+"""Every rank issues the same collectives, in the same order, on every group (the rule that keeps 512 ranks from
+hanging), checked on the collectives real runs recorded (`logging.collective_trace`, keel/parallel/comm.py).
+
+Per process group, each member rank's ordered list of (op, channel, dtype, numel) must be identical. On gloo a
+mixed-device collective cannot hang, so the channel each call took is part of what is compared; the lint in
+tests/test_comm_rule.py keeps calls from bypassing the recording. Runs: 8 ranks pp2 × tp2 × dp2 (ep2, Megatron SP);
+8 ranks tp2 × Ulysses sp2 × ep2; 4 ranks with every guard, the monitor, evaluation and checkpoints every step or two.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from tests.keel_runs import Run
+from tests.test_moe_training import FOUR_D, TP_SP_EP
+
+pytestmark = pytest.mark.slow
+
+ALL_GUARDS = dict(parallel__tp=2, logging__collective_trace="true", train__eval_interval=5, checkpoint__interval=5,
+                  stability__checksum_interval=2, stability__loss_check_interval=2,
+                  stability__straggler_interval=2, stability__monitor_interval=2)
+TRACED = {"4d": Run.of("4d", 8, "ds_configs/zero1.json", **FOUR_D),
+          "tp2sp2ep2": Run.of("tp2sp2ep2", 8, "ds_configs/zero2.json", **TP_SP_EP),
+          "all-guards": Run.of("all-guards", 4, "ds_configs/zero1.json", **ALL_GUARDS)}
+KEEL_RUNS = list(TRACED.values())
+
+Call = tuple[str, str, str, int]  # op, channel, dtype, numel
+
+
+def read_traces(run_dir: Path) -> dict[int, list[dict]]:
+    traces = {}
+    for path in sorted((run_dir / "collectives").glob("trace_rank*.jsonl")):
+        rank = int(path.stem.removeprefix("trace_rank"))
+        traces[rank] = [json.loads(line) for line in path.read_text().splitlines()]
+    return traces
+
+
+def divergences(traces: dict[int, list[dict]]) -> list[str]:
+    """Where member ranks of a group issued different sequences: one line per group, naming the first difference."""
+    per_group: dict[tuple[str, tuple[int, ...]], dict[int, list[Call]]] = defaultdict(dict)
+    for rank, entries in traces.items():
+        for e in entries:
+            key = (e["group"], tuple(e["ranks"]))
+            per_group[key].setdefault(rank, []).append((e["op"], e["channel"], e["dtype"], e["numel"]))
+    problems = []
+    for (name, ranks), calls in sorted(per_group.items()):
+        sequences = {rank: calls.get(rank, []) for rank in ranks}
+        reference_rank = ranks[0]
+        for rank, seq in sequences.items():
+            if seq != sequences[reference_rank]:
+                first = next((i for i, (a, b) in enumerate(zip(seq, sequences[reference_rank])) if a != b),
+                             min(len(seq), len(sequences[reference_rank])))
+                problems.append(f"group {name} {list(ranks)}: rank {rank} differs from rank {reference_rank} at call "
+                                f"{first} ({len(seq)} vs {len(sequences[reference_rank])} calls)")
+                break
+    return problems
+
+
+def test_divergence_is_found():
+    """The comparison can fail: an extra call, a different size, or another channel on one rank."""
+    call = {"op": "all_reduce_max", "group": "world", "ranks": [0, 1], "channel": "control", "dtype": "int64",
+            "numel": 2}
+    same = {0: [call, call], 1: [call, call]}
+    assert divergences(same) == []
+    assert divergences({0: [call, call], 1: [call]}) != []
+    assert divergences({0: [call], 1: [{**call, "numel": 3}]}) != []
+    assert divergences({0: [call], 1: [{**call, "channel": "device"}]}) != []
+    assert divergences({0: [call], 1: []}) != []  # a rank that never entered
+
+
+@pytest.mark.parametrize("name", list(TRACED))
+def test_every_rank_issues_the_same_collectives(runs, name):
+    run = TRACED[name]
+    run_dir = runs.run(run)
+    traces = read_traces(run_dir)
+    assert sorted(traces) == list(range(run.nproc))
+    assert divergences(traces) == []
+    channels = {e["channel"] for entries in traces.values() for e in entries}
+    assert channels == {"device", "control"}
+    # the step's agreement (guard decision + preemption flag) is one small control collective per step
+    steps = max(json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines())
+    for rank, entries in traces.items():
+        agreements = [e for e in entries if e["group"] == "world" and e["op"] == "all_reduce_max"
+                      and e["channel"] == "control" and e["numel"] == 2]
+        assert len(agreements) == steps, (rank, len(agreements), steps)
+        control_tensors = [e for e in entries if e["channel"] == "control" and e["dtype"] != "object"]
+        assert all(e["device"] == "cpu" for e in control_tensors)
