@@ -92,6 +92,7 @@ class Watchdog:
         self._beat: tuple[int, float, float, str] | None = None
         self._pauses = 0  # nesting depth; written by the main thread only
         self._stop = threading.Event()
+        self._wake = threading.Event()  # a phase with an earlier deadline than the one the thread sleeps toward
         self._firing = threading.Lock()  # the watchdog thread and a failing main thread may both try to fire
         self._thread: threading.Thread | None = None
 
@@ -104,6 +105,7 @@ class Watchdog:
                 except (RuntimeError, ValueError, AttributeError, OSError):  # no stderr file descriptor to write to
                     self.backstop = False
             self._stop.clear()
+            self._wake.clear()
             self._thread = threading.Thread(target=self._watch, name=f"keel-watchdog-r{self.rank}", daemon=True)
             self._thread.start()
         return self
@@ -123,6 +125,8 @@ class Watchdog:
             return
         step = self._beat[0]
         self._beat = (step, time.monotonic(), float(timeout_s), name)
+        if timeout_s < self.timeout_s:
+            self._wake.set()  # the thread may be sleeping toward the step's later deadline
         yield
         self._beat = (step, time.monotonic(), self.timeout_s, "step")
 
@@ -147,6 +151,7 @@ class Watchdog:
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5.0)
         self._thread = None
@@ -171,7 +176,8 @@ class Watchdog:
                 if elapsed >= beat[2]:
                     self._fire()
                 wait = min(self.timeout_s, beat[2] - elapsed)  # this deadline; at least every timeout_s (backstop)
-            self._stop.wait(wait)
+            self._wake.wait(wait)
+            self._wake.clear()
         if self.backstop:
             faulthandler.cancel_dump_traceback_later()
 
