@@ -5,15 +5,21 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
+from keel.parallel.random import ShardedRNG
+from keel.parallel.tensor import TPContext
 from keel.parallel.topology import Topology
-from keel.training.checkpoint import COMPLETE, Checkpointer, TrainState
+from keel.training import rng_state
+from keel.training.checkpoint import COMPLETE, CheckpointDisagreement, Checkpointer, TrainState
 from keel.training.metrics import MetricsWriter, read_metrics
 
 
 class FakeEngine:
     """Writes a file where DeepSpeed would; enough to exercise Keel's bookkeeping around it."""
+
+    module = torch.nn.Linear(2, 2)
 
     def zero_optimization_stage(self) -> int:
         return 1
@@ -67,3 +73,49 @@ def test_metrics_rewind_on_resume_keeps_discarded_records(tmp_path):
     writer.close()
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == list(range(1, 11))
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.discarded.jsonl")] == list(range(11, 16))
+
+
+def test_agreed_tag_is_verified_against_the_manifest_file_list(tmp_path):
+    """One process is rank 0 and its only verifier: a listed file gone or truncated stops the choice."""
+    ckpt = Checkpointer(tmp_path, keep_last=3, topology=Topology.from_env())
+    ckpt.save(FakeEngine(), TrainState(step=10, consumed_samples=80))
+    manifest = ckpt.read_manifest("step00000010")
+    assert set(manifest["files"]) == {"mp_rank_00_model_states.pt", "keel_rng_rank0.pt"}
+    assert ckpt.agreed_latest() == "step00000010" and ckpt.agreed_at_or_before(9) is None
+    shard = tmp_path / "step00000010" / "mp_rank_00_model_states.pt"
+    shard.write_bytes(shard.read_bytes()[:-1])
+    with pytest.raises(CheckpointDisagreement, match="rank 0: .*mp_rank_00_model_states.pt has .* bytes"):
+        ckpt.agreed_latest()
+    (tmp_path / "step00000010" / "keel_rng_rank0.pt").unlink()
+    with pytest.raises(CheckpointDisagreement, match="keel_rng_rank0.pt is missing") as err:
+        ckpt.agreed_latest()
+    assert err.value.exit_code == 6
+
+
+class DropoutModel(torch.nn.Module):
+    """Two layers sharing one tensor-parallel context, as the model's blocks do: one sharded stream."""
+
+    def __init__(self):
+        super().__init__()
+        tp = TPContext(sequence_parallel=True, sharded_rng=ShardedRNG(seed=5, tp_rank=1))
+        self.a, self.b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+        self.a.tp = self.b.tp = tp
+
+    def draw(self) -> torch.Tensor:
+        with self.a.tp.sharded_rng.fork():
+            sharded = torch.rand(3)
+        return torch.cat([sharded, torch.rand(3)])
+
+
+def test_rng_state_restores_every_stream_and_reports_what_an_old_checkpoint_lacks():
+    model = DropoutModel()
+    assert rng_state.sharded_rngs(model) == [model.a.tp.sharded_rng]
+    model.draw()
+    saved = rng_state.capture(model)
+    want = model.draw()
+    model.draw()
+    assert rng_state.restore(saved, model) == []
+    assert torch.equal(model.draw(), want)  # the sharded dropout stream and the default one both resumed
+    old = {k: saved[k] for k in ("python", "numpy", "torch")}  # a checkpoint from before the new fields
+    assert rng_state.restore(old, DropoutModel()) == ["sharded"]
+    assert rng_state.restore(old, torch.nn.Linear(2, 2)) == []  # no dropout stream: nothing is missing

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 
 from keel.config import ConfigError, RunConfig, load_config, validate
 from keel.launcher.cli import main
+from keel.launcher.run_dir import build_run, prepare_data
 from keel.parallel.topology import GridShape
 from keel.training.ds_config import load_ds_config, resolve_ds_config
 from tests.keel_runs import REPO, tiny_overrides
@@ -70,6 +72,7 @@ BAD_CASES = {
     "missing corpus": (["data.corpus=[/nonexistent/*.txt]"], "data.corpus"),
     "vocab": (["model.vocab_size=100"], "model.vocab_size"),
     "warmup": (["train.warmup_steps=50"], "train.warmup_steps"),
+    "save watchdog": (["stability.watchdog_save_timeout=-1"], "stability.watchdog_save_timeout"),
 }
 
 
@@ -174,3 +177,25 @@ def test_parallel_layout_errors(nproc, sets, message, tmp_path, capsys):
         main(args)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_model_vocabulary_smaller_than_the_token_files_is_refused_before_any_rank(tmp_path, capsys, small_corpus):
+    """The token file's header records its vocabulary; a model too small for it is a one-line usage error."""
+    overrides = tiny_overrides(small_corpus, tmp_path / "cache")
+    spec = build_run(None, overrides, None, str(tmp_path / "first"), 2)
+    prepare_data(spec)
+    assert spec.cfg.model.vocab_size == 512
+    idx = Path(spec.data["prefix"] + ".idx")
+    header = bytearray(idx.read_bytes())
+    struct.pack_into("<Q", header, 16, 600)  # magic, version, dtype code, then the vocabulary size
+    idx.write_bytes(bytes(header))
+    args = ["train", "--nproc", "2", "--run-dir", str(tmp_path / "run")]
+    for item in overrides + ["model.vocab_size=512"]:
+        args += ["--set", item]
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line.lower()]
+    assert errors == [f"keel: error: model.vocab_size=512 is smaller than the 600 ids the token file "
+                      f"{spec.data['prefix']}.idx records; set it to >= 600 or 0"], errors
+    assert not (tmp_path / "run").exists()

@@ -144,3 +144,20 @@ def test_batch_geometry_must_divide(dataset: IndexedDataset) -> None:
     order = GlobalSampleOrder(len(samples), seed=0)
     with pytest.raises(DataError, match=r"multiple of train.micro_batch_size x data-parallel size \(4 x 3 = 12\)"):
         step_batch(order, samples, 0, 16, 4, 0, 3)
+
+
+def test_out_of_range_token_id_stops_with_the_file_and_sample(tmp_path: Path) -> None:
+    """A corrupt .bin (the writer refuses such ids, so the bytes are changed behind its back): reading the window
+    that holds the foreign id names the file and the sample; every other window still reads."""
+    with IndexedDatasetWriter(tmp_path / "d", 1000) as writer:
+        for _ in range(20):
+            writer.add_document(np.arange(100) % 1000)
+    bin_path = tmp_path / "d.bin"
+    tokens = np.fromfile(bin_path, dtype=np.uint16)
+    tokens[16 * 3 + 5] = 4321  # inside train sample 3 (windows of 17 tokens start every 16)
+    tokens.tofile(bin_path)
+    samples = PackedSamples(IndexedDataset(tmp_path / "d"), 16, "train", 0.1)
+    assert samples[2].max() < 1000 and samples[4].max() < 1000
+    with pytest.raises(DataError, match=r"d\.bin: train sample 3 \(tokens 48\.\.64\) holds token id 4321, outside "
+                                        r"the vocabulary \[0, 1000\)"):
+        samples[3]

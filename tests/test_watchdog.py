@@ -71,6 +71,37 @@ def test_hang_dumps_stacks_records_and_exits_with_hang_code(tmp_path):
     assert event["stacks"].endswith("rank0-step7.txt") and event["seconds"] >= 2.0
 
 
+PHASE = """
+    import sys, time
+    from pathlib import Path
+    from keel.training.watchdog import Watchdog
+
+    def stuck_in_a_save():
+        time.sleep(30)
+
+    watchdog = Watchdog(Path(sys.argv[1]), rank=0, timeout_s=60.0, anomalies=None).start()
+    watchdog.beat(3)
+    time.sleep(0.5)  # the watchdog thread now sleeps toward the step's 60 s deadline
+    with watchdog.phase("checks", 10.0):
+        time.sleep(1.5)  # within its own deadline
+    with watchdog.phase("checkpoint save", 1.0):
+        print(time.time(), flush=True)
+        stuck_in_a_save()
+    print("woke up", flush=True)
+"""
+
+
+def test_phase_between_steps_fires_at_its_own_deadline(tmp_path):
+    """A save watched with its own 1 s deadline ends the process ~1 s in, though the step's timeout is 60 s."""
+    proc, ended = _run_script(tmp_path, PHASE)
+    assert proc.returncode == EXIT_HANG, proc.stderr
+    assert 1.0 <= ended - float(proc.stdout.split()[0]) < 1.0 + 3.0
+    assert "watchdog: checkpoint save after step 3 has run" in proc.stderr and "(timeout 1 s)" in proc.stderr
+    (event,) = read_anomalies(tmp_path)
+    assert (event["kind"], event["phase"], event["step"], event["timeout_s"]) == ("hang", "checkpoint save", 3, 1.0)
+    assert "in stuck_in_a_save" in (tmp_path / "stacks" / "rank0-step3.txt").read_text()
+
+
 def test_regular_beats_and_pauses_do_not_fire(tmp_path):
     proc, _ = _run_script(tmp_path, """
         import sys, time

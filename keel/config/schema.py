@@ -161,6 +161,11 @@ class StabilityConfig:
     checksum_interval: int = 100  # parameter checksum comparison every N steps (0: off)
     checksum_action: str = "stop"  # stop (exit code 3) | restore (reload the last checkpoint) | warn
     watchdog_timeout: float = 600.0  # seconds a step may take before stacks are dumped and the rank exits (0: off)
+    # the phases between steps, each with its own deadline (0: that phase unwatched); keep them below the process
+    # group's timeout (30 min), or a dead peer is reported by the collective's timeout instead
+    watchdog_check_timeout: float = 600.0  # periodic checks: checksums, loss-outlier gathers, monitor
+    watchdog_eval_timeout: float = 900.0  # validation
+    watchdog_save_timeout: float = 1200.0  # checkpoint save, and the load of a rollback
     straggler_interval: int = 50  # log slowest/fastest rank step time every N steps (0: off)
     monitor_interval: int = 50  # per-layer grad norms and activation statistics every N steps (0: off)
     expert_interval: int = 10  # MoE: per-layer expert load, dropped fraction, router entropy every N steps (0: off)
@@ -189,6 +194,10 @@ class FaultsConfig:
     sleep_rank: int = 0
     sleep_s: float = 0.0
     noise_rank: int = -1  # this rank's data replaced by uniform random tokens
+    save_stall_rank: int = -1  # this rank sleeps save_stall_s inside every checkpoint save (a peer dead mid-save)
+    save_stall_s: float = 0.0
+    checkpoint_dir_rank: int = -1  # this rank reads checkpoint_dir instead of <run_dir>/checkpoints (a stale view)
+    checkpoint_dir: str = ""
 
 
 @dataclass

@@ -21,6 +21,7 @@ from keel.config.schema import (
     ConfigError,
     ModelConfig,
     RunConfig,
+    StabilityConfig,
     TrainConfig,
 )
 
@@ -76,6 +77,14 @@ def validate(cfg: RunConfig, world_size: int) -> None:
     dp = validate_world_size(world_size, tp=p.tp, pp=p.pp, sp=p.sp, ep=p.ep)
     validate_batch_split(t, dp)
     validate_schedule(t, dp)
+    validate_watchdog(cfg.stability)
+
+
+def validate_watchdog(s: StabilityConfig) -> None:
+    """Each watched phase's deadline is a number of seconds, 0 meaning unwatched."""
+    for name in ("watchdog_timeout", "watchdog_check_timeout", "watchdog_eval_timeout", "watchdog_save_timeout"):
+        value = getattr(s, name)
+        _require(value >= 0, f"stability.{name}: must be >= 0 seconds (0: off), got {value}")
 
 
 # -- the model -------------------------------------------------------------------------------------------------

@@ -27,6 +27,10 @@ class PackedSamples:
     starting at a document boundary unless that would more than double it (e.g. a single-file corpus), in which
     case it starts mid-document. Consecutive windows share one token: the last label of one is the next's first
     input, so every token is predicted exactly once.
+
+    Every window is checked against the vocabulary the token file records: an id beyond it would be a silently
+    zero embedding row under tensor parallelism (the vocab-parallel embedding masks ids it does not own) or a
+    device assert on one GPU.
     """
 
     def __init__(self, dataset: IndexedDataset, seq_len: int, split: str, val_fraction: float) -> None:
@@ -61,7 +65,14 @@ class PackedSamples:
         if not 0 <= i < self._len:
             raise IndexError(f"sample {i} out of range for {self._len} {self.split} samples")
         begin = self.start + i * self.seq_len
-        return np.array(self.dataset.tokens[begin : begin + self.seq_len + 1], dtype=np.int64)
+        window = np.array(self.dataset.tokens[begin : begin + self.seq_len + 1], dtype=np.int64)
+        if window.size and int(window.max()) >= self.dataset.vocab_size:  # one pass over seq_len ids: negligible
+            raise DataError(
+                f"{self.dataset.prefix}.bin: {self.split} sample {i} (tokens {begin}..{begin + self.seq_len}) holds "
+                f"token id {int(window.max())}, outside the vocabulary [0, {self.dataset.vocab_size}) its index "
+                "records: the file is corrupt or from another tokenizer; re-run `keel prepare`"
+            )
+        return window
 
 
 def val_boundary(dataset: IndexedDataset, seq_len: int, val_fraction: float) -> int:

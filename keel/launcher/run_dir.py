@@ -96,19 +96,21 @@ def _check_same_run(run_dir: Path, cfg: RunConfig) -> None:
 
 def prepare_data(spec: RunSpec) -> None:
     """Prepare (or find cached) tokenizer and token files; resolve model.vocab_size from the tokenizer."""
-    from keel.data import Tokenizer, ensure_prepared
+    from keel.data import IndexedDataset, Tokenizer, ensure_prepared
 
     cfg = spec.cfg
     prepared = ensure_prepared(cfg.data.corpus, cfg.data.cache_dir, cfg.data.tokenizer_vocab_size,
                                text_field=cfg.data.text_field, base_dir=spec.base_dir)
     vocab = Tokenizer(prepared.tokenizer_path).vocab_size
+    data_vocab = IndexedDataset(prepared.data_prefix).vocab_size  # what the token file's header records
+    need = max(vocab, data_vocab)
     if cfg.model.vocab_size == 0:
-        cfg.model.vocab_size = vocab
-    elif cfg.model.vocab_size < vocab:
-        raise ConfigError(
-            f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {vocab} ids; "
-            f"set it to >= {vocab} or 0"
-        )
+        cfg.model.vocab_size = need
+    elif cfg.model.vocab_size < need:
+        source = f"the tokenizer's {vocab} ids" if vocab >= data_vocab else \
+            f"the {data_vocab} ids the token file {prepared.data_prefix}.idx records"
+        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than {source}; "
+                          f"set it to >= {need} or 0")
     spec.data = {"tokenizer": str(prepared.tokenizer_path), "prefix": str(prepared.data_prefix),
                  "num_tokens": prepared.num_tokens, "num_docs": prepared.num_docs}
 

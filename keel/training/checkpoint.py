@@ -2,22 +2,30 @@
 
 Layout of `<run_dir>/checkpoints/`:
     step00000100/            DeepSpeed's model/optimizer files for that step (its own format)
-        keel_rng_rank<R>.pt  each rank's RNG states (python, numpy, torch)
-        keel_complete.json   written by rank 0 after a barrier: the checkpoint is whole
+        keel_rng_rank<R>.pt  each rank's RNG streams (keel/training/rng_state.py)
+        keel_complete.json   written by rank 0 after a barrier: the checkpoint is whole; lists every file and size
     latest                   DeepSpeed's pointer file, replaced atomically after keel_complete.json exists
 
 A crash mid-save leaves a directory without `keel_complete.json`; it is never loaded and is overwritten when
 that step is saved again.
+
+Which checkpoint to load is chosen once: rank 0 reads the directory, broadcasts the tag and a digest of its
+manifest, every rank checks that its own view holds that checkpoint whole (same manifest, every listed file at its
+size, its RNG file), and one all-gather of the verdicts makes every rank stop together (`CheckpointDisagreement`,
+exit code 6) when any rank does not — a stale view of a shared filesystem must not load another step's state.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import random
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -25,12 +33,32 @@ from typing import Any
 import numpy as np
 import torch
 
+from keel.config import RunConfig
 from keel.parallel import comm
 from keel.parallel.topology import Topology
+from keel.training import rng_state
 
 COMPLETE = "keel_complete.json"
 UNIVERSAL = "universal"
 LATEST = "latest"
+EXIT_CHECKPOINT = 6  # ranks disagree on the checkpoint to load (see the exit-code table in watchdog.py)
+
+log = logging.getLogger("keel")
+
+
+class CheckpointDisagreement(RuntimeError):
+    """Some rank does not see the checkpoint rank 0 chose, whole; every rank raises it with the same message."""
+
+    exit_code = EXIT_CHECKPOINT
+
+
+def checkpoint_dir(run_dir: Path, cfg: RunConfig, rank: int) -> Path:
+    """`<run_dir>/checkpoints`, or for `faults.checkpoint_dir_rank` the directory `faults.checkpoint_dir` (a
+    rehearsal of a stale shared-filesystem view: that rank reads another copy of the checkpoints)."""
+    f = cfg.faults
+    if f.checkpoint_dir and f.checkpoint_dir_rank == rank:
+        return Path(f.checkpoint_dir)
+    return Path(run_dir) / "checkpoints"
 
 
 @dataclass
@@ -52,16 +80,6 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 def tag_for(step: int) -> str:
     return f"step{step:08d}"
-
-
-def rng_state() -> dict[str, Any]:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
 
 
 class Checkpointer:
@@ -95,8 +113,54 @@ class Checkpointer:
     def read_manifest(self, tag: str) -> dict[str, Any]:
         return json.loads((self.directory / tag / COMPLETE).read_text())
 
+    # -- the one choice every rank loads ------------------------------------------------------------------
+    def agreed_latest(self) -> str | None:
+        """`latest_tag()` as rank 0 sees it, verified on every rank (collective over the world)."""
+        return self.agree_on(self.latest_tag() if self.topology.rank == 0 else None)
+
+    def agreed_at_or_before(self, step: int) -> str | None:
+        """`tag_at_or_before(step)` as rank 0 sees it, verified on every rank (collective over the world)."""
+        return self.agree_on(self.tag_at_or_before(step) if self.topology.rank == 0 else None)
+
+    def agree_on(self, tag: str | None) -> str | None:
+        """Rank 0's `tag` (other ranks' argument is ignored) once every rank has checked it sees that checkpoint
+        whole; raises CheckpointDisagreement on every rank otherwise. None: rank 0 has nothing to load."""
+        offer = {"tag": tag, "manifest": self._digest(tag)} if self.topology.rank == 0 and tag else None
+        offer = comm.broadcast_object(offer, self.control)
+        problem = self._problem(offer["tag"], offer["manifest"]) if offer else ""
+        verdicts = comm.all_gather_object(problem, self.control)
+        bad = [f"rank {r}: {p}" for r, p in zip(self.control.ranks, verdicts) if p]
+        if bad:
+            more = f" (and {len(bad) - 1} more rank(s))" if len(bad) > 1 else ""
+            raise CheckpointDisagreement(
+                f"checkpoint {offer['tag']} chosen by rank 0 is not whole on every rank — {bad[0]}{more}; every "
+                "rank must see the same checkpoint directory (a stale or different shared-filesystem view?)")
+        return offer["tag"] if offer else None
+
+    def _digest(self, tag: str) -> str:
+        return hashlib.sha256((self.directory / tag / COMPLETE).read_bytes()).hexdigest()
+
+    def _problem(self, tag: str, digest: str) -> str:
+        """Why this rank cannot load `tag` from its own view ("" when it can)."""
+        tag_dir = self.directory / tag
+        if not (tag_dir / COMPLETE).is_file():
+            return f"{tag_dir / COMPLETE} does not exist"
+        if self._digest(tag) != digest:
+            return f"{tag_dir / COMPLETE} differs from rank 0's"
+        wanted = {f"keel_rng_rank{self.topology.rank}.pt": None, **self.read_manifest(tag).get("files", {})}
+        for name, size in wanted.items():
+            path = tag_dir / name
+            if not path.is_file():
+                return f"{path} is missing"
+            if size is not None and path.stat().st_size != size:
+                return f"{path} has {path.stat().st_size} bytes, the manifest says {size}"
+        return ""
+
     # -- save -----------------------------------------------------------------------------------------------
-    def save(self, engine, state: TrainState, guards: dict[str, Any] | None = None) -> str:
+    def save(self, engine, state: TrainState, guards: dict[str, Any] | None = None,
+             before_commit: Callable[[], None] | None = None) -> str:
+        """Every rank writes its files, then rank 0 the manifest and `latest`. `before_commit` runs on each rank
+        after its own files are written (fault injection: a rank that stalls mid-save)."""
         tag = tag_for(state.step)
         tag_dir = self.directory / tag
         rank = self.topology.rank
@@ -109,12 +173,16 @@ class Checkpointer:
         tag_dir.mkdir(parents=True, exist_ok=True)
         rng_path = tag_dir / f"keel_rng_rank{rank}.pt"
         tmp = rng_path.with_name(f".{rng_path.name}.tmp")
-        torch.save(rng_state(), tmp)
+        torch.save(rng_state.capture(engine.module), tmp)
         os.replace(tmp, rng_path)
+        if before_commit is not None:
+            before_commit()
         comm.barrier(self.control)  # every rank has written its DeepSpeed shards and RNG file
         if rank == 0:
             topology = {**self.topology.stamp(), "zero_stage": engine.zero_optimization_stage()}
-            manifest = {"tag": tag, **asdict(state), "topology": topology, "guards": guards or {}}
+            files = {p.name: p.stat().st_size for p in sorted(tag_dir.iterdir())
+                     if p.is_file() and p.name != COMPLETE and not p.name.startswith(".")}
+            manifest = {"tag": tag, **asdict(state), "topology": topology, "guards": guards or {}, "files": files}
             atomic_write_text(tag_dir / COMPLETE, json.dumps(manifest) + "\n")
             atomic_write_text(self.directory / LATEST, tag)
             self._prune(keep=tag)
@@ -169,7 +237,10 @@ class Checkpointer:
         rng_path = self.directory / tag / f"keel_rng_rank{self.topology.rank}.pt"
         same_layout = {k: saved[k] for k in now} == now
         if rng_path.is_file() and same_layout:
-            set_rng_state(torch.load(rng_path, weights_only=False))
+            missing = rng_state.restore(torch.load(rng_path, weights_only=False), engine.module)
+            if missing and self.topology.rank == 0:
+                log.warning("checkpoint %s predates saving the %s random stream(s): they restart from their seeds, "
+                            "so this resume is not bitwise the uninterrupted run", tag, " and ".join(missing))
         else:  # a rank that did not exist when the checkpoint was written: derive a fresh, reproducible stream
             seed_everything(seed + 1000003 * state.step + self.topology.rank)
         return state

@@ -55,7 +55,7 @@ def run_rank(run_dir: Path) -> int:
     from keel.parallel import comm
     from keel.parallel.random import data_parallel_seed
     from keel.parallel.topology import Topology
-    from keel.training.checkpoint import seed_everything
+    from keel.training.checkpoint import CheckpointDisagreement, seed_everything
     from keel.training.engine import LRScale, build_engine
     from keel.training.summary import write_summary
     from keel.training.trainer import Trainer
@@ -73,7 +73,10 @@ def run_rank(run_dir: Path) -> int:
     dataset = IndexedDataset(data["prefix"])
     train_samples = PackedSamples(dataset, cfg.data.seq_len, "train", cfg.data.val_fraction)
     val_samples = PackedSamples(dataset, cfg.data.seq_len, "val", cfg.data.val_fraction)
-    ds_raw = reshard_if_needed(cfg, ds_raw, topology, run_dir)
+    try:
+        ds_raw = reshard_if_needed(cfg, ds_raw, topology, run_dir)
+    except CheckpointDisagreement as err:  # before the engine exists: nothing to release
+        return checkpoint_disagreement(run_dir, rank, err)
     lr_scale = LRScale()
     engine = build_engine(cfg, ds_raw, topology, lr_scale=lr_scale)
     if rank == 0:
@@ -82,6 +85,8 @@ def run_rank(run_dir: Path) -> int:
                  n_params / 1e6, len(train_samples), cfg.data.seq_len, run_dir)
     try:
         result = Trainer(cfg, engine, topology, train_samples, val_samples, run_dir, lr_scale).fit()
+    except CheckpointDisagreement as err:  # resume or rollback: every rank raised it, after one agreed gather
+        return checkpoint_disagreement(run_dir, rank, err)
     finally:
         release_run(engine)
     if rank == 0:
@@ -93,6 +98,18 @@ def run_rank(run_dir: Path) -> int:
         return result.exit_code  # a guard stopped the run; peers stop at the same step with the same code
     comm.barrier(topology.control("world"))
     return EXIT_OK
+
+
+def checkpoint_disagreement(run_dir: Path, rank: int, err) -> int:
+    """Every rank stops with the same code; rank 0 says why in one line, the anomaly log and the summary."""
+    from keel.training.guards.base import AnomalyLog
+    from keel.training.summary import write_summary
+
+    if rank == 0:
+        logging.getLogger("keel").error("stopping: %s", err)
+        AnomalyLog(run_dir, rank).record("checkpoint_disagreement", 0, reason=str(err))
+        write_summary(run_dir, False, err.exit_code, str(err))
+    return err.exit_code
 
 
 def release_run(engine) -> None:
@@ -109,11 +126,11 @@ def reshard_if_needed(cfg, ds_raw: dict, topology, run_dir: Path) -> dict:
     to DeepSpeed's universal format and every rank loads that; the global batch stays fixed because gradient
     accumulation is derived from the new data-parallel size."""
     from keel.parallel import comm
-    from keel.training.checkpoint import Checkpointer
+    from keel.training.checkpoint import Checkpointer, checkpoint_dir
     from keel.training.ds_config import zero_stage
 
-    checkpointer = Checkpointer(run_dir / "checkpoints", cfg.checkpoint.keep_last, topology)
-    tag = checkpointer.latest_tag() if cfg.checkpoint.resume else None
+    checkpointer = Checkpointer(checkpoint_dir(run_dir, cfg, topology.rank), cfg.checkpoint.keep_last, topology)
+    tag = checkpointer.agreed_latest() if cfg.checkpoint.resume else None  # rank 0 chooses, every rank verifies
     if tag is None or not checkpointer.needs_universal(tag, zero_stage(ds_raw)):
         return ds_raw
     log = logging.getLogger("keel")

@@ -70,6 +70,13 @@ class FaultInjector:
             log.warning("fault injection: rank %d sleeps %.1f s at step %d", self.rank, c.sleep_s, step)
             time.sleep(c.sleep_s)
 
+    def during_save(self) -> None:
+        """Inside every checkpoint save, after this rank wrote its files and before the others wait for it."""
+        c = self.cfg
+        if c.save_stall_rank == self.rank and c.save_stall_s > 0:
+            log.warning("fault injection: rank %d stalls %.1f s inside a checkpoint save", self.rank, c.save_stall_s)
+            time.sleep(c.save_stall_s)
+
     @torch.no_grad()
     def after_step(self, step: int) -> None:
         c = self.cfg

@@ -9,8 +9,10 @@ keel/training/step_gate.py; the periodic cross-rank checks decide after it; the 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,7 +23,7 @@ from keel.config import RunConfig
 from keel.data import GlobalSampleOrder, PackedSamples, step_batch, step_sample_indices
 from keel.parallel import comm
 from keel.parallel.topology import Topology
-from keel.training.checkpoint import Checkpointer, TrainState
+from keel.training.checkpoint import Checkpointer, TrainState, checkpoint_dir
 from keel.training.engine import Fp32GradClipper, LRScale
 from keel.training.expert_health import ExpertHealth
 from keel.training.faults import FaultInjector
@@ -67,6 +69,14 @@ def _mean_over(value: torch.Tensor, group: comm.Group) -> float:
     return (comm.all_reduce(value.clone(), group) / group.size).item()
 
 
+@contextlib.contextmanager
+def _clock(record: dict, key: str) -> Iterator[None]:
+    """Add the body's wall time to `record[key]` (phases between steps are costs too, not hidden)."""
+    start = time.perf_counter()
+    yield
+    record[key] = record.get(key, 0.0) + time.perf_counter() - start
+
+
 def parse_skip_ranges(ranges: list[str]) -> list[tuple[int, int]]:
     spans = []
     for item in ranges:
@@ -84,7 +94,8 @@ class Trainer:
         self.train_samples = train_samples
         self.val_samples = val_samples
         self.order = GlobalSampleOrder(len(train_samples), cfg.train.seed)
-        self.checkpointer = Checkpointer(run_dir / "checkpoints", cfg.checkpoint.keep_last, topology)
+        self.checkpointer = Checkpointer(checkpoint_dir(run_dir, cfg, topology.rank), cfg.checkpoint.keep_last,
+                                         topology)
         self.run_dir = run_dir
         self.dp_group = topology.device("dp")
         self.is_pipeline = cfg.parallel.pp > 1
@@ -235,7 +246,7 @@ class Trainer:
     def rollback(self, state: TrainState, metrics: MetricsWriter, first_bad_step: int, reason: str,
                  lr_factor: float) -> TrainState:
         """Reload the last checkpoint written before `first_bad_step`, scale the LR, keep the data cursor."""
-        tag = self.checkpointer.tag_at_or_before(first_bad_step - 1)
+        tag = self.checkpointer.agreed_at_or_before(first_bad_step - 1)  # rank 0 chooses, every rank verifies
         if tag is None:
             self.anomalies.record("rollback", state.step, done=False, reason=f"{reason}; no checkpoint to return to")
             log.warning("step %d: %s, but no checkpoint precedes step %d: continuing", state.step, reason,
@@ -257,7 +268,7 @@ class Trainer:
     def resume(self) -> TrainState:
         if not self.cfg.checkpoint.resume:
             return TrainState()
-        tag = self.checkpointer.latest_tag()
+        tag = self.checkpointer.agreed_latest()  # rank 0 chooses, every rank verifies
         if tag is None:
             return TrainState()
         state = self.checkpointer.load(self.engine, tag, self.cfg.train.seed)
@@ -269,7 +280,8 @@ class Trainer:
         return state
 
     def save(self, state: TrainState) -> None:
-        self.checkpointer.save(self.engine, state, guards=self.guards.state_dict())
+        self.checkpointer.save(self.engine, state, guards=self.guards.state_dict(),
+                               before_commit=self.faults.during_save)
 
     # -- the loop -------------------------------------------------------------------------------------------
     def fit(self) -> TrainResult:
@@ -290,18 +302,22 @@ class Trainer:
 
     def _loop(self, state: TrainState, metrics: MetricsWriter, watchdog: Watchdog,
               stragglers: StragglerMonitor) -> TrainResult:
-        t, c = self.cfg.train, self.cfg.checkpoint
-        steps_here = 0
+        t, c, s = self.cfg.train, self.cfg.checkpoint, self.cfg.stability
+        steps_here, save_time = 0, None
         while state.step < t.steps:
             watchdog.beat(state.step + 1)
             start = time.perf_counter()
             record, decision = self.train_step(state)
             steps_here += 1
             record = self._timed(record, state, time.perf_counter() - start, stragglers)
-            with watchdog.paused():  # periodic checks and evaluation: collectives of their own, not the step's
+            if save_time is not None:  # the save after the previous step: its cost, next to the step's own
+                record["save_time_s"], save_time = save_time, None
+            # periodic checks and evaluation: collectives of their own, each phase with its own deadline
+            with watchdog.phase("checks", s.watchdog_check_timeout), _clock(record, "check_time_s"):
                 checks = self.guards.after_step(state.step, record["loss_scale"], self._local_loss)
                 decision = Decision.most_severe([decision, checks])
-                if t.eval_interval and (state.step % t.eval_interval == 0 or state.step == t.steps):
+            if t.eval_interval and (state.step % t.eval_interval == 0 or state.step == t.steps):
+                with watchdog.phase("evaluation", s.watchdog_eval_timeout), _clock(record, "eval_time_s"):
                     record["val_loss"] = self.evaluate()
             metrics.log(record)
             self.sinks.log(state.step, record)
@@ -311,14 +327,18 @@ class Trainer:
             if decision.action == Action.ROLLBACK:
                 first = (self.guards.last_event or {}).get("first_spike_step", state.step)
                 factor = 1.0 if decision.restore else self.cfg.stability.rollback_lr_factor
-                with watchdog.paused():
+                with watchdog.phase("rollback", s.watchdog_save_timeout):
                     state = self.rollback(state, metrics, first, decision.reason, factor)
                 continue
             stop_early = t.exit_after and steps_here >= t.exit_after and state.step < t.steps
             preempted = self.gate.preempted and state.step < t.steps
             if state.step == t.steps or stop_early or preempted or (c.interval and state.step % c.interval == 0):
-                with watchdog.paused():
+                with watchdog.phase("checkpoint save", s.watchdog_save_timeout):
+                    started = time.perf_counter()
                     self.save(state)
+                    save_time = time.perf_counter() - started
+                if self.topology.rank == 0:
+                    log.info("step %d: checkpoint saved in %.2f s", state.step, save_time)
             if preempted:
                 self.anomalies.record("preempted", state.step, signal=self.preemption.received)
                 return TrainResult(state, finished=False, exit_code=EXIT_PREEMPTED, reason="preempted")

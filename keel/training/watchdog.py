@@ -8,7 +8,9 @@ Keel's process exit codes (one table, read by the launcher and by whoever reads 
     2  usage or config error, reported before any rank starts   keel.launcher.cli.EXIT_USAGE
     3  parameter checksum mismatch: replicas diverged, stopped  keel.training.guards.stack.CHECKSUM_EXIT
     4  hang: a step overran stability.watchdog_timeout          EXIT_HANG; stacks in <run_dir>/stacks/
+       (or a check, evaluation or save its own watchdog_*_timeout)
     5  preempted: checkpoint saved on SIGUSR1/SIGTERM, requeue  keel.training.preemption.EXIT_PREEMPTED
+    6  ranks disagree on the checkpoint to load, stopped        keel.training.checkpoint.EXIT_CHECKPOINT
 
 A hang is usually transient (a stuck node, a network flap): restarting from the last checkpoint is the cure.
 
@@ -24,6 +26,10 @@ the deadline is therefore taken for the hang it is: the rank dumps its stacks pl
 EXIT_HANG, not 1. With NCCL a dead peer usually does not fail the collective, it just never completes, so the
 peers' own deadlines decide. Keep watchdog_timeout below the process group's timeout (DeepSpeed's default is
 30 min), or the collective times out first and the rank exits 1.
+
+The work between steps — periodic checks (checksums, loss-outlier gathers), evaluation, checkpoint save and a
+rollback's load — runs collectives of its own, which is where a dead peer is most often met; each runs as a
+`phase` with its own deadline (stability.watchdog_check/eval/save_timeout), ended the same way as a step's.
 
 Why a Python thread rather than `faulthandler.dump_traceback_later(exit=True)` alone: faulthandler exits with
 code 1 (indistinguishable from an exception), records nothing in anomalies.jsonl, and its single timer is
@@ -68,8 +74,9 @@ class Watchdog:
     """Per-rank heartbeat: a step that runs `timeout_s` seconds without a `beat` dumps every thread's stack to
     `<run_dir>/stacks/rank<R>-step<S>.txt`, records a `hang` anomaly and exits the process with EXIT_HANG.
 
-    Armed by the first `beat` (setup and checkpoint loading before it are not a step); `pause`/`resume` bracket
-    legitimate long work between beats (checkpoint save, evaluation); the pause time does not count. The exit
+    Armed by the first `beat` (setup and checkpoint loading before it are not a step); `phase` gives work between
+    beats (checks, evaluation, save) its own deadline; `pause`/`resume` bracket work that is not watched at all
+    (the paused time does not count). The exit
     happens on the watchdog thread because the main thread is the one that is stuck. `timeout_s <= 0`: off.
     Use one per process: the faulthandler backstop is process-global.
     """
@@ -81,9 +88,11 @@ class Watchdog:
         self.timeout_s = float(timeout_s)
         self.anomalies = anomalies if anomalies is not None else AnomalyLog(self.run_dir, rank)
         self.backstop = backstop
-        self._beat: tuple[int, float] | None = None  # (step, monotonic time): one object, so readers see a pair
+        # (step, monotonic start, timeout, what runs: "step" or a phase): one object, so readers see it whole
+        self._beat: tuple[int, float, float, str] | None = None
         self._pauses = 0  # nesting depth; written by the main thread only
         self._stop = threading.Event()
+        self._wake = threading.Event()  # a phase with an earlier deadline than the one the thread sleeps toward
         self._firing = threading.Lock()  # the watchdog thread and a failing main thread may both try to fire
         self._thread: threading.Thread | None = None
 
@@ -96,13 +105,30 @@ class Watchdog:
                 except (RuntimeError, ValueError, AttributeError, OSError):  # no stderr file descriptor to write to
                     self.backstop = False
             self._stop.clear()
+            self._wake.clear()
             self._thread = threading.Thread(target=self._watch, name=f"keel-watchdog-r{self.rank}", daemon=True)
             self._thread.start()
         return self
 
     def beat(self, step: int) -> None:
         """Step `step` starts now. The hot path: one clock read and one attribute store, no lock."""
-        self._beat = (step, time.monotonic())
+        self._beat = (step, time.monotonic(), self.timeout_s, "step")
+
+    @contextlib.contextmanager
+    def phase(self, name: str, timeout_s: float) -> Iterator[None]:
+        """Work between steps watched with its own deadline (`timeout_s` <= 0: paused instead); when it ends the
+        step's clock restarts. An exception leaves the phase's deadline in place, so a collective broken by a
+        peer's hang near that deadline is still taken for the hang (see `__exit__`)."""
+        if timeout_s <= 0 or self._beat is None:
+            with self.paused():
+                yield
+            return
+        step = self._beat[0]
+        self._beat = (step, time.monotonic(), float(timeout_s), name)
+        if timeout_s < self.timeout_s:
+            self._wake.set()  # the thread may be sleeping toward the step's later deadline
+        yield
+        self._beat = (step, time.monotonic(), self.timeout_s, "step")
 
     def pause(self) -> None:
         self._pauses += 1
@@ -111,7 +137,7 @@ class Watchdog:
         """Restart the clock, so the paused time is not charged to the step. The clock restarts before the
         pause ends: the watchdog thread reads the pause count first, so it never sees an old beat unpaused."""
         if self._pauses == 1 and self._beat is not None:
-            self._beat = (self._beat[0], time.monotonic())
+            self._beat = (self._beat[0], time.monotonic(), *self._beat[2:])
         self._pauses = max(0, self._pauses - 1)
 
     @contextlib.contextmanager
@@ -125,6 +151,7 @@ class Watchdog:
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5.0)
         self._thread = None
@@ -146,10 +173,11 @@ class Watchdog:
             beat = self._beat if self._pauses == 0 else None  # pause count first, then the beat (see resume)
             if beat is not None:
                 elapsed = time.monotonic() - beat[1]
-                if elapsed >= self.timeout_s:
+                if elapsed >= beat[2]:
                     self._fire()
-                wait = self.timeout_s - elapsed  # wake exactly at this beat's deadline
-            self._stop.wait(wait)
+                wait = min(self.timeout_s, beat[2] - elapsed)  # this deadline; at least every timeout_s (backstop)
+            self._wake.wait(wait)
+            self._wake.clear()
         if self.backstop:
             faulthandler.cancel_dump_traceback_later()
 
@@ -157,7 +185,7 @@ class Watchdog:
         beat = self._beat if self._pauses == 0 else None
         if self._thread is None or beat is None:
             return False
-        return time.monotonic() - beat[1] >= self.timeout_s - min(PEER_WINDOW_S, self.timeout_s / 2)
+        return time.monotonic() - beat[1] >= beat[2] - min(PEER_WINDOW_S, beat[2] / 2)
 
     def _fire(self, cause: BaseException | None = None) -> NoReturn:
         """Dump, record, say so, exit. Every part is best effort: a full disk must not keep a hung rank alive."""
@@ -166,16 +194,18 @@ class Watchdog:
                 time.sleep(60)
         if self.backstop:  # if writing the diagnosis hangs (a dead filesystem), the backstop still exits
             faulthandler.dump_traceback_later(BACKSTOP_MARGIN_S, exit=True)
-        step, last = self._beat or (0, time.monotonic())
+        step, last, timeout, phase = self._beat or (0, time.monotonic(), self.timeout_s, "step")
         elapsed = time.monotonic() - last
-        what = f"step {step} has run {elapsed:.1f} s without a heartbeat (timeout {self.timeout_s:g} s)"
+        running = f"step {step}" if phase == "step" else f"{phase} after step {step}"
+        what = f"{running} has run {elapsed:.1f} s without a heartbeat (timeout {timeout:g} s)"
         if cause is not None:
-            what = f"step {step} failed after {elapsed:.1f} s, close to its {self.timeout_s:g} s timeout: " \
+            what = f"{running} failed after {elapsed:.1f} s, close to its {timeout:g} s timeout: " \
                    f"most likely a peer hung ({type(cause).__name__}, below)"
         try:
             path = self._dump_stacks(step, what, cause)
-            self.anomalies.record("hang", step, all_ranks=True, seconds=round(elapsed, 2), timeout_s=self.timeout_s,
-                                  pid=os.getpid(), stacks=str(path), cause=repr(cause) if cause else None)
+            self.anomalies.record("hang", step, all_ranks=True, phase=phase, seconds=round(elapsed, 2),
+                                  timeout_s=timeout, pid=os.getpid(), stacks=str(path),
+                                  cause=repr(cause) if cause else None)
             line = f"keel r{self.rank}: watchdog: {what}; stacks in {path}; exiting with code {EXIT_HANG}"
         except BaseException as err:  # report, and exit whatever went wrong
             line = f"keel r{self.rank}: watchdog: {what}; writing the diagnosis failed ({err!r}); exiting " \
