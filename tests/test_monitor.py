@@ -17,7 +17,8 @@ from keel.launcher.local import free_port
 from keel.model import Block, CausalLM
 from keel.parallel.topology import Topology
 from keel.training.ds_config import load_ds_config
-from keel.training.monitor import ModelMonitor, Sinks, check_sinks, dashboard_scalars
+from keel.training.monitor import ModelMonitor
+from keel.training.sinks import Sinks, check_sinks, dashboard_scalars
 
 TINY = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_pad_multiple=1)
 
