@@ -24,7 +24,7 @@ KEEL_RUNS = [Run.of("nan", 2, "ds_configs/zero1.json", **NAN), Run.of("nan-clean
              Run.of("rampup-resumed", 2, "ds_configs/zero1.json", resume_at=3, **RAMPUP)]
 FLIPPED = "layers.2.feed_forward.w2.weight"  # in rank 1's ZeRO-1/2 partition (the second half of its group)
 BITFLIP = dict(faults__bitflip_step=5, faults__bitflip_rank=1, faults__bitflip_param=FLIPPED,
-               stability__checksum_interval=2, stability__checksum_action="warn")
+               stability__checksum_interval=2, stability__checksum_action="warn", stability__monitor_interval=4)
 STAGES = (0, 1, 2, 3)
 # the flipped runs, and the clean runs of tests/test_train_equivalence.py (the same runs: they share one launch)
 KEEL_RUNS += [Run.of(f"bitflip-zero{s}", 2, f"ds_configs/zero{s}.json", **BITFLIP) for s in STAGES]
@@ -102,6 +102,23 @@ def test_low_bit_flip_in_the_source_of_truth_is_caught_at_every_zero_stage(runs,
     assert [r["loss"] for r in flipped_losses[:5]] == [r["loss"] for r in clean_losses[:5]]
     a, b = _checkpoint_tensors(run), _checkpoint_tensors(clean)
     assert len(a) == len(b) and not all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_monitor_statistics_agree_at_every_zero_stage(runs):
+    """The monitor reads local shards (ZeRO-0: each replica's half of every parameter; ZeRO-1/2/3: each rank's
+    partition) and reduces squares once over the world: its step-4 statistics (before the flip) are the same at
+    every stage on 2 ranks, and the per-layer gradient norms add up to the step's global norm."""
+    records = {s: read_metrics(runs.get(f"bitflip-zero{s}", 2, f"ds_configs/zero{s}.json", **BITFLIP) /
+                               "metrics.jsonl")[3] for s in STAGES}
+    want = records[0]
+    keys = [k for k in want if k.startswith(("grad_norm/", "params/", "act/"))]
+    assert {"params/norm", "params/update_ratio", "grad_norm/embedding", "act/block1/std"} <= set(keys)
+    for stage, got in records.items():
+        assert got["step"] == 4 and keys == [k for k in got if k.startswith(("grad_norm/", "params/", "act/"))]
+        for key in keys:
+            assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), (stage, key)
+        layers = [k for k in keys if k.startswith("grad_norm/")]
+        assert sum(got[k] ** 2 for k in layers) ** 0.5 == pytest.approx(got["grad_norm"], rel=1e-5), stage
 
 
 def test_noisy_rank_is_flagged_by_the_cross_rank_loss_check(runs):

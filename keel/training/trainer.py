@@ -300,11 +300,13 @@ class Trainer:
             record, decision = self.train_step(state)
             steps_here += 1
             record = self._timed(record, state, time.perf_counter() - start, stragglers)
+            checks_start = time.perf_counter()
             with watchdog.paused():  # periodic checks and evaluation: collectives of their own, not the step's
                 checks = self.guards.after_step(state.step, record["loss_scale"], self._local_loss)
                 decision = Decision.most_severe([decision, checks])
                 if t.eval_interval and (state.step % t.eval_interval == 0 or state.step == t.steps):
                     record["val_loss"] = self.evaluate()
+            record["checks_s"] = time.perf_counter() - checks_start  # outside step_time_s (bench/guards_overhead.py)
             metrics.log(record)
             self.sinks.log(state.step, record)
             if decision.action == Action.STOP:
