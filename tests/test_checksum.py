@@ -61,4 +61,4 @@ def test_checksum_temporaries_do_not_grow_with_the_tensor(dtype=torch.float32):
             Checksummer().checksum(tensor)
         largest.append(mode.largest)
     assert largest[0] == largest[1] <= 4 * CHUNK_WORDS * 8 // 2, largest  # ≤ 4 MiB
-    assert largest[0] >= CHUNK_WORDS * 8  # the mode does see the chunk's int64 copy
+    assert largest[0] >= CHUNK_WORDS * 8  # the mode does see the chunk-sized int64 buffers

@@ -72,19 +72,21 @@ class Checksummer:
 
     Flipping bit b of one word changes the word by ±2^b (b < 32), so the checksum by ±(2k+1)(2j+1)·2^b mod 2^64:
     an odd number times 2^b with b < 64, never 0 — so any single flipped bit changes the checksum, whatever the
-    wrap-around; the position weights also catch swapped words. Temporaries: one chunk as int64 plus the
-    weights (`CHUNK_WORDS` each), not a copy of the tensor. Results stay on the device: `sums` fills one int64
-    tensor for a list of tensors, so a whole check costs one host sync where its caller reads it.
+    wrap-around; the position weights also catch swapped words. Temporaries: one int64 scratch chunk and the
+    weights (`CHUNK_WORDS` each, allocated once), not a copy of the tensor. Results stay on the device: `sums`
+    fills one int64 tensor for a list of tensors, so a whole check costs one host sync where its caller reads it.
     """
 
     def __init__(self, chunk_words: int = CHUNK_WORDS):
         self.chunk_words = chunk_words
-        self._weights: dict[torch.device, torch.Tensor] = {}  # per device, built once
+        self._buffers: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # per device, built once
 
-    def weights(self, device: torch.device) -> torch.Tensor:
-        if device not in self._weights:
-            self._weights[device] = torch.arange(self.chunk_words, dtype=torch.int64, device=device) * 2 + 1
-        return self._weights[device]
+    def buffers(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the odd position weights 1, 3, 5, …, an int64 scratch chunk), reused by every checksum."""
+        if device not in self._buffers:
+            weights = torch.arange(self.chunk_words, dtype=torch.int64, device=device) * 2 + 1
+            self._buffers[device] = (weights, torch.empty_like(weights))
+        return self._buffers[device]
 
     @torch.no_grad()
     def checksum(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -95,11 +97,12 @@ class Checksummer:
             return total
         words_per_element = max(1, flat.element_size() // 4)
         step = max(1, self.chunk_words // words_per_element)
-        weights = self.weights(flat.device)
+        weights, scratch = self.buffers(flat.device)
         for k, start in enumerate(range(0, flat.numel(), step)):
             words = _words(flat[start:start + step].contiguous())
-            wide = words.to(torch.int64)
-            total += wide.mul_(weights[:wide.numel()]).sum() * (2 * k + 1)
+            n = words.numel()
+            torch.mul(words, weights[:n], out=scratch[:n])  # widened to int64 as it multiplies: no allocation
+            total += scratch[:n].sum() * (2 * k + 1)
         return total
 
     def sums(self, tensors: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
