@@ -91,7 +91,13 @@ def _probe_kind(kind: str) -> dict:
     gate = StepGate(engine, single_control())
     seen: dict = {}
     wrapped_calls = []
-    dsi.wrap_model_step(engine, lambda: wrapped_calls.append(1))
+
+    def before_model_step() -> None:  # gradients reduced, not yet consumed by the step
+        wrapped_calls.append(1)
+        grads = [dsi.local_grad(p) for p in engine.module.parameters()]
+        seen["local_grad_norm"] = math.sqrt(sum(float(g.float().pow(2).sum()) for g in grads if g is not None))
+
+    dsi.wrap_model_step(engine, before_model_step)
 
     def decide(action: Action):
         def inner() -> Decision:
@@ -106,6 +112,13 @@ def _probe_kind(kind: str) -> dict:
     before = _snapshot(engine)
     _run_step(engine, gate, decide(Action.STEP))
     after = _snapshot(engine)
+    params = list(engine.module.parameters())
+    held = [dsi.master_state(engine, p) for p in params]  # world size 1: every part is local
+    seen["master_keys"] = sorted({k for h in held for k in h})
+    truth = [h.get("param", h.get("fp32")) for h in held]  # the working copy is the master rounded to its dtype
+    seen["master_matches"] = all(t is not None for t in truth) and all(
+        torch.equal(t.to(p.dtype).float().reshape(-1)[:v.numel()], v.reshape(-1))
+        for t, v, p in zip(truth, after, params))
     stepped = {"changed": len(after) > len(before) and not all(torch.equal(a, b) for a, b in zip(before, after)),
                "applied": engine.was_step_applied(), "lr_steps": engine.lr_scheduler.last_epoch}
     _run_step(engine, gate, decide(Action.SKIP))  # now with Adam moments to leave alone
@@ -160,6 +173,11 @@ def test_internals_are_present_and_do_what_keel_needs(probed, kind):
     if kind == "pipeline":
         assert seen["pipeline_loss"] is not None and math.isfinite(seen["pipeline_loss"])
     assert got["model_step_wrapped"] == 2  # the hook ran inside both steps
+    # this rank's source of truth and its state (fp32 partitions, or the parameter at plain ZeRO-0), as views
+    assert seen["master_matches"] and {"exp_avg", "exp_avg_sq"} <= set(seen["master_keys"]), seen["master_keys"]
+    assert ("param" in seen["master_keys"]) == (kind == "zero0")
+    if kind in ("zero1", "zero2", "zero3"):  # local gradient shards (here the whole): DeepSpeed's own norm
+        assert seen["local_grad_norm"] == pytest.approx(seen["norm"], rel=1e-5)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -17,7 +17,8 @@ from keel.launcher.local import free_port
 from keel.model import Block, CausalLM
 from keel.parallel.topology import Topology
 from keel.training.ds_config import load_ds_config
-from keel.training.monitor import ModelMonitor, Sinks, check_sinks, dashboard_scalars
+from keel.training.monitor import ModelMonitor
+from keel.training.sinks import Sinks, check_sinks, dashboard_scalars
 
 TINY = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_pad_multiple=1)
 
@@ -256,9 +257,11 @@ def _deepspeed_worker(_rank: int, port: int, configs: list[tuple[str, str, bool]
             has_grad = any(p.grad is not None for p in engine.module.parameters())
             if not attach:
                 monitor.before_step(step)
+            # the parameter copies it keeps until after_step: none where DeepSpeed holds an fp32 master
+            copies = sum(t.numel() for t in monitor._snapshot or [] if t is not None) if not attach else None
             engine.step()
             ds_norm = engine.get_global_grad_norm()
-            steps.append({**monitor.after_step(step), "has_grad": has_grad,
+            steps.append({**monitor.after_step(step), "has_grad": has_grad, "copies": copies,
                           "ds_norm": None if ds_norm is None else float(ds_norm)})
         results[name] = steps
     torch.save(results, out)
@@ -266,7 +269,8 @@ def _deepspeed_worker(_rank: int, port: int, configs: list[tuple[str, str, bool]
 
 @pytest.mark.slow
 def test_zero_stages_give_the_same_layer_statistics(tmp_path):
-    """ZeRO-1/3 read gradients through safe_get_full_grad (p.grad is None there); fp16's come out unscaled."""
+    """ZeRO-1/3 read their local gradient and fp32 partitions (p.grad is None there) and keep no parameter copy;
+    fp16's gradients come out unscaled."""
     ds_configs = Path(__file__).resolve().parents[1] / "ds_configs"
     configs = [("zero0", str(ds_configs / "zero0.json"), False), ("zero1", str(ds_configs / "zero1.json"), False),
                ("zero1_attach", str(ds_configs / "zero1.json"), True), ("zero3", str(ds_configs / "zero3.json"), False),
@@ -276,6 +280,9 @@ def test_zero_stages_give_the_same_layer_statistics(tmp_path):
     results = torch.load(out)
     reference = results["zero0"]
     assert all(r["has_grad"] for r in reference)
+    n_params = sum(p.numel() for p in CausalLM(ModelConfig(**TINY)).parameters())
+    assert all(r["copies"] == n_params for r in reference)  # plain ZeRO-0, one rank: its share is everything
+    assert all(r["copies"] == 0 for name in ("zero1", "zero3", "fp16") for r in results[name])
     for name, rel in [("zero1", 1e-5), ("zero1_attach", 1e-5), ("zero3", 1e-5), ("fp16", 2e-2)]:
         for step, (got, want) in enumerate(zip(results[name], reference), start=1):
             assert not got["has_grad"], f"{name}: expected ZeRO to hold the gradients"

@@ -22,6 +22,13 @@ KEEL_RUNS = [Run.of("nan", 2, "ds_configs/zero1.json", **NAN), Run.of("nan-clean
              Run.of("noise", 4, **NOISE),
              Run.of("rampup", 2, "ds_configs/zero1.json", **RAMPUP),
              Run.of("rampup-resumed", 2, "ds_configs/zero1.json", resume_at=3, **RAMPUP)]
+FLIPPED = "layers.2.feed_forward.w2.weight"  # in rank 1's ZeRO-1/2 partition (the second half of its group)
+BITFLIP = dict(faults__bitflip_step=5, faults__bitflip_rank=1, faults__bitflip_param=FLIPPED,
+               stability__checksum_interval=2, stability__checksum_action="warn", stability__monitor_interval=4)
+STAGES = (0, 1, 2, 3)
+# the flipped runs, and the clean runs of tests/test_train_equivalence.py (the same runs: they share one launch)
+KEEL_RUNS += [Run.of(f"bitflip-zero{s}", 2, f"ds_configs/zero{s}.json", **BITFLIP) for s in STAGES]
+KEEL_RUNS += [Run.of(f"zero{s}", 2, f"ds_configs/zero{s}.json") for s in STAGES]
 
 
 def events(run_dir, kind):
@@ -47,13 +54,71 @@ def test_nan_on_one_rank_skips_the_step_everywhere(runs):
 
 
 def test_bit_flip_is_detected_naming_parameter_and_rank(runs, tmp_path):
-    proc = keel_train(tmp_path, 2, runs.overrides(faults__bitflip_step=6, faults__bitflip_rank=1,
+    """The default action stops the run (exit code 3) at the first check after the flip. With two replicas the
+    comparison cannot tell which one is wrong (both named, `ambiguous`); rank 1's own at-rest check names it."""
+    proc = keel_train(tmp_path, 2, runs.overrides(faults__bitflip_step=5, faults__bitflip_rank=1,
                                                   faults__bitflip_param="layers.1.attention.wq.weight",
                                                   stability__checksum_interval=3),
                       "ds_configs/zero0.json", expect_code=3)
-    (event,) = events(tmp_path, "checksum_mismatch")
-    assert event["step"] == 6 and event["parameter"] == "layers.1.attention.wq.weight" and event["ranks"] == [1]
+    at_rest, replicas = sorted(events(tmp_path, "checksum_mismatch"), key=lambda e: e["group"])
+    assert at_rest["step"] == 6 and at_rest["parameter"] == "layers.1.attention.wq.weight"
+    assert at_rest["group"] == "at_rest" and at_rest["ranks"] == [1] and at_rest["states"] == ["param"]
+    assert replicas["step"] == 6 and replicas["parameter"] == "layers.1.attention.wq.weight"
+    assert replicas["ranks"] == [0, 1] and replicas["ambiguous"]
     assert "checksum" in proc.stdout + proc.stderr
+
+
+def _checkpoint_tensors(run_dir) -> list[torch.Tensor]:
+    """Every tensor of the final checkpoint, every rank's files (ZeRO-1/2/3 keep the fp32 truth in optimizer files)."""
+    ckpt = run_dir / "checkpoints"
+    tag = (ckpt / "latest").read_text().strip()
+    tensors = []
+    for path in sorted((ckpt / tag).glob("*.pt")):
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        tensors += [t for t in torch.utils._pytree.tree_leaves(state) if isinstance(t, torch.Tensor)]
+    return tensors
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_low_bit_flip_in_the_source_of_truth_is_caught_at_every_zero_stage(runs, stage):
+    """A low mantissa bit of rank 1's copy of the state the next steps are rebuilt from (the parameter at ZeRO-0,
+    its fp32 partition at ZeRO-1/2/3) flips after step 5: the next check (step 6) names rank 1 and the parameter. With
+    `warn` the run goes on, and its final state differs from the clean run's (which has the same losses up to the
+    flip): the flip is real, and at ZeRO-1/2/3 no replica comparison could have seen it."""
+    run = runs.get(f"bitflip-zero{stage}", 2, f"ds_configs/zero{stage}.json", **BITFLIP)
+    found = events(run, "checksum_mismatch")
+    assert found and found[0]["step"] == 6, found
+    at_rest = [e for e in found if e["group"] == "at_rest"]
+    assert [(e["step"], e["parameter"], e["ranks"]) for e in at_rest] == [(6, FLIPPED, [1])], found
+    assert at_rest[0]["states"][0] == ("param" if stage == 0 else "fp32")
+    replicas = [e for e in found if e["group"] != "at_rest"]
+    if stage == 0:  # the replicas differ: the cross-replica comparison sees it too
+        assert replicas[0]["step"] == 6 and {e["parameter"] for e in replicas} == {FLIPPED}
+        assert all(e["ranks"] == [0, 1] and e["ambiguous"] for e in replicas)  # two replicas: no majority
+    else:  # the working copies are rebuilt from the partitions, so replicas agree
+        assert replicas == []
+    clean = runs.get(f"zero{stage}", 2, f"ds_configs/zero{stage}.json")
+    flipped_losses, clean_losses = read_metrics(run / "metrics.jsonl"), read_metrics(clean / "metrics.jsonl")
+    assert [r["loss"] for r in flipped_losses[:5]] == [r["loss"] for r in clean_losses[:5]]
+    a, b = _checkpoint_tensors(run), _checkpoint_tensors(clean)
+    assert len(a) == len(b) and not all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_monitor_statistics_agree_at_every_zero_stage(runs):
+    """The monitor reads local shards (ZeRO-0: each replica's half of every parameter; ZeRO-1/2/3: each rank's
+    partition) and reduces squares once over the world: its step-4 statistics (before the flip) are the same at
+    every stage on 2 ranks, and the per-layer gradient norms add up to the step's global norm."""
+    records = {s: read_metrics(runs.get(f"bitflip-zero{s}", 2, f"ds_configs/zero{s}.json", **BITFLIP) /
+                               "metrics.jsonl")[3] for s in STAGES}
+    want = records[0]
+    keys = [k for k in want if k.startswith(("grad_norm/", "params/", "act/"))]
+    assert {"params/norm", "params/update_ratio", "grad_norm/embedding", "act/block1/std"} <= set(keys)
+    for stage, got in records.items():
+        assert got["step"] == 4 and keys == [k for k in got if k.startswith(("grad_norm/", "params/", "act/"))]
+        for key in keys:
+            assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), (stage, key)
+        layers = [k for k in keys if k.startswith("grad_norm/")]
+        assert sum(got[k] ** 2 for k in layers) ** 0.5 == pytest.approx(got["grad_norm"], rel=1e-5), stage
 
 
 def test_noisy_rank_is_flagged_by_the_cross_rank_loss_check(runs):

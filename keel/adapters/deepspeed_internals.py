@@ -81,6 +81,11 @@ INTERNALS = [
              lambda e: _has_path(_groups_module(), "mpu")),
     Internal("param.ds_tensor", "this rank's ZeRO-3 partition without a gather", lambda e:
              e.zero_optimization_stage() == 3, lambda e: any(hasattr(p, "ds_tensor") for p in e.module.parameters())),
+    Internal("param._hp_mapping (hp_fragment, lp_fragment, optim_fragment)", "this rank's fp32 partition and optimizer "
+             "state of one parameter under ZeRO-1/2 and bf16 (safe_get_local_fp32_param is ZeRO-3 only)",
+             lambda e: _wraps_optimizer(e) and e.zero_optimization_stage() < 3,
+             lambda e: any(all(hasattr(getattr(p, "_hp_mapping", None), a) for a in
+                               ("hp_fragment", "lp_fragment", "optim_fragment")) for p in e.module.parameters())),
     Internal("param.ds_pipe_replicated", "which parameters are pipeline replicas", _is_pipeline,
              lambda e: "ds_pipe_replicated" in inspect.getsource(type(e.module))),
     Internal("accelerator.is_fp16_supported", "an fp16 override for the CPU accelerator", lambda e: True,
@@ -183,6 +188,78 @@ def zero3_partition(param: torch.nn.Parameter) -> torch.Tensor:
     """Under ZeRO-3 the rank's own partition (`ds_tensor`); outside forward the parameter itself is empty.
     Missing public API: this rank's partition without gathering (`safe_get_local_fp32_param` copies to fp32)."""
     return getattr(param, "ds_tensor", param)
+
+
+def master_state(engine, param: torch.nn.Parameter) -> dict[str, torch.Tensor]:
+    """This rank's own copy of what the optimizer treats as the truth for `param`, as views (no copies):
+
+    - ZeRO-1/2 (and DeepSpeed's bf16 optimizer): the fp32 fragment of the rank's partition and its optimizer
+      state (`param._hp_mapping`); {} where the parameter lies outside this rank's partition.
+    - ZeRO-3: the fp32 partition and optimizer state (public `safe_get_local_*`) and the working partition
+      (`ds_tensor`) the next forward gathers.
+    - ZeRO-0: the parameter itself and its optimizer state.
+    Missing public API: `safe_get_local_fp32_param` / `safe_get_local_optimizer_state` for ZeRO-1/2."""
+    if hasattr(param, "_hp_mapping"):
+        mapping = param._hp_mapping
+        if mapping is None:
+            return {}
+        return {"fp32": mapping.hp_fragment, **(mapping.optim_fragment or {})}
+    if hasattr(param, "ds_id"):
+        from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_optimizer_state
+
+        out = {"fp32": safe_get_local_fp32_param(param), "partition": zero3_partition(param)}
+        for key in _optimizer_state_keys(engine):
+            out[key] = safe_get_local_optimizer_state(param, key)
+        return {k: v for k, v in out.items() if v is not None}
+    state = inner_optimizer(engine).state.get(param, {})
+    return {"param": param.data, **{k: v for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0}}
+
+
+def _optimizer_state_keys(engine) -> list[str]:
+    """The per-element optimizer state names (exp_avg, exp_avg_sq for Adam); [] before the first step."""
+    for state in inner_optimizer(engine).state.values():
+        return [k for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0]
+    return []
+
+
+def update_pair(param: torch.nn.Parameter) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(this rank's fp32 master values, the working copy the forward uses) for `param`, as views of equal size;
+    between the inner optimizer's step and DeepSpeed's copy-back they differ by exactly this step's update.
+    ZeRO-1/2 and bf16: `_hp_mapping.hp_fragment` / `lp_fragment`; ZeRO-3: the fp32 partition / `ds_tensor`;
+    None at plain ZeRO-0 (no master copy) or where the parameter is outside this rank's partition.
+    Missing public API: the parameter's working-copy fragment that pairs with its local fp32 fragment."""
+    if hasattr(param, "_hp_mapping"):
+        mapping = param._hp_mapping
+        return None if mapping is None else (mapping.hp_fragment, mapping.lp_fragment)
+    if hasattr(param, "ds_id"):
+        from deepspeed.utils import safe_get_local_fp32_param
+
+        master = safe_get_local_fp32_param(param)
+        return None if master is None else (master, zero3_partition(param).view(-1).narrow(0, 0, master.numel()))
+    return None
+
+
+def is_partitioned(param: torch.nn.Parameter) -> bool:
+    """Does a ZeRO optimizer (or DeepSpeed's bf16 one) hold this parameter's master copy partitioned across data
+    parallel ranks (`_hp_mapping` at ZeRO-1/2, `ds_id` at ZeRO-3)? Missing public API: which parameters are."""
+    return hasattr(param, "_hp_mapping") or hasattr(param, "ds_id")
+
+
+def local_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
+    """This rank's share of `param`'s reduced gradient, without a collective: ZeRO-1/2 the fragment of its
+    partition (`_hp_mapping.get_lp_grad_fragment`), ZeRO-3 its partition (public `safe_get_local_grad`),
+    otherwise `param.grad`. Valid between the gradient reduction and the optimizer step.
+    Missing public API: `safe_get_local_grad` for ZeRO-1/2."""
+    if hasattr(param, "_hp_mapping"):
+        mapping = param._hp_mapping
+        if mapping is None:
+            return None
+        return mapping.get_lp_grad_fragment(param._index_in_param_group)
+    if hasattr(param, "ds_id"):
+        from deepspeed.utils import safe_get_local_grad
+
+        return safe_get_local_grad(param)
+    return param.grad
 
 
 def _groups_module():

@@ -189,7 +189,7 @@ class FaultsConfig:
     spike_factor: float = 1000.0
     bitflip_step: int = 0
     bitflip_rank: int = 0
-    bitflip_param: str = ""  # parameter name; empty: the first parameter of the rank
+    bitflip_param: str = ""  # parameter name; empty: the first parameter whose state this rank holds
     sleep_step: int = 0
     sleep_rank: int = 0
     sleep_s: float = 0.0

@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from keel.adapters.deepspeed_internals import master_state
 from keel.config import FaultsConfig
 
 log = logging.getLogger("keel")
@@ -22,10 +23,12 @@ def _fingerprint(batch: torch.Tensor) -> int:
 
 
 class FaultInjector:
-    def __init__(self, cfg: FaultsConfig, rank: int, model: torch.nn.Module, vocab_size: int, seed: int):
+    def __init__(self, cfg: FaultsConfig, rank: int, engine, vocab_size: int, seed: int):
+        """`engine`: the DeepSpeed engine (its `module` is the model)."""
         self.cfg = cfg
         self.rank = rank
-        self.model = model
+        self.engine = engine
+        self.model: torch.nn.Module = engine.module
         self.vocab_size = vocab_size
         self.noise = torch.Generator().manual_seed(seed + 7919 * (rank + 1))
         self.poisoned: set[int] = set()  # fingerprints of micro-batches that carry a NaN
@@ -83,9 +86,17 @@ class FaultInjector:
         if c.bitflip_step != step or c.bitflip_rank != self.rank:
             return
         named = dict(self.model.named_parameters())
-        name = c.bitflip_param or next(iter(named))
-        param = named[name]
-        bits = param.data.view(-1).view(torch.int32) if param.dtype == torch.float32 else \
-            param.data.view(-1).view(torch.int16)
-        bits[0] ^= 1 << 10  # one mantissa bit of the first element
-        log.warning("fault injection: flipped one bit of %s on rank %d after step %d", name, self.rank, step)
+        name = c.bitflip_param or next(n for n, p in named.items() if master_state(self.engine, p))
+        held = master_state(self.engine, named[name])
+        if not held:
+            raise ValueError(f"faults.bitflip_param={name}: rank {self.rank} holds no part of it under this "
+                             "ZeRO partitioning; name a parameter in its partition")
+        # The truth the next steps are rebuilt from: the parameter (ZeRO-0) or this rank's fp32 partition.
+        state = "param" if "param" in held else "fp32"
+        target = held[state].view(-1)
+        bits = target.view(torch.int32) if target.element_size() == 4 else target.view(torch.int16)
+        # A low mantissa bit of the first element (bit 4 of fp32's 23, bit 0 of a 16-bit type): a change of a few
+        # ulp, the hard case for a check, yet one the next updates' rounding does not wash out (bit 0 of fp32 can be).
+        bits[0] ^= 1 << (4 if target.element_size() == 4 else 0)
+        log.warning("fault injection: flipped a low mantissa bit of %s (%s) on rank %d after step %d", name, state,
+                    self.rank, step)

@@ -1,10 +1,9 @@
-"""Training monitoring: where in the model a run is going wrong, and the dashboards that show it.
+"""Training monitoring: where in the model a run is going wrong (the dashboards: keel/training/sinks.py).
 
 A loss curve says *that* a run is in trouble; per-layer gradient norms, the update/parameter ratio and per-block
 activation statistics say *where* (an embedding whose updates outgrow its weights, one block's activations
 blowing up). `ModelMonitor` measures them every `interval` steps and returns flat scalars that go into the
-metrics record, so metrics.jsonl and the dashboards carry the same numbers. `Sinks` sends every record to
-TensorBoard and/or Weights & Biases.
+metrics record, so metrics.jsonl and the dashboards carry the same numbers.
 
 Ordinary steps cost nothing: no hooks are registered, no parameter is copied and nothing is reduced unless
 the step is a monitor step (`step % interval == 0`).
@@ -12,144 +11,28 @@ the step is a monitor step (`step % interval == 0`).
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import numbers
-import uuid
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from keel.adapters.deepspeed_internals import (
+    inner_optimizer,
+    is_partitioned,
     is_pipe_replicated,
+    local_grad,
     loss_scale,
+    master_state,
     pipeline_local_specs,
+    update_pair,
     wrap_model_step,
 )
-from keel.config import ConfigError, StabilityConfig
-from keel.data.atomic import write_atomic
 from keel.model import Block
 from keel.parallel import comm
 from keel.parallel.pipeline import local_layers
 from keel.parallel.topology import Topology
-
-# -- sinks ------------------------------------------------------------------------------------------------------
-# Metrics-record keys whose dashboard tag is not simply `train/<key>`; keys holding a "/" are tags already.
-TAGS = {
-    "loss": "train/loss",
-    "lr": "train/lr",
-    "grad_norm": "train/grad_norm",
-    "loss_scale": "train/loss_scale",
-    "tokens_per_s": "train/tokens_per_s",
-    "skipped": "train/skipped",
-    "val_loss": "val/loss",
-}
-NOT_LOGGED = ("step",)  # the x axis, not a series
-
-
-def tag_for(key: str) -> str:
-    return TAGS.get(key, key if "/" in key else f"train/{key}")
-
-
-def dashboard_scalars(record: dict[str, Any], prefix: str = "") -> dict[str, float]:
-    """Tag → value for every finite number in `record`; nested dicts become paths (guards={"spike": 2} →
-    guards/spike). None, strings and non-finite values are left out: a dashboard plots numbers only."""
-    out: dict[str, float] = {}
-    for key, value in record.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            out.update(dashboard_scalars(value, prefix=f"{name}/"))
-        elif key not in NOT_LOGGED and isinstance(value, numbers.Real) and math.isfinite(value):
-            out[tag_for(name)] = float(value)
-    return out
-
-
-def check_sinks(stability: StabilityConfig) -> None:
-    """Raise a one-line ConfigError if a configured sink's package is missing.
-
-    Called by `Sinks` on every rank (not only the one that writes), so all ranks stop together at start-up
-    instead of rank 0 failing while the others wait in a collective; a launcher may call it before any rank starts.
-    """
-    if stability.tensorboard and importlib.util.find_spec("tensorboard") is None:
-        raise ConfigError("stability.tensorboard: true but the tensorboard package is not installed; "
-                          "pip install tensorboard, or set stability.tensorboard=false")
-    if stability.wandb and importlib.util.find_spec("wandb") is None:
-        raise ConfigError("stability.wandb: true but the wandb package is not installed; "
-                          "pip install wandb, or set stability.wandb=false")
-
-
-def wandb_run_id(run_dir: Path) -> str:
-    """The W&B run id, kept in `<run_dir>/wandb_id.txt` so a restarted job continues its run, not a new one."""
-    path = Path(run_dir) / "wandb_id.txt"
-    if path.is_file():
-        return path.read_text().strip()
-    run_id = uuid.uuid4().hex[:16]
-    write_atomic(path, run_id.encode())
-    return run_id
-
-
-class Sinks:
-    """TensorBoard (`<run_dir>/tensorboard/`) and W&B behind one `log(step, record)`; each optional.
-
-    Only the rank given `enabled` writes. On resume, TensorBoard is told to drop the old events past
-    `resumed_step` (those steps are trained again), as metrics.jsonl does. W&B cannot rewrite history: it keeps
-    the first values and warns about (and drops) steps logged again below its last one.
-    """
-
-    def __init__(self, run_dir: str | Path, stability: StabilityConfig, run_config: dict[str, Any] | None = None,
-                 enabled: bool = True, resumed_step: int = 0) -> None:
-        check_sinks(stability)
-        self._tensorboard = None
-        self._wandb = None
-        if not enabled:
-            return
-        run_dir = Path(run_dir)
-        if stability.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tensorboard = SummaryWriter(str(run_dir / "tensorboard"),
-                                              purge_step=resumed_step + 1 if resumed_step > 0 else None)
-        if stability.wandb:
-            import wandb
-
-            self._wandb = wandb.init(project=stability.wandb_project, dir=str(run_dir), mode=stability.wandb_mode,
-                                     config=run_config or {}, resume="allow", id=wandb_run_id(run_dir))
-
-    def log(self, step: int, scalars: dict[str, Any]) -> None:
-        """Write one metrics record (or any dict of scalars) at `step`."""
-        if self._tensorboard is None and self._wandb is None:
-            return
-        tagged = dashboard_scalars(scalars)
-        if self._tensorboard is not None:
-            for tag, value in tagged.items():
-                self._tensorboard.add_scalar(tag, value, step)
-        if self._wandb is not None:
-            self._wandb.log(tagged, step=step)
-
-    def rewind(self, step: int) -> None:
-        """Steps after `step` will be trained again (a rollback): TensorBoard drops its events past `step`, as
-        `MetricsWriter.rewind` moves those records aside. W&B keeps its first values (see above)."""
-        if self._tensorboard is not None:
-            from tensorboard.compat.proto.event_pb2 import Event, SessionLog
-
-            # What SummaryWriter(purge_step=...) writes, but into the open file: read after the events it purges.
-            restart = Event(step=step + 1, session_log=SessionLog(status=SessionLog.START))
-            self._tensorboard.file_writer.add_event(restart)
-
-    def flush(self) -> None:
-        if self._tensorboard is not None:
-            self._tensorboard.flush()
-
-    def close(self) -> None:
-        if self._tensorboard is not None:
-            self._tensorboard.close()
-            self._tensorboard = None
-        if self._wandb is not None:
-            self._wandb.finish()
-            self._wandb = None
 
 
 # -- model monitor ----------------------------------------------------------------------------------------------
@@ -188,9 +71,30 @@ def _counted_params(layers: Iterable[tuple[int, nn.Module]], topology: Topology)
     return counted
 
 
+CHUNK = 1 << 20  # elements per chunk of an update's difference: 4 MiB of fp32 temporaries per tensor
+
+
 def _sq(t: torch.Tensor) -> torch.Tensor:
     """Sum of squares in fp32 arithmetic (no fp64 copy of the tensor), returned as fp64 for accumulation."""
     return torch.linalg.vector_norm(t.detach(), dtype=torch.float32).double() ** 2
+
+
+def _diff_sq(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """‖new − old‖² in fixed chunks (bounded temporaries), fp64 on the device. `new` is first rounded to `old`'s
+    dtype: for an fp32 master against a bf16/fp16 working copy, this is the update the working weights get."""
+    new, old = new.detach().reshape(-1), old.detach().reshape(-1)
+    total = torch.zeros((), dtype=torch.float64, device=new.device)
+    for start in range(0, new.numel(), CHUNK):
+        chunk = new[start:start + CHUNK].to(old.dtype).float()
+        total += _sq(chunk - old[start:start + CHUNK].float())
+    return total
+
+
+def _share(t: torch.Tensor, index: int, parts: int) -> torch.Tensor:
+    """This replica's 1/parts slice of a replicated tensor (a view), so replicas split the work and the sums."""
+    flat = t.detach().reshape(-1)
+    step = -(-flat.numel() // parts)
+    return flat[index * step:(index + 1) * step]
 
 
 def _is_engine(model: Any) -> bool:
@@ -201,8 +105,9 @@ class ModelMonitor:
     """Per-layer gradient norms, parameter norm, update/parameter ratio and per-block activation statistics.
 
     `model` is the DeepSpeed engine (or, without DeepSpeed, the plain `CausalLM`). Every rank constructs the
-    monitor and makes the same calls: the last one reduces over the model-parallel group, and under ZeRO
-    reading a gradient or an fp32 parameter is itself a collective over the data-parallel group.
+    monitor and makes the same calls. Memory follows the shard: each rank reads only what it holds — its ZeRO
+    partition's gradient and fp32 fragments (ZeRO-1/2/3, bf16), or its 1/replicas slice of a replicated parameter
+    (ZeRO-0) — and sums of squares are reduced over the world in one all-reduce (plus one for the maxima).
 
     Per optimizer step `step` (1-based, the number the metrics record gets), on every rank:
 
@@ -210,19 +115,21 @@ class ModelMonitor:
     2. forward/backward of every micro-batch.
     3. `before_step(step)` after the last micro-batch's backward (the accumulation boundary, gradients reduced
        over data parallel) and before `engine.step()`: DeepSpeed's step clips, unscales and then frees the
-       gradients. On monitor steps it removes the hooks, reads the per-layer gradient norms and copies the
-       parameters (a copy of this rank's parameters lives until `after_step`; under ZeRO-3 each parameter is
-       gathered whole in fp32, so the copy is the rank's full fp32 model-parallel slice).
+       gradients. On monitor steps it removes the hooks and reads the per-layer gradient norms. The update's
+       norm is taken inside the step: where DeepSpeed keeps an fp32 master partition, right after the torch
+       optimizer's update and before DeepSpeed copies it back, as master − working copy, chunk by chunk (no copy);
+       at plain ZeRO-0 (no master copy) this rank keeps its 1/replicas slice of the parameters until `after_step`.
        With the pipeline engine, whose `train_batch` runs backward and step in one call, call `attach(engine)`
        once instead; `before_step` then runs inside DeepSpeed's step.
     4. `after_step(step)` after `engine.step()` (or `train_batch`): returns the scalars to merge into the
        metrics record, `{}` on other steps.
 
     Statistics: gradient norms are pre-clipping and unscaled (fp16) — the quantity DeepSpeed reports as the
-    record's grad_norm, so their root-sum-square equals it. `params/norm` is ‖θ‖ after the step and
-    `params/update_ratio` is ‖θ_after − θ_before‖ / ‖θ_after‖. Activation mean, std (population) and max-abs of
-    each Block's output pool every token of the step's forward passes on this model replica (all its micro-batches;
-    with sequence parallelism, all the TP ranks' shards); recomputation under activation checkpointing is ignored.
+    record's grad_norm, so their root-sum-square equals it. `params/norm` is ‖θ‖ after the step (the fp32 master
+    where there is one) and `params/update_ratio` is ‖θ_after − θ_before‖ / ‖θ_after‖. Activation mean, std
+    (population) and max-abs of each Block's output pool every token of the step's forward passes on every rank
+    (the global batch; with tensor parallelism each replica's tokens count once per TP rank, which leaves these
+    statistics unchanged); recomputation under activation checkpointing is ignored.
     """
 
     def __init__(self, model: nn.Module, topology: Topology, interval: int) -> None:
@@ -235,14 +142,22 @@ class ModelMonitor:
         self._params = _counted_params(local, topology)
         self._params_per_layer = [float(sum(index == i for index, _ in self._params)) for i in range(total)]
         self._blocks = [(index, layer) for index, layer in local if isinstance(layer, Block)]
-        self._zero3 = self.engine is not None and self.engine.zero_optimization_stage() == 3
+        self._partitioned = [self.engine is not None and is_partitioned(p) for _, p in self._params]
+        # a replicated (not partitioned) parameter is split among its replicas: (index, parts) per parameter
+        self._shares = [(0, 1) if part else (topology.rank_in(g), topology.size(g)) for part, g in
+                        zip(self._partitioned, ("sp_dp" if getattr(p, "allreduce", True) else "expert_dp"
+                                                for _, p in self._params))]
         self._device = next(self.module.parameters()).device
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._armed: int | None = None
         self._in_forward = False
         self._acts: torch.Tensor | None = None  # [layer, (tokens, sum, sum of squares, max-abs)]
         self._grad_sq: torch.Tensor | None = None  # [layer]
-        self._snapshot: list[torch.Tensor] | None = None
+        self._snapshot: list[torch.Tensor | None] | None = None  # ZeRO-0: this rank's slices before the step
+        self._update_sq: torch.Tensor | None = None
+        self._updated: set[int] = set()
+        if any(self._partitioned):
+            inner_optimizer(self.engine).register_step_post_hook(self._after_inner_step)
 
     def is_monitor_step(self, step: int) -> bool:
         return self.interval > 0 and step % self.interval == 0
@@ -290,20 +205,34 @@ class ModelMonitor:
 
     # -- 3. after backward, before the optimizer step ------------------------------------------------------
     def before_step(self, step: int) -> None:
-        """Read gradients and copy parameters while DeepSpeed still holds this step's gradients."""
+        """Read this rank's gradient shards (no collective); at plain ZeRO-0 keep this rank's parameter slices."""
         self._armed = None
         if not self.is_monitor_step(step):
             return
         self._remove_hooks()
         scale = self._loss_scale()
         per_layer: list[list[torch.Tensor]] = [[] for _ in self.names]
-        for index, p in self._params:
-            grad = self._grad(p)
+        for (index, p), share in zip(self._params, self._shares):
+            grad = local_grad(p) if self.engine is not None else p.grad
             if grad is not None:
-                per_layer[index].append(_sq(grad))
+                per_layer[index].append(_sq(_share(grad, *share)))
         zero = torch.zeros((), dtype=torch.float64, device=self._device)
         self._grad_sq = torch.stack([torch.stack(sq).sum() if sq else zero for sq in per_layer]) / scale**2
-        self._snapshot = [self._param_copy(p) for _, p in self._params]
+        self._snapshot = [None if part else _share(p, *share).clone()
+                          for (_, p), part, share in zip(self._params, self._partitioned, self._shares)]
+        self._update_sq, self._updated = zero.clone(), set()
+
+    def _after_inner_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        """After the torch optimizer updated (some of) the fp32 master partitions and before DeepSpeed copies them
+        into the working weights: the update is master − working copy, for the parameters just stepped."""
+        if self._update_sq is None:
+            return
+        stepped = {q.untyped_storage().data_ptr() for group in optimizer.param_groups for q in group["params"]}
+        for i, ((_, p), part) in enumerate(zip(self._params, self._partitioned)):
+            pair = update_pair(p) if part and i not in self._updated else None
+            if pair is not None and pair[0].untyped_storage().data_ptr() in stepped:
+                self._updated.add(i)
+                self._update_sq += _diff_sq(*pair)
 
     def attach(self, engine: Any) -> None:
         """Run `before_step` inside DeepSpeed's step, for the pipeline engine's `train_batch`.
@@ -333,19 +262,11 @@ class ModelMonitor:
             return 1.0
         return loss_scale(self.engine) or 1.0
 
-    def _grad(self, p: nn.Parameter) -> torch.Tensor | None:
-        if self.engine is None:
-            return p.grad
-        from deepspeed.utils import safe_get_full_grad  # p.grad, or ZeRO's partitioned buffers when it is None
-
-        return safe_get_full_grad(p)
-
-    def _param_copy(self, p: nn.Parameter) -> torch.Tensor:
-        if self._zero3:
-            from deepspeed.utils import safe_get_full_fp32_param
-
-            return safe_get_full_fp32_param(p)  # a fresh gathered tensor: already a copy
-        return p.detach().clone()
+    def _value(self, p: nn.Parameter, partitioned: bool, share: tuple[int, int]) -> torch.Tensor | None:
+        """This rank's part of θ after the step: its fp32 master fragment, or its slice of the replicated θ."""
+        if partitioned:
+            return master_state(self.engine, p).get("fp32")
+        return _share(p, *share)
 
     # -- 4. after the optimizer step -----------------------------------------------------------------------
     def after_step(self, step: int) -> dict[str, float]:
@@ -356,21 +277,23 @@ class ModelMonitor:
             raise RuntimeError(f"monitor: after_step({step}) needs arm({step}) before the forward passes and "
                                f"before_step({step}) before the optimizer step (or attach(engine))")
         param_sq = torch.zeros((), dtype=torch.float64, device=self._device)
-        update_sq = torch.zeros_like(param_sq)
-        for (_, p), old in zip(self._params, self._snapshot):
-            new = self._param_copy(p) if self._zero3 else p.detach()
-            param_sq += _sq(new)
-            update_sq += _sq(new.float() - old.float())
+        update_sq = self._update_sq
+        for (_, p), part, share, old in zip(self._params, self._partitioned, self._shares, self._snapshot):
+            new = self._value(p, part, share)
+            if new is not None:
+                param_sq += _sq(new)
+            if old is not None:
+                update_sq += _diff_sq(new, old)
         acts, grad_sq = self._acts, self._grad_sq
-        self._snapshot = self._acts = self._grad_sq = None
+        self._snapshot = self._acts = self._grad_sq = self._update_sq = None
 
         n_layers = len(self.names)
         grad_count = torch.tensor(self._params_per_layer, dtype=torch.float64, device=self._device)
         summed = torch.cat([grad_sq, grad_count, acts[:, :3].flatten(), param_sq.view(1), update_sq.view(1)])
         maxes = acts[:, 3].clone()
-        model = self.topology.device("model")  # one sum for everything additive, one max
-        comm.all_reduce(summed, model)
-        comm.all_reduce(maxes, model, "max")
+        world = self.topology.device("world")  # one sum for everything additive, one max
+        comm.all_reduce(summed, world)
+        comm.all_reduce(maxes, world, "max")
         values, maxes_list = summed.tolist(), maxes.tolist()  # the one device → host sync
         grad_sq_list, counts = values[:n_layers], values[n_layers:2 * n_layers]
         act_list = values[2 * n_layers:5 * n_layers]
@@ -392,4 +315,4 @@ class ModelMonitor:
 
     def close(self) -> None:
         self._remove_hooks()
-        self._snapshot = self._acts = self._grad_sq = None
+        self._snapshot = self._acts = self._grad_sq = self._update_sq = None

@@ -32,8 +32,9 @@ from keel.training.guards.localize import localize_on_all_ranks
 from keel.training.guards.stack import GuardStack
 from keel.training.lr_schedule import rampup_batch_size, refresh_lr
 from keel.training.metrics import MetricsWriter
-from keel.training.monitor import ModelMonitor, Sinks
+from keel.training.monitor import ModelMonitor
 from keel.training.preemption import EXIT_PREEMPTED, PreemptionHandler
+from keel.training.sinks import Sinks
 from keel.training.step_gate import StepGate
 from keel.training.watchdog import StragglerMonitor, Watchdog
 
@@ -103,7 +104,7 @@ class Trainer:
         self.clipper = Fp32GradClipper(engine, topology)
         self.skip_ranges = parse_skip_ranges(cfg.data.skip_ranges)
         self.anomalies = AnomalyLog(run_dir, topology.rank)
-        self.faults = FaultInjector(cfg.faults, topology.rank, engine.module, cfg.model.vocab_size, cfg.train.seed)
+        self.faults = FaultInjector(cfg.faults, topology.rank, engine, cfg.model.vocab_size, cfg.train.seed)
         self.loss_fn = engine.module.loss_fn
         self.guards = GuardStack(cfg, engine, topology, self.anomalies)
         self.preemption = PreemptionHandler()
@@ -126,6 +127,7 @@ class Trainer:
         with self.gate.deciding(lambda: self._decide(batch)):
             loss = self._forward_backward(batch)
         self.loss_fn.scale = 1.0
+        self.guards.after_update(batch.step)  # seals this rank's state before anything else can touch it
         self.faults.after_step(batch.step)
         applied = self.engine.was_step_applied()
         decision = self.gate.decision

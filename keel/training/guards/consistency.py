@@ -2,12 +2,14 @@
 
 A rank fed corrupt data shows up as a loss outlier among its data-parallel peers; a flaky GPU or a bit flip
 shows up as a replica whose parameters differ. Both checks are collectives run every N steps on all ranks.
+`checksum` is also what guards/at_rest.py seals a rank's own ZeRO partition with (state that has no replica).
 """
 
 from __future__ import annotations
 
 import math
 import socket
+from collections.abc import Iterable
 
 import torch
 
@@ -54,48 +56,145 @@ class LossOutlierCheck:
         return events
 
 
+CHUNK_WORDS = 1 << 18  # words per chunk: 2 MiB of int64 temporaries + 2 MiB of weights, whatever the tensor size
+
+
+def _words(chunk: torch.Tensor) -> torch.Tensor:
+    """The chunk's raw bits as signed integer words (int32 for 4- and 8-byte types, int16 for 2-byte, uint8)."""
+    size = chunk.element_size()
+    return chunk.view(torch.int32 if size >= 4 else torch.int16 if size == 2 else torch.uint8)
+
+
+class Checksummer:
+    """Position-weighted sums of raw bits, computed in fixed-size chunks on the tensors' device.
+
+    checksum = Σ_k (2k+1) · Σ_j (2j+1) · word[k·C + j]   (mod 2^64, two's-complement wrap of torch's int64 ops)
+
+    Flipping bit b of one word changes the word by ±2^b (b < 32), so the checksum by ±(2k+1)(2j+1)·2^b mod 2^64:
+    an odd number times 2^b with b < 64, never 0 — so any single flipped bit changes the checksum, whatever the
+    wrap-around; the position weights also catch swapped words. Temporaries: one int64 scratch chunk and the
+    weights (`CHUNK_WORDS` each, allocated once), not a copy of the tensor. Results stay on the device: `sums`
+    fills one int64 tensor for a list of tensors, so a whole check costs one host sync where its caller reads it.
+    """
+
+    def __init__(self, chunk_words: int = CHUNK_WORDS):
+        self.chunk_words = chunk_words
+        self._buffers: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # per device, built once
+
+    def buffers(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the odd position weights 1, 3, 5, …, an int64 scratch chunk), reused by every checksum."""
+        if device not in self._buffers:
+            weights = torch.arange(self.chunk_words, dtype=torch.int64, device=device) * 2 + 1
+            self._buffers[device] = (weights, torch.empty_like(weights))
+        return self._buffers[device]
+
+    @torch.no_grad()
+    def checksum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """0-d int64 on `tensor`'s device (no host sync)."""
+        flat = tensor.detach().reshape(-1)  # a view for contiguous tensors (parameters, partitions, states)
+        total = torch.zeros((), dtype=torch.int64, device=flat.device)
+        if flat.numel() == 0:
+            return total
+        words_per_element = max(1, flat.element_size() // 4)
+        step = max(1, self.chunk_words // words_per_element)
+        weights, scratch = self.buffers(flat.device)
+        for k, start in enumerate(range(0, flat.numel(), step)):
+            words = _words(flat[start:start + step].contiguous())
+            n = words.numel()
+            torch.mul(words, weights[:n], out=scratch[:n])  # widened to int64 as it multiplies: no allocation
+            total += scratch[:n].sum() * (2 * k + 1)
+        return total
+
+    def sums(self, tensors: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
+        """One int64 checksum per tensor, in one tensor on `device`."""
+        values = [self.checksum(t).to(device) for t in tensors]
+        return torch.stack(values) if values else torch.zeros(0, dtype=torch.int64, device=device)
+
+
 def checksum(tensor: torch.Tensor) -> int:
-    """Position-weighted sum of the raw bytes: any single flipped bit changes it."""
-    raw = tensor.detach().contiguous().view(-1).view(torch.uint8).to(torch.int64)
-    weights = torch.arange(raw.numel(), dtype=torch.int64, device=raw.device) % 65521 + 1
-    return int((raw * weights).sum())
+    """`Checksummer().checksum(tensor)` as a Python int (one host sync: for tests and one-off use)."""
+    return int(Checksummer().checksum(tensor))
 
 
 class ChecksumCheck:
     """Compares checksums of replicated parameters across their replicas (unless ZeRO-3 partitions them): dense
     parameters over data × Ulysses-sequence parallel ranks, expert parameters over their expert-data-parallel
     replicas (ep ranks hold different experts), TP-replicated parameters over the TP group. Names each
-    mismatching parameter and rank."""
+    mismatching parameter and rank. One device all_gather per group, one host sync for the whole check."""
 
     name = "checksum_mismatch"
 
-    def __init__(self, model: torch.nn.Module, topology: Topology, zero_stage: int):
+    def __init__(self, model: torch.nn.Module, topology: Topology, zero_stage: int, checksummer: Checksummer):
         self.params = [(n, p) for n, p in model.named_parameters()]
         self.topology = topology
         self.check_dp = zero_stage < 3
+        self.checksummer = checksummer
+        self.device = next(model.parameters()).device
 
-    def check(self) -> list[dict]:
-        events = []
+    def comparisons(self) -> list[tuple[str, list[tuple[str, torch.Tensor]]]]:
+        """(group, parameters) pairs this check compares; the same on every rank of a group."""
+        out = []
         dense = [(n, p) for n, p in self.params if getattr(p, "allreduce", True)]
         experts = [(n, p) for n, p in self.params if not getattr(p, "allreduce", True)]  # DeepSpeed's MoE mark
         for group, params in (("sp_dp", dense), ("expert_dp", experts)):
             if self.check_dp and params and self.topology.size(group) > 1:
-                events += self._compare(group, params)
+                out.append((group, params))
         if self.topology.size("tp") > 1:
-            replicated = [(n, p) for n, p in self.params if not getattr(p, "tensor_model_parallel", False)]
-            events += self._compare("tp", replicated)
+            out.append(("tp", [(n, p) for n, p in self.params if not getattr(p, "tensor_model_parallel", False)]))
+        return out
+
+    def gather(self) -> list[tuple[str, list[str], torch.Tensor]]:
+        """Start the check: (group, parameter names, [ranks, params] device table) per comparison, not yet read."""
+        gathered = []
+        for group, params in self.comparisons():
+            sums = self.checksummer.sums((p for _, p in params), self.device)
+            table = torch.stack(comm.all_gather(sums, self.topology.device(group)))
+            gathered.append((group, [n for n, _ in params], table))
+        return gathered
+
+    def events(self, group: str, names: list[str], table: list[list[int]]) -> list[dict]:
+        """Mismatch events from one comparison's table, read back on the host (identical on every rank)."""
+        ranks = self.topology.ranks(group)
+        events = []
+        for column, name in enumerate(names):
+            values = [row[column] for row in table]
+            if len(set(values)) == 1:
+                continue
+            majority = max(sorted(set(values)), key=values.count)
+            if 2 * values.count(majority) > len(values):
+                events.append({"parameter": name, "group": group, "ranks": [ranks[i] for i, v in enumerate(values)
+                                                                            if v != majority], "group_ranks": ranks})
+            else:  # no majority (e.g. two replicas): which one is wrong is not knowable from here
+                events.append({"parameter": name, "group": group, "ranks": ranks, "group_ranks": ranks,
+                               "ambiguous": True})
         return events
 
-    def _compare(self, group_name: str, params: list[tuple[str, torch.Tensor]]) -> list[dict]:
-        sums = torch.tensor([checksum(p) for _, p in params], dtype=torch.int64)  # host integers: control
-        gathered = comm.all_gather(sums, self.topology.control(group_name))
-        ranks = self.topology.ranks(group_name)
-        table = torch.stack(gathered)  # [ranks, params]
-        events = []
-        for column, (name, _) in enumerate(params):
-            values = table[:, column].tolist()
-            majority = max(set(values), key=values.count)
-            odd = [ranks[i] for i, v in enumerate(values) if v != majority]
-            if odd:
-                events.append({"parameter": name, "group": group_name, "ranks": odd, "group_ranks": ranks})
+    def check(self, changed: tuple[list[tuple[str, str]], torch.Tensor] | None = None) -> list[dict]:
+        """Collective on every rank. `changed`: this rank's at-rest verification (guards/at_rest.py, entries and
+        device flags), whose count is summed over the world in the same host sync; only when some rank found a
+        change do the ranks exchange names (a second, rare collective)."""
+        gathered = self.gather()
+        flags = changed[1] if changed is not None else torch.zeros(0, dtype=torch.bool, device=self.device)
+        count = comm.all_reduce(flags.sum().to(torch.int64).view(1), self.topology.device("world"))
+        host = torch.cat([t.flatten() for _, _, t in gathered] + [count]).tolist()  # the one device → host sync
+        events, offset = [], 0
+        for group, names, table in gathered:
+            rows, cols = table.shape
+            flat = host[offset:offset + rows * cols]
+            offset += rows * cols
+            events += self.events(group, names, [flat[r * cols:(r + 1) * cols] for r in range(rows)])
+        if host[-1] > 0:
+            events += self._at_rest_events(changed)
         return events
+
+    def _at_rest_events(self, changed: tuple[list[tuple[str, str]], torch.Tensor] | None) -> list[dict]:
+        """One event per (rank, parameter) whose own state changed at rest, naming the state (identical on every
+        rank)."""
+        mine: dict[str, list[str]] = {}
+        if changed is not None:
+            for (name, state), bad in zip(changed[0], changed[1].tolist()):
+                if bad:
+                    mine.setdefault(name, []).append(state)
+        everyone = comm.all_gather_object((self.topology.rank, mine), self.topology.control("world"))
+        return [{"parameter": name, "group": "at_rest", "ranks": [rank], "states": states}
+                for rank, found in everyone for name, states in found.items()]

@@ -12,8 +12,9 @@ import math
 
 from keel.config import RunConfig
 from keel.parallel.topology import Topology
+from keel.training.guards.at_rest import AtRestCheck
 from keel.training.guards.base import Action, AnomalyLog, Decision, StepStats
-from keel.training.guards.consistency import ChecksumCheck, LossOutlierCheck
+from keel.training.guards.consistency import ChecksumCheck, Checksummer, LossOutlierCheck
 from keel.training.guards.numerics import LossScaleGuard, NonfiniteGuard
 from keel.training.guards.spike import SpikeGuard
 
@@ -33,11 +34,25 @@ class GuardStack:
         min_scale = float(engine.config.get("fp16", {}).get("min_loss_scale", 1)) if engine.fp16_enabled() else 1.0
         self.loss_scale = LossScaleGuard(s, min_scale)
         self.loss_outliers = LossOutlierCheck(topology, s.loss_check_sigmas, s.loss_check_repeats)
-        self.checksums = ChecksumCheck(engine.module, topology, engine.zero_optimization_stage())
+        checksummer = Checksummer()
+        self.checksums = ChecksumCheck(engine.module, topology, engine.zero_optimization_stage(), checksummer)
+        self.at_rest = AtRestCheck(engine, checksummer)
         self.last_event: dict | None = None
 
     # -- inside the optimizer step -----------------------------------------------------------------------------
+    def _checks_at(self, step: int) -> bool:
+        interval = self.cfg.stability.checksum_interval
+        return bool(interval) and step % interval == 0
+
+    def after_update(self, step: int) -> None:
+        """Right after the engine's step (before anything else touches the state): seal this rank's own state
+        when the next step is a checksum step."""
+        if self._checks_at(step + 1):
+            self.at_rest.seal()
+
     def decide(self, stats: StepStats) -> Decision:
+        if self._checks_at(stats.step):
+            self.at_rest.verify()  # before the update: the state sealed after the previous one, untouched since
         decisions = []
         self.last_event = None
         for guard in (self.nonfinite, self.spike):
@@ -83,12 +98,16 @@ class GuardStack:
                 log.warning("step %d: data-parallel rank %d (global rank %d on %s) loss %.4f is %.1fσ from its "
                             "peers' %.4f", step, event["dp_rank"], event["flagged_rank"], event["host"],
                             event["loss"], event["sigmas"], event["others_mean"])
-        if s.checksum_interval and step % s.checksum_interval == 0:
-            mismatches = self.checksums.check()
+        if self._checks_at(step):
+            mismatches = self.checksums.check(self.at_rest.take())
             for event in mismatches:
                 self.anomalies.record("checksum_mismatch", step, action=s.checksum_action, **event)
-                log.error("step %d: parameter %s differs on rank(s) %s of its %s group", step, event["parameter"],
-                          event["ranks"], event["group"])
+                if event["group"] == "at_rest":
+                    log.error("step %d: %s of parameter %s changed at rest on rank %s", step,
+                              "/".join(event["states"]), event["parameter"], event["ranks"][0])
+                else:
+                    log.error("step %d: parameter %s differs on rank(s) %s of its %s group", step,
+                              event["parameter"], event["ranks"], event["group"])
             if mismatches and s.checksum_action == "stop":
                 return Decision(Action.STOP, "parameter checksum mismatch", exit_code=CHECKSUM_EXIT)
             if mismatches and s.checksum_action == "restore":
@@ -100,6 +119,7 @@ class GuardStack:
         return {"spike": self.spike.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
+        self.at_rest.forget()
         if "spike" in state:
             self.spike.load_state_dict(state["spike"])
 
