@@ -21,6 +21,7 @@ import torch.utils.checkpoint
 from keel.adapters.deepspeed_internals import pipeline_local_specs, pipeline_local_stop
 from keel.config import RunConfig
 from keel.model import Block, EmbeddingLayer, FinalNorm, OutputLayer, VocabParallelLoss, init_weights
+from keel.model.materialize import Placement
 from keel.parallel.experts import EPContext
 from keel.parallel.tensor import TPContext
 from keel.parallel.topology import Topology
@@ -33,19 +34,44 @@ def _project(module: EmbeddingLayer, x: torch.Tensor) -> torch.Tensor:
     return module.project(x)
 
 
-def layer_specs(cfg: RunConfig, tp: TPContext, ep: EPContext) -> list:
-    """The flat layer list as specs: `[Embedding, Block × n, FinalNorm, Head]`, built lazily per stage."""
+def _initialised(spec_class: type) -> type:
+    """A `spec_class` (LayerSpec or TiedLayerSpec) whose `build` constructs the layer on meta, materializes it
+    where `placement` says and initialises it as layer `index` of the full list — one layer at a time, so a stage
+    never holds more than its own shards plus one init block."""
+
+    class Initialised(spec_class):
+        def __init__(self, index: int, cfg: RunConfig, placement: Placement, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.index, self.run_cfg, self.placement = index, cfg, placement
+
+        def build(self, log: bool = False) -> torch.nn.Module:
+            layer = self.placement.build(lambda: spec_class.build(self, log))
+            init_weights([layer], self.run_cfg.model, self.run_cfg.train.seed, first_index=self.index,
+                         gather=self.placement.gather)
+            return layer
+
+    Initialised.__name__ = Initialised.__qualname__ = f"Initialised{spec_class.__name__}"
+    return Initialised
+
+
+def layer_specs(cfg: RunConfig, tp: TPContext, ep: EPContext, placement: Placement | None = None) -> list:
+    """The flat layer list as specs: `[Embedding, Block × n, FinalNorm, Head]`, built and initialised per stage."""
     from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
     m = cfg.model
+    placement = placement or Placement()
+    spec, tied = _initialised(LayerSpec), _initialised(TiedLayerSpec)
+    head_index = m.n_layers + 2
     if m.tie_embeddings:
         weight = ["tok_embeddings.weight"]
-        first = TiedLayerSpec(TIED_KEY, EmbeddingLayer, m, tp, tied_weight_attr=weight)
-        head = TiedLayerSpec(TIED_KEY, EmbeddingLayer, m, tp, forward_fn=_project, tied_weight_attr=weight)
+        first = tied(0, cfg, placement, TIED_KEY, EmbeddingLayer, m, tp, tied_weight_attr=weight)
+        head = tied(head_index, cfg, placement, TIED_KEY, EmbeddingLayer, m, tp, forward_fn=_project,
+                    tied_weight_attr=weight)
     else:
-        first, head = LayerSpec(EmbeddingLayer, m, tp), LayerSpec(OutputLayer, m, None, tp)
-    blocks = [LayerSpec(Block, m, layer_id, tp, ep) for layer_id in range(m.n_layers)]
-    return [first, *blocks, LayerSpec(FinalNorm, m, tp), head]
+        first = spec(0, cfg, placement, EmbeddingLayer, m, tp)
+        head = spec(head_index, cfg, placement, OutputLayer, m, None, tp)
+    blocks = [spec(1 + layer_id, cfg, placement, Block, m, layer_id, tp, ep) for layer_id in range(m.n_layers)]
+    return [first, *blocks, spec(m.n_layers + 1, cfg, placement, FinalNorm, m, tp), head]
 
 
 def local_layers(module) -> list[tuple[int, torch.nn.Module]]:
@@ -61,24 +87,23 @@ def local_layers(module) -> list[tuple[int, torch.nn.Module]]:
     return layers
 
 
-def build_pipeline(cfg: RunConfig, topology: Topology, tp: TPContext, ep: EPContext):
-    """A `PipelineModule` over this rank's stage, initialised as the single-process model would be."""
+def build_pipeline(cfg: RunConfig, topology: Topology, tp: TPContext, ep: EPContext,
+                   placement: Placement | None = None):
+    """A `PipelineModule` over this rank's stage, initialised as the single-process model would be (each layer
+    as it is built, see `layer_specs`)."""
     from deepspeed.pipe import PipelineModule
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
     shape = topology.shape
     checkpoint = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
     module = PipelineModule(
-        layers=layer_specs(cfg, tp, ep),
+        layers=layer_specs(cfg, tp, ep, placement),
         topology=PipeModelDataParallelTopology(num_pp=shape.pp, num_mp=shape.tp, num_dp=shape.dp),
         loss_fn=VocabParallelLoss(cfg.model, tp, cfg.train.label_smoothing, cfg.train.z_loss),
         partition_method=cfg.parallel.pipeline_partition,
         activation_checkpoint_interval=cfg.train.activation_checkpoint_interval,
         activation_checkpoint_func=checkpoint,
     )
-    with torch.no_grad():
-        for index, layer in local_layers(module):
-            init_weights([layer], cfg.model, cfg.train.seed, first_index=index)
     describe_stages(module, topology, cfg.parallel.pipeline_partition)
     return module
 
