@@ -34,44 +34,38 @@ def _project(module: EmbeddingLayer, x: torch.Tensor) -> torch.Tensor:
     return module.project(x)
 
 
-def _initialised(spec_class: type) -> type:
-    """A `spec_class` (LayerSpec or TiedLayerSpec) whose `build` constructs the layer on meta, materializes it
-    where `placement` says and initialises it as layer `index` of the full list — one layer at a time, so a stage
-    never holds more than its own shards plus one init block."""
+def _placed(spec_class: type) -> type:
+    """A `spec_class` (LayerSpec or TiedLayerSpec) whose `build` constructs the layer on meta and materializes it
+    where `placement` says (uninitialised, like an eager build: DeepSpeed also builds every layer once just to
+    count its parameters, so init happens in `build_pipeline`, for this stage's layers only)."""
 
-    class Initialised(spec_class):
-        def __init__(self, index: int, cfg: RunConfig, placement: Placement, *args, **kwargs) -> None:
+    class Placed(spec_class):
+        def __init__(self, placement: Placement, *args, **kwargs) -> None:
             super().__init__(*args, **kwargs)
-            self.index, self.run_cfg, self.placement = index, cfg, placement
+            self.placement = placement
 
         def build(self, log: bool = False) -> torch.nn.Module:
-            layer = self.placement.build(lambda: spec_class.build(self, log))
-            init_weights([layer], self.run_cfg.model, self.run_cfg.train.seed, first_index=self.index,
-                         gather=self.placement.gather)
-            return layer
+            return self.placement.build(lambda: spec_class.build(self, log))
 
-    Initialised.__name__ = Initialised.__qualname__ = f"Initialised{spec_class.__name__}"
-    return Initialised
+    Placed.__name__ = Placed.__qualname__ = f"Placed{spec_class.__name__}"
+    return Placed
 
 
 def layer_specs(cfg: RunConfig, tp: TPContext, ep: EPContext, placement: Placement | None = None) -> list:
-    """The flat layer list as specs: `[Embedding, Block × n, FinalNorm, Head]`, built and initialised per stage."""
+    """The flat layer list as specs: `[Embedding, Block × n, FinalNorm, Head]`, built lazily per stage."""
     from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
     m = cfg.model
     placement = placement or Placement()
-    spec, tied = _initialised(LayerSpec), _initialised(TiedLayerSpec)
-    head_index = m.n_layers + 2
+    spec, tied = _placed(LayerSpec), _placed(TiedLayerSpec)
     if m.tie_embeddings:
         weight = ["tok_embeddings.weight"]
-        first = tied(0, cfg, placement, TIED_KEY, EmbeddingLayer, m, tp, tied_weight_attr=weight)
-        head = tied(head_index, cfg, placement, TIED_KEY, EmbeddingLayer, m, tp, forward_fn=_project,
-                    tied_weight_attr=weight)
+        first = tied(placement, TIED_KEY, EmbeddingLayer, m, tp, tied_weight_attr=weight)
+        head = tied(placement, TIED_KEY, EmbeddingLayer, m, tp, forward_fn=_project, tied_weight_attr=weight)
     else:
-        first = spec(0, cfg, placement, EmbeddingLayer, m, tp)
-        head = spec(head_index, cfg, placement, OutputLayer, m, None, tp)
-    blocks = [spec(1 + layer_id, cfg, placement, Block, m, layer_id, tp, ep) for layer_id in range(m.n_layers)]
-    return [first, *blocks, spec(m.n_layers + 1, cfg, placement, FinalNorm, m, tp), head]
+        first, head = spec(placement, EmbeddingLayer, m, tp), spec(placement, OutputLayer, m, None, tp)
+    blocks = [spec(placement, Block, m, layer_id, tp, ep) for layer_id in range(m.n_layers)]
+    return [first, *blocks, spec(placement, FinalNorm, m, tp), head]
 
 
 def local_layers(module) -> list[tuple[int, torch.nn.Module]]:
@@ -89,8 +83,7 @@ def local_layers(module) -> list[tuple[int, torch.nn.Module]]:
 
 def build_pipeline(cfg: RunConfig, topology: Topology, tp: TPContext, ep: EPContext,
                    placement: Placement | None = None):
-    """A `PipelineModule` over this rank's stage, initialised as the single-process model would be (each layer
-    as it is built, see `layer_specs`)."""
+    """A `PipelineModule` over this rank's stage, initialised as the single-process model would be."""
     from deepspeed.pipe import PipelineModule
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
@@ -104,6 +97,9 @@ def build_pipeline(cfg: RunConfig, topology: Topology, tp: TPContext, ep: EPCont
         activation_checkpoint_interval=cfg.train.activation_checkpoint_interval,
         activation_checkpoint_func=checkpoint,
     )
+    placement = placement or Placement()
+    for index, layer in local_layers(module):
+        init_weights([layer], cfg.model, cfg.train.seed, first_index=index, gather=placement.gather)
     describe_stages(module, topology, cfg.parallel.pipeline_partition)
     return module
 
