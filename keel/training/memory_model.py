@@ -102,8 +102,9 @@ def _stage_parts(counts: list[int], layers: list[torch.nn.Module], pp: int, meth
     return ds_utils.partition_balanced(weights=counts, num_parts=pp)
 
 
-def param_share(cfg: ModelConfig, layout: Layout, method: str = "parameters") -> ParamShare:
-    """This rank's parameters at `layout`, counted from the real layer classes built on meta (the largest stage)."""
+def param_share(cfg: ModelConfig, layout: Layout, method: str = "parameters", stage: int | None = None) -> ParamShare:
+    """A rank's parameters at `layout` on pipeline `stage` (default: the largest stage), counted from the real
+    layer classes built on meta; `method` is `parallel.pipeline_partition`."""
     tp = TPContext(rank=0, size=layout.tp)
     ep = EPContext(rank=0, size=layout.ep, ranks=tuple(range(layout.ep)))
     layers = _layer_list(cfg, tp, ep, layout.pp)
@@ -123,7 +124,7 @@ def param_share(cfg: ModelConfig, layout: Layout, method: str = "parameters") ->
         per_layer.append((dense, expert, largest))
     parts = _stage_parts([d + e for d, e, _ in per_layer], layers, layout.pp, method)
     stages = [per_layer[parts[s]:parts[s + 1]] for s in range(layout.pp)]
-    best = max(stages, key=lambda stage: sum(d + e for d, e, _ in stage))
+    best = stages[stage] if stage is not None else max(stages, key=lambda s: sum(d + e for d, e, _ in s))
     return ParamShare(sum(d for d, _, _ in best), sum(e for _, e, _ in best), max(m for _, _, m in best))
 
 
