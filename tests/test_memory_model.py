@@ -70,6 +70,9 @@ def _pipeline_rank(rank: int, port: int) -> None:
                       LOCAL_RANK=str(rank))
     dist.init_process_group("gloo", rank=rank, world_size=4)
     try:
+        import deepspeed
+
+        deepspeed.init_distributed("gloo", auto_mpi_discovery=False, verbose=False)
         from keel.parallel.topology import Topology
         from keel.training.engine import build_model
 

@@ -34,7 +34,10 @@ class ZeRO3Placement(Placement):
     def build(self, construct: Callable[[], T]) -> T:
         import deepspeed
 
-        with deepspeed.zero.Init(config_dict_or_path=self.ds, mpu=self.mpu, dtype=self.dtype):
+        # dtype=None: zero.Init then takes it from the config (the same one `self.dtype` was derived from). An
+        # explicit dtype is misread in DeepSpeed 0.19.8 where the accelerator lacks fp16 (CPU): `dtype or fp16 if
+        # fp16_supported() else bf16 if is_bf16_supported else fp32` (a method, not a call) gives bf16 always.
+        with deepspeed.zero.Init(config_dict_or_path=self.ds, mpu=self.mpu, dtype=None):
             return construct()
 
     def gather(self, param: nn.Parameter) -> contextlib.AbstractContextManager:
