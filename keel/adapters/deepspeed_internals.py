@@ -185,6 +185,12 @@ def zero3_partition(param: torch.nn.Parameter) -> torch.Tensor:
     return getattr(param, "ds_tensor", param)
 
 
+def logical_shape(param: torch.nn.Parameter) -> torch.Size:
+    """A parameter's shape, also while ZeRO-3 has partitioned it (`ds_shape`; the tensor itself is then empty).
+    Missing public API: the shape of a partitioned parameter without gathering it."""
+    return torch.Size(getattr(param, "ds_shape", param.shape))
+
+
 def _groups_module():
     from deepspeed.utils import groups
 

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
+from keel.adapters.deepspeed_internals import logical_shape
 from keel.config import ConfigError, ModelConfig, validate_model
 from keel.model.init import fill_shard_
 from keel.model.layers import NO_SP, NO_TP, Attention, SwiGLU, make_norm
@@ -282,12 +283,15 @@ class VocabParallelLoss:
 
 
 def weight_decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Optimizer param groups: decay matrices, not norms or biases (ndim < 2); shared Parameters appear once."""
+    """Optimizer param groups: decay matrices, not norms or biases (ndim < 2); shared Parameters appear once.
+
+    Shapes are the logical ones: a model built under `deepspeed.zero.Init` is already partitioned (every
+    parameter a flat, empty tensor) when the groups are made."""
     decay: list[nn.Parameter] = []
     no_decay: list[nn.Parameter] = []
     for param in model.parameters():  # parameters() already yields each shared Parameter once
         if param.requires_grad:
-            (decay if param.ndim >= 2 else no_decay).append(param)
+            (decay if len(logical_shape(param)) >= 2 else no_decay).append(param)
     groups = [{"name": "decay", "params": decay, "weight_decay": weight_decay},
               {"name": "no_decay", "params": no_decay, "weight_decay": 0.0}]
     return [group for group in groups if group["params"]]
