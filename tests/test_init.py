@@ -124,3 +124,16 @@ def test_moved_expert_keeps_its_values():
     half = CausalLM(cfg, seed=2, ep=EPContext(rank=1, size=2, ranks=(0, 1))).layers[1].feed_forward.local_experts[1]
     for (name, a), b in zip(whole.named_parameters(), half.parameters(), strict=True):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("dim", [None, 0, 1])
+def test_a_flat_window_is_that_slice_of_the_shard(dim):
+    """ZeRO-3 partitions are flat windows of the (tp-shard) parameter, cut anywhere, even mid-row."""
+    whole = _mib_matrix(300, 2048, dim)
+    with torch.no_grad():
+        fill_shard_(whole, 0.02, False, seed=1, index=2, name="w")
+        flat = whole.detach().reshape(-1)
+        for start, end in [(0, 5000), (4093, 130_001), (flat.numel() - 777, flat.numel())]:
+            out = torch.empty(end - start)
+            fill_shard_(whole, 0.02, False, seed=1, index=2, name="w", out=out, flat=(start, end))
+            assert torch.equal(out, flat[start:end]), (start, end)

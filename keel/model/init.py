@@ -19,6 +19,8 @@ import math
 import torch
 from torch import nn
 
+from keel.adapters.deepspeed_internals import logical_shape
+
 # Bound of the fp32 block one draw allocates (the "init buffer"); a row wider than this is drawn alone.
 INIT_BLOCK_BYTES = 4 * 2**20
 
@@ -70,12 +72,28 @@ def fill_rows_(out: torch.Tensor, full_shape: tuple[int, ...], rows: tuple[int, 
         out[lo - first:hi - first, :col_end - cols[0]].copy_(values[lo - start:hi - start, cols[0]:col_end])
 
 
-def fill_shard_(param: torch.Tensor, std: float, truncated: bool, seed: int, index: int, name: str) -> None:
-    """Fill this rank's shard of a parameter marked by `mark_sharded` (or a whole unmarked parameter)."""
-    full_shape = tuple(getattr(param, "full_shape", param.shape))
+def fill_shard_(param: torch.Tensor, std: float, truncated: bool, seed: int, index: int, name: str,
+                out: torch.Tensor | None = None, flat: tuple[int, int] | None = None) -> None:
+    """Fill this rank's shard of a parameter marked by `mark_sharded` (or a whole unmarked parameter).
+
+    With `flat` = (start, end), `out` is only that window of the flattened shard (a ZeRO-3 partition): it is
+    filled a chunk of at most `INIT_BLOCK_BYTES` of rows at a time, so no whole shard is ever built.
+    """
+    shape = tuple(logical_shape(param))
+    full_shape = tuple(getattr(param, "full_shape", shape))
     dim = getattr(param, "partition_dim", None)
     rank = getattr(param, "tp_rank", 0)
-    local_rows, local_cols = param.shape[0], math.prod(param.shape[1:])
+    local_rows, local_cols = shape[0], math.prod(shape[1:])
     rows = (rank * local_rows, (rank + 1) * local_rows) if dim == 0 else (0, local_rows)
     cols = (rank * local_cols, (rank + 1) * local_cols) if dim == 1 else (0, local_cols)
-    fill_rows_(param.data, full_shape, rows, cols, std, truncated, seed, index, name)
+    if flat is None:
+        fill_rows_(param.data if out is None else out, full_shape, rows, cols, std, truncated, seed, index, name)
+        return
+    start, end = flat
+    chunk = max(1, INIT_BLOCK_BYTES // (4 * local_cols))
+    for first in range(start // local_cols, -(-end // local_cols), chunk):
+        last = min(first + chunk, local_rows)
+        values = torch.empty(last - first, local_cols, dtype=torch.float32)
+        fill_rows_(values, full_shape, (rows[0] + first, rows[0] + last), cols, std, truncated, seed, index, name)
+        lo, hi = max(start, first * local_cols), min(end, last * local_cols)
+        out[lo - start:hi - start].copy_(values.view(-1)[lo - first * local_cols:hi - first * local_cols])

@@ -8,11 +8,9 @@ Throughout, a layer's *index* is its position in the full list: 0 is the embeddi
 
 from __future__ import annotations
 
-import contextlib
 import math
 import re
 from collections.abc import Callable, Iterable
-from contextlib import AbstractContextManager
 
 import torch
 import torch.nn.functional as F
@@ -125,18 +123,31 @@ class OutputLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, tied_embedding: nn.Module | None = None, tp: TPContext = NO_TP) -> None:
         super().__init__()
         self.tp = tp
-        self.output = ColumnParallelLinear(cfg.dim, vocab_rows(cfg, tp), tp)
-        mark_sharded(self.output.weight, 0, (cfg.vocab_size, cfg.dim), tp)
-        if tied_embedding is not None:
-            if tied_embedding.weight.shape != self.output.weight.shape:
-                raise ValueError(
-                    f"tied embedding has shape {tuple(tied_embedding.weight.shape)}, "
-                    f"the head needs {tuple(self.output.weight.shape)}"
-                )
-            self.output.weight = tied_embedding.weight
+        if tied_embedding is None:
+            self.output = ColumnParallelLinear(cfg.dim, vocab_rows(cfg, tp), tp)
+            mark_sharded(self.output.weight, 0, (cfg.vocab_size, cfg.dim), tp)
+            return
+        # No weight of its own, not even briefly: under zero.Init it would be partitioned and kept by DeepSpeed.
+        want = (vocab_rows(cfg, tp) // tp.size, cfg.dim)
+        if tuple(logical_shape(tied_embedding.weight)) != want:
+            raise ValueError(
+                f"tied embedding has shape {tuple(logical_shape(tied_embedding.weight))}, the head needs {want}"
+            )
+        self.output = _TiedHead(tied_embedding.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.output(enter(x, self.tp))
+
+
+class _TiedHead(nn.Module):
+    """The head's projection by the embedding's own Parameter (state-dict key `output.weight`, as untied)."""
+
+    def __init__(self, weight: nn.Parameter) -> None:
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
 
 
 def build_layers(cfg: ModelConfig, tp: TPContext = NO_TP, ep: EPContext = NO_EP,
@@ -171,7 +182,7 @@ TRUNCATED_BY_INIT = {"normal": False, "truncated_normal": True}
 
 @torch.no_grad()
 def init_weights(layers: Iterable[nn.Module], cfg: ModelConfig, seed: int, first_index: int = 0,
-                 gather: Callable[[nn.Parameter], AbstractContextManager] | None = None) -> None:
+                 placement: Placement | None = None) -> None:
     """Initialise `layers` deterministically and independently of how the full layer list is split or sharded.
 
     Matrices (embedding, projections, head) get N(0, init_std²), or the ±3σ truncated normal when
@@ -181,8 +192,8 @@ def init_weights(layers: Iterable[nn.Module], cfg: ModelConfig, seed: int, first
     (keel/model/init.py), so a pipeline stage calling `init_weights(stage_layers, cfg, seed,
     first_index=index_of_its_first_layer)`, a tp shard and an ep rank all reproduce exactly their part of the
     single-process model. Every copy of the embedding table — and a tied head, shared here or not — draws as
-    layer 0's `tok_embeddings.weight`. `gather(param)` (ZeRO-3) is entered around each parameter's fill, one
-    parameter at a time.
+    layer 0's `tok_embeddings.weight`. `placement.fill` writes each value where the parameter keeps it (under
+    ZeRO-3: only this rank's partition).
     """
     truncated = TRUNCATED_BY_INIT[cfg.init]  # cfg was validated: by build_layers, or as the run's config
     residual_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
@@ -193,23 +204,23 @@ def init_weights(layers: Iterable[nn.Module], cfg: ModelConfig, seed: int, first
             if id(param) in done:
                 continue
             done.add(id(param))
-            with gather(param) if gather is not None else contextlib.nullcontext():
-                _init_param(layer, index, name, param, cfg, seed, truncated, residual_std)
+            (placement or Placement()).fill(param, _writer(layer, index, name, param, cfg, seed, truncated,
+                                                           residual_std))
 
 
-def _init_param(layer: nn.Module, index: int, name: str, param: nn.Parameter, cfg: ModelConfig, seed: int,
-                truncated: bool, residual_std: float) -> None:
-    if param.ndim >= 2:
+def _writer(layer: nn.Module, index: int, name: str, param: nn.Parameter, cfg: ModelConfig, seed: int,
+            truncated: bool, residual_std: float) -> Callable[[torch.Tensor, tuple[int, int] | None], None]:
+    """How `param`'s value (or a flat window of it) is written: drawn blocks, zeros (biases) or ones (norms)."""
+    if len(logical_shape(param)) >= 2:
         tied_head = isinstance(layer, OutputLayer) and cfg.tie_embeddings and name == "output.weight"
         if tied_head or isinstance(layer, EmbeddingLayer):  # every copy of the table draws as layer 0's
-            fill_shard_(param, cfg.init_std, truncated, seed, 0, "tok_embeddings.weight")
+            std, key_index, key = cfg.init_std, 0, "tok_embeddings.weight"
         else:
             std = residual_std if name.endswith(_RESIDUAL_OUTPUTS) else cfg.init_std
-            fill_shard_(param, std, truncated, seed, index, logical_name(name, param))
-    elif name.endswith("bias"):
-        param.data.zero_()
-    else:
-        param.data.fill_(1.0)
+            key_index, key = index, logical_name(name, param)
+        return lambda out, flat: fill_shard_(param, std, truncated, seed, key_index, key, out=out, flat=flat)
+    value = 0.0 if name.endswith("bias") else 1.0
+    return lambda out, flat: out.fill_(value)
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
@@ -234,7 +245,7 @@ class CausalLM(nn.Module):
         self.checkpoint_interval = checkpoint_interval
         placement = placement or Placement()  # on meta, then this rank's shards on the CPU in fp32
         self.layers = nn.ModuleList(placement.build(lambda: build_layers(cfg, tp, ep, sp)))
-        init_weights(self.layers, cfg, seed, gather=placement.gather)
+        init_weights(self.layers, cfg, seed, placement=placement)
         self.loss_fn = VocabParallelLoss(cfg, tp, label_smoothing, z_loss, sp)
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:

@@ -11,7 +11,6 @@ caches are built lazily (RoPE); tests/test_init.py compares a meta-built model's
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterable
 from typing import TypeVar
 
@@ -35,9 +34,10 @@ class Placement:
         materialize_(built if isinstance(built, list) else [built], self.device, self.dtype)
         return built
 
-    def gather(self, param: nn.Parameter) -> contextlib.AbstractContextManager:
-        """A context in which `param` holds its whole (tp-shard) value and may be written; here it always does."""
-        return contextlib.nullcontext()
+    def fill(self, param: nn.Parameter, write: Callable[[torch.Tensor, tuple[int, int] | None], None]) -> None:
+        """Have `write(out, flat)` set `param`'s value: `out` is the whole (tp-shard) tensor and `flat` None, or
+        only this rank's window (start, end) of it flattened (ZeRO-3)."""
+        write(param.data, None)
 
 
 def _target_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.dtype:

@@ -99,7 +99,7 @@ def build_pipeline(cfg: RunConfig, topology: Topology, tp: TPContext, ep: EPCont
     )
     placement = placement or Placement()
     for index, layer in local_layers(module):
-        init_weights([layer], cfg.model, cfg.train.seed, first_index=index, gather=placement.gather)
+        init_weights([layer], cfg.model, cfg.train.seed, first_index=index, placement=placement)
     describe_stages(module, topology, cfg.parallel.pipeline_partition)
     return module
 

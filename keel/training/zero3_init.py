@@ -1,20 +1,21 @@
-"""ZeRO-3's placement: layers built under `deepspeed.zero.Init`, initialised one gathered parameter at a time.
+"""ZeRO-3's placement: layers built under `deepspeed.zero.Init`, each rank initialising its own partitions.
 
 Under `zero.Init` every module's parameters are partitioned over the data-parallel group as soon as the module is
 constructed, so construction never holds more than one module's parameters beyond this rank's partitions. Init
-then gathers one parameter (`GatheredParameters`, bounded by the largest parameter), fills it on the modifier
-rank and lets DeepSpeed broadcast and re-partition it — the values are the same as every other placement's.
+then writes each partition in place from the row blocks it covers (keel/model/init.py): no parameter is gathered
+(`GatheredParameters` costs ~3× the parameter on gloo) and the values are every other placement's.
 """
 
 from __future__ import annotations
 
-import contextlib
+import math
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
+from keel.adapters.deepspeed_internals import logical_shape, zero3_partition_window
 from keel.model.materialize import Placement
 from keel.parallel.topology import Topology
 
@@ -40,7 +41,14 @@ class ZeRO3Placement(Placement):
         with deepspeed.zero.Init(config_dict_or_path=self.ds, mpu=self.mpu, dtype=None):
             return construct()
 
-    def gather(self, param: nn.Parameter) -> contextlib.AbstractContextManager:
-        import deepspeed
-
-        return deepspeed.zero.GatheredParameters([param], modifier_rank=0)
+    def fill(self, param: nn.Parameter, write: Callable[[torch.Tensor, tuple[int, int] | None], None]) -> None:
+        """Write this rank's partition in place, from the row blocks it covers: no gather, no collective."""
+        window = zero3_partition_window(param)
+        if window is None:
+            write(param.data, None)
+            return
+        part, start = window
+        end = min(start + part.numel(), math.prod(logical_shape(param)))
+        part.zero_()  # the last partition's padding past the parameter's end
+        if end > start:
+            write(part[:end - start], (start, end))
