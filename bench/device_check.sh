@@ -7,7 +7,7 @@
 #               `keel train` on one GPU (NCCL + gloo control group) through the paths that need no second GPU,
 #               covered pairwise: ZeRO-1/2/3 dense and ZeRO-1/2 MoE, fp16 and bf16 each twice or more, monitor
 #               and checksums on in every run, and a resume (stop at step 30, start again) in three of them.
-#               Each prints its last log lines and its peak GPU memory next to Keel's memory model.
+#               Each prints its last log lines and its peak GPU memory (next to Keel's memory model when present).
 # Usage there: bash bench/device_check.sh [OUT_DIR]. A machine with no network needs DeepSpeed and the deps its
 # image lacks as wheels in .whl/ (made beforehand where pip works; the image had Python 3.12):
 #   DS_BUILD_OPS=0 pip wheel --no-deps --no-build-isolation deepspeed==0.19.8 -w .whl
@@ -70,7 +70,13 @@ train() {
   grep -v "^\[20" "$out/train_$name.txt" | grep -E "step +[0-9]+|resumed|finished|error|Error" | tail -6
   cp "$run/metrics.jsonl" "$out/metrics_$name.jsonl" 2>/dev/null
   cp "$run/anomalies.jsonl" "$out/anomalies_$name.jsonl" 2>/dev/null
-  python3 bench/memory_vs_model.py "$run" 2>&1 | tee -a "$out/memory.txt"
+  # peak GPU memory next to the memory model, once keel/training/memory_model.py exists (branch `memory`)
+  if [ -f bench/memory_vs_model.py ]; then
+    python3 bench/memory_vs_model.py "$run" 2>&1 | tee -a "$out/memory.txt"
+  else
+    python3 -c "import json,sys; r=[json.loads(l) for l in open(sys.argv[1])]; print(sys.argv[2], 'peak GPU GiB', \
+max((x.get('gpu_mem_peak_gib', 0) for x in r), default=None))" "$run/metrics.jsonl" "$name" | tee -a "$out/memory.txt"
+  fi
 }
 
 want dense-z1 && train dense-z1 1 fp16 1
