@@ -11,17 +11,20 @@ tolerance the tests may ask of steps after the first (tests/test_train_equivalen
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from keel.config import ModelConfig
 from keel.model.llama import CausalLM, weight_decay_groups
 
 CFG = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512, tie_embeddings=True)
+MOE_CFG = dataclasses.replace(CFG, moe_experts=4)  # tests/test_moe_training.py MOE
 STEPS, LR, WARMUP = 10, 0.01, 2
 
 
-def grad_norms(seed: int, perturbation: float, data: torch.Tensor) -> list[float]:
-    model = CausalLM(CFG, seed=seed)
+def grad_norms(cfg: ModelConfig, seed: int, perturbation: float, data: torch.Tensor) -> list[float]:
+    model = CausalLM(cfg, seed=seed)
     if perturbation:
         noise = torch.Generator().manual_seed(123)
         with torch.no_grad():
@@ -41,13 +44,14 @@ def grad_norms(seed: int, perturbation: float, data: torch.Tensor) -> list[float
 
 def main() -> None:
     data = torch.randint(0, CFG.vocab_size, (STEPS, 8, 33), generator=torch.Generator().manual_seed(1))
-    worst = 0.0
-    for seed in range(4):
-        clean, perturbed = grad_norms(seed, 0.0, data), grad_norms(seed, 1e-7, data)
-        ratios = [abs(a - b) / b for a, b in zip(perturbed, clean)]
-        worst = max(worst, *ratios[1:])
-        print(f"seed {seed}: |Δ grad norm| / grad norm per step: " + " ".join(f"{r:.1e}" for r in ratios))
-    print(f"largest after step 1: {worst:.1e}")
+    for name, cfg in (("dense", CFG), ("moe", MOE_CFG)):
+        worst = 0.0
+        for seed in range(4):
+            clean, perturbed = grad_norms(cfg, seed, 0.0, data), grad_norms(cfg, seed, 1e-7, data)
+            ratios = [abs(a - b) / b for a, b in zip(perturbed, clean)]
+            worst = max(worst, *ratios[1:])
+            print(f"{name} seed {seed}: |Δ grad norm| / grad norm per step: " + " ".join(f"{r:.1e}" for r in ratios))
+        print(f"{name}: largest after step 1: {worst:.1e}")
 
 
 if __name__ == "__main__":
