@@ -8,7 +8,7 @@ import torch
 from keel.training.guards.base import read_anomalies
 from keel.training.metrics import read_metrics
 from tests.keel_runs import Run
-from tests.test_train_equivalence import assert_close
+from tests.test_train_equivalence import assert_close, assert_grad_norms_close
 
 pytestmark = pytest.mark.slow
 
@@ -73,7 +73,7 @@ def test_ep2_matches_ep1(runs, top_k, capacity, policy):
     reference = runs.get(f"ep1-k{top_k}-c{capacity}", 2, **sets)
     sharded = runs.get(f"ep2-k{top_k}-c{capacity}", 2, parallel__ep=2, **sets)
     assert_close(column(sharded, "loss"), column(reference, "loss"), 1e-5)
-    assert_close(column(sharded, "grad_norm"), column(reference, "grad_norm"), 1e-5)
+    assert_grad_norms_close(column(sharded, "grad_norm"), column(reference, "grad_norm"))
     dropped = [layer["dropped"] for record in health(sharded) for layer in record.values()]
     assert len(dropped) == 4  # 2 MoE blocks × checks at steps 5 and 10
     if capacity:
@@ -89,7 +89,7 @@ def test_ep2_dp2_zero_matches_single_process(runs, zero):
     reference = runs.get("moe-single", 1, **MOE)
     sharded = runs.get(f"ep2dp2-zero{zero}", 4, f"ds_configs/zero{zero}.json", parallel__ep=2, **MOE)
     assert_close(column(sharded, "loss"), column(reference, "loss"), 1e-5)
-    assert_close(column(sharded, "grad_norm"), column(reference, "grad_norm"), 1e-5)
+    assert_grad_norms_close(column(sharded, "grad_norm"), column(reference, "grad_norm"))
     assert_same_health(health(sharded), health(reference))
 
 
@@ -98,14 +98,14 @@ def test_ep2_pp2_matches_single_process(runs):
     reference = runs.get("moe-single", 1, **MOE)
     piped = runs.get("ep2pp2", 4, "ds_configs/zero1.json", parallel__ep=2, parallel__pp=2, **MOE)
     assert_close(column(piped, "loss"), column(reference, "loss"), 1e-5)
-    assert_close(column(piped, "grad_norm"), column(reference, "grad_norm"), 1e-5)
+    assert_grad_norms_close(column(piped, "grad_norm"), column(reference, "grad_norm"))
 
 
 def test_ulysses_sp2_matches_single_process(runs):
     reference = runs.get("dense-single", 1)
     ulysses = runs.get("sp2", 2, parallel__sp=2)
     assert_close(column(ulysses, "loss"), column(reference, "loss"), 1e-5)
-    assert_close(column(ulysses, "grad_norm"), column(reference, "grad_norm"), 1e-5)
+    assert_grad_norms_close(column(ulysses, "grad_norm"), column(reference, "grad_norm"))
 
 
 @pytest.mark.parametrize("megatron_sp", ["false", "true"])
@@ -114,7 +114,7 @@ def test_ulysses_sp2_tp2_matches_single_process(runs, megatron_sp):
     both = runs.get(f"sp2tp2-{megatron_sp}", 4, "ds_configs/zero1.json", parallel__sp=2, parallel__tp=2,
                     parallel__sequence_parallel=megatron_sp)
     assert_close(column(both, "loss"), column(reference, "loss"), 1e-5)
-    assert_close(column(both, "grad_norm"), column(reference, "grad_norm"), 1e-5)
+    assert_grad_norms_close(column(both, "grad_norm"), column(reference, "grad_norm"))
 
 
 def test_tp2_sp2_ep2_matches_single_process(runs):
@@ -123,14 +123,15 @@ def test_tp2_sp2_ep2_matches_single_process(runs):
     reference = runs.get("moe-single", 1, **MOE)
     both = runs.get("tp2sp2ep2", 8, "ds_configs/zero2.json", **TP_SP_EP)
     assert_close(column(both, "loss"), column(reference, "loss"), 1e-5)
-    assert_close(column(both, "grad_norm"), column(reference, "grad_norm"), 1e-5)
+    assert_grad_norms_close(column(both, "grad_norm"), column(reference, "grad_norm"))
     assert_same_health(health(both), health(reference))
 
 
-def _model_states(run_dir) -> dict[str, torch.Tensor]:
-    """Every tensor of the final checkpoint's model files (dense and per-expert), keyed by file and name."""
+def _model_states(run_dir, tag: str | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint's model files (dense and per-expert; the final one unless `tag`), keyed by
+    file and name."""
     ckpt = run_dir / "checkpoints"
-    tag = (ckpt / "latest").read_text().strip()
+    tag = tag or (ckpt / "latest").read_text().strip()
     out = {}
     for path in sorted((ckpt / tag).glob("*model_states.pt")):
         state = torch.load(path, map_location="cpu", weights_only=False)
@@ -145,7 +146,7 @@ def test_4d_tp2_pp2_ep2_trains_resumes_and_matches_single_process(runs):
     reference = runs.get("moe-single", 1, **MOE)
     straight = runs.get("4d", 8, "ds_configs/zero1.json", **FOUR_D)
     assert_close(column(straight, "loss"), column(reference, "loss"), 1e-5)
-    assert_close(column(straight, "grad_norm"), column(reference, "grad_norm"), 1e-5)
+    assert_grad_norms_close(column(straight, "grad_norm"), column(reference, "grad_norm"))
     assert column(straight, "loss")[-1] < column(straight, "loss")[0] - 0.5
 
     resumed = runs.get("4d-resumed", 8, "ds_configs/zero1.json", resume_at=5, **FOUR_D)
@@ -164,8 +165,9 @@ def test_ep2_zero1_resume_is_exact(runs):
     assert column(resumed, "loss") == column(straight, "loss")
     a, b = _model_states(resumed), _model_states(straight)
     assert a.keys() == b.keys() and any("expert" in key for key in a)
-    biases = [key for key in a if key.endswith("balance_bias")]
-    assert biases and all(a[key].abs().sum() > 0 for key in biases)  # the bias moved, and was restored
+    restored = _model_states(resumed, tag="step00000005")  # what the second half started from
+    biases = [key for key in restored if key.endswith("balance_bias")]
+    assert biases and all(restored[key].abs().sum() > 0 for key in biases)  # the bias had moved when restored
     for key in a:
         assert torch.equal(a[key], b[key]), key
 

@@ -262,6 +262,24 @@ def local_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
     return param.grad
 
 
+def logical_shape(param: torch.nn.Parameter) -> torch.Size:
+    """A parameter's shape, also while ZeRO-3 has partitioned it (`ds_shape`; the tensor itself is then empty).
+    Missing public API: the shape of a partitioned parameter without gathering it."""
+    return torch.Size(getattr(param, "ds_shape", param.shape))
+
+
+def zero3_partition_window(param: torch.nn.Parameter) -> tuple[torch.Tensor, int] | None:
+    """(this rank's ZeRO-3 partition as a flat tensor, its first element's index in the flattened parameter), or
+    None when `param` is not partitioned. Missing public API: writing a rank's partition in place (the public
+    `GatheredParameters` gathers the whole parameter first)."""
+    part = getattr(param, "ds_tensor", None)
+    if part is None:
+        return None
+    import torch.distributed as dist
+
+    return part.view(-1), dist.get_rank(group=param.ds_process_group) * part.numel()
+
+
 def _groups_module():
     from deepspeed.utils import groups
 

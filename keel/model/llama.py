@@ -9,15 +9,19 @@ Throughout, a layer's *index* is its position in the full list: 0 is the embeddi
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+import re
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
+from keel.adapters.deepspeed_internals import logical_shape
 from keel.config import ConfigError, ModelConfig, validate_model
+from keel.model.init import fill_shard_
 from keel.model.layers import NO_SP, NO_TP, Attention, SwiGLU, make_norm
+from keel.model.materialize import Placement
 from keel.model.router import is_moe_block
 from keel.parallel.cross_entropy import vocab_parallel_cross_entropy
 from keel.parallel.experts import NO_EP, EPContext
@@ -29,15 +33,14 @@ from keel.parallel.tensor import (
     exit,
     mark_sharded,
     padded_vocab_size,
-    shard_of,
 )
 from keel.parallel.ulysses import SPContext, sequence_chunk, sequence_mean
 
 # Parameters on the residual branch's output; initialised with std / sqrt(2·n_layers) (GPT-2, Megatron): the
 # attention output and every MLP's down projection (dense, each expert's, the shared expert's).
 _RESIDUAL_OUTPUTS = (".wo.weight", ".w2.weight")
-# Layer seeds are seed·stride + index; the stride exceeds any layer count so (seed, index) pairs never collide.
-_SEED_STRIDE = 1_000_003
+# An expert's local position in its MoE layer's module path (replaced by its global id in init keys).
+_LOCAL_EXPERT = re.compile(r"deepspeed_moe\.experts\.deepspeed_experts\.\d+\.")
 
 
 def vocab_rows(cfg: ModelConfig, tp: TPContext) -> int:
@@ -120,18 +123,31 @@ class OutputLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, tied_embedding: nn.Module | None = None, tp: TPContext = NO_TP) -> None:
         super().__init__()
         self.tp = tp
-        self.output = ColumnParallelLinear(cfg.dim, vocab_rows(cfg, tp), tp)
-        mark_sharded(self.output.weight, 0, (cfg.vocab_size, cfg.dim), tp)
-        if tied_embedding is not None:
-            if tied_embedding.weight.shape != self.output.weight.shape:
-                raise ValueError(
-                    f"tied embedding has shape {tuple(tied_embedding.weight.shape)}, "
-                    f"the head needs {tuple(self.output.weight.shape)}"
-                )
-            self.output.weight = tied_embedding.weight
+        if tied_embedding is None:
+            self.output = ColumnParallelLinear(cfg.dim, vocab_rows(cfg, tp), tp)
+            mark_sharded(self.output.weight, 0, (cfg.vocab_size, cfg.dim), tp)
+            return
+        # No weight of its own, not even briefly: under zero.Init it would be partitioned and kept by DeepSpeed.
+        want = (vocab_rows(cfg, tp) // tp.size, cfg.dim)
+        if tuple(logical_shape(tied_embedding.weight)) != want:
+            raise ValueError(
+                f"tied embedding has shape {tuple(logical_shape(tied_embedding.weight))}, the head needs {want}"
+            )
+        self.output = _TiedHead(tied_embedding.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.output(enter(x, self.tp))
+
+
+class _TiedHead(nn.Module):
+    """The head's projection by the embedding's own Parameter (state-dict key `output.weight`, as untied)."""
+
+    def __init__(self, weight: nn.Parameter) -> None:
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
 
 
 def build_layers(cfg: ModelConfig, tp: TPContext = NO_TP, ep: EPContext = NO_EP,
@@ -153,25 +169,11 @@ def build_layers(cfg: ModelConfig, tp: TPContext = NO_TP, ep: EPContext = NO_EP,
     return [embedding, *blocks, FinalNorm(cfg, tp), head]
 
 
-def _layer_generator(seed: int, index: int, expert: int = -1) -> torch.Generator:
-    # The CPU generator keeps only the low 32 bits of its seed; reduce explicitly so the rule is visible.
-    # An expert's stream is keyed by its global id too, so its values do not depend on which rank holds it.
-    key = seed * _SEED_STRIDE + index
-    return torch.Generator().manual_seed((key if expert < 0 else key * _SEED_STRIDE + 1 + expert) % 2**32)
-
-
-def _draw_(param: torch.Tensor, std: float, truncated: bool, generator: torch.Generator) -> None:
-    """Fill `param` from an fp32 CPU draw, so values are the same whatever the param's device or dtype.
-
-    A tensor-parallel shard draws its whole unpadded tensor (`full_shape`) and keeps its slice, so every tp
-    size starts from exactly the tp = 1 weights.
-    """
-    values = torch.empty(getattr(param, "full_shape", param.shape), dtype=torch.float32)
-    if truncated:
-        nn.init.trunc_normal_(values, 0.0, std, -3.0 * std, 3.0 * std, generator=generator)
-    else:
-        values.normal_(0.0, std, generator=generator)
-    param.copy_(shard_of(values, param))
+def logical_name(name: str, param: torch.Tensor) -> str:
+    """The name init keys a parameter's blocks by: its name in the layer, an expert's local position replaced by
+    its global id (`feed_forward.experts.<id>.w1.weight`), so its values do not depend on which rank holds it."""
+    expert = getattr(param, "expert_id", None)
+    return name if expert is None else _LOCAL_EXPERT.sub(f"experts.{expert}.", name)
 
 
 # Whether model.init draws from the ±3σ truncated normal; keyed by exactly keel.config.INITS (tested).
@@ -179,44 +181,46 @@ TRUNCATED_BY_INIT = {"normal": False, "truncated_normal": True}
 
 
 @torch.no_grad()
-def init_weights(layers: Iterable[nn.Module], cfg: ModelConfig, seed: int, first_index: int = 0) -> None:
-    """Initialise `layers` deterministically and independently of how the full layer list is split.
+def init_weights(layers: Iterable[nn.Module], cfg: ModelConfig, seed: int, first_index: int = 0,
+                 placement: Placement | None = None) -> None:
+    """Initialise `layers` deterministically and independently of how the full layer list is split or sharded.
 
     Matrices (embedding, projections, head) get N(0, init_std²), or the ±3σ truncated normal when
     `cfg.init == "truncated_normal"`; `wo` and `w2` use init_std / sqrt(2·n_layers); norm weights are 1, biases 0.
 
-    Each layer draws, in `named_parameters` order, from a generator seeded by (`seed`, its index in the full
-    list), so a pipeline stage reproduces exactly its slice of the single-process model by calling
-    `init_weights(stage_layers, cfg, seed, first_index=index_of_its_first_layer)`. An `OutputLayer` whose head
-    is tied but not shared in this process (the embedding lives on another stage) draws from layer 0's
-    generator, which gives it the embedding's values. Each expert draws from a stream of its own keyed by its
-    global id, so an expert-parallel rank reproduces exactly its experts.
+    A matrix draws in row blocks keyed by (`seed`, its layer's index in the full list, its logical name, block)
+    (keel/model/init.py), so a pipeline stage calling `init_weights(stage_layers, cfg, seed,
+    first_index=index_of_its_first_layer)`, a tp shard and an ep rank all reproduce exactly their part of the
+    single-process model. Every copy of the embedding table — and a tied head, shared here or not — draws as
+    layer 0's `tok_embeddings.weight`. `placement.fill` writes each value where the parameter keeps it (under
+    ZeRO-3: only this rank's partition).
     """
     truncated = TRUNCATED_BY_INIT[cfg.init]  # cfg was validated: by build_layers, or as the run's config
     residual_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
     done: set[int] = set()  # a Parameter shared between layers is initialised once, by its first owner
     for offset, layer in enumerate(layers):
         index = first_index + offset
-        layer_generator = _layer_generator(seed, index)
-        expert_generators: dict[int, torch.Generator] = {}
         for name, param in layer.named_parameters():
             if id(param) in done:
                 continue
             done.add(id(param))
-            expert = getattr(param, "expert_id", None)
-            generator = layer_generator if expert is None else expert_generators.setdefault(
-                expert, _layer_generator(seed, index, expert))
-            if param.ndim >= 2:
-                tied_head = isinstance(layer, OutputLayer) and cfg.tie_embeddings and name == "output.weight"
-                if tied_head or isinstance(layer, EmbeddingLayer):  # every copy of the table draws as layer 0
-                    _draw_(param, cfg.init_std, truncated, _layer_generator(seed, 0))
-                else:
-                    std = residual_std if name.endswith(_RESIDUAL_OUTPUTS) else cfg.init_std
-                    _draw_(param, std, truncated, generator)
-            elif name.endswith("bias"):
-                param.zero_()
-            else:
-                param.fill_(1.0)
+            (placement or Placement()).fill(param, _writer(layer, index, name, param, cfg, seed, truncated,
+                                                           residual_std))
+
+
+def _writer(layer: nn.Module, index: int, name: str, param: nn.Parameter, cfg: ModelConfig, seed: int,
+            truncated: bool, residual_std: float) -> Callable[[torch.Tensor, tuple[int, int] | None], None]:
+    """How `param`'s value (or a flat window of it) is written: drawn blocks, zeros (biases) or ones (norms)."""
+    if len(logical_shape(param)) >= 2:
+        tied_head = isinstance(layer, OutputLayer) and cfg.tie_embeddings and name == "output.weight"
+        if tied_head or isinstance(layer, EmbeddingLayer):  # every copy of the table draws as layer 0's
+            std, key_index, key = cfg.init_std, 0, "tok_embeddings.weight"
+        else:
+            std = residual_std if name.endswith(_RESIDUAL_OUTPUTS) else cfg.init_std
+            key_index, key = index, logical_name(name, param)
+        return lambda out, flat: fill_shard_(param, std, truncated, seed, key_index, key, out=out, flat=flat)
+    value = 0.0 if name.endswith("bias") else 1.0
+    return lambda out, flat: out.fill_(value)
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
@@ -228,16 +232,20 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int
 
 
 class CausalLM(nn.Module):
-    """The whole layer list in one process: logits, or the loss when `labels` are given."""
+    """The whole layer list in one process: logits, or the loss when `labels` are given.
+
+    `placement` says where the layers are built and materialized (default: meta, then fp32 on the CPU).
+    """
 
     def __init__(self, cfg: ModelConfig, seed: int = 0, tp: TPContext = NO_TP, label_smoothing: float = 0.0,
                  z_loss: float = 0.0, checkpoint_interval: int = 0, ep: EPContext = NO_EP,
-                 sp: SPContext = NO_SP) -> None:
+                 sp: SPContext = NO_SP, placement: Placement | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         self.checkpoint_interval = checkpoint_interval
-        self.layers = nn.ModuleList(build_layers(cfg, tp, ep, sp))
-        init_weights(self.layers, cfg, seed)
+        placement = placement or Placement()  # on meta, then this rank's shards on the CPU in fp32
+        self.layers = nn.ModuleList(placement.build(lambda: build_layers(cfg, tp, ep, sp)))
+        init_weights(self.layers, cfg, seed, placement=placement)
         self.loss_fn = VocabParallelLoss(cfg, tp, label_smoothing, z_loss, sp)
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
@@ -286,12 +294,15 @@ class VocabParallelLoss:
 
 
 def weight_decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Optimizer param groups: decay matrices, not norms or biases (ndim < 2); shared Parameters appear once."""
+    """Optimizer param groups: decay matrices, not norms or biases (ndim < 2); shared Parameters appear once.
+
+    Shapes are the logical ones: a model built under `deepspeed.zero.Init` is already partitioned (every
+    parameter a flat, empty tensor) when the groups are made."""
     decay: list[nn.Parameter] = []
     no_decay: list[nn.Parameter] = []
     for param in model.parameters():  # parameters() already yields each shared Parameter once
         if param.requires_grad:
-            (decay if param.ndim >= 2 else no_decay).append(param)
+            (decay if len(logical_shape(param)) >= 2 else no_decay).append(param)
     groups = [{"name": "decay", "params": decay, "weight_decay": weight_decay},
               {"name": "no_decay", "params": no_decay, "weight_decay": 0.0}]
     return [group for group in groups if group["params"]]

@@ -53,7 +53,8 @@ class ExpertStats:
 
     def __init__(self, num_experts: int):
         self.num_experts = num_experts
-        self.step_routed = torch.zeros(num_experts, dtype=torch.float64)
+        # explicit device: the layer may be built on meta (keel/model/materialize.py); counters are real state
+        self.step_routed = torch.zeros(num_experts, dtype=torch.float64, device="cpu")
         self.reset()
 
     def reset(self) -> None:

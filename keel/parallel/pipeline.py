@@ -20,6 +20,7 @@ import torch.utils.checkpoint
 from keel.adapters.deepspeed_internals import pipeline_local_specs, pipeline_local_stop
 from keel.config import RunConfig
 from keel.model import Block, EmbeddingLayer, FinalNorm, OutputLayer, VocabParallelLoss, init_weights
+from keel.model.materialize import Placement
 from keel.parallel import comm
 from keel.parallel.experts import EPContext
 from keel.parallel.tensor import TPContext
@@ -33,19 +34,38 @@ def _project(module: EmbeddingLayer, x: torch.Tensor) -> torch.Tensor:
     return module.project(x)
 
 
-def layer_specs(cfg: RunConfig, tp: TPContext, ep: EPContext) -> list:
+def _placed(spec_class: type) -> type:
+    """A `spec_class` (LayerSpec or TiedLayerSpec) whose `build` constructs the layer on meta and materializes it
+    where `placement` says (uninitialised, like an eager build: DeepSpeed also builds every layer once just to
+    count its parameters, so init happens in `build_pipeline`, for this stage's layers only)."""
+
+    class Placed(spec_class):
+        def __init__(self, placement: Placement, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.placement = placement
+
+        def build(self, log: bool = False) -> torch.nn.Module:
+            return self.placement.build(lambda: spec_class.build(self, log))
+
+    Placed.__name__ = Placed.__qualname__ = f"Placed{spec_class.__name__}"
+    return Placed
+
+
+def layer_specs(cfg: RunConfig, tp: TPContext, ep: EPContext, placement: Placement | None = None) -> list:
     """The flat layer list as specs: `[Embedding, Block × n, FinalNorm, Head]`, built lazily per stage."""
     from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
     m = cfg.model
+    placement = placement or Placement()
+    spec, tied = _placed(LayerSpec), _placed(TiedLayerSpec)
     if m.tie_embeddings:
         weight = ["tok_embeddings.weight"]
-        first = TiedLayerSpec(TIED_KEY, EmbeddingLayer, m, tp, tied_weight_attr=weight)
-        head = TiedLayerSpec(TIED_KEY, EmbeddingLayer, m, tp, forward_fn=_project, tied_weight_attr=weight)
+        first = tied(placement, TIED_KEY, EmbeddingLayer, m, tp, tied_weight_attr=weight)
+        head = tied(placement, TIED_KEY, EmbeddingLayer, m, tp, forward_fn=_project, tied_weight_attr=weight)
     else:
-        first, head = LayerSpec(EmbeddingLayer, m, tp), LayerSpec(OutputLayer, m, None, tp)
-    blocks = [LayerSpec(Block, m, layer_id, tp, ep) for layer_id in range(m.n_layers)]
-    return [first, *blocks, LayerSpec(FinalNorm, m, tp), head]
+        first, head = spec(placement, EmbeddingLayer, m, tp), spec(placement, OutputLayer, m, None, tp)
+    blocks = [spec(placement, Block, m, layer_id, tp, ep) for layer_id in range(m.n_layers)]
+    return [first, *blocks, spec(placement, FinalNorm, m, tp), head]
 
 
 def local_layers(module) -> list[tuple[int, torch.nn.Module]]:
@@ -61,7 +81,8 @@ def local_layers(module) -> list[tuple[int, torch.nn.Module]]:
     return layers
 
 
-def build_pipeline(cfg: RunConfig, topology: Topology, tp: TPContext, ep: EPContext):
+def build_pipeline(cfg: RunConfig, topology: Topology, tp: TPContext, ep: EPContext,
+                   placement: Placement | None = None):
     """A `PipelineModule` over this rank's stage, initialised as the single-process model would be."""
     from deepspeed.pipe import PipelineModule
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
@@ -69,16 +90,16 @@ def build_pipeline(cfg: RunConfig, topology: Topology, tp: TPContext, ep: EPCont
     shape = topology.shape
     checkpoint = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
     module = PipelineModule(
-        layers=layer_specs(cfg, tp, ep),
+        layers=layer_specs(cfg, tp, ep, placement),
         topology=PipeModelDataParallelTopology(num_pp=shape.pp, num_mp=shape.tp, num_dp=shape.dp),
         loss_fn=VocabParallelLoss(cfg.model, tp, cfg.train.label_smoothing, cfg.train.z_loss),
         partition_method=cfg.parallel.pipeline_partition,
         activation_checkpoint_interval=cfg.train.activation_checkpoint_interval,
         activation_checkpoint_func=checkpoint,
     )
-    with torch.no_grad():
-        for index, layer in local_layers(module):
-            init_weights([layer], cfg.model, cfg.train.seed, first_index=index)
+    placement = placement or Placement()
+    for index, layer in local_layers(module):
+        init_weights([layer], cfg.model, cfg.train.seed, first_index=index, placement=placement)
     describe_stages(module, topology, cfg.parallel.pipeline_partition)
     return module
 

@@ -152,25 +152,12 @@ def sum_grad_over_tp(param: torch.Tensor, tp: TPContext) -> torch.Tensor:
 
 # -- sharded parameters --------------------------------------------------------------------------------------
 def mark_sharded(param: nn.Parameter, dim: int, full_shape: tuple[int, ...], tp: TPContext) -> None:
-    """Record how `param` is cut from its full tensor: init draws the full tensor and keeps this shard, the
-    gradient norm counts it on every TP rank (DeepSpeed reads `tensor_model_parallel`)."""
+    """Record how `param` is cut from its full tensor: init draws only this shard's blocks of it
+    (keel/model/init.py), the gradient norm counts it on every TP rank (DeepSpeed reads `tensor_model_parallel`)."""
     param.tensor_model_parallel = tp.size > 1
     param.partition_dim = dim
     param.full_shape = tuple(full_shape)
     param.tp_rank, param.tp_size = tp.rank, tp.size
-
-
-def shard_of(full: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
-    """This rank's slice of `full` (zero-padded along the partition dim up to the sharded size)."""
-    dim = getattr(param, "partition_dim", None)
-    if dim is None:
-        return full
-    padded = param.shape[dim] * param.tp_size
-    if full.shape[dim] < padded:
-        pad_shape = list(full.shape)
-        pad_shape[dim] = padded - full.shape[dim]
-        full = torch.cat([full, full.new_zeros(pad_shape)], dim=dim)
-    return full.chunk(param.tp_size, dim=dim)[param.tp_rank]
 
 
 class ColumnParallelLinear(nn.Module):

@@ -16,28 +16,49 @@ from keel.adapters.deepspeed_internals import allow_fp16_on_cpu, check_engine, r
 from keel.adapters.torch_internals import check_torch
 from keel.config import RunConfig
 from keel.model import CausalLM, weight_decay_groups
+from keel.model.materialize import Placement
 from keel.parallel.experts import EPContext
 from keel.parallel.grad_norm import clip_grad_norm_, global_grad_norm
 from keel.parallel.tensor import TPContext
 from keel.parallel.topology import Topology
 from keel.parallel.ulysses import SPContext
-from keel.training.ds_config import precision, resolve_ds_config
+from keel.training.ds_config import precision, resolve_ds_config, zero_stage
 from keel.training.lr_schedule import build_scheduler
 
 log = logging.getLogger("keel")
 
 
-def build_model(cfg: RunConfig, topology: Topology | None = None) -> torch.nn.Module:
-    """The plain `CausalLM`, or this rank's pipeline stage when parallel.pp > 1."""
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def placement_for(ds: dict[str, Any] | None, topology: Topology | None) -> Placement:
+    """Where the model is materialized: on the engine's device in its dtype (ZeRO-3: under `zero.Init`), so
+    DeepSpeed never copies or casts a whole model; fp32 on the CPU when there is no engine config."""
+    if ds is None:
+        return Placement()
+    dtype = DTYPES[precision(ds)]
+    if zero_stage(ds) == 3:
+        from keel.training.zero3_init import ZeRO3Placement
+
+        return ZeRO3Placement(ds, topology or Topology.from_env(), dtype)
+    from deepspeed.accelerator import get_accelerator
+
+    return Placement(get_accelerator().current_device_name(), dtype)
+
+
+def build_model(cfg: RunConfig, topology: Topology | None = None, ds: dict[str, Any] | None = None) -> torch.nn.Module:
+    """The plain `CausalLM`, or this rank's pipeline stage when parallel.pp > 1, built for the resolved
+    DeepSpeed config `ds` (see `placement_for`)."""
     tp = TPContext.from_topology(topology, cfg.parallel.sequence_parallel, seed=cfg.train.seed)
     ep = EPContext.from_topology(topology)
+    placement = placement_for(ds, topology)
     if cfg.parallel.pp > 1:
         from keel.parallel.pipeline import build_pipeline
 
-        return build_pipeline(cfg, topology, tp, ep)
+        return build_pipeline(cfg, topology, tp, ep, placement)
     return CausalLM(cfg.model, seed=cfg.train.seed, tp=tp, label_smoothing=cfg.train.label_smoothing,
                     z_loss=cfg.train.z_loss, checkpoint_interval=cfg.train.activation_checkpoint_interval, ep=ep,
-                    sp=SPContext.from_topology(topology))
+                    sp=SPContext.from_topology(topology), placement=placement)
 
 
 class LRScale:
@@ -84,7 +105,7 @@ def build_engine(cfg: RunConfig, ds_raw: dict[str, Any], topology: Topology, mod
     ds = resolve_ds_config(ds_raw, cfg, topology.dp_size)
     if precision(ds) == "fp16" and allow_fp16_on_cpu():
         log.warning("fp16 on CPU: overriding DeepSpeed's CPU accelerator fp16 check (slow; use bf16 on CPU)")
-    model = model if model is not None else build_model(cfg, topology)
+    model = model if model is not None else build_model(cfg, topology, ds)
     groups = weight_decay_groups(model, cfg.train.weight_decay)
     if cfg.model.moe_experts:  # expert params in groups of their own, which ZeRO partitions over edp only
         from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer

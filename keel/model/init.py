@@ -1,0 +1,99 @@
+"""Deterministic initialisation of one rank's shard, drawn in fixed row blocks of the logical tensor.
+
+A logical tensor (the unpadded, unsharded weight, e.g. `attention.wq.weight` of block 3) is cut into row blocks
+of `block_rows(full_shape)` rows — a function of the logical shape alone, so it is the same at every tp size.
+Block b draws from a generator keyed by (seed, layer index, logical name, b), never by the order parameters are
+visited, so a shard draws exactly the blocks it holds rows of (column-parallel) or every block at full width and
+keeps its columns (row-parallel). The temporary is one block, at most `INIT_BLOCK_BYTES` (or one full-width row
+when a row alone is larger), whatever the tensor's size; every tp/pp/ep layout gets exactly the tp = 1 values.
+
+q/k/v and gate/up are separate logical tensors: a fused projection fills each part of its shard through
+`fill_rows_` with the part's logical name, so fusing changes no weight.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+from torch import nn
+
+from keel.adapters.deepspeed_internals import logical_shape
+
+# Bound of the fp32 block one draw allocates (the "init buffer"); a row wider than this is drawn alone.
+INIT_BLOCK_BYTES = 4 * 2**20
+
+
+def block_rows(full_shape: tuple[int, ...]) -> int:
+    """Rows per block of a logical tensor: as many full-width fp32 rows as fit in `INIT_BLOCK_BYTES` (≥ 1)."""
+    width = math.prod(full_shape[1:])
+    return max(1, INIT_BLOCK_BYTES // (4 * max(width, 1)))
+
+
+def block_generator(seed: int, index: int, name: str, block: int) -> torch.Generator:
+    """The stream of one block, keyed by (seed, layer index, logical name, block index).
+
+    The CPU generator keeps 32 bits of its seed; the key's hash is reduced explicitly so the rule is visible.
+    """
+    digest = hashlib.sha256(f"{seed}/{index}/{name}/{block}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:4], "little"))
+
+
+def _draw(rows: int, width: int, std: float, truncated: bool, generator: torch.Generator) -> torch.Tensor:
+    values = torch.empty(rows, width, dtype=torch.float32)
+    if truncated:
+        nn.init.trunc_normal_(values, 0.0, std, -3.0 * std, 3.0 * std, generator=generator)
+    else:
+        values.normal_(0.0, std, generator=generator)
+    return values
+
+
+def fill_rows_(out: torch.Tensor, full_shape: tuple[int, ...], rows: tuple[int, int], cols: tuple[int, int],
+               std: float, truncated: bool, seed: int, index: int, name: str) -> None:
+    """Fill `out` [rows, cols] (flattened trailing dims) with the logical tensor's window `rows` × `cols`.
+
+    Positions past the logical tensor (vocabulary padding) are zero. Values are drawn in fp32 on the CPU, one
+    block at a time, so they are the same whatever `out`'s device or dtype.
+    """
+    total_rows, width = full_shape[0], math.prod(full_shape[1:])
+    out = out.view(out.shape[0], -1)
+    out.zero_()
+    first, last = rows[0], min(rows[1], total_rows)
+    col_end = min(cols[1], width)
+    if first >= last or cols[0] >= col_end:
+        return
+    per_block = block_rows(full_shape)
+    for block in range(first // per_block, (last - 1) // per_block + 1):
+        start = block * per_block
+        stop = min(start + per_block, total_rows)
+        values = _draw(stop - start, width, std, truncated, block_generator(seed, index, name, block))
+        lo, hi = max(start, first), min(stop, last)
+        out[lo - first:hi - first, :col_end - cols[0]].copy_(values[lo - start:hi - start, cols[0]:col_end])
+
+
+def fill_shard_(param: torch.Tensor, std: float, truncated: bool, seed: int, index: int, name: str,
+                out: torch.Tensor | None = None, flat: tuple[int, int] | None = None) -> None:
+    """Fill this rank's shard of a parameter marked by `mark_sharded` (or a whole unmarked parameter).
+
+    With `flat` = (start, end), `out` is only that window of the flattened shard (a ZeRO-3 partition): it is
+    filled a chunk of at most `INIT_BLOCK_BYTES` of rows at a time, so no whole shard is ever built.
+    """
+    shape = tuple(logical_shape(param))
+    full_shape = tuple(getattr(param, "full_shape", shape))
+    dim = getattr(param, "partition_dim", None)
+    rank = getattr(param, "tp_rank", 0)
+    local_rows, local_cols = shape[0], math.prod(shape[1:])
+    rows = (rank * local_rows, (rank + 1) * local_rows) if dim == 0 else (0, local_rows)
+    cols = (rank * local_cols, (rank + 1) * local_cols) if dim == 1 else (0, local_cols)
+    if flat is None:
+        fill_rows_(param.data if out is None else out, full_shape, rows, cols, std, truncated, seed, index, name)
+        return
+    start, end = flat
+    chunk = max(1, INIT_BLOCK_BYTES // (4 * local_cols))
+    for first in range(start // local_cols, -(-end // local_cols), chunk):
+        last = min(first + chunk, local_rows)
+        values = torch.empty(last - first, local_cols, dtype=torch.float32)
+        fill_rows_(values, full_shape, (rows[0] + first, rows[0] + last), cols, std, truncated, seed, index, name)
+        lo, hi = max(start, first * local_cols), min(end, last * local_cols)
+        out[lo - start:hi - start].copy_(values.view(-1)[lo - first * local_cols:hi - first * local_cols])

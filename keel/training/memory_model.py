@@ -1,0 +1,158 @@
+"""Per-rank memory of a run before it starts: parameters, gradients, optimizer state and communication buckets.
+
+The ZeRO paper's accounting (Rajbhandari et al. 2020, §3): with Ψ parameters on a rank (its tp / pp-stage / ep
+share, counted from a meta-device build of the real layers, which costs nothing), parameters take Ψ·b and
+gradients Ψ·b bytes (b = 4 in fp32, 2 in bf16/fp16), and Adam keeps K·Ψ: two fp32 moments (8 bytes), plus an fp32
+master copy (4) when the parameters are 16-bit — and under any ZeRO stage, whose DeepSpeed optimizers always
+keep their own fp32 partition apart from the module's parameters. ZeRO-1 divides the optimizer state by the
+data-parallel size, ZeRO-2 the gradients too, ZeRO-3 the parameters too. Expert parameters are partitioned over
+the expert-data-parallel group (dp / ep) instead. Buckets are the configured sizes, each capped by the number
+of elements it could ever hold: ZeRO-1/2's reduce bucket, ZeRO-3's reduce and prefetch buckets plus the
+largest parameter it gathers whole. `keel preflight` and bench/memory.py read it.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from keel.config import ModelConfig, RunConfig
+from keel.model.llama import Block, EmbeddingLayer, FinalNorm, OutputLayer
+from keel.parallel.experts import EPContext
+from keel.parallel.tensor import TPContext
+
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+# DeepSpeed's defaults for the bucket knobs a JSON may leave out (deepspeed/runtime/zero/config.py, 0.19)
+DS_DEFAULTS = {"reduce_bucket_size": 500_000_000, "allgather_bucket_size": 500_000_000,
+               "stage3_prefetch_bucket_size": 50_000_000, "stage3_max_live_parameters": 1_000_000_000}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Parallel sizes: tensor, pipeline, data (the whole data-parallel size, ep carved out of it), expert, Ulysses."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    ep: int = 1
+    sp: int = 1
+
+
+@dataclass(frozen=True)
+class ParamShare:
+    """One rank's parameters (its tp shard of its pipeline stage's layers, its experts), in elements."""
+
+    dense: int
+    expert: int
+    largest: int  # the largest single parameter, elements
+
+    @property
+    def total(self) -> int:
+        return self.dense + self.expert
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Predicted bytes on one rank (the largest pipeline stage's) for one layout, stage and precision."""
+
+    share: ParamShare
+    precision: str
+    stage: int
+    params: int
+    grads: int
+    optimizer: int
+    buckets: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.buckets
+
+
+def _layer_list(cfg: ModelConfig, tp: TPContext, ep: EPContext, pp: int) -> list[torch.nn.Module]:
+    """The layer list a pipeline lays out (a tied head is a second embedding on the last stage); on meta."""
+    def construct() -> list[torch.nn.Module]:
+        first = EmbeddingLayer(cfg, tp)
+        blocks = [Block(cfg, i, tp, ep) for i in range(cfg.n_layers)]
+        if cfg.tie_embeddings:
+            head = EmbeddingLayer(cfg, tp) if pp > 1 else OutputLayer(cfg, first.tok_embeddings, tp)
+        else:
+            head = OutputLayer(cfg, None, tp)
+        return [first, *blocks, FinalNorm(cfg, tp), head]
+
+    with torch.device("meta"):
+        return construct()
+
+
+def _stage_parts(counts: list[int], layers: list[torch.nn.Module], pp: int, method: str) -> list[int]:
+    """Stage boundaries exactly as DeepSpeed's PipelineModule draws them for `pipeline_partition`."""
+    from deepspeed.runtime import utils as ds_utils
+
+    if pp == 1:
+        return [0, len(layers)]
+    if method == "uniform":
+        return ds_utils.partition_uniform(num_items=len(layers), num_parts=pp)
+    if method.startswith("type:"):
+        pattern = re.compile(method.split(":", 1)[1], re.IGNORECASE)
+        weights = [1 if pattern.search(type(layer).__name__) else 0 for layer in layers]
+        return ds_utils.partition_balanced(weights=weights, num_parts=pp)
+    return ds_utils.partition_balanced(weights=counts, num_parts=pp)
+
+
+def param_share(cfg: ModelConfig, layout: Layout, method: str = "parameters", stage: int | None = None) -> ParamShare:
+    """A rank's parameters at `layout` on pipeline `stage` (default: the largest stage), counted from the real
+    layer classes built on meta; `method` is `parallel.pipeline_partition`."""
+    tp = TPContext(rank=0, size=layout.tp)
+    ep = EPContext(rank=0, size=layout.ep, ranks=tuple(range(layout.ep)))
+    layers = _layer_list(cfg, tp, ep, layout.pp)
+    per_layer = []
+    seen: set[int] = set()
+    for layer in layers:
+        dense = expert = largest = 0
+        for param in layer.parameters():
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            largest = max(largest, param.numel())
+            if hasattr(param, "expert_id"):
+                expert += param.numel()
+            else:
+                dense += param.numel()
+        per_layer.append((dense, expert, largest))
+    parts = _stage_parts([d + e for d, e, _ in per_layer], layers, layout.pp, method)
+    stages = [per_layer[parts[s]:parts[s + 1]] for s in range(layout.pp)]
+    best = stages[stage] if stage is not None else max(stages, key=lambda s: sum(d + e for d, e, _ in s))
+    return ParamShare(sum(d for d, _, _ in best), sum(e for _, e, _ in best), max(m for _, _, m in best))
+
+
+def estimate(cfg: RunConfig, ds: dict[str, Any], layout: Layout) -> RankMemory:
+    """Per-rank bytes for `cfg`'s model under the DeepSpeed JSON `ds` (precision, ZeRO stage, buckets)."""
+    from keel.training.ds_config import precision, zero_stage
+
+    share = param_share(cfg.model, layout, cfg.parallel.pipeline_partition)
+    prec, stage = precision(ds), zero_stage(ds)
+    b = BYTES[prec]
+    zero = {**DS_DEFAULTS, **ds.get("zero_optimization", {})}
+    edp = max(1, layout.dp // layout.ep)
+
+    def split(bytes_per_element: int, partitioned: bool) -> int:
+        if not partitioned:
+            return bytes_per_element * share.total
+        return bytes_per_element * (math.ceil(share.dense / layout.dp) + math.ceil(share.expert / edp))
+
+    master = 4 if (prec != "fp32" or stage >= 1) else 0
+    params = split(b, stage >= 3)
+    grads = split(b, stage >= 2)
+    optimizer = split(8 + master, stage >= 1)
+    if stage in (1, 2):
+        buckets = b * min(int(zero["reduce_bucket_size"]), share.total)
+    elif stage == 3:
+        gathered = min(int(zero["stage3_prefetch_bucket_size"]) + share.largest,
+                       int(zero["stage3_max_live_parameters"]), share.total)
+        buckets = b * (min(int(zero["reduce_bucket_size"]), share.total) + gathered)
+    else:
+        buckets = 0
+    return RankMemory(share, prec, stage, params, grads, optimizer, buckets)

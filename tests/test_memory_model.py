@@ -1,0 +1,95 @@
+"""The memory model: its parameter counts are the real model's, and its ZeRO stages divide what the paper says."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from keel.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
+from keel.launcher.local import free_port
+from keel.model import CausalLM
+from keel.parallel.experts import EPContext
+from keel.parallel.tensor import TPContext
+from keel.training.memory_model import Layout, estimate, param_share
+
+MODEL = dict(vocab_size=200, dim=64, n_layers=3, n_heads=8, n_kv_heads=2, vocab_pad_multiple=16)
+
+
+def _count(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("tie", [True, False])
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_share_is_the_real_models_at_tp(tp, tie):
+    cfg = ModelConfig(**MODEL, tie_embeddings=tie)
+    share = param_share(cfg, Layout(tp=tp))
+    for rank in range(tp):
+        model = CausalLM(cfg, tp=TPContext(rank=rank, size=tp))
+        assert _count(model) == share.total
+        assert max(p.numel() for p in model.parameters()) == share.largest
+
+
+def test_share_counts_this_ranks_experts():
+    cfg = ModelConfig(**MODEL, moe_experts=4, moe_every=1)
+    share = param_share(cfg, Layout(ep=2, dp=2))
+    model = CausalLM(cfg, ep=EPContext(rank=1, size=2, ranks=(0, 1)))
+    assert _count(model) == share.total
+    assert share.expert == sum(p.numel() for p in model.parameters() if hasattr(p, "expert_id")) > 0
+
+
+def _ds(stage: int, precision: str = "fp32") -> dict:
+    ds = {"zero_optimization": {"stage": stage, "reduce_bucket_size": 1000, "stage3_prefetch_bucket_size": 500}}
+    if precision != "fp32":
+        ds[precision] = {"enabled": True}
+    return ds
+
+
+def test_zero_stages_partition_what_the_paper_says():
+    cfg = RunConfig(model=ModelConfig(**MODEL))
+    layout = Layout(dp=4)
+    n = param_share(cfg.model, layout).total
+    z0, z1, z2, z3 = (estimate(cfg, _ds(stage), layout) for stage in range(4))
+    assert (z0.params, z0.grads, z0.optimizer, z0.buckets) == (4 * n, 4 * n, 8 * n, 0)  # fp32 Adam: 2 moments
+    # ZeRO optimizers keep an fp32 partition of their own (K = 12), divided over dp from stage 1
+    assert (z1.params, z1.grads, z1.optimizer) == (4 * n, 4 * n, 12 * -(-n // 4))
+    assert (z2.params, z2.grads, z2.optimizer) == (4 * n, 4 * -(-n // 4), z1.optimizer)
+    assert (z3.params, z3.grads, z3.optimizer) == (4 * -(-n // 4), z2.grads, z1.optimizer)
+    assert z1.buckets == z2.buckets == 4 * 1000
+    assert z3.buckets == 4 * (1000 + 500 + param_share(cfg.model, layout).largest)
+    bf16 = estimate(cfg, _ds(0, "bf16"), layout)
+    assert (bf16.params, bf16.grads, bf16.optimizer) == (2 * n, 2 * n, 12 * n)  # master + moments, as in the paper
+
+
+def _pipeline_rank(rank: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="4",
+                      LOCAL_RANK=str(rank))
+    dist.init_process_group("gloo", rank=rank, world_size=4)
+    try:
+        import deepspeed
+
+        deepspeed.init_distributed("gloo", auto_mpi_discovery=False, verbose=False)
+        from keel.parallel.topology import Topology
+        from keel.training.engine import build_model
+
+        cfg = RunConfig(model=ModelConfig(**MODEL), parallel=ParallelConfig(tp=2, pp=2),
+                        train=TrainConfig(global_batch_size=1, micro_batch_size=1))
+        topology = Topology.from_env(tp=2, pp=2)
+        module = build_model(cfg, topology)
+        stage = topology.rank_in("pp")
+        share = param_share(cfg.model, Layout(tp=2, pp=2), cfg.parallel.pipeline_partition, stage=stage)
+        assert _count(module) == share.total, (rank, _count(module), share)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_share_is_the_real_pipeline_stage_at_tp2_pp2():
+    """Each of 4 ranks builds its real tp=2 × pp=2 stage (DeepSpeed's partition) and counts it."""
+    mp.get_context("forkserver").set_forkserver_preload([__name__])
+    mp.start_processes(_pipeline_rank, args=(free_port(),), nprocs=4, start_method="forkserver")
+
