@@ -2,9 +2,11 @@
 
 The equivalence tests compare per-step gradient norms of parallel runs with the single-process run. A parallel
 run reduces in another order, so its weights differ from the reference's by fp32 rounding after the first update.
-This measures the reference's own sensitivity to that: initial weights perturbed by 1e-7 relative, same data,
-torch AdamW with the tests' settings (tests/keel_runs.py TINY), one process. Its largest per-step ratio bounds the
-tolerance the tests may ask of steps after the first (tests/test_train_equivalence.py).
+This measures the reference's own sensitivity to that: initial weights perturbed by 1e-7 and 3e-7 relative, same
+data, torch AdamW with the tests' settings (tests/keel_runs.py TINY: 4 micro-batches of 2 accumulated per step), one
+process — on random tokens and on the tests' own batches (their stdlib corpus, 512-token vocabulary, seed-1234
+sample order). Its largest per-step ratio bounds the tolerance the tests may ask of steps after the first
+(tests/test_train_equivalence.py).
 
     python bench/grad_norm_sensitivity.py
 """
@@ -12,18 +14,25 @@ tolerance the tests may ask of steps after the first (tests/test_train_equivalen
 from __future__ import annotations
 
 import dataclasses
+import sysconfig
+import tempfile
+from pathlib import Path
 
 import torch
 
-from keel.config import ModelConfig
+from keel.config import ModelConfig, RunConfig
+from keel.data import GlobalSampleOrder, IndexedDataset, PackedSamples, ensure_prepared, step_batch
 from keel.model.llama import CausalLM, weight_decay_groups
 
 CFG = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512, tie_embeddings=True)
 MOE_CFG = dataclasses.replace(CFG, moe_experts=4)  # tests/test_moe_training.py MOE
 STEPS, LR, WARMUP = 10, 0.01, 2
+GLOBAL_BATCH, MICRO_BATCH, SEQ = 8, 2, 32
+PERTURBATIONS = (1e-7, 3e-7)
 
 
-def grad_norms(cfg: ModelConfig, seed: int, perturbation: float, data: torch.Tensor) -> list[float]:
+def grad_norms(cfg: ModelConfig, seed: int, perturbation: float, data: list[list[torch.Tensor]]) -> list[float]:
+    """Per-step clipped-gradient norms; `data[step]` is that step's micro-batches (tokens + next-token labels)."""
     model = CausalLM(cfg, seed=seed)
     if perturbation:
         noise = torch.Generator().manual_seed(123)
@@ -36,22 +45,44 @@ def grad_norms(cfg: ModelConfig, seed: int, perturbation: float, data: torch.Ten
         for group in optimizer.param_groups:
             group["lr"] = LR * min(1.0, (step + 1) / WARMUP)
         optimizer.zero_grad()
-        model(data[step, :, :-1], labels=data[step, :, 1:]).backward()
+        for batch in data[step]:
+            (model(batch[:, :-1], labels=batch[:, 1:]) / len(data[step])).backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
         optimizer.step()
     return norms
 
 
+def random_batches() -> list[list[torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, CFG.vocab_size, (STEPS, GLOBAL_BATCH, SEQ + 1), generator=generator)
+    return [list(step.split(MICRO_BATCH)) for step in tokens]
+
+
+def test_batches(cache_dir: Path) -> list[list[torch.Tensor]]:
+    """The batches the tests' single-process reference trains on (tests/conftest.py small_corpus)."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    corpus = [str(stdlib / name / "*.py") for name in ("json", "email", "http")]
+    prepared = ensure_prepared(corpus, cache_dir, CFG.vocab_size, progress=False)
+    defaults = RunConfig()
+    samples = PackedSamples(IndexedDataset(prepared.data_prefix), SEQ, "train", defaults.data.val_fraction)
+    order = GlobalSampleOrder(len(samples), defaults.train.seed)
+    return [step_batch(order, samples, step * GLOBAL_BATCH, GLOBAL_BATCH, MICRO_BATCH, 0, 1) for step in range(STEPS)]
+
+
 def main() -> None:
-    data = torch.randint(0, CFG.vocab_size, (STEPS, 8, 33), generator=torch.Generator().manual_seed(1))
-    for name, cfg in (("dense", CFG), ("moe", MOE_CFG)):
-        worst = 0.0
-        for seed in range(4):
-            clean, perturbed = grad_norms(cfg, seed, 0.0, data), grad_norms(cfg, seed, 1e-7, data)
-            ratios = [abs(a - b) / b for a, b in zip(perturbed, clean)]
-            worst = max(worst, *ratios[1:])
-            print(f"{name} seed {seed}: |Δ grad norm| / grad norm per step: " + " ".join(f"{r:.1e}" for r in ratios))
-        print(f"{name}: largest after step 1: {worst:.1e}")
+    with tempfile.TemporaryDirectory() as cache_dir:
+        datasets = {"random tokens": random_batches(), "tests' batches": test_batches(Path(cache_dir))}
+    for data_name, data in datasets.items():
+        for name, cfg in (("dense", CFG), ("moe", MOE_CFG)):
+            worst = 0.0
+            for seed in (RunConfig().train.seed, 0, 1, 2):  # the first is the tests' model seed
+                clean = grad_norms(cfg, seed, 0.0, data)
+                for eps in PERTURBATIONS:
+                    ratios = [abs(a - b) / b for a, b in zip(grad_norms(cfg, seed, eps, data), clean)]
+                    worst = max(worst, *ratios[1:])
+                    print(f"{data_name} {name} seed {seed} eps {eps:.0e}: |Δ grad norm| / grad norm per step: "
+                          + " ".join(f"{r:.1e}" for r in ratios))
+            print(f"{data_name} {name}: largest after step 1: {worst:.1e}")
 
 
 if __name__ == "__main__":

@@ -25,11 +25,14 @@ def assert_close(a: list[float], b: list[float], rel: float) -> None:
 
 
 # Gradient norms after the first update: in this tiny lr-0.01 Adam setup, fp32 rounding-sized weight differences
-# (what another reduction order gives) grow to ~2e-5 relative by step 5 and ~1e-4 by step 9 in ONE process:
-# measured by perturbing the initial weights by 1e-7 and retraining (seed 0). Step 1 sees identical weights, so a
-# wrong gradient (missing reduction, wrong scale) shows there, at fp32 precision.
+# (what another reduction order gives) move later gradient norms by far more than fp32 precision, in ONE process.
+# `python bench/grad_norm_sensitivity.py` retrains the reference with its initial weights scaled by 1 + eps·N(0,1):
+# on the tests' own batches eps 1e-7 / 3e-7 reach 1.6e-4 / 2.2e-4 (dense, step 8) and 3.7e-5 / 1.6e-4 (MoE);
+# on random tokens up to 8.4e-4 (dense, seed 0, 3e-7). The parallel runs here stay below 2.5e-4 (4D MoE: 2.4e-4 at
+# step 8, back to ~1e-6 at step 9). Step 1 sees identical weights, so a wrong gradient (missing reduction, wrong
+# scale) shows there, at fp32 precision; losses are compared at 1e-5 on every step.
 GRAD_NORM_FIRST_STEP = 1e-6
-GRAD_NORM_LATER_STEPS = 2e-4
+GRAD_NORM_LATER_STEPS = 5e-4
 
 
 def assert_grad_norms_close(a: list[float], b: list[float]) -> None:
