@@ -121,7 +121,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class Attention(nn.Module):
-    """Causal grouped-query self-attention with RoPE; kv heads are repeated to match the query heads.
+    """Causal grouped-query self-attention with RoPE (SDPA's `enable_gqa`: kv heads are read, not repeated).
 
     Under tensor parallelism each rank holds n_heads / tp query heads. KV heads are split the same way when tp
     divides n_kv_heads. When tp > n_kv_heads they are replicated instead (they are small under GQA): every rank
@@ -174,11 +174,9 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, head_dim]
         cos, sin = self.rotary(q)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        n_rep = q.shape[1] // k.shape[1]
-        if n_rep > 1:  # query head h reads kv head h // n_rep
-            k = k.repeat_interleave(n_rep, dim=1)
-            v = v.repeat_interleave(n_rep, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+        # query head h reads kv head h // (heads / kv_heads): SDPA's own GQA, no repeated copies of k and v
+        gqa = q.shape[1] != k.shape[1]
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa).transpose(1, 2)
 
 
 class SwiGLU(nn.Module):
