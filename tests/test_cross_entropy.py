@@ -90,8 +90,25 @@ def test_gradcheck_in_double():
     logits, labels = make_inputs(vocab_size=10, padded=12)
     logits = logits[..., :12].double().requires_grad_()
     assert torch.autograd.gradcheck(
-        lambda x: vocab_parallel_cross_entropy(x, labels, None, 0, 10, 0.1, 0.1), (logits,)
+        lambda x: vocab_parallel_cross_entropy(x, labels, None, 0, 10, 0.1, 0.1, reentrant=True), (logits,)
     )
+
+
+def test_backward_in_place_matches_reentrant_and_a_second_backward_fails_loudly():
+    """The default backward builds the gradient in the saved softmax: same values; a retained graph's second
+    backward would read a clobbered softmax, so autograd's version check must refuse it."""
+    logits, labels = make_inputs(vocab_size=50, padded=64)
+    grads = []
+    for reentrant in (False, True):
+        x = logits.clone().requires_grad_()
+        vocab_parallel_cross_entropy(x, labels, None, 0, 50, 0.1, 1e-3, reentrant=reentrant).backward()
+        grads.append(x.grad)
+    assert torch.equal(grads[0], grads[1])
+    x = logits.clone().requires_grad_()
+    loss = vocab_parallel_cross_entropy(x, labels, None, 0, 50, 0.1, 1e-3)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
 
 
 def test_input_logits_are_not_modified():

@@ -62,7 +62,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Forward by [b, s]-sized all-reduces; backward from the saved softmax shard, with no communication."""
 
     @staticmethod
-    def forward(ctx, logits_shard, labels, group, vocab_start, vocab_size, label_smoothing, z_loss, ignore_index):
+    def forward(ctx, logits_shard, labels, group, vocab_start, vocab_size, label_smoothing, z_loss, ignore_index,
+                reentrant):
         local_size = logits_shard.shape[-1]
         # Real (non-padding) entries are a prefix of every shard: global index < vocab_size.
         n_real = min(max(vocab_size - vocab_start, 0), local_size)
@@ -104,21 +105,26 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
         n_tokens = valid.sum()
         ctx.save_for_backward(x, log_z, local_target, on_shard, valid, n_tokens)
-        ctx.setup = (n_real, vocab_size, label_smoothing, z_loss, logits_shard.dtype)
+        ctx.setup = (n_real, vocab_size, label_smoothing, z_loss, logits_shard.dtype, reentrant)
         return torch.where(valid, loss, 0.0).sum() / n_tokens
 
     @staticmethod
     def backward(ctx, grad_output):
         softmax, log_z, local_target, on_shard, valid, n_tokens = ctx.saved_tensors
-        n_real, vocab_size, label_smoothing, z_loss, input_dtype = ctx.setup
+        n_real, vocab_size, label_smoothing, z_loss, input_dtype, reentrant = ctx.setup
         # d/dx_c per token: (1 + 2·z·logZ)·p_c - (1-ε)·[c = target] - ε/V on real entries; p_c = 0 on padding.
-        grad = softmax * (1.0 + 2.0 * z_loss * log_z).unsqueeze(-1)
+        # Built in place in the saved softmax, as Megatron does: no second [b, s, V] fp32 tensor (4 GiB at 8k
+        # tokens × 128k vocabulary). A second backward through the same graph then fails loudly (autograd's
+        # version check) unless the loss was made `reentrant`.
+        grad = softmax.clone() if reentrant else softmax
+        if z_loss:
+            grad.mul_((1.0 + 2.0 * z_loss * log_z).unsqueeze(-1))
         if label_smoothing:
             grad[..., :n_real] -= label_smoothing / vocab_size
         target_grad = torch.where(on_shard, 1.0 - label_smoothing, 0.0).to(grad.dtype)
         grad.scatter_add_(-1, local_target.unsqueeze(-1), -target_grad.unsqueeze(-1))
         grad.mul_((valid * (grad_output / n_tokens)).unsqueeze(-1))  # ignored tokens: zero gradient
-        return grad.to(input_dtype), None, None, None, None, None, None, None
+        return grad.to(input_dtype), None, None, None, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
@@ -130,6 +136,8 @@ def vocab_parallel_cross_entropy(
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
     ignore_index: int = -100,
+    *,
+    reentrant: bool = False,
 ) -> torch.Tensor:
     """Mean loss (fp32 scalar) over tokens not labelled `ignore_index`, equal to `cross_entropy_reference`.
 
@@ -138,7 +146,9 @@ def vocab_parallel_cross_entropy(
     `vocab_size` is the true vocabulary size, entries at or beyond it being padding. With `group` None (tp = 1 or
     not distributed) the shard must be the whole vocabulary and nothing is communicated. Every rank of `group`
     must call this (it is collective). As with `F.cross_entropy`, a batch whose tokens are all ignored gives NaN.
-    The gradient comes back in the input's dtype.
+    The gradient comes back in the input's dtype. Backward reuses the saved softmax's memory, so it runs once per
+    forward; `reentrant=True` keeps it intact for a retained graph (double backward, gradcheck) at one more
+    [b, s, V_local] tensor.
     """
     if vocab_size <= 0 or vocab_start < 0:
         raise ValueError(f"need vocab_size > 0 and vocab_start >= 0, got {vocab_size} and {vocab_start}")
@@ -148,5 +158,5 @@ def vocab_parallel_cross_entropy(
             f"got entries [{vocab_start}, {vocab_start + logits_shard.shape[-1]})"
         )
     return _VocabParallelCrossEntropy.apply(
-        logits_shard, labels, group, vocab_start, vocab_size, label_smoothing, z_loss, ignore_index
+        logits_shard, labels, group, vocab_start, vocab_size, label_smoothing, z_loss, ignore_index, reentrant
     )
