@@ -89,7 +89,7 @@ def _probe_kind(kind: str) -> dict:
     engine = _engine(kind)
     dsi.check_engine(engine)
     gate = StepGate(engine, single_control())
-    seen: dict = {}
+    seen: dict = {"adamw": {k: engine.basic_optimizer.defaults.get(k) for k in ("foreach", "fused")}}
     wrapped_calls = []
 
     def before_model_step() -> None:  # gradients reduced, not yet consumed by the step
@@ -173,6 +173,7 @@ def test_internals_are_present_and_do_what_keel_needs(probed, kind):
     if kind == "pipeline":
         assert seen["pipeline_loss"] is not None and math.isfinite(seen["pipeline_loss"])
     assert got["model_step_wrapped"] == 2  # the hook ran inside both steps
+    assert seen["adamw"] == {"foreach": True, "fused": None}  # CPU: torch's multi-tensor AdamW, not its loop
     # this rank's source of truth and its state (fp32 partitions, or the parameter at plain ZeRO-0), as views
     assert seen["master_matches"] and {"exp_avg", "exp_avg_sq"} <= set(seen["master_keys"]), seen["master_keys"]
     assert ("param" in seen["master_keys"]) == (kind == "zero0")

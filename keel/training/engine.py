@@ -97,6 +97,14 @@ class Fp32GradClipper:
         return self.norm
 
 
+def adamw_implementation() -> dict[str, bool]:
+    """torch AdamW's multi-tensor path for the engine's device: `fused` (one kernel for every parameter) on CUDA,
+    `foreach` (horizontally batched ops) elsewhere — torch itself defaults to the per-parameter loop off CUDA."""
+    from deepspeed.accelerator import get_accelerator
+
+    return {"fused": True} if get_accelerator().device_name() == "cuda" else {"foreach": True}
+
+
 def build_engine(cfg: RunConfig, ds_raw: dict[str, Any], topology: Topology, model: torch.nn.Module | None = None,
                  lr_scale: LRScale | None = None):
     """Return the DeepSpeed engine for this rank; `ds_raw` is the user's JSON with "auto" values unfilled."""
@@ -115,7 +123,7 @@ def build_engine(cfg: RunConfig, ds_raw: dict[str, Any], topology: Topology, mod
     if "optimizer" not in ds:
         optimizer = torch.optim.AdamW(
             groups, lr=cfg.train.lr, betas=tuple(cfg.train.betas), eps=cfg.train.eps,
-            weight_decay=cfg.train.weight_decay,
+            weight_decay=cfg.train.weight_decay, **adamw_implementation(),
         )
     engine, _, _, _ = deepspeed.initialize(
         model=model,
