@@ -113,15 +113,24 @@ def inner_optimizer(engine) -> torch.optim.Optimizer:
     return inner if isinstance(inner, torch.optim.Optimizer) else optimizer
 
 
-def grad_norm_before_update(engine) -> float | None:
+def raw_grad_norm_before_update(engine) -> torch.Tensor | float | None:
     """The global norm DeepSpeed computed for this step (`optimizer._global_grad_norm`, set before the inner
-    optimizer steps); None where DeepSpeed computes none (fp32 ZeRO-0, where Keel clips itself).
+    optimizer steps), as DeepSpeed holds it (often a device scalar: not read back here; -1 if non-finite); None
+    where DeepSpeed computes none (fp32 ZeRO-0, where Keel clips itself).
     Missing public API: the norm before the update (`engine.get_global_grad_norm()` is only set after it)."""
     norm = getattr(engine.optimizer, "_global_grad_norm", None)
-    if norm is None or not _wraps_optimizer(engine):
-        return None
-    norm = float(norm)
-    return math.nan if norm < 0 else norm  # DeepSpeed masks a non-finite norm as -1
+    return None if norm is None or not _wraps_optimizer(engine) else norm
+
+
+def host_grad_norm(norm: float | None) -> float | None:
+    """A norm read back to the host, DeepSpeed's -1 mark of a non-finite norm turned into NaN."""
+    return None if norm is None else (math.nan if norm < 0 else float(norm))
+
+
+def grad_norm_before_update(engine) -> float | None:
+    """`raw_grad_norm_before_update` read back to the host (one sync)."""
+    norm = raw_grad_norm_before_update(engine)
+    return host_grad_norm(None if norm is None else float(norm))
 
 
 def veto_step(engine, vetoed: bool) -> None:

@@ -20,8 +20,9 @@ from keel.parallel import comm
 from keel.parallel.topology import Topology
 
 
-def global_grad_norm(params: Iterable[torch.nn.Parameter], topology: Topology) -> float:
-    """Squares accumulate on the gradients' device (one host sync at the end, none per parameter)."""
+def global_grad_norm(params: Iterable[torch.nn.Parameter], topology: Topology) -> torch.Tensor:
+    """The norm as an fp64 scalar on the gradients' device: squares accumulate there, and nothing is read back
+    (the trainer reads it with the step's other values in one transfer)."""
     params = list(params)
     device = next((p.grad.device for p in params if p.grad is not None), torch.device("cpu"))
     tp_rank0 = topology.rank_in("tp") == 0
@@ -38,15 +39,18 @@ def global_grad_norm(params: Iterable[torch.nn.Parameter], topology: Topology) -
                 experts += square
     comm.all_reduce(experts, topology.device("ep"))
     total = comm.all_reduce(dense + experts, topology.device("model"))
-    return total.sqrt().item()
+    return total.sqrt()
 
 
-def clip_grad_norm_(params: Iterable[torch.nn.Parameter], max_norm: float, topology: Topology) -> float:
-    """Scale gradients so their global norm is at most `max_norm` (0: no clipping); returns the norm before."""
+def clip_grad_norm_(params: Iterable[torch.nn.Parameter], max_norm: float, topology: Topology) -> torch.Tensor:
+    """Scale gradients so their global norm is at most `max_norm` (0: no clipping); returns the norm before.
+
+    The coefficient min(1, max_norm / norm) stays on the device, as in `torch.nn.utils.clip_grad_norm_`: no host
+    sync (a factor of exactly 1 leaves every gradient bit-identical)."""
     params = [p for p in params if p.grad is not None]
     norm = global_grad_norm(params, topology)
-    if max_norm > 0 and norm > max_norm:
-        scale = max_norm / (norm + 1e-6)
+    if max_norm > 0:
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         for p in params:
-            p.grad.detach().mul_(scale)
+            p.grad.detach().mul_(scale.to(p.grad.dtype))
     return norm

@@ -76,7 +76,7 @@ class Fp32GradClipper:
     this path neither records the norm nor sums it over pipeline stages). Other engines report their norm."""
 
     def __init__(self, engine, topology: Topology):
-        self.norm: float | None = None
+        self.norm: torch.Tensor | None = None  # a device scalar, read back by the trainer
         self.active = (engine.zero_optimization_stage() == 0 and not engine.fp16_enabled()
                        and not engine.bfloat16_enabled())
         if not self.active:
@@ -87,11 +87,11 @@ class Fp32GradClipper:
         if self.max_norm > 0:
             replace_fp32_clipping(engine, self.clip)
 
-    def clip(self) -> float:
+    def clip(self) -> torch.Tensor:
         self.norm = clip_grad_norm_(self.params, self.max_norm, self.topology)
         return self.norm
 
-    def measure(self) -> float:
+    def measure(self) -> torch.Tensor:
         """The norm without clipping (when clipping is off, DeepSpeed never calls `clip`)."""
         self.norm = global_grad_norm(self.params, self.topology)
         return self.norm

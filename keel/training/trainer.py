@@ -18,7 +18,12 @@ from pathlib import Path
 
 import torch
 
-from keel.adapters.deepspeed_internals import grad_norm_before_update, loss_scale, pipeline_summed_loss
+from keel.adapters.deepspeed_internals import (
+    host_grad_norm,
+    loss_scale,
+    pipeline_summed_loss,
+    raw_grad_norm_before_update,
+)
 from keel.config import RunConfig
 from keel.data import GlobalSampleOrder, PackedSamples, step_batch, step_sample_indices
 from keel.parallel import comm
@@ -58,6 +63,8 @@ class StepBatch:
     size: int
     micro_batches: list[torch.Tensor] = field(default_factory=list)
     loss: float = float("nan")  # the data-parallel mean, once known
+    # (this rank's loss or None, the data-parallel mean) as device scalars, until the step's one read-back
+    device_losses: tuple[torch.Tensor | None, torch.Tensor] | None = None
     grad_norm: float | None = None  # the global norm the guards decided on (None: not known on this path)
 
     @property
@@ -65,9 +72,17 @@ class StepBatch:
         return self.start + self.size
 
 
-def _mean_over(value: torch.Tensor, group: comm.Group) -> float:
-    """The mean over `group` of a device scalar, read back once (the step's one host sync on this path)."""
-    return (comm.all_reduce(value.clone(), group) / group.size).item()
+def _device_mean(value: torch.Tensor, group: comm.Group) -> torch.Tensor:
+    """The mean over `group` of a device scalar, left on the device."""
+    return comm.all_reduce(value.clone(), group) / group.size
+
+
+def _read_back(*values: torch.Tensor | float | None) -> list[float | None]:
+    """Device scalars to host floats in one transfer (each `.item()` would stall the device on its own); floats
+    and None pass through."""
+    tensors = [v.detach().reshape(()).to(torch.float64) for v in values if isinstance(v, torch.Tensor)]
+    host = iter(torch.stack(tensors).tolist() if tensors else [])
+    return [next(host) if isinstance(v, torch.Tensor) else v for v in values]
 
 
 @contextlib.contextmanager
@@ -165,7 +180,10 @@ class Trainer:
         """Every micro-batch forward and backward, then the engine's step (where the gate decides)."""
         if self.is_pipeline:  # DeepSpeed's 1F1B schedule runs every micro-batch and the step
             pairs = iter([(mb[:, :-1], mb[:, 1:]) for mb in batch.micro_batches])
-            return self.engine.train_batch(data_iter=pairs).item()  # dp-averaged, broadcast to all stages
+            mean = self.engine.train_batch(data_iter=pairs)  # dp-averaged, broadcast to all stages
+            if not self.gate.consulted:  # DeepSpeed dropped the step before asking: `_decide` read nothing
+                self._local_loss, batch.loss = None, mean.item()
+            return batch.loss
         losses = []
         for i, micro_batch in enumerate(batch.micro_batches):
             self.engine.set_gradient_accumulation_boundary(i == len(batch.micro_batches) - 1)
@@ -174,40 +192,50 @@ class Trainer:
             self.engine.backward(loss)
             losses.append(loss.detach().float())
         local = torch.stack(losses).mean()
-        self._local_loss = local.item()
-        batch.loss = _mean_over(local, self.dp_group)
+        batch.device_losses = (local, _device_mean(local, self.dp_group))  # read back in `_decide`
         self.monitor.before_step(batch.step)
         self.engine.step()
+        if batch.device_losses is not None:  # DeepSpeed dropped the step before asking: read them now
+            self._read_step_values(batch, None)
         return batch.loss
 
     def _decide(self, batch: StepBatch) -> Decision:
         """The guards' decision on this step's global loss and gradient norm (called inside the engine's step)."""
         if self.is_pipeline:
-            batch.loss = self._pipeline_loss()
-        batch.grad_norm = self._grad_norm()
+            batch.device_losses = self._pipeline_losses()
+        self._read_step_values(batch, self._grad_norm())
         return self.guards.decide(self._stats(batch))
+
+    def _read_step_values(self, batch: StepBatch, norm: torch.Tensor | float | None) -> None:
+        """The step's one host sync: this rank's loss, the data-parallel mean and the gradient norm, read back
+        together."""
+        local, mean = batch.device_losses
+        batch.device_losses = None
+        self._local_loss, batch.loss, norm = _read_back(local, mean, norm)
+        batch.grad_norm = host_grad_norm(norm)
 
     @staticmethod
     def _stats(batch: StepBatch) -> StepStats:
         return StepStats(batch.step, loss=batch.loss, grad_norm=batch.grad_norm, sample_range=(batch.start, batch.end))
 
-    def _grad_norm(self) -> float | None:
+    def _grad_norm(self) -> torch.Tensor | float | None:
+        """This step's global norm as its engine holds it (a device scalar, or None where none is computed)."""
         if self.clipper.active:
             return self.clipper.norm if self.clipper.max_norm > 0 else self.clipper.measure()
-        return grad_norm_before_update(self.engine)
+        return raw_grad_norm_before_update(self.engine)
 
-    def _pipeline_loss(self) -> float:
+    def _pipeline_losses(self) -> tuple[torch.Tensor | None, torch.Tensor]:
         """The pipeline's last stage holds the summed micro-batch losses; every rank needs their mean over
         replicas (the guards decide on it). One device all-reduce over the world, to which only the last stage's
-        tp-rank-0 ranks contribute; every other rank adds a zero on the same device (never a CPU tensor)."""
+        tp-rank-0 ranks contribute; every other rank adds a zero on the same device (never a CPU tensor).
+        Returns (this rank's loss, None off the last stage; the mean), both left on the device."""
         summed = pipeline_summed_loss(self.engine)
         local = torch.zeros((), device=self.engine.device)
         if summed is not None and self.topology.rank_in("tp") == 0:
             local = summed.detach().float() / self.engine.gradient_accumulation_steps()
         mine = local.clone() if summed is not None else None
-        total = comm.all_reduce(local, self.topology.device("world")).item()
-        self._local_loss = float(mine) if mine is not None else None  # already computed: no second stall
-        return total / self.topology.dp_size
+        total = comm.all_reduce(local, self.topology.device("world"))
+        return mine, total / self.topology.dp_size
 
     def _localize(self, batch: StepBatch) -> None:
         """Replay the skipped batch on every rank to name the first bad module and classify the cause."""
@@ -242,7 +270,7 @@ class Trainer:
         self.engine.eval()
         total = sum(self.engine(batch[:, :-1], batch[:, 1:]).float() for batch in batches)
         self.engine.train()
-        return _mean_over(total / t.eval_batches, self.dp_group)
+        return _device_mean(total / t.eval_batches, self.dp_group).item()
 
     # -- acting on decisions --------------------------------------------------------------------------------
     def rollback(self, state: TrainState, metrics: MetricsWriter, first_bad_step: int, reason: str,

@@ -1,0 +1,135 @@
+"""At most one host sync per optimizer step from Keel's own code: counted, not guessed.
+
+A real one-rank `keel train` loop (ZeRO-0 fp32, where Keel clips, and ZeRO-1, where DeepSpeed does) runs in a
+spawned process that counts every read of a tensor's value to the host — `aten._local_scalar_dense` (`.item()`,
+`float()`, `bool()`) through a dispatch mode, and `.tolist()` / `.cpu()` / `.numpy()` copies — made by a frame
+in `keel/`. On a GPU each such read stalls the host until the device catches up. Reads of what a *control*
+collective returned are CPU by design (keel/parallel/comm.py) and not counted; reads inside DeepSpeed or torch
+are theirs. On CPU nothing stalls, so only the count can be checked here.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from keel.launcher.local import free_port
+from tests.keel_runs import REPO
+
+STEPS = 6
+KEEL = str(REPO / "keel") + os.sep
+PLUMBING = ("torch/_tensor.py", "torch/overrides.py", "torch/_compile.py", "torch/_dynamo/",
+            "torch/utils/_python_dispatch.py", __file__)
+
+
+def _keel_site() -> str | None:
+    """The innermost frame that is not torch's dispatch plumbing (or this file), if it is Keel's."""
+    for frame in reversed(traceback.extract_stack()):
+        if not any(part in frame.filename for part in PLUMBING):
+            return f"{frame.filename.removeprefix(KEEL)}:{frame.lineno}" if frame.filename.startswith(KEEL) else None
+    return None
+
+
+def _count_reads(run_dirs: list[Path]) -> dict[str, int]:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from keel.parallel import comm
+    from keel.training.entry import run_sequence
+
+    reads: collections.Counter = collections.Counter()
+
+    def counted(tensor: torch.Tensor) -> None:
+        if not getattr(tensor, "_keel_control", False) and (site := _keel_site()):
+            reads[site] += 1
+
+    def tag_control(collective):
+        def call(tensor, group, *args, **kwargs):
+            out = collective(tensor, group, *args, **kwargs)
+            if group.channel == comm.CONTROL:
+                out._keel_control = True
+            return out
+        return call
+
+    for name in ("all_reduce", "broadcast"):
+        setattr(comm, name, tag_control(getattr(comm, name)))
+    for name in ("tolist", "cpu", "numpy"):
+        def read(self, *args, _method=getattr(torch.Tensor, name), **kwargs):
+            counted(self)
+            return _method(self, *args, **kwargs)
+        setattr(torch.Tensor, name, read)
+
+    class ScalarReads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default:
+                counted(args[0])
+            return func(*args, **(kwargs or {}))
+
+    with ScalarReads():
+        code = run_sequence(run_dirs)
+    assert code == 0, code
+    return dict(reads)
+
+
+def _worker(_rank: int, port: int, run_dirs: list[str], out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+                      LOCAL_WORLD_SIZE="1")
+    try:
+        torch.save({d: _count_reads([Path(d)]) for d in run_dirs}, out)
+    finally:
+        sys.stdout.flush()
+        os._exit(0)  # gloo can abort at interpreter exit
+
+
+@pytest.fixture(scope="module")
+def reads(runs, tmp_path_factory) -> dict[str, dict[str, int]]:
+    from keel.launcher.run_dir import build_run, prepare_data, write_run_dir
+
+    root = tmp_path_factory.mktemp("host_syncs")
+    run_dirs = {}
+    for ds in ("zero0", "zero1"):
+        spec = build_run(None, runs.overrides(train__steps=STEPS), str(REPO / "ds_configs" / f"{ds}.json"),
+                         str(root / ds), 1)
+        prepare_data(spec)
+        write_run_dir(spec)
+        run_dirs[ds] = str(root / ds)
+    out = root / "reads.pt"
+    mp.start_processes(_worker, args=(free_port(), list(run_dirs.values()), str(out)), nprocs=1,
+                       start_method="spawn")
+    counted = torch.load(out)
+    return {ds: counted[path] for ds, path in run_dirs.items()}
+
+
+@pytest.mark.parametrize("ds", ["zero0", "zero1"])
+def test_at_most_one_host_sync_per_step_from_keel(reads, ds):
+    """Six steps, start-up and the final checkpoint included: at most six reads, all the step's one read-back."""
+    got = reads[ds]
+    assert sum(got.values()) <= STEPS, got
+    assert all(site.startswith("training/trainer.py") for site in got), got
+
+
+def test_the_count_sees_a_stray_item():
+    """The counter is not blind: an `.item()` and a `.tolist()` in a Keel frame are both counted."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class ScalarReads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default:
+                seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with ScalarReads():
+        torch.ones(()).item()
+    assert seen
+    # frames are attributed by file: a frame under keel/ counts, this test file does not
+    assert _keel_site() is None
+    code = compile("site()", str(REPO / "keel" / "fake.py"), "eval")
+    assert eval(code, {"site": _keel_site}) == "fake.py:1"
