@@ -67,6 +67,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--ds-config", default=str(REPO / "ds_configs" / "zero0.json"),
                    help="DeepSpeed JSON; its bf16.enabled is set from --precision")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--compile", action="store_true", help="Keel with model.compile (each block torch.compile'd); "
+                   "the first step's time, compilation included, is printed")
     return p.parse_args()
 
 
@@ -82,7 +84,7 @@ def single_process_env() -> None:
 
 def build_run_config(args: argparse.Namespace) -> RunConfig:
     model = ModelConfig(vocab_size=args.vocab, dim=args.dim, n_layers=args.layers, n_heads=args.heads,
-                        n_kv_heads=args.kv_heads)
+                        n_kv_heads=args.kv_heads, compile=args.compile)
     # global batch = micro batch (no accumulation); a constant LR still runs through Keel's LambdaLR
     train = TrainConfig(steps=args.warmup + args.steps, seed=args.seed, global_batch_size=args.micro_batch,
                         micro_batch_size=args.micro_batch, lr_schedule="constant", warmup_steps=0,
@@ -132,7 +134,7 @@ def run_interleaved(steps: dict, batches: list[torch.Tensor], warmup: int, devic
     Interleaving step by step, rather than timing one loop after the other, spreads any drift in machine load
     (other tenants, frequency changes) over both, so their ratio is trustworthy on a noisy machine.
     """
-    results = {name: ([], []) for name in steps}
+    results = {name: ([], [], []) for name in steps}  # losses, timed step seconds, warm-up step seconds
     for i, batch in enumerate(batches):
         for name, step in steps.items():
             sync(device)
@@ -141,8 +143,7 @@ def run_interleaved(steps: dict, batches: list[torch.Tensor], warmup: int, devic
             sync(device)
             elapsed = time.perf_counter() - start
             results[name][0].append(loss)
-            if i >= warmup:
-                results[name][1].append(elapsed)
+            results[name][1 if i >= warmup else 2].append(elapsed)
     return results
 
 
@@ -241,7 +242,7 @@ def main() -> None:
     peaks = {name: matmul_peak(dt, device) for name, dt in DTYPES.items()}
     steps = {"keel": keel_step(engine, topology), "hf": hf_step(hf, cfg, dtype)}
     results = run_interleaved(steps, batches, args.warmup, device)
-    (keel_losses, keel_times), (hf_losses, hf_times) = results["keel"], results["hf"]
+    (keel_losses, keel_times, keel_warmup), (hf_losses, hf_times, _) = results["keel"], results["hf"]
 
     peaks = {name: max(peaks[name], matmul_peak(dt, device)) for name, dt in DTYPES.items()}  # by FLOP/s first
 
@@ -265,6 +266,9 @@ def main() -> None:
     if fpt * max(keel_tps, hf_tps) > peaks[args.precision][0]:
         print(f"note: MFU above 100%: the {args.precision} square-matmul rate is no true peak here (a busy machine, "
               "or bf16 emulated on a CPU without native bf16)")
+    if args.compile:
+        print(f"model.compile: Keel's first step took {keel_warmup[0]:.1f} s (compilation included); over 1000 "
+              f"steps compiled Keel takes {keel_warmup[0] + 1000 * sum(keel_times) / len(keel_times):.0f} s")
     diff = abs(keel_losses[0] - hf_losses[0])
     print(f"first-step loss: Keel {keel_losses[0]:.6f}  HF {hf_losses[0]:.6f}  |diff| {diff:.2e}; "
           f"last: Keel {keel_losses[-1]:.6f}  HF {hf_losses[-1]:.6f}")

@@ -16,6 +16,7 @@ KEEL_RUNS = [Run.of("zero0", 2), Run.of("zero0", 1), Run.of("zero1-20", 2, "ds_c
              Run.of("zero0-20-first-half", 2, **FIRST_HALF)]
 KEEL_RUNS += [Run.of(f"zero{stage}", 2, f"ds_configs/zero{stage}.json") for stage in (1, 2, 3)]
 KEEL_RUNS += [Run.of(precision, 2, f"ds_configs/{precision}.json") for precision in ("bf16", "fp16")]
+KEEL_RUNS += [Run.of("zero1-compiled", 2, "ds_configs/zero1.json", model__compile="true")]
 
 
 def assert_close(a: list[float], b: list[float], rel: float) -> None:
@@ -46,6 +47,15 @@ def assert_grad_norms_close(a: list[float], b: list[float]) -> None:
 def test_zero_stage_matches_zero0(runs, stage):
     reference = losses(runs.get("zero0", 2))
     assert_close(losses(runs.get(f"zero{stage}", 2, f"ds_configs/zero{stage}.json")), reference, 1e-5)
+
+
+def test_compiled_blocks_train_like_eager(runs):
+    """model.compile on 2 ranks at ZeRO-1: inductor's fused kernels, the eager run's losses and gradient norms."""
+    compiled = read_metrics(runs.get("zero1-compiled", 2, "ds_configs/zero1.json", model__compile="true")
+                            / "metrics.jsonl")
+    eager = read_metrics(runs.get("zero1", 2, "ds_configs/zero1.json") / "metrics.jsonl")
+    assert_close([r["loss"] for r in compiled], [r["loss"] for r in eager], 1e-5)
+    assert_grad_norms_close([r["grad_norm"] for r in compiled], [r["grad_norm"] for r in eager])
 
 
 def test_data_parallel_matches_one_process(runs):

@@ -62,6 +62,7 @@ class ModelConfig:
     moe_capacity_factor: float = 0.0  # tokens per expert = ceil(factor · tokens · k / experts); 0: dropless
     moe_drop_policy: str = "probability"  # over capacity, drop the lowest-probability or the latest tokens
     moe_bias_update: float = 0.0  # aux-loss-free balancing: per-expert bias step toward uniform load (0: off)
+    compile: bool = False  # torch.compile each block (torchtitan's per-block scheme); dense, pp=tp=sp=1, ZeRO 0-2
 
     @property
     def head_dim(self) -> int:

@@ -184,6 +184,19 @@ def validate_layout(cfg: RunConfig) -> None:
     """Heads, kv heads, widths, experts and the sequence must split evenly over the parallel sizes."""
     validate_tensor_parallel(cfg)
     validate_expert_and_sequence_parallel(cfg)
+    validate_compile(cfg)
+
+
+def validate_compile(cfg: RunConfig) -> None:
+    """model.compile is proven (equal losses, tests) on dense blocks without model parallelism; elsewhere the
+    blocks' collectives (tp, sp, ep all-to-all) and the pipeline engine's layer calls are not, so refuse them."""
+    m, p = cfg.model, cfg.parallel
+    if not m.compile:
+        return
+    unsupported = [name for name, on in (("model.moe_experts", m.moe_experts > 0), ("parallel.tp", p.tp > 1),
+                                         ("parallel.pp", p.pp > 1), ("parallel.sp", p.sp > 1)) if on]
+    _require(not unsupported, f"model.compile: supported for dense models with parallel.tp = pp = sp = 1 "
+                              f"(data parallel, ZeRO 0-2); set model.compile=false or drop {', '.join(unsupported)}")
 
 
 def validate_tensor_parallel(cfg: RunConfig) -> None:

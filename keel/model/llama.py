@@ -262,6 +262,15 @@ class CausalLM(nn.Module):
         return h if labels is None else self.loss_fn(h, labels)
 
 
+def compile_blocks(layers: Iterable[nn.Module]) -> None:
+    """`torch.compile` each transformer block in place (torchtitan's per-block scheme): identical blocks share
+    one compiled graph (parameters are graph inputs), the fusions inductor finds are per block, and parameter
+    names and state dicts stay those of the eager model (`Module.compile`, not a wrapper)."""
+    for layer in layers:
+        if isinstance(layer, Block):
+            layer.compile()
+
+
 def _run_layers(layers: Iterable[nn.Module], h: torch.Tensor) -> torch.Tensor:
     for layer in layers:
         h = layer(h)

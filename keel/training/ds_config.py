@@ -78,6 +78,10 @@ def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, dp_size: int) -> dict
             "ds_config: fp16 with zero_optimization.stage 0 mis-scales gradients in DeepSpeed 0.19 (its ZeRO-0 fp16 "
             "optimizer unscales a loss that was never scaled); use stage >= 1 (ds_configs/fp16.json) or bf16"
         )
+    if stage == 3 and cfg.model.compile:
+        raise ConfigError("ds_config.zero_optimization.stage=3 with model.compile: ZeRO-3 gathers parameters in "
+                          "hooks inside each block, which a compiled block does not keep; use ZeRO 0-2 or "
+                          "model.compile=false")
     if stage == 3 and cfg.model.moe_experts:
         raise ConfigError("ds_config.zero_optimization.stage=3 with model.moe_experts: DeepSpeed partitions MoE "
                           "parameters at ZeRO stage 1 or 2 only; use ds_configs/zero1.json or zero2.json")

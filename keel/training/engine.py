@@ -15,7 +15,7 @@ import torch
 from keel.adapters.deepspeed_internals import allow_fp16_on_cpu, check_engine, replace_fp32_clipping
 from keel.adapters.torch_internals import check_torch
 from keel.config import RunConfig
-from keel.model import CausalLM, weight_decay_groups
+from keel.model import CausalLM, compile_blocks, weight_decay_groups
 from keel.model.materialize import Placement
 from keel.parallel.experts import EPContext
 from keel.parallel.grad_norm import clip_grad_norm_, global_grad_norm
@@ -56,9 +56,12 @@ def build_model(cfg: RunConfig, topology: Topology | None = None, ds: dict[str, 
         from keel.parallel.pipeline import build_pipeline
 
         return build_pipeline(cfg, topology, tp, ep, placement)
-    return CausalLM(cfg.model, seed=cfg.train.seed, tp=tp, label_smoothing=cfg.train.label_smoothing,
-                    z_loss=cfg.train.z_loss, checkpoint_interval=cfg.train.activation_checkpoint_interval, ep=ep,
-                    sp=SPContext.from_topology(topology), placement=placement)
+    model = CausalLM(cfg.model, seed=cfg.train.seed, tp=tp, label_smoothing=cfg.train.label_smoothing,
+                     z_loss=cfg.train.z_loss, checkpoint_interval=cfg.train.activation_checkpoint_interval, ep=ep,
+                     sp=SPContext.from_topology(topology), placement=placement)
+    if cfg.model.compile:
+        compile_blocks(model.layers)
+    return model
 
 
 class LRScale:
