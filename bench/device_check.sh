@@ -3,6 +3,8 @@
 # Stages (all by default; choose with STAGES="gpu-tests dense-z1 ..." in the environment):
 #   gpu-tests   pytest -m gpu: the model on CUDA equals the CPU reference; the channel rule on real CUDA tensors.
 #   throughput  bench/throughput.py in bf16 on a mid-sized Llama: tokens/s, MFU, the Keel/HF ratio.
+#   kernels     bench/kernels.py in bf16: RMSNorm, RoPE, SwiGLU, CE, linear+CE fwd+bwd time and peak memory, eager
+#               vs torch.compile vs Liger (liger-kernel from .whl: `pip download --no-deps liger-kernel -d .whl`).
 #   dense-z1 dense-z2 dense-z3 moe-z1 moe-z2
 #               `keel train` on one GPU (NCCL + gloo control group) through the paths that need no second GPU,
 #               covered pairwise: ZeRO-1/2/3 dense and ZeRO-1/2 MoE, fp16 and bf16 each twice or more, monitor
@@ -22,7 +24,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   export PYTHONPATH=/tmp/site:$PWD
 fi
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-$PWD}
-stages=${STAGES:-gpu-tests throughput dense-z1 dense-z2 dense-z3 moe-z1 moe-z2}
+stages=${STAGES:-gpu-tests throughput kernels dense-z1 dense-z2 dense-z3 moe-z1 moe-z2}
 want() { [[ " $stages " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
 python3 -c "import torch, deepspeed; print('torch', torch.__version__, 'deepspeed', deepspeed.__version__)"
@@ -34,6 +36,9 @@ if want throughput; then
   timeout 150 python3 bench/throughput.py --precision bf16 --ds-config ds_configs/bf16.json --dim 2048 --layers 8 \
     --heads 16 --kv-heads 8 --vocab 32000 --seq-len 2048 --micro-batch 4 --steps 8 --warmup 2 2>&1 \
     | grep -v "^\[20" | tee "$out/throughput.txt"
+fi
+if want kernels; then
+  timeout 90 python3 bench/kernels.py --repeats 10 2>&1 | grep -v "^\[20" | tee "$out/kernels.txt"
 fi
 
 # ds_config STAGE PRECISION → a DeepSpeed JSON in $out (ZeRO stage from zeroN.json, precision section added)
