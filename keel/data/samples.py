@@ -175,3 +175,20 @@ def step_batch(
     indices = step_sample_indices(consumed, global_batch, micro_batch, dp_rank, dp_size)
     rows = [samples[sid] for sid in order.sample_ids(indices)]
     return [torch.from_numpy(np.stack(rows[i : i + micro_batch])) for i in range(0, len(rows), micro_batch)]
+
+
+def skip_to(start: int, skip_ranges: list[tuple[int, int]]) -> int:
+    """The first sample to read at `start`: past every data.skip_ranges span (sorted) it falls into."""
+    for first, end in skip_ranges:
+        if first <= start < end:
+            start = end
+    return start
+
+
+def parse_skip_ranges(ranges: list[str]) -> list[tuple[int, int]]:
+    """data.skip_ranges ("start:end" global sample indices) as sorted (start, end) spans."""
+    spans = []
+    for item in ranges:
+        start, end = (int(x) for x in str(item).split(":"))
+        spans.append((start, end))
+    return sorted(spans)

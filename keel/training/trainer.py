@@ -25,7 +25,7 @@ from keel.adapters.deepspeed_internals import (
     raw_grad_norm_before_update,
 )
 from keel.config import RunConfig
-from keel.data import GlobalSampleOrder, PackedSamples, step_batch, step_sample_indices
+from keel.data import GlobalSampleOrder, PackedSamples, parse_skip_ranges, skip_to, step_batch, step_sample_indices
 from keel.parallel import comm
 from keel.parallel.topology import Topology
 from keel.training.checkpoint import Checkpointer, TrainState, checkpoint_dir
@@ -39,6 +39,7 @@ from keel.training.lr_schedule import rampup_batch_size, refresh_lr
 from keel.training.metrics import MetricsWriter
 from keel.training.monitor import ModelMonitor
 from keel.training.preemption import EXIT_PREEMPTED, PreemptionHandler
+from keel.training.prefetch import BatchPrefetcher
 from keel.training.sinks import Sinks
 from keel.training.step_gate import StepGate
 from keel.training.watchdog import StragglerMonitor, Watchdog
@@ -93,14 +94,6 @@ def _clock(record: dict, key: str) -> Iterator[None]:
     record[key] = record.get(key, 0.0) + time.perf_counter() - start
 
 
-def parse_skip_ranges(ranges: list[str]) -> list[tuple[int, int]]:
-    spans = []
-    for item in ranges:
-        start, end = (int(x) for x in str(item).split(":"))
-        spans.append((start, end))
-    return sorted(spans)
-
-
 class Trainer:
     def __init__(self, cfg: RunConfig, engine, topology: Topology, train_samples: PackedSamples,
                  val_samples: PackedSamples, run_dir: Path, lr_scale: LRScale | None = None):
@@ -118,6 +111,11 @@ class Trainer:
         self.lr_scale = lr_scale or LRScale()
         self.clipper = Fp32GradClipper(engine, topology)
         self.skip_ranges = parse_skip_ranges(cfg.data.skip_ranges)
+        t = cfg.train
+        self.prefetcher = BatchPrefetcher(
+            lambda start, size: step_batch(self.order, train_samples, start, size, t.micro_batch_size,
+                                           topology.dp_rank, topology.dp_size),
+            pin=torch.device(engine.device).type == "cuda")
         self.anomalies = AnomalyLog(run_dir, topology.rank)
         self.faults = FaultInjector(cfg.faults, topology.rank, engine, cfg.model.vocab_size, cfg.train.seed)
         self.loss_fn = engine.module.loss_fn
@@ -160,18 +158,16 @@ class Trainer:
         return record, decision
 
     def _fetch(self, state: TrainState) -> StepBatch:
-        """This rank's micro-batches for the next step (skip ranges, batch-size ramp-up, injected faults)."""
-        t, step = self.cfg.train, state.step + 1
-        start = state.consumed_samples
-        for first, end in self.skip_ranges:  # data.skip_ranges: jump over known-bad samples
-            if first <= start < end:
-                start = end
-        size = rampup_batch_size(state.step, t, self.topology.dp_size)
+        """This rank's micro-batches for the next step (skip ranges, batch-size ramp-up, injected faults); the
+        step after it starts reading in the background (keel/training/prefetch.py)."""
+        t, step, dp = self.cfg.train, state.step + 1, self.topology.dp_size
+        start = skip_to(state.consumed_samples, self.skip_ranges)
+        size = rampup_batch_size(state.step, t, dp)
         if size != self.engine.train_batch_size():  # batch-size ramp-up: DeepSpeed adjusts accumulation
             self.engine.set_train_batch_size(size)
         self.experts.before_step(loss_scale(self.engine) or 1.0, self.engine.gradient_accumulation_steps())
-        micro_batches = step_batch(self.order, self.train_samples, start, size, t.micro_batch_size,
-                                   self.topology.dp_rank, self.topology.dp_size)
+        micro_batches = self.prefetcher.get(start, size)
+        self.prefetcher.prefetch(skip_to(start + size, self.skip_ranges), rampup_batch_size(step, t, dp))
         self.faults.before_forward(step)
         self.loss_fn.scale = self.faults.loss_scale(start, size)
         return StepBatch(step, start, size, self.faults.batches(step, micro_batches))
@@ -187,7 +183,8 @@ class Trainer:
         losses = []
         for i, micro_batch in enumerate(batch.micro_batches):
             self.engine.set_gradient_accumulation_boundary(i == len(batch.micro_batches) - 1)
-            micro_batch = micro_batch.to(self.engine.device)  # the pipeline engine moves its micro-batches itself
+            # pinned on CUDA (prefetch.py): the copy overlaps; the pipeline engine moves its micro-batches itself
+            micro_batch = micro_batch.to(self.engine.device, non_blocking=True)
             loss = self.engine(micro_batch[:, :-1], micro_batch[:, 1:])
             self.engine.backward(loss)
             losses.append(loss.detach().float())
@@ -327,6 +324,7 @@ class Trainer:
             with watchdog:  # leaving the block within a hang's deadline counts as that hang (see watchdog.py)
                 return self._loop(state, metrics, watchdog, stragglers)
         finally:
+            self.prefetcher.close()
             metrics.close()
             self.sinks.close()
 
