@@ -1,11 +1,11 @@
 """At most one host sync per optimizer step from Keel's own code: counted, not guessed.
 
-A real one-rank `keel train` loop (ZeRO-0 fp32, where Keel clips, and ZeRO-1, where DeepSpeed does) runs in a
-spawned process that counts every read of a tensor's value to the host — `aten._local_scalar_dense` (`.item()`,
-`float()`, `bool()`) through a dispatch mode, and `.tolist()` / `.cpu()` / `.numpy()` copies — made by a frame
-in `keel/`. On a GPU each such read stalls the host until the device catches up. Reads of what a *control*
-collective returned are CPU by design (keel/parallel/comm.py) and not counted; reads inside DeepSpeed or torch
-are theirs. On CPU nothing stalls, so only the count can be checked here.
+A real one-rank `keel train` loop (ZeRO-0 fp32, where Keel clips; ZeRO-1, where DeepSpeed does; an MoE model)
+runs in a spawned process that counts every read of a tensor's value to the host made by a frame in `keel/`:
+`aten._local_scalar_dense` (`.item()`, `float()`, `bool()`) through a dispatch mode, and `.tolist()` / `.cpu()` /
+`.numpy()` copies. On a GPU each such read stalls the host until the device catches up. Reads of what a
+*control* collective returned are CPU by design (keel/parallel/comm.py) and not counted; reads inside DeepSpeed
+or torch are theirs. On CPU nothing stalls, so only the count can be checked here.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from keel.launcher.local import free_port
 from tests.keel_runs import REPO
 
 STEPS = 6
+MOE = dict(model__moe_experts=4, stability__expert_interval=0)
+MICRO_BATCHES, LAYERS = 4, 2  # tests/keel_runs.py TINY: global batch 8 of micro-batches of 2, 2 blocks
 KEEL = str(REPO / "keel") + os.sep
 PLUMBING = ("torch/_tensor.py", "torch/overrides.py", "torch/_compile.py", "torch/_dynamo/",
             "torch/utils/_python_dispatch.py", __file__)
@@ -93,12 +95,12 @@ def reads(runs, tmp_path_factory) -> dict[str, dict[str, int]]:
 
     root = tmp_path_factory.mktemp("host_syncs")
     run_dirs = {}
-    for ds in ("zero0", "zero1"):
-        spec = build_run(None, runs.overrides(train__steps=STEPS), str(REPO / "ds_configs" / f"{ds}.json"),
-                         str(root / ds), 1)
+    for name, ds, changes in (("zero0", "zero0", {}), ("zero1", "zero1", {}), ("moe", "zero1", MOE)):
+        spec = build_run(None, runs.overrides(train__steps=STEPS, **changes), str(REPO / "ds_configs" / f"{ds}.json"),
+                         str(root / name), 1)
         prepare_data(spec)
         write_run_dir(spec)
-        run_dirs[ds] = str(root / ds)
+        run_dirs[name] = str(root / name)
     out = root / "reads.pt"
     mp.start_processes(_worker, args=(free_port(), list(run_dirs.values()), str(out)), nprocs=1,
                        start_method="spawn")
@@ -112,6 +114,16 @@ def test_at_most_one_host_sync_per_step_from_keel(reads, ds):
     got = reads[ds]
     assert sum(got.values()) <= STEPS, got
     assert all(site.startswith("training/trainer.py") for site in got), got
+
+
+def test_moe_reads_its_routing_counts_once_per_layer(reads):
+    """Routing needs the per-expert row counts on the host (the all-to-all's split sizes): one read per MoE layer
+    and micro-batch forward, none in backward; everything else is the step's one read-back."""
+    got = dict(reads["moe"])
+    step = {site: n for site, n in got.items() if site.startswith("training/trainer.py")}
+    routing = {site: n for site, n in got.items() if site.startswith("parallel/experts.py")}
+    assert sum(step.values()) <= STEPS and set(got) == set(step) | set(routing), got
+    assert sum(routing.values()) == STEPS * MICRO_BATCHES * LAYERS, routing
 
 
 def test_the_count_sees_a_stray_item():
