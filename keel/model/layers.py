@@ -31,14 +31,10 @@ class RMSNorm(nn.Module):
         self.weight.sequence_parallel = tp.sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = _sp_param(self.weight, self.tp)
-        if x.dtype == torch.float32 and weight.dtype == torch.float32:
-            # torch's fused kernel: the value below in fp32 (to rounding, tested), in one pass with less memory
-            return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return weight * x.to(dtype)
+        return _sp_param(self.weight, self.tp) * x.to(dtype)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
