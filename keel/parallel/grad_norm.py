@@ -45,12 +45,10 @@ def global_grad_norm(params: Iterable[torch.nn.Parameter], topology: Topology) -
 def clip_grad_norm_(params: Iterable[torch.nn.Parameter], max_norm: float, topology: Topology) -> torch.Tensor:
     """Scale gradients so their global norm is at most `max_norm` (0: no clipping); returns the norm before.
 
-    The coefficient min(1, max_norm / norm) stays on the device, as in `torch.nn.utils.clip_grad_norm_`: no host
-    sync (a factor of exactly 1 leaves every gradient bit-identical)."""
+    torch scales by min(1, max_norm / norm) on the device (`clip_grads_with_norm_`, batched per device and
+    dtype): no host sync; only the norm is Keel's, counting every parameter once across the model-parallel group."""
     params = [p for p in params if p.grad is not None]
     norm = global_grad_norm(params, topology)
     if max_norm > 0:
-        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for p in params:
-            p.grad.detach().mul_(scale.to(p.grad.dtype))
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     return norm
