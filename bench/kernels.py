@@ -2,7 +2,7 @@
 function and, on CUDA where liger-kernel imports, Liger's Triton kernel.
 
 Kernels (the shapes of a Llama block's elementwise work, fp32 on CPU, bf16 on CUDA by default):
-  rmsnorm   keel.model.layers.RMSNorm's math on [tokens, dim]
+  rmsnorm   keel.model.layers.RMSNorm's own forward on [tokens, dim] (its weight passed in by functional_call)
   rope      keel.model.layers.apply_rotary on q [b, heads, s, hd] and k [b, kv_heads, s, hd]
   swiglu    silu(gate) * up on [tokens, ffn]
   ce        keel.parallel.cross_entropy.vocab_parallel_cross_entropy (tp = 1) on [tokens, vocab] logits
@@ -32,17 +32,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from keel.model.layers import apply_rotary  # noqa: E402
+from keel.model.layers import RMSNorm, apply_rotary  # noqa: E402
 from keel.parallel.cross_entropy import vocab_parallel_cross_entropy  # noqa: E402
 
 Inputs = list[torch.Tensor]
-
-
-def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
-    """keel.model.layers.RMSNorm.forward without the module (fp32 statistics, cast back before the weight)."""
-    dtype = x.dtype
-    x32 = x.float()
-    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
 
 
 def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -166,6 +159,11 @@ def main() -> None:
     args = p.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.precision or ("bf16" if device == "cuda" else "fp32")]
+    norm = RMSNorm(args.dim).to(device, dtype)
+
+    def rmsnorm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(norm, {"weight": weight}, (x,))
+
     functions = {"rmsnorm": rmsnorm, "rope": rope, "swiglu": swiglu, "ce": ce, "linear-ce": linear_ce}
     print(f"device {device} ({torch.cuda.get_device_name() if device == 'cuda' else os.cpu_count()} "
           f"{'GPU' if device == 'cuda' else 'CPUs'}), {dtype}, tokens {args.tokens}, dim {args.dim}, ffn {args.ffn}, "
