@@ -9,6 +9,7 @@
 #               `keel train` on one GPU (NCCL + gloo control group) through the paths that need no second GPU,
 #               covered pairwise: ZeRO-1/2/3 dense and ZeRO-1/2 MoE, fp16 and bf16 each twice or more, monitor
 #               and checksums on in every run, and a resume (stop at step 30, start again) in three of them.
+#               logging.sync_debug=warn counts the synchronizing CUDA calls per optimizer step (syncs.txt).
 #               Each prints its last log lines and its peak GPU memory (next to Keel's memory model when present).
 # Usage there: bash bench/device_check.sh [OUT_DIR]. A machine with no network needs DeepSpeed and the deps its
 # image lacks as wheels in .whl/ (made beforehand where pip works; the image had Python 3.12):
@@ -55,7 +56,8 @@ EOF
 
 common=(--nproc 1 --set train.steps=60 --set train.eval_interval=30 --set checkpoint.interval=30
         --set logging.log_interval=20 --set data.seq_len=256 --set model.dim=256 --set train.micro_batch_size=8
-        --set train.global_batch_size=16 --set stability.monitor_interval=10 --set stability.checksum_interval=10)
+        --set train.global_batch_size=16 --set stability.monitor_interval=10 --set stability.checksum_interval=10
+        --set logging.sync_debug=warn)
 moe=(--set model.moe_experts=8 --set model.moe_bias_update=0.001 --set stability.expert_interval=20)
 
 # train NAME STAGE PRECISION RESUME(0/1) [extra --set ...]
@@ -75,6 +77,10 @@ train() {
   grep -v "^\[20" "$out/train_$name.txt" | grep -E "step +[0-9]+|resumed|finished|error|Error" | tail -6
   cp "$run/metrics.jsonl" "$out/metrics_$name.jsonl" 2>/dev/null
   cp "$run/anomalies.jsonl" "$out/anomalies_$name.jsonl" 2>/dev/null
+  # torch.cuda.set_sync_debug_mode("warn") over the optimizer steps: synchronizing calls per step, top sites
+  python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(sys.argv[2], 'syncs/step', \
+round(r['syncs'] / max(r['steps'], 1), 2), list(r['sites'].items())[:4])" "$run/sync_debug_rank0.json" "$name" \
+    2>&1 | tee -a "$out/syncs.txt"
   # peak GPU memory next to the memory model, once keel/training/memory_model.py exists (branch `memory`)
   if [ -f bench/memory_vs_model.py ]; then
     python3 bench/memory_vs_model.py "$run" 2>&1 | tee -a "$out/memory.txt"

@@ -136,6 +136,7 @@ class CheckpointConfig:
 class LoggingConfig:
     log_interval: int = 10  # stdout line every N steps; metrics.jsonl gets every step
     collective_trace: bool = False  # record every Keel collective per rank in RUN_DIR/collectives/ (debug, tests)
+    sync_debug: str = ""  # "warn": count the synchronizing CUDA calls of each step (keel/training/sync_debug.py)
 
 
 @dataclass

@@ -63,6 +63,8 @@ def validate(cfg: RunConfig, world_size: int) -> None:
              "train.eval_interval must be >= 0 (0 disables) and train.eval_batches positive")
     _require(c.interval >= 0, f"checkpoint.interval: must be >= 0 (0: only at the end), got {c.interval}")
     _require(c.keep_last >= 1, f"checkpoint.keep_last: must keep at least 1, got {c.keep_last}")
+    _require(cfg.logging.sync_debug in ("", "warn"),
+             f"logging.sync_debug: expected '' (off) or 'warn', got {cfg.logging.sync_debug!r}")
     for name in PARALLEL_AXES:
         size = getattr(p, name)
         _require(size >= 1, f"parallel.{name}: must be >= 1, got {size}")

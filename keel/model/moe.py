@@ -14,6 +14,7 @@ the trainer sets to loss_scale / gradient_accumulation_steps each step — so tr
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from deepspeed.moe.layer import MoE as DeepSpeedMoE
 from torch import nn
 
@@ -23,8 +24,10 @@ from keel.model.router import Router, Routing
 from keel.parallel.experts import (
     NO_EP,
     EPContext,
+    Routes,
     combine,
     dispatch,
+    exchange_counts,
     expert_group_name,
     mark_expert_param,
     register_expert_groups,
@@ -113,6 +116,7 @@ class MoE(DeepSpeedMoE):
                 param.expert_id = first + offset  # init draws each expert from its own stream (llama.py)
         self.shared = SwiGLU(cfg, tp) if cfg.moe_shared_expert else None
         self.aux_grad_scale = 1.0  # set by the trainer: loss_scale / gradient_accumulation_steps
+        self.grouped_gemm: bool | None = None  # None: torch's grouped GEMM on CUDA in bf16, the expert loop elsewhere
         self.stats = ExpertStats(cfg.moe_experts)
 
     @property
@@ -140,18 +144,36 @@ class MoE(DeepSpeedMoE):
 
     def _run_experts(self, tokens: torch.Tensor, route: Routing) -> torch.Tensor:
         """Sort the kept (token, expert) rows by expert, run them through their experts (wherever those live),
-        and sum each token's weighted expert outputs."""
+        and sum each token's weighted expert outputs. One host read: the split sizes (`exchange_counts`)."""
         k = route.experts.shape[1]
-        token_of_row = torch.arange(tokens.shape[0], device=tokens.device).repeat_interleave(k)
-        kept = route.keep.flatten().nonzero().squeeze(1)
-        rows = kept[torch.argsort(route.experts.flatten()[kept], stable=True)]
-        counts = torch.bincount(route.experts.flatten()[rows], minlength=self.num_experts)
-        inputs, routes = dispatch(tokens[token_of_row[rows]], counts, self.ep)
-        chunks = inputs.split(routes.expert_counts)
-        outputs = torch.cat([mlp.inner(chunk) for mlp, chunk in zip(self.local_experts, chunks)])
-        outputs = combine(outputs, routes, self.ep)
+        # dropped rows take the id E: they sort after every kept row and fall outside the counts, so the kept rows
+        # are a prefix of `order` whose length the one read of the counts gives (no `nonzero`, another sync)
+        key = torch.where(route.keep.flatten(), route.experts.flatten(), self.num_experts)
+        order = torch.argsort(key, stable=True)
+        routes = exchange_counts(torch.bincount(key, minlength=self.num_experts + 1)[:-1], self.ep)
+        rows = order[:routes.sent_rows]
+        token_of_row = torch.div(rows, k, rounding_mode="floor")
+        inputs, regrouped = dispatch(tokens[token_of_row], routes, self.ep)
+        outputs = combine(self._expert_mlps(inputs, routes), routes, regrouped, self.ep)
         weights = route.weights.flatten()[rows].unsqueeze(1).to(outputs.dtype)
-        return torch.zeros_like(tokens).index_add(0, token_of_row[rows], outputs * weights)
+        return torch.zeros_like(tokens).index_add(0, token_of_row, outputs * weights)
+
+    def _expert_mlps(self, inputs: torch.Tensor, routes: Routes) -> torch.Tensor:
+        """Each local expert's SwiGLU on its contiguous rows: one grouped GEMM per projection where torch's kernel
+        is the fast path (CUDA, bf16), else one GEMM per expert (torch's CPU grouped_mm is a slower loop)."""
+        grouped = self.grouped_gemm if self.grouped_gemm is not None else (inputs.is_cuda
+                                                                            and inputs.dtype == torch.bfloat16)
+        if not grouped:
+            chunks = inputs.split(routes.expert_counts)
+            return torch.cat([mlp.inner(chunk) for mlp, chunk in zip(self.local_experts, chunks)])
+        # The experts stay separate Parameters (DeepSpeed's per-expert checkpoint keys); stacking them costs one
+        # copy of this rank's local expert weights per layer, which the single kernel launch repays.
+        offsets = routes.device_counts.cumsum(0).to(torch.int32)
+        w1, w3, w2 = (torch.stack([getattr(mlp, name).weight for mlp in self.local_experts])
+                      for name in ("w1", "w3", "w2"))
+        gate = F.grouped_mm(inputs, w1.transpose(-2, -1), offs=offsets)
+        up = F.grouped_mm(inputs, w3.transpose(-2, -1), offs=offsets)
+        return F.grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=offsets)
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:

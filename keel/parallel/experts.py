@@ -87,37 +87,56 @@ def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group) -> torc
 
 @dataclass
 class Routes:
-    """How rows travelled in `dispatch`, so `combine` can send each output back to where its token lives."""
+    """How rows travel in `dispatch`, so `combine` can send each output back to where its token lives. Built by
+    `exchange_counts` from the layer's one host read of its routing counts."""
 
-    send: list[int]  # rows this rank sent to each ep peer
-    recv: list[int]  # rows this rank received from each ep peer
-    order: torch.Tensor | None  # local-expert row i is received row order[i] (None: no reordering needed)
-    expert_counts: list[int]  # rows per local expert, in local-expert order
+    send: list[int]  # rows this rank sends to each ep peer
+    recv: list[int]  # rows this rank receives from each ep peer
+    expert_counts: list[int]  # rows per local expert, in local-expert order (after the regrouping)
+    device_counts: torch.Tensor  # the same on the device (grouped GEMM offsets without a host-to-device copy)
+    per_peer: torch.Tensor | None  # [peer, local expert] received counts on the device (None: ep = 1)
+
+    @property
+    def sent_rows(self) -> int:
+        return sum(self.send)
 
 
-def dispatch(rows: torch.Tensor, counts: torch.Tensor, ep: EPContext) -> tuple[torch.Tensor, Routes]:
-    """Send expert-sorted `rows` (`counts[e]` rows for global expert e) to the ranks owning the experts.
+def exchange_counts(counts: torch.Tensor, ep: EPContext) -> Routes:
+    """The split sizes of this layer's all-to-alls, from `counts[e]` (rows this rank routes to global expert e).
 
-    Returns the rows this rank's experts must process, grouped by local expert, and the routes back. The
-    split sizes come to the host (`tolist`): the all-to-all needs them, as in every dropless implementation.
+    The sizes must come to the host (the all-to-all needs them, as in every dropless implementation); this is the
+    layer's one host read: this rank's counts and, under ep > 1, the counts its peers send it, read together.
     """
-    local = counts.numel() // ep.size
     if ep.size == 1:
-        return rows, Routes([rows.shape[0]], [rows.shape[0]], None, counts.tolist())
-    received_counts = comm.all_to_all(counts, ep.group)  # [peer, local expert]
-    send = counts.view(ep.size, local).sum(1).tolist()
-    per_peer = received_counts.view(ep.size, local)
-    recv = per_peer.sum(1).tolist()
-    received = all_to_all(rows, send, recv, ep.group)
-    # received rows are grouped by source peer, then by local expert: regroup by local expert
-    expert_of_row = torch.repeat_interleave(torch.arange(local, device=counts.device).repeat(ep.size),
-                                            per_peer.flatten())
+        expert_counts = counts.tolist()
+        return Routes([sum(expert_counts)], [sum(expert_counts)], expert_counts, counts, None)
+    local = counts.numel() // ep.size
+    per_peer = comm.all_to_all(counts, ep.group).view(ep.size, local)  # [peer, local expert]
+    mine, theirs = torch.stack([counts.view(ep.size, local), per_peer]).tolist()
+    return Routes([sum(row) for row in mine], [sum(row) for row in theirs],
+                  [sum(column) for column in zip(*theirs)], per_peer.sum(0), per_peer)
+
+
+def dispatch(rows: torch.Tensor, routes: Routes, ep: EPContext) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Send expert-sorted `rows` to the ranks owning their experts, as `routes` (`exchange_counts`) says.
+
+    Returns the rows this rank's experts must process, grouped by local expert, and the order that regrouped them
+    (for `combine`; None under ep = 1, where nothing moves).
+    """
+    if ep.size == 1:
+        return rows, None
+    received = all_to_all(rows, routes.send, routes.recv, ep.group)
+    # received rows are grouped by source peer, then by local expert: regroup by local expert. The output size is
+    # known on the host, so repeat_interleave needs no second read of the counts.
+    local = routes.per_peer.shape[1]
+    expert_of_row = torch.repeat_interleave(torch.arange(local, device=rows.device).repeat(ep.size),
+                                            routes.per_peer.flatten(), output_size=sum(routes.recv))
     order = torch.argsort(expert_of_row, stable=True)
-    return received[order], Routes(send, recv, order, per_peer.sum(0).tolist())
+    return received[order], order
 
 
-def combine(outputs: torch.Tensor, routes: Routes, ep: EPContext) -> torch.Tensor:
+def combine(outputs: torch.Tensor, routes: Routes, order: torch.Tensor | None, ep: EPContext) -> torch.Tensor:
     """The inverse of `dispatch`: expert outputs back to the rank and row order their tokens came from."""
     if ep.size == 1:
         return outputs
-    return all_to_all(outputs[torch.argsort(routes.order)], routes.recv, routes.send, ep.group)
+    return all_to_all(outputs[torch.argsort(order)], routes.recv, routes.send, ep.group)

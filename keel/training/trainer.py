@@ -42,6 +42,7 @@ from keel.training.preemption import EXIT_PREEMPTED, PreemptionHandler
 from keel.training.prefetch import BatchPrefetcher
 from keel.training.sinks import Sinks
 from keel.training.step_gate import StepGate
+from keel.training.sync_debug import SyncCounter
 from keel.training.watchdog import StragglerMonitor, Watchdog
 
 log = logging.getLogger("keel")
@@ -126,6 +127,7 @@ class Trainer:
         if self.is_pipeline:
             self.monitor.attach(engine)  # train_batch leaves no gap between the last backward and the step
         self.experts = ExpertHealth(cfg, engine.module, topology, self.anomalies)
+        self.syncs = SyncCounter(cfg.logging.sync_debug, engine.device, run_dir, topology.rank)
         self._local_loss: float | None = None
 
     # -- one optimizer step, straight down ------------------------------------------------------------------------
@@ -325,6 +327,7 @@ class Trainer:
                 return self._loop(state, metrics, watchdog, stragglers)
         finally:
             self.prefetcher.close()
+            self.syncs.report()
             metrics.close()
             self.sinks.close()
 
@@ -335,7 +338,8 @@ class Trainer:
         while state.step < t.steps:
             watchdog.beat(state.step + 1)
             start = time.perf_counter()
-            record, decision = self.train_step(state)
+            with self.syncs.step():
+                record, decision = self.train_step(state)
             steps_here += 1
             record = self._timed(record, state, time.perf_counter() - start, stragglers)
             if save_time is not None:  # the save after the previous step: its cost, next to the step's own
