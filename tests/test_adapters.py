@@ -173,7 +173,7 @@ def test_internals_are_present_and_do_what_keel_needs(probed, kind):
     if kind == "pipeline":
         assert seen["pipeline_loss"] is not None and math.isfinite(seen["pipeline_loss"])
     assert got["model_step_wrapped"] == 2  # the hook ran inside both steps
-    assert seen["adamw"] == {"foreach": True, "fused": None}  # CPU: torch's multi-tensor AdamW, not its loop
+    assert seen["adamw"] == {"foreach": None, "fused": True}  # torch's fused AdamW, not its per-parameter loop
     # this rank's source of truth and its state (fp32 partitions, or the parameter at plain ZeRO-0), as views
     assert seen["master_matches"] and {"exp_avg", "exp_avg_sq"} <= set(seen["master_keys"]), seen["master_keys"]
     assert ("param" in seen["master_keys"]) == (kind == "zero0")
