@@ -118,6 +118,35 @@ def test_input_logits_are_not_modified():
     assert torch.equal(logits, before)
 
 
+def test_consumed_logits_become_the_softmax_with_the_same_loss_and_gradients():
+    """`consume=True` (the training loss right after the head) overwrites fp32 logits instead of copying them: the
+    same loss and gradients; a leaf or a bf16 input is still copied; anything that saved the logits for its own
+    backward fails loudly instead of reading the softmax."""
+    logits, labels = make_inputs(vocab_size=50, padded=64)
+    hidden = torch.randn(logits.shape[0], logits.shape[1], 16)
+    head = torch.randn(64, 16)
+    results = []
+    for consume in (False, True):
+        h = hidden.clone().requires_grad_()
+        z = h @ head.T
+        before = z.detach().clone()
+        loss = vocab_parallel_cross_entropy(z, labels, None, 0, 50, 0.1, 1e-3, consume=consume)
+        assert torch.equal(z.detach(), before) != consume  # overwritten only when consumed
+        loss.backward()
+        results.append((loss.detach(), h.grad))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    for kept in (logits.clone().requires_grad_(), logits.bfloat16()):  # a leaf; a dtype the loss must upcast
+        before = kept.detach().clone()
+        vocab_parallel_cross_entropy(kept, labels, None, 0, 50, consume=True)
+        assert torch.equal(kept.detach(), before)
+    h = hidden.clone().requires_grad_()
+    z = h @ head.T
+    saved = z.square().mean()  # its backward needs z as it was
+    loss = vocab_parallel_cross_entropy(z, labels, None, 0, 50, consume=True) + saved
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
 def test_without_group_the_shard_must_be_the_whole_vocabulary():
     logits, labels = make_inputs(vocab_size=50, padded=64)
     with pytest.raises(ValueError, match="whole vocabulary"):

@@ -295,9 +295,10 @@ class VocabParallelLoss:
         self.sp = sp
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        # the logits are the head's output, used by nothing after the loss: it may overwrite them
         loss = vocab_parallel_cross_entropy(logits, sequence_chunk(labels, self.sp), self.group, self.vocab_start,
                                             self.vocab_size, label_smoothing=self.label_smoothing,
-                                            z_loss=self.z_loss)
+                                            z_loss=self.z_loss, consume=True)
         loss = sequence_mean(loss, self.sp)
         return loss * self.scale if self.scale != 1.0 else loss
 

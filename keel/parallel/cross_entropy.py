@@ -63,13 +63,17 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits_shard, labels, group, vocab_start, vocab_size, label_smoothing, z_loss, ignore_index,
-                reentrant):
+                reentrant, consume):
         local_size = logits_shard.shape[-1]
         # Real (non-padding) entries are a prefix of every shard: global index < vocab_size.
         n_real = min(max(vocab_size - vocab_start, 0), local_size)
-        # A private fp32 copy: it becomes the softmax in place, and the caller's logits stay untouched.
+        # A private fp32 copy: it becomes the softmax in place, and the caller's logits stay untouched. Logits the
+        # caller hands over (`consume`) and that are fp32 already become the softmax themselves: one [b, s, V]
+        # tensor less to allocate and fill (a detached view: it shares the version counter, so anything that
+        # saved them for backward would fail loudly).
         compute_dtype = torch.promote_types(logits_shard.dtype, torch.float32)
-        x = logits_shard.to(compute_dtype, copy=True)
+        in_place = consume and logits_shard.dtype == compute_dtype and not logits_shard.is_leaf
+        x = logits_shard.detach() if in_place else logits_shard.to(compute_dtype, copy=True)
         x[..., n_real:] = float("-inf")
 
         row_max = x.amax(dim=-1)  # -inf on a shard that is all padding; the MAX over the group is finite
@@ -124,7 +128,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         target_grad = torch.where(on_shard, 1.0 - label_smoothing, 0.0).to(grad.dtype)
         grad.scatter_add_(-1, local_target.unsqueeze(-1), -target_grad.unsqueeze(-1))
         grad.mul_((valid * (grad_output / n_tokens)).unsqueeze(-1))  # ignored tokens: zero gradient
-        return grad.to(input_dtype), None, None, None, None, None, None, None, None
+        return grad.to(input_dtype), None, None, None, None, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
@@ -138,6 +142,7 @@ def vocab_parallel_cross_entropy(
     ignore_index: int = -100,
     *,
     reentrant: bool = False,
+    consume: bool = False,
 ) -> torch.Tensor:
     """Mean loss (fp32 scalar) over tokens not labelled `ignore_index`, equal to `cross_entropy_reference`.
 
@@ -148,7 +153,8 @@ def vocab_parallel_cross_entropy(
     must call this (it is collective). As with `F.cross_entropy`, a batch whose tokens are all ignored gives NaN.
     The gradient comes back in the input's dtype. Backward reuses the saved softmax's memory, so it runs once per
     forward; `reentrant=True` keeps it intact for a retained graph (double backward, gradcheck) at one more
-    [b, s, V_local] tensor.
+    [b, s, V_local] tensor. `consume=True` says the caller has no further use for `logits_shard` (the training
+    loss, right after the head): fp32 logits, not a leaf, are then overwritten instead of copied.
     """
     if vocab_size <= 0 or vocab_start < 0:
         raise ValueError(f"need vocab_size > 0 and vocab_start >= 0, got {vocab_size} and {vocab_start}")
@@ -158,5 +164,6 @@ def vocab_parallel_cross_entropy(
             f"got entries [{vocab_start}, {vocab_start + logits_shard.shape[-1]})"
         )
     return _VocabParallelCrossEntropy.apply(
-        logits_shard, labels, group, vocab_start, vocab_size, label_smoothing, z_loss, ignore_index, reentrant
+        logits_shard, labels, group, vocab_start, vocab_size, label_smoothing, z_loss, ignore_index, reentrant,
+        consume,
     )
