@@ -12,7 +12,7 @@ from keel.config import ModelConfig
 from keel.model import CausalLM, build_layers
 from keel.model.init import INIT_BLOCK_BYTES, block_rows, fill_shard_
 from keel.model.materialize import Placement
-from keel.parallel.tensor import TPContext, mark_sharded
+from keel.parallel.tensor import FusedColumnParallelLinear, TPContext, mark_sharded
 
 CFG = dict(vocab_size=200, dim=64, n_layers=2, n_heads=8, n_kv_heads=2, vocab_pad_multiple=16, tie_embeddings=False)
 
@@ -137,3 +137,72 @@ def test_a_flat_window_is_that_slice_of_the_shard(dim):
             out = torch.empty(end - start)
             fill_shard_(whole, 0.02, False, seed=1, index=2, name="w", out=out, flat=(start, end))
             assert torch.equal(out, flat[start:end]), (start, end)
+
+
+def _fused(rows: int, cols: int, names: tuple[str, ...], tp_size: int = 2, rank: int = 1) -> torch.nn.Parameter:
+    return FusedColumnParallelLinear(cols, rows, TPContext(rank=rank, size=tp_size), names).weight
+
+
+def test_a_fused_parameter_draws_each_part_as_the_projection_it_fuses():
+    """Part i of a fused shard is exactly the column-parallel shard of a separate tensor named names[i]."""
+    fused = _fused(300, 2048, ("gate", "up"))
+    with torch.no_grad():
+        fill_shard_(fused, 0.02, False, seed=1, index=2, name=fused.part_names)
+        for part, name in enumerate(fused.part_names):
+            single = _mib_matrix(300, 2048, 0)
+            fill_shard_(single, 0.02, False, seed=1, index=2, name=name)
+            assert torch.equal(fused[part], single), name
+    assert not torch.equal(fused[0], fused[1])
+
+
+def test_a_flat_window_of_a_fused_parameter_is_that_slice_of_the_shard():
+    """A ZeRO-3 window may straddle the parts (each part's shard is one stretch of the flattened shard)."""
+    fused = _fused(300, 2048, ("gate", "up"))
+    with torch.no_grad():
+        fill_shard_(fused, 0.02, False, seed=1, index=2, name=fused.part_names)
+        flat = fused.detach().reshape(-1)
+        half = flat.numel() // 2
+        for start, end in [(0, 5000), (half - 4093, half + 130_001), (half, flat.numel())]:
+            out = torch.empty(end - start)
+            fill_shard_(fused, 0.02, False, seed=1, index=2, name=fused.part_names, out=out, flat=(start, end))
+            assert torch.equal(out, flat[start:end]), (start, end)
+
+
+def test_fused_names_must_match_the_parts():
+    with pytest.raises(ValueError, match="3 parts"):
+        fill_shard_(_fused(8, 8, ("gate", "up")), 0.02, False, seed=0, index=1, name=("a", "b", "c"))
+
+
+def test_state_dict_schema_is_the_same_at_every_tp():
+    """Names and logical shapes do not depend on tp (kv heads split at 2, replicated at 4), so a checkpoint's
+    tensors reshard by concatenating shards on `partition_dim`; the fused weights are [2, out, in]."""
+    cfg = ModelConfig(**CFG)
+    schemas = []
+    for tp_size in (1, 2, 4):
+        model = CausalLM(cfg, seed=0, tp=TPContext(rank=tp_size - 1, size=tp_size))
+        schemas.append({name: p.full_shape for name, p in model.named_parameters() if hasattr(p, "full_shape")})
+    assert schemas[0] == schemas[1] == schemas[2]
+    kv_dim = cfg.n_kv_heads * cfg.head_dim
+    assert schemas[0]["layers.1.attention.wkv.weight"] == (2, kv_dim, cfg.dim)
+    assert schemas[0]["layers.1.feed_forward.w13.weight"] == (2, cfg.ffn_dim, cfg.dim)
+
+
+def test_fused_weights_keep_the_values_of_the_projections_they_fuse():
+    """A seed gives the model it gave before k/v and gate/up were fused: each part draws under its old name
+    (an expert's under its global id), whichever tp rank holds it."""
+    from keel.parallel.experts import EPContext
+
+    cfg = ModelConfig(**{**CFG, "moe_experts": 4, "moe_every": 2})
+    model = CausalLM(cfg, seed=6, tp=TPContext(rank=1, size=2), ep=EPContext(rank=1, size=2, ranks=(0, 1)))
+    kv_dim = cfg.n_kv_heads * cfg.head_dim
+    cases = [(model.layers[1].attention.wkv.weight, 1, ("attention.wk.weight", "attention.wv.weight"), kv_dim),
+             (model.layers[1].feed_forward.w13.weight, 1, ("feed_forward.w1.weight", "feed_forward.w3.weight"),
+              cfg.ffn_dim),
+             (model.layers[2].feed_forward.local_experts[0].w13.weight, 2,
+              ("feed_forward.experts.2.w1.weight", "feed_forward.experts.2.w3.weight"), cfg.ffn_dim)]
+    for fused, index, names, rows in cases:
+        for part, name in enumerate(names):
+            single = _mib_matrix(rows, cfg.dim, 0)
+            with torch.no_grad():
+                fill_shard_(single, cfg.init_std, False, seed=6, index=index, name=name)
+            assert torch.equal(fused[part], single), name

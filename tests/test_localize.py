@@ -282,9 +282,9 @@ def _every_rank_worker(rank: int, world: int, port: int, stage: int, tp: int, re
     dp_rank = rank // tp  # tp is the innermost grid axis
     batches = micro_batches(n=2, seed=dp_rank)
     if rank == 0:  # a fault on one rank only: in a column-parallel shard under tp, in its batch under dp
-        # the value projection: on AVX-512 CPUs torch 2.13's SDPA returns finite outputs for NaN queries or keys
-        # (measured), so only a NaN in v is certain to reach the attention's all-reduce on every machine
-        engine.module.layers[2].attention.wv.register_forward_hook(lambda m, a, out: out * NAN)
+        # the value part of the fused k/v projection: on AVX-512 CPUs torch 2.13's SDPA returns finite outputs for
+        # NaN queries or keys (measured), so only a NaN in v is certain to reach the attention's all-reduce
+        engine.module.layers[2].attention.wkv.register_forward_hook(lambda m, a, out: (out[0], out[1] * NAN))
     results[rank] = localize(engine.module, batches).event()
     if stage == 3:
         engine.empty_partition_cache()
@@ -301,7 +301,7 @@ def test_localize_on_every_rank(stage, tp):
         mp.start_processes(_every_rank_worker, args=(2, free_port(), stage, tp, results), nprocs=2,
                            start_method="forkserver")
         results = dict(results)
-    assert results[0]["first_bad_module"] == results[0]["origin_module"] == "layers.2.attention.wv"
+    assert results[0]["first_bad_module"] == results[0]["origin_module"] == "layers.2.attention.wkv"
     assert results[0]["classification"] == DATA
     if tp == 1:  # data parallel: rank 1's own batch is fine
         assert results[1]["first_bad_module"] is None and results[1]["classification"] == TRANSIENT

@@ -203,8 +203,8 @@ def test_causality():
 def test_flops_per_token():
     cfg = tiny()  # dim 64, 2 layers, 4 heads of 16, 2 kv heads, ffn 8/3·64 = 170 → 192, vocab 256
     assert cfg.ffn_dim == 192
-    attention = 64 * 64 + 2 * 64 * 32 + 64 * 64  # wq, wk, wv, wo = 12288
-    mlp = 3 * 64 * 192  # 36864
+    attention = 64 * 64 + 2 * 64 * 32 + 64 * 64  # wq, wkv (k and v), wo = 12288
+    mlp = 3 * 64 * 192  # w13 (gate and up), w2 = 36864
     n = 2 * (attention + mlp) + 64 * 256  # 114688, head included
     assert flops_per_token(cfg, 128) == 6 * n + 12 * 2 * 64 * 128 == 884736
     # matches 6·(non-embedding params + head) when tied, norms aside

@@ -1,6 +1,8 @@
 """Interop with Hugging Face `LlamaForCausalLM`: config and parameter names, both ways.
 
-Keel's layers use HF's RoPE convention (rotate_half), so weights map one to one by name with no permutation.
+Keel's layers use HF's RoPE convention (rotate_half), so weights map by name with no permutation: one to one,
+except that a fused Keel weight (`wkv`, `w13`: its parts stacked on dim 0) is several HF projections, one per
+part.
 Only RMSNorm models have an HF Llama equivalent. transformers is imported inside the functions: it is slow to
 import and training never needs it.
 """
@@ -18,17 +20,15 @@ if TYPE_CHECKING:
 
     from keel.model.llama import CausalLM
 
-# (Keel name inside a Block, HF name inside model.layers.{i})
+# (Keel name inside a Block, HF names inside model.layers.{i}: one per part of a fused weight, in part order)
 _BLOCK_NAMES = (
-    ("attention_norm.weight", "input_layernorm.weight"),
-    ("attention.wq.weight", "self_attn.q_proj.weight"),
-    ("attention.wk.weight", "self_attn.k_proj.weight"),
-    ("attention.wv.weight", "self_attn.v_proj.weight"),
-    ("attention.wo.weight", "self_attn.o_proj.weight"),
-    ("ffn_norm.weight", "post_attention_layernorm.weight"),
-    ("feed_forward.w1.weight", "mlp.gate_proj.weight"),
-    ("feed_forward.w3.weight", "mlp.up_proj.weight"),
-    ("feed_forward.w2.weight", "mlp.down_proj.weight"),
+    ("attention_norm.weight", ("input_layernorm.weight",)),
+    ("attention.wq.weight", ("self_attn.q_proj.weight",)),
+    ("attention.wkv.weight", ("self_attn.k_proj.weight", "self_attn.v_proj.weight")),
+    ("attention.wo.weight", ("self_attn.o_proj.weight",)),
+    ("ffn_norm.weight", ("post_attention_layernorm.weight",)),
+    ("feed_forward.w13.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
+    ("feed_forward.w2.weight", ("mlp.down_proj.weight",)),
 )
 _EMBED = "model.embed_tokens.weight"
 _HEAD = "lm_head.weight"
@@ -41,14 +41,14 @@ def _require_rmsnorm(cfg: ModelConfig) -> None:
         raise ValueError("HF Llama is dense; a model with model.moe_experts > 0 does not convert to LlamaForCausalLM")
 
 
-def _name_map(cfg: ModelConfig) -> dict[str, str]:
-    """Keel `CausalLM` state-dict name → HF `LlamaForCausalLM` name."""
-    names = {"layers.0.tok_embeddings.weight": _EMBED}
+def _name_map(cfg: ModelConfig) -> dict[str, tuple[str, ...]]:
+    """Keel `CausalLM` state-dict name → its HF `LlamaForCausalLM` names (several for a fused weight's parts)."""
+    names = {"layers.0.tok_embeddings.weight": (_EMBED,)}
     for layer_id in range(cfg.n_layers):
         for keel, hf in _BLOCK_NAMES:
-            names[f"layers.{layer_id + 1}.{keel}"] = f"model.layers.{layer_id}.{hf}"
-    names[f"layers.{cfg.n_layers + 1}.norm.weight"] = "model.norm.weight"
-    names[f"layers.{cfg.n_layers + 2}.output.weight"] = _HEAD
+            names[f"layers.{layer_id + 1}.{keel}"] = tuple(f"model.layers.{layer_id}.{part}" for part in hf)
+    names[f"layers.{cfg.n_layers + 1}.norm.weight"] = ("model.norm.weight",)
+    names[f"layers.{cfg.n_layers + 2}.output.weight"] = (_HEAD,)
     return names
 
 
@@ -93,7 +93,11 @@ def to_hf_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
     if set(state) != set(names):
         raise ValueError(f"unmapped parameters: {sorted(set(state) ^ set(names))}")
     # Keel pads the vocabulary rows (model.vocab_pad_multiple); HF holds exactly vocab_size rows.
-    return {hf: _vocab_rows(state[keel], hf, model.cfg.vocab_size) for keel, hf in names.items()}
+    out = {}
+    for keel, hf_names in names.items():
+        parts = (state[keel],) if len(hf_names) == 1 else state[keel].unbind(0)
+        out.update((hf, _vocab_rows(part, hf, model.cfg.vocab_size)) for hf, part in zip(hf_names, parts, strict=True))
+    return out
 
 
 def from_hf_state_dict(model: CausalLM, state_dict: dict[str, torch.Tensor]) -> None:
@@ -103,7 +107,7 @@ def from_hf_state_dict(model: CausalLM, state_dict: dict[str, torch.Tensor]) -> 
     """
     _require_rmsnorm(model.cfg)
     names = _name_map(model.cfg)
-    known = set(names.values())
+    known = {hf for hf_names in names.values() for hf in hf_names}
     unexpected = sorted(k for k in state_dict if k not in known and not k.endswith("rotary_emb.inv_freq"))
     if unexpected:
         raise KeyError(f"HF state dict has keys with no Keel parameter: {unexpected}")
@@ -116,7 +120,11 @@ def from_hf_state_dict(model: CausalLM, state_dict: dict[str, torch.Tensor]) -> 
         raise KeyError(f"HF state dict lacks {missing}")
     own = model.state_dict()
     keel_state = {}
-    for keel, hf in names.items():
+    for keel, hf_names in names.items():
+        if len(hf_names) > 1:  # a fused weight: its parts stacked on dim 0
+            keel_state[keel] = torch.stack([state_dict[hf] for hf in hf_names])
+            continue
+        hf = hf_names[0]
         value = state_dict[_EMBED if tied and hf == _HEAD else hf]
         if hf in (_EMBED, _HEAD) and value.shape[0] < own[keel].shape[0]:  # pad to Keel's padded vocabulary
             value = torch.cat([value, value.new_zeros(own[keel].shape[0] - value.shape[0], value.shape[1])])

@@ -7,8 +7,9 @@ visited, so a shard draws exactly the blocks it holds rows of (column-parallel) 
 keeps its columns (row-parallel). The temporary is one block, at most `INIT_BLOCK_BYTES` (or one full-width row
 when a row alone is larger), whatever the tensor's size; every tp/pp/ep layout gets exactly the tp = 1 values.
 
-q/k/v and gate/up are separate logical tensors: a fused projection fills each part of its shard through
-`fill_rows_` with the part's logical name, so fusing changes no weight.
+A fused projection (k/v, gate/up: logical [parts, out, in], keel/parallel/tensor.py) is drawn part by part,
+each part as the separate [out, in] tensor it fuses under that projection's own name (`feed_forward.w1.weight`),
+so fusing changes no weight: a seed gives the same model as before the fusion, at every tp.
 """
 
 from __future__ import annotations
@@ -72,22 +73,51 @@ def fill_rows_(out: torch.Tensor, full_shape: tuple[int, ...], rows: tuple[int, 
         out[lo - first:hi - first, :col_end - cols[0]].copy_(values[lo - start:hi - start, cols[0]:col_end])
 
 
-def fill_shard_(param: torch.Tensor, std: float, truncated: bool, seed: int, index: int, name: str,
+def fill_shard_(param: torch.Tensor, std: float, truncated: bool, seed: int, index: int, name: str | tuple[str, ...],
                 out: torch.Tensor | None = None, flat: tuple[int, int] | None = None) -> None:
     """Fill this rank's shard of a parameter marked by `mark_sharded` (or a whole unmarked parameter).
 
     With `flat` = (start, end), `out` is only that window of the flattened shard (a ZeRO-3 partition): it is
     filled a chunk of at most `INIT_BLOCK_BYTES` of rows at a time, so no whole shard is ever built.
+
+    A tuple of names is a fused parameter whose logical dim 0 indexes its parts (sharded on a later dim): part i
+    is drawn as its own logical tensor, named `name[i]`. Each part's shard is one contiguous stretch of the
+    flattened shard, so a flat window is cut into the parts it overlaps.
     """
     shape = tuple(logical_shape(param))
     full_shape = tuple(getattr(param, "full_shape", shape))
     dim = getattr(param, "partition_dim", None)
     rank = getattr(param, "tp_rank", 0)
+    if isinstance(name, str):
+        _fill_part(param.data if out is None else out, shape, full_shape, dim, rank, flat, std, truncated, seed,
+                   index, name)
+        return
+    if full_shape[0] != len(name) or dim == 0:
+        raise ValueError(f"a fused parameter of logical shape {full_shape} (split on dim {dim}) has no {len(name)} "
+                         "parts on dim 0")
+    part_numel = math.prod(shape[1:])
+    part_dim = None if dim is None else dim - 1
+    for part, part_name in enumerate(name):
+        lo, hi = part * part_numel, (part + 1) * part_numel
+        if flat is None:
+            target, window = (param.data if out is None else out)[part], None
+        else:
+            lo, hi = max(lo, flat[0]), min(hi, flat[1])
+            if lo >= hi:
+                continue
+            target, window = out[lo - flat[0]:hi - flat[0]], (lo - part * part_numel, hi - part * part_numel)
+        _fill_part(target, shape[1:], full_shape[1:], part_dim, rank, window, std, truncated, seed, index,
+                   part_name)
+
+
+def _fill_part(out: torch.Tensor, shape: tuple[int, ...], full_shape: tuple[int, ...], dim: int | None, rank: int,
+               flat: tuple[int, int] | None, std: float, truncated: bool, seed: int, index: int, name: str) -> None:
+    """`fill_shard_` for one logical tensor: `shape` is the shard's, cut from `full_shape` on `dim` at `rank`."""
     local_rows, local_cols = shape[0], math.prod(shape[1:])
     rows = (rank * local_rows, (rank + 1) * local_rows) if dim == 0 else (0, local_rows)
     cols = (rank * local_cols, (rank + 1) * local_cols) if dim == 1 else (0, local_cols)
     if flat is None:
-        fill_rows_(param.data if out is None else out, full_shape, rows, cols, std, truncated, seed, index, name)
+        fill_rows_(out, full_shape, rows, cols, std, truncated, seed, index, name)
         return
     start, end = flat
     chunk = max(1, INIT_BLOCK_BYTES // (4 * local_cols))

@@ -1,9 +1,10 @@
 """Transformer building blocks with Llama semantics, matching Hugging Face's `LlamaForCausalLM` numerically.
 
-Each projection is its own named layer (no fused qkv, no biases): `wq, wk, wv, w1, w3` are column-parallel and
-`wo, w2` row-parallel (keel/parallel/tensor.py); with tp = 1 they are plain linears. Attention and MLP are each
-one tensor-parallel region, entered and exited once. Head counts are inferred from the projection widths, so
-a rank holding `n_heads / tp` heads runs the same math.
+No biases. `wq` is column-parallel, `wkv` (k and v) and `w13` (gate and up) are fused column-parallel
+projections — one GEMM each, their parts stacked in one [2, out, in] weight — and `wo, w2` are row-parallel
+(keel/parallel/tensor.py); with tp = 1 they are plain linears. Attention and MLP are each one tensor-parallel
+region, entered and exited once. Head counts are inferred from the projection widths, so a rank holding
+`n_heads / tp` heads runs the same math.
 """
 
 from __future__ import annotations
@@ -13,7 +14,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from keel.config import ModelConfig
-from keel.parallel.tensor import ColumnParallelLinear, RowParallelLinear, TPContext, enter, exit, sum_grad_over_tp
+from keel.parallel.tensor import (
+    ColumnParallelLinear,
+    FusedColumnParallelLinear,
+    RowParallelLinear,
+    TPContext,
+    enter,
+    exit,
+    fused_linear,
+    sum_grad_over_tp,
+)
 from keel.parallel.ulysses import SPContext, ulysses_attention
 
 NO_TP = TPContext()
@@ -125,8 +135,12 @@ class Attention(nn.Module):
 
     Under tensor parallelism each rank holds n_heads / tp query heads. KV heads are split the same way when tp
     divides n_kv_heads. When tp > n_kv_heads they are replicated instead (they are small under GQA): every rank
-    keeps all of `wk`/`wv`, projects only the one kv head its query heads read, and the partial gradients of
-    those replicated weights are summed over the TP group.
+    keeps all of `wkv`, projects only the one kv head its query heads read, and the partial gradients of
+    that replicated weight are summed over the TP group.
+
+    k and v are one GEMM (`wkv`, logical [2, kv_dim, dim]); q stays its own (`wq`). A single qkv weight would
+    need a per-kv-group layout that has no contiguous tp shard once kv heads are replicated, and the state-dict
+    schema must not depend on tp (a checkpoint reshards tp=2 → tp=4), so the split is the same at every tp.
 
     Under Ulysses sequence parallelism (`sp`) the projections see this rank's sequence chunk and the attention
     itself runs on the whole sequence for heads / sp (keel/parallel/ulysses.py).
@@ -139,9 +153,7 @@ class Attention(nn.Module):
         kv_dim = cfg.n_kv_heads * cfg.head_dim
         self.kv_replicated = cfg.n_kv_heads % tp.size != 0
         self.wq = ColumnParallelLinear(cfg.dim, cfg.n_heads * cfg.head_dim, tp)
-        kv_tp = NO_TP if self.kv_replicated else tp
-        self.wk = ColumnParallelLinear(cfg.dim, kv_dim, kv_tp)
-        self.wv = ColumnParallelLinear(cfg.dim, kv_dim, kv_tp)
+        self.wkv = FusedColumnParallelLinear(cfg.dim, kv_dim, NO_TP if self.kv_replicated else tp, ("wk", "wv"))
         self.wo = RowParallelLinear(cfg.n_heads * cfg.head_dim, cfg.dim, tp)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
         heads_per_rank, n_rep = cfg.n_heads // tp.size, cfg.n_heads // cfg.n_kv_heads
@@ -149,18 +161,17 @@ class Attention(nn.Module):
         self.sp_size = sp.size
         self.ulysses = ulysses_attention(self._attend, sp) if sp.size > 1 else None
 
-    def _kv(self, proj: ColumnParallelLinear, x: torch.Tensor) -> torch.Tensor:
+    def _kv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.kv_replicated:
-            return proj(x)
+            return self.wkv(x)
         rows = slice(self.kv_head * self.head_dim, (self.kv_head + 1) * self.head_dim)
-        return F.linear(x, sum_grad_over_tp(proj.weight, self.tp)[rows])
+        return fused_linear(x, sum_grad_over_tp(self.wkv.weight, self.tp)[:, rows])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = enter(x, self.tp)
         b, s, _ = x.shape
         q = self.wq(x).view(b, s, -1, self.head_dim)  # [b, s, heads, head_dim]
-        k = self._kv(self.wk, x).view(b, s, -1, self.head_dim)  # [b, s, kv_heads, head_dim]
-        v = self._kv(self.wv, x).view(b, s, -1, self.head_dim)
+        k, v = (t.view(b, s, -1, self.head_dim) for t in self._kv(x))  # [b, s, kv_heads, head_dim]
         if self.ulysses is None:
             out = self._attend(q, k, v)
         else:
@@ -180,7 +191,8 @@ class Attention(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """Gated MLP `w2(silu(w1 x) * w3 x)`: w1 is the gate, w3 the up projection, w2 the down projection.
+    """Gated MLP `w2(silu(gate) * up)`: `w13` projects gate (its part 0, `w1`) and up (part 1, `w3`) in one
+    GEMM, w2 is the down projection.
 
     `hidden` overrides the width (MoE experts); `inner` is the MLP without entering or exiting the TP region, for
     callers that are already inside one (the experts and shared expert of an MoE layer).
@@ -190,12 +202,12 @@ class SwiGLU(nn.Module):
         super().__init__()
         self.tp = tp
         hidden = hidden or cfg.ffn_dim
-        self.w1 = ColumnParallelLinear(cfg.dim, hidden, tp)
-        self.w3 = ColumnParallelLinear(cfg.dim, hidden, tp)
+        self.w13 = FusedColumnParallelLinear(cfg.dim, hidden, tp, ("w1", "w3"))
         self.w2 = RowParallelLinear(hidden, cfg.dim, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return exit(self.inner(enter(x, self.tp)), self.tp)
 
     def inner(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        gate, up = self.w13(x)
+        return self.w2(F.silu(gate) * up)

@@ -171,9 +171,21 @@ def build_layers(cfg: ModelConfig, tp: TPContext = NO_TP, ep: EPContext = NO_EP,
 
 def logical_name(name: str, param: torch.Tensor) -> str:
     """The name init keys a parameter's blocks by: its name in the layer, an expert's local position replaced by
-    its global id (`feed_forward.experts.<id>.w1.weight`), so its values do not depend on which rank holds it."""
+    its global id (`feed_forward.experts.<id>.w13.weight`), so its values do not depend on which rank holds it."""
     expert = getattr(param, "expert_id", None)
     return name if expert is None else _LOCAL_EXPERT.sub(f"experts.{expert}.", name)
+
+
+def init_key(name: str, param: torch.Tensor) -> str | tuple[str, ...]:
+    """`logical_name`, or for a fused parameter one name per part, each that of the projection it fuses
+    (`feed_forward.w13.weight` → `feed_forward.w1.weight`, `feed_forward.w3.weight`): fusing changes no value."""
+    key = logical_name(name, param)
+    parts = getattr(param, "part_names", None)
+    if parts is None:
+        return key
+    head, _, leaf = key.rpartition(".")
+    parent = head.rpartition(".")[0]
+    return tuple(".".join(filter(None, (parent, part, leaf))) for part in parts)
 
 
 # Whether model.init draws from the ±3σ truncated normal; keyed by exactly keel.config.INITS (tested).
@@ -217,7 +229,7 @@ def _writer(layer: nn.Module, index: int, name: str, param: nn.Parameter, cfg: M
             std, key_index, key = cfg.init_std, 0, "tok_embeddings.weight"
         else:
             std = residual_std if name.endswith(_RESIDUAL_OUTPUTS) else cfg.init_std
-            key_index, key = index, logical_name(name, param)
+            key_index, key = index, init_key(name, param)
         return lambda out, flat: fill_shard_(param, std, truncated, seed, key_index, key, out=out, flat=flat)
     value = 0.0 if name.endswith("bias") else 1.0
     return lambda out, flat: out.fill_(value)

@@ -174,6 +174,35 @@ class ColumnParallelLinear(nn.Module):
         return F.linear(x, self.weight)
 
 
+class FusedColumnParallelLinear(nn.Module):
+    """Several column-parallel projections of one input as one GEMM (gate/up, k/v).
+
+    The logical weight is [parts, out_features, in_features], the parts stacked on dim 0 and each one split
+    along its output rows (partition dim 1), so rank r holds one contiguous [parts, out / tp, in] tensor: any
+    tp dividing `out_features` works, the logical tensor (state-dict schema) is the same at every tp, and tp
+    shards concatenate along dim 1 back into it. `part_names` are the projections' own names: init draws each
+    part as the separate [out, in] tensor it fuses (keel/model/init.py), HF conversion maps part i to one HF
+    projection. forward returns the parts' outputs, views of the one GEMM's result.
+    """
+
+    def __init__(self, in_features: int, out_features: int, tp: TPContext, part_names: tuple[str, ...]) -> None:
+        super().__init__()
+        if out_features % tp.size:
+            raise ValueError(f"column-parallel output size {out_features} is not divisible by tp={tp.size}")
+        self.weight = nn.Parameter(torch.empty(len(part_names), out_features // tp.size, in_features))
+        mark_sharded(self.weight, 1, (len(part_names), out_features, in_features), tp)
+        self.weight.part_names = tuple(part_names)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return fused_linear(x, self.weight)
+
+
+def fused_linear(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """x times each part of a stacked [parts, out, in] weight, as one GEMM; the outputs split its last dim."""
+    parts = weight.shape[0]
+    return F.linear(x, weight.reshape(-1, weight.shape[-1])).chunk(parts, dim=-1)
+
+
 class RowParallelLinear(nn.Module):
     """Partial y = x_shard W_shardᵀ with W split along its input columns; the caller `exit`s the region."""
 
