@@ -169,10 +169,9 @@ class MoE(DeepSpeedMoE):
         # The experts stay separate Parameters (DeepSpeed's per-expert checkpoint keys); stacking them costs one
         # copy of this rank's local expert weights per layer, which the single kernel launch repays.
         offsets = routes.device_counts.cumsum(0).to(torch.int32)
-        w1, w3, w2 = (torch.stack([getattr(mlp, name).weight for mlp in self.local_experts])
-                      for name in ("w1", "w3", "w2"))
-        gate = F.grouped_mm(inputs, w1.transpose(-2, -1), offs=offsets)
-        up = F.grouped_mm(inputs, w3.transpose(-2, -1), offs=offsets)
+        w13 = torch.stack([mlp.w13.weight for mlp in self.local_experts])  # [E, 2, hidden, dim]: gate, up
+        w2 = torch.stack([mlp.w2.weight for mlp in self.local_experts])
+        gate, up = F.grouped_mm(inputs, w13.flatten(1, 2).transpose(-2, -1), offs=offsets).chunk(2, dim=-1)
         return F.grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=offsets)
 
 
