@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from throughput import DTYPES, build_keel, hf_model, matmul_peak, reference_batches, report
+from paired_step import DTYPES, build_keel, hf_model, matmul_peak, reference_batches, report
 
 
 def ds_step(trainer, hf) -> tuple[Callable[[int], float], object]:
