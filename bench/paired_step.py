@@ -131,6 +131,10 @@ class PairedTrainer(Trainer):
         self.keel.losses.append(record["loss"])
         return record, decision
 
+    def save(self, state) -> None:
+        """No checkpoint: the bench needs none, and the final save (after the last timed step) would only cost
+        the wall time and disk of a full model and optimizer state."""
+
 
 def build_keel(run_dir: Path):
     """This rank's trainer and an fp32 CPU copy of its initial model, built as keel/training/entry.py builds them."""
@@ -151,6 +155,19 @@ def build_keel(run_dir: Path):
     lr_scale = LRScale()
     engine = build_engine(cfg, ds_raw, topology, lr_scale=lr_scale)
     return PairedTrainer(cfg, engine, topology, train, val, run_dir, lr_scale), initial
+
+
+def describe(args, trainer: PairedTrainer, n_params: int, ref_optimizer: str) -> str:
+    """The report's header: world, shape, batch split, precision, DeepSpeed JSON and what both sides run."""
+    engine = trainer.engine
+    zero = engine.zero_optimization_stage()
+    overlap = engine.zero_overlap_comm() if zero else "n/a"
+    return (f"{args.ranks} rank(s) | {n_params / 1e6:.2f}M params, dim {args.dim}, {args.layers} layers, "
+            f"{args.heads}/{args.kv_heads} heads, vocab {args.vocab}, seq {args.seq_len}, global batch "
+            f"{args.global_batch} (micro {args.micro_batch}, accumulation {engine.gradient_accumulation_steps()}) | "
+            f"{args.precision}, {Path(args.ds_config).name} (ZeRO-{zero}, overlap_comm {overlap}) | optimizer: Keel "
+            f"{type(engine.optimizer).__name__}, ref {ref_optimizer} | {engine.device}, {torch.get_num_threads()} "
+            f"threads per rank")
 
 
 def hf_model(trainer: PairedTrainer, initial: torch.nn.Module):

@@ -48,7 +48,16 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from paired_step import DTYPES, PairedTrainer, build_keel, hf_model, matmul_peak, reference_batches, report  # noqa: E402
+from paired_step import (  # noqa: E402
+    DTYPES,
+    PairedTrainer,
+    build_keel,
+    describe,
+    hf_model,
+    matmul_peak,
+    reference_batches,
+    report,
+)
 
 # shape defaults per mode: (dim, layers, seq_len, micro_batch)
 SHAPES = {1: (256, 4, 256, 4), 2: (512, 8, 512, 2)}
@@ -178,21 +187,17 @@ def single_process_env() -> None:
 def run_single(args: argparse.Namespace, run_dir: Path) -> None:
     """Keel's trainer and the plain HF loop in this process, a world of one."""
     single_process_env()
+    from keel.model import num_params
     from keel.training.entry import init_distributed, setup_logging
 
     init_distributed()
     setup_logging(0)
     trainer, initial = build_keel(run_dir)
-    hf = hf_model(trainer, initial)
+    hf, n_params = hf_model(trainer, initial), num_params(initial)
     del initial
     trainer.pair(hf_step(trainer, hf, DTYPES[args.precision]), args.warmup, args.steps, args.profile_steps)
     engine = trainer.engine
-    header = (f"1 process | {sum(p.numel() for p in engine.module.parameters()) / 1e6:.2f}M params, dim "
-              f"{args.dim}, {args.layers} layers, {args.heads}/{args.kv_heads} heads, vocab {args.vocab}, seq "
-              f"{args.seq_len}, global batch {args.global_batch} (micro {args.micro_batch}) | {args.precision}, "
-              f"{Path(args.ds_config).name} (ZeRO-{engine.zero_optimization_stage()}, "
-              f"{type(engine.optimizer).__name__}) | {engine.device}, {torch.get_num_threads()} threads | keel "
-              f"from {REPO}")
+    header = describe(args, trainer, n_params, "AdamW(foreach=True)") + f" | keel from {REPO}"
     # peak = best rate seen; measured before and after training, as load from other tenants only ever slows it
     peaks = {name: matmul_peak(dt, engine.device) for name, dt in DTYPES.items()}
     trainer.fit()

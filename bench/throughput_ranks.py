@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from paired_step import DTYPES, build_keel, hf_model, matmul_peak, reference_batches, report
+from paired_step import DTYPES, build_keel, describe, hf_model, matmul_peak, reference_batches, report
 
 
 def ds_step(trainer, hf) -> tuple[Callable[[int], float], object]:
@@ -61,12 +61,13 @@ def _rank(rank: int, run_dir: str, args: argparse.Namespace, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(args.ranks),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.ranks))
+    from keel.model import num_params
     from keel.training.entry import exit_now, init_distributed, setup_logging
 
     init_distributed()
     setup_logging(rank)
     trainer, initial = build_keel(Path(run_dir))
-    hf = hf_model(trainer, initial)
+    hf, n_params = hf_model(trainer, initial), num_params(initial)
     del initial
     step, ref_engine = ds_step(trainer, hf)
     trainer.pair(step, args.warmup, args.steps, args.profile_steps)
@@ -78,16 +79,8 @@ def _rank(rank: int, run_dir: str, args: argparse.Namespace, port: int) -> None:
     ref_losses = torch.tensor(trainer.ref.losses, dtype=torch.float64)
     dist.all_reduce(ref_losses)
     if rank == 0:
-        engine = trainer.engine
-        zero = engine.zero_optimization_stage()
-        overlap = engine.zero_overlap_comm() if zero else "n/a"
-        header = (f"{args.ranks} ranks (gloo) | {sum(p.numel() for p in engine.module.parameters()) / 1e6:.2f}M "
-                  f"params, dim {args.dim}, {args.layers} layers, {args.heads}/{args.kv_heads} heads, vocab "
-                  f"{args.vocab}, seq {args.seq_len}, global batch {args.global_batch} (micro {args.micro_batch}, "
-                  f"accumulation {engine.gradient_accumulation_steps()}) | {args.precision}, "
-                  f"{Path(args.ds_config).name} (ZeRO-{zero}, overlap_comm {overlap}; Keel "
-                  f"{type(engine.optimizer).__name__}, ref {type(ref_engine.optimizer).__name__}) | {device}, "
-                  f"{torch.get_num_threads()} threads per rank")
+        header = describe(args, trainer, n_params, f"DeepSpeed {type(ref_engine.optimizer).__name__} over "
+                          "AdamW(foreach=True)")
         report(trainer, "HF + DeepSpeed", peaks, args.precision, (ref_losses / args.ranks).tolist(),
                trainer.keel.losses, header)
     dist.barrier()
