@@ -23,7 +23,9 @@ setup(
         "tensorboard>=2.14",
     ],
     extras_require={
-        "test": ["pytest>=8", "ruff>=0.5", "matplotlib>=3.7"],  # the lr-find tests read its plot
+        # the lr-find tests read matplotlib's plot; Liger's RoPE is tested on CPU under TRITON_INTERPRET=1
+        "test": ["pytest>=8", "ruff>=0.5", "matplotlib>=3.7", "liger-kernel>=0.8", "triton>=3.0"],
+        "liger": ["liger-kernel>=0.8", "triton>=3.0"],  # model.kernels: auto picks it on CUDA
         "wandb": ["wandb>=0.16"],
         "triton": ["triton>=3.0"],
         "plot": ["matplotlib>=3.7"],

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One prepared run on a lent GPU machine (no network there): what the CPU machines cannot show. ≤ 5 minutes.
 # Stages (all by default; choose with STAGES="gpu-tests dense-z1 ..." in the environment):
-#   gpu-tests   pytest -m gpu: the model on CUDA equals the CPU reference; the channel rule on real CUDA tensors.
+#   gpu-tests   pytest -m gpu: the model on CUDA equals the CPU reference; the channel rule on real CUDA tensors;
+#               Liger's RMSNorm/RoPE/SwiGLU and a whole model with model.kernels=liger against the torch path.
 #   throughput  bench/throughput.py in bf16 on a mid-sized Llama: tokens/s, MFU, the Keel/HF ratio, time outside GEMMs.
 #   kernels     bench/kernels.py in bf16: RMSNorm, RoPE, SwiGLU, CE, linear+CE fwd+bwd time and peak memory, eager
 #               vs torch.compile vs Liger (liger-kernel from .whl: `pip download --no-deps liger-kernel -d .whl`).
@@ -31,7 +32,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out
 python3 -c "import torch, deepspeed; print('torch', torch.__version__, 'deepspeed', deepspeed.__version__)"
 
 if want gpu-tests; then
-  timeout 120 python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider 2>&1 | tail -5 | tee "$out/gpu_tests.txt"
+  timeout 120 python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_kernels.py -p no:cacheprovider 2>&1 | tail -5 | tee "$out/gpu_tests.txt"
 fi
 if want throughput; then
   # Keel's whole trainer step (data prepared from the stdlib corpus first, ~10 s) vs the plain HF loop

@@ -32,7 +32,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from keel.model.layers import RMSNorm, apply_rotary  # noqa: E402
+from keel.model.kernels import apply_rotary  # noqa: E402
+from keel.model.layers import RMSNorm  # noqa: E402
 from keel.parallel.cross_entropy import vocab_parallel_cross_entropy  # noqa: E402
 
 Inputs = list[torch.Tensor]

@@ -40,6 +40,7 @@ def _cuda_available() -> bool:
 
 
 def pytest_terminal_summary(terminalreporter, config):
+    _kernel_tests_summary(terminalreporter)
     cache = config.stash.get(RUN_CACHE, None)
     if cache is None or not cache.launches:
         return
@@ -50,6 +51,21 @@ def pytest_terminal_summary(terminalreporter, config):
     if cache.undeclared:
         terminalreporter.write_line(f"keel runs not declared in KEEL_RUNS (each got a launch of its own): "
                                     f"{cache.undeclared}")
+
+
+def _kernel_tests_summary(terminalreporter) -> None:
+    """How many Liger kernel tests (tests/test_kernels.py) ran here and why the others skipped (the issue asks)."""
+    outcomes: dict[str, int] = {}
+    reasons: set[str] = set()
+    for outcome in ("passed", "failed", "skipped"):
+        for report in terminalreporter.stats.get(outcome, []):
+            if "test_kernels.py" in getattr(report, "nodeid", "") and report.when in ("call", "setup"):
+                outcomes[outcome] = outcomes.get(outcome, 0) + 1
+                if outcome == "skipped" and isinstance(report.longrepr, tuple):
+                    reasons.add(report.longrepr[2].removeprefix("Skipped: "))
+    if outcomes:
+        terminalreporter.write_line("kernel tests: " + ", ".join(f"{n} {k}" for k, n in sorted(outcomes.items()))
+                                    + (f" ({'; '.join(sorted(reasons))})" if reasons else ""))
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,7 @@ submodule of the same name (use `from keel.config.validate import ...` to reach 
 
 from keel.config.schema import (
     INITS,
+    KERNELS,
     LR_SCHEDULES,
     MOE_DROP_POLICIES,
     MOE_SCORINGS,
@@ -48,6 +49,7 @@ __all__ = [
     "LR_SCHEDULES",
     "MOE_DROP_POLICIES",
     "MOE_SCORINGS",
+    "KERNELS",
     "NORMS",
     "PARALLEL_AXES",
     "PIPELINE_PARTITIONS",

@@ -23,6 +23,7 @@ class ConfigError(ValueError):
 
 # -- the values each choice field admits ------------------------------------------------------------------------
 NORMS = ("rmsnorm", "layernorm")
+KERNELS = ("auto", "liger", "torch")
 INITS = ("normal", "truncated_normal")
 MOE_SCORINGS = ("softmax", "sigmoid")
 MOE_DROP_POLICIES = ("probability", "position")
@@ -62,6 +63,7 @@ class ModelConfig:
     moe_capacity_factor: float = 0.0  # tokens per expert = ceil(factor · tokens · k / experts); 0: dropless
     moe_drop_policy: str = "probability"  # over capacity, drop the lowest-probability or the latest tokens
     moe_bias_update: float = 0.0  # aux-loss-free balancing: per-expert bias step toward uniform load (0: off)
+    kernels: str = "auto"  # auto (liger on CUDA when importable, else torch) | liger | torch (keel/model/kernels.py)
     compile: bool = False  # torch.compile each block (torchtitan's per-block scheme); dense, pp=tp=sp=1, ZeRO 0-2
 
     @property

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from keel.config.schema import (
     INITS,
+    KERNELS,
     LR_SCHEDULES,
     MOE_DROP_POLICIES,
     MOE_SCORINGS,
@@ -100,6 +101,7 @@ def validate_model(m: ModelConfig) -> None:
     _require(m.head_dim % 2 == 0, f"model.dim: head_dim = dim / n_heads = {m.head_dim} must be even for RoPE")
     _require(m.norm in NORMS, f"model.norm: expected {_either(NORMS)}, got {m.norm!r}")
     _require(m.init in INITS, f"model.init: expected {_either(INITS)}, got {m.init!r}")
+    _require(m.kernels in KERNELS, f"model.kernels: expected {_either(KERNELS)}, got {m.kernels!r}")
     _require(0.0 <= m.dropout < 1.0, f"model.dropout: expected a probability in [0, 1), got {m.dropout}")
     _require(m.vocab_pad_multiple >= 1, f"model.vocab_pad_multiple: must be >= 1, got {m.vocab_pad_multiple}")
     _require(m.init_std > 0, f"model.init_std: must be positive, got {m.init_std}")

@@ -1,7 +1,8 @@
 """Llama-style decoder as a flat layer list, plus Hugging Face interop (`keel.model.hf`)."""
 
 from keel.model.hf import from_hf_state_dict, to_hf_config, to_hf_state_dict
-from keel.model.layers import Attention, RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary, make_norm
+from keel.model.kernels import apply_rotary
+from keel.model.layers import Attention, RMSNorm, RotaryEmbedding, SwiGLU, make_norm
 from keel.model.llama import (
     Block,
     CausalLM,

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from keel.config import ModelConfig
+from keel.model.kernels import resolve, rms_norm, rotary, silu_mul
 from keel.parallel.tensor import (
     ColumnParallelLinear,
     FusedColumnParallelLinear,
@@ -33,18 +34,16 @@ NO_SP = SPContext()
 class RMSNorm(nn.Module):
     """Root-mean-square norm, computed in fp32 and cast back before the weight (exactly as HF's LlamaRMSNorm)."""
 
-    def __init__(self, dim: int, eps: float = 1e-5, tp: TPContext = NO_TP) -> None:
+    def __init__(self, dim: int, eps: float = 1e-5, tp: TPContext = NO_TP, kernels: str = "torch") -> None:
         super().__init__()
         self.eps = eps
         self.tp = tp
+        self.liger = resolve(kernels) == "liger"
         self.weight = nn.Parameter(torch.ones(dim))
         self.weight.sequence_parallel = tp.sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return _sp_param(self.weight, self.tp) * x.to(dtype)
+        return rms_norm(x, _sp_param(self.weight, self.tp), self.eps, self.liger)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
@@ -56,9 +55,10 @@ def _sp_param(param: torch.Tensor, tp: TPContext) -> torch.Tensor:
 
 
 class LayerNorm(nn.Module):
-    """LayerNorm with bias; like RMSNorm, its parameters' gradients are summed over TP under SP."""
+    """LayerNorm with bias; like RMSNorm, its parameters' gradients are summed over TP under SP. `kernels` is
+    accepted for a uniform signature: `F.layer_norm` is already one fused kernel on every device."""
 
-    def __init__(self, dim: int, eps: float = 1e-5, tp: TPContext = NO_TP) -> None:
+    def __init__(self, dim: int, eps: float = 1e-5, tp: TPContext = NO_TP, kernels: str = "torch") -> None:
         super().__init__()
         self.eps = eps
         self.tp = tp
@@ -78,7 +78,7 @@ NORM_CLASSES: dict[str, type[RMSNorm] | type[LayerNorm]] = {"rmsnorm": RMSNorm, 
 def make_norm(cfg: ModelConfig, tp: TPContext = NO_TP) -> nn.Module:
     """The norm named by `cfg.norm`: RMSNorm (Llama) or LayerNorm with bias. `cfg` was validated (`build_layers`
     runs `validate_model`; a pipeline's layer specs use the run's config, validated before launch)."""
-    return NORM_CLASSES[cfg.norm](cfg.dim, eps=cfg.norm_eps, tp=tp)
+    return NORM_CLASSES[cfg.norm](cfg.dim, eps=cfg.norm_eps, tp=tp, kernels=cfg.kernels)
 
 
 class RotaryEmbedding(nn.Module):
@@ -120,16 +120,6 @@ class RotaryEmbedding(nn.Module):
         return self.cos[:seq_len], self.sin[:seq_len]
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate `x` [b, heads, seq, head_dim] by position (non-interleaved, HF's rotate_half convention)."""
-    return x * cos + _rotate_half(x) * sin
-
-
 class Attention(nn.Module):
     """Causal grouped-query self-attention with RoPE (SDPA's `enable_gqa`: kv heads are read, not repeated).
 
@@ -156,6 +146,7 @@ class Attention(nn.Module):
         self.wkv = FusedColumnParallelLinear(cfg.dim, kv_dim, NO_TP if self.kv_replicated else tp, ("wk", "wv"))
         self.wo = RowParallelLinear(cfg.n_heads * cfg.head_dim, cfg.dim, tp)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
+        self.liger = resolve(cfg.kernels) == "liger"
         heads_per_rank, n_rep = cfg.n_heads // tp.size, cfg.n_heads // cfg.n_kv_heads
         self.kv_head = (tp.rank * heads_per_rank) // n_rep  # the one kv head used here when replicated
         self.sp_size = sp.size
@@ -184,7 +175,7 @@ class Attention(nn.Module):
         """Causal attention over [b, s, heads, head_dim] inputs (full sequence), RoPE included."""
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, head_dim]
         cos, sin = self.rotary(q)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = rotary(q, k, cos, sin, self.liger)
         # query head h reads kv head h // (heads / kv_heads): SDPA's own GQA, no repeated copies of k and v
         gqa = q.shape[1] != k.shape[1]
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa).transpose(1, 2)
@@ -204,10 +195,11 @@ class SwiGLU(nn.Module):
         hidden = hidden or cfg.ffn_dim
         self.w13 = FusedColumnParallelLinear(cfg.dim, hidden, tp, ("w1", "w3"))
         self.w2 = RowParallelLinear(hidden, cfg.dim, tp)
+        self.liger = resolve(cfg.kernels) == "liger"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return exit(self.inner(enter(x, self.tp)), self.tp)
 
     def inner(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w13(x)
-        return self.w2(F.silu(gate) * up)
+        return self.w2(silu_mul(gate, up, self.liger))

@@ -1,0 +1,105 @@
+"""`model.kernels`: Liger's kernels against the PyTorch reference path (keel/model/kernels.py).
+
+On CPU, Triton runs only under `TRITON_INTERPRET=1`, so those checks run in a subprocess with it set (tiny shapes).
+Liger's RoPE runs there; its RMSNorm and SwiGLU kernels fail inside Triton's interpreter (`'float' object has no
+attribute 'to'`, liger-kernel 0.8.5 with triton 3.9.0), so they are `gpu` tests that bench/device_check.sh runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from keel.config import ConfigError, ModelConfig, build_config, validate
+from keel.model import CausalLM
+from keel.model.kernels import liger_importable, resolve, rms_norm, rotary, silu_mul
+from tests.keel_runs import REPO
+
+needs_liger = pytest.mark.skipif(not liger_importable(), reason="liger-kernel/triton not installed")
+
+# fwd and bwd of Liger's RoPE against the reference: odd head counts and lengths, one row; fp32 only (the
+# interpreter computes in numpy, which has no bf16: its bf16 results are NaN; the gpu test covers bf16)
+ROPE_CHECK = r"""
+import json, torch
+from keel.model.kernels import rotary
+out = {}
+for dtype, tol in ((torch.float32, 1e-5),):
+    for b, hq, hk, s, d in ((2, 4, 2, 5, 8), (1, 3, 1, 7, 12), (1, 1, 1, 1, 4)):
+        g = torch.Generator().manual_seed(0)
+        q0, k0 = torch.randn(b, hq, s, d, generator=g), torch.randn(b, hk, s, d, generator=g)
+        angles = torch.randn(s, d // 2, generator=g)
+        angles = torch.cat((angles, angles), -1)
+        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+        seen = []
+        for liger in (False, True):
+            q, k = (t.to(dtype).requires_grad_() for t in (q0, k0))
+            rq, rk = rotary(q, k, cos, sin, liger)
+            ((rq.float() * 1.5).sum() + (rk.float() ** 2).sum()).backward()
+            seen.append([t.detach().float() for t in (rq, rk, q.grad, k.grad)])
+        err = max((a - b).abs().max().item() for a, b in zip(*seen))
+        out[f"{dtype} {b}x{hq}/{hk}x{s}x{d}"] = err <= tol, err
+print(json.dumps(out))
+"""
+
+
+def test_auto_is_torch_without_cuda_and_liger_refuses_where_it_cannot_run(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU resolution")
+    assert resolve("auto") == "torch" and resolve("torch") == "torch"
+    with pytest.raises(ConfigError, match="model.kernels=liger"):
+        resolve("liger")
+    with pytest.raises(ConfigError, match="model.kernels"):
+        validate(build_config({"model": {"kernels": "fast"}}), 1)
+
+
+@needs_liger
+def test_liger_rope_matches_the_reference_under_the_triton_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-c", ROPE_CHECK], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(results) == 3 and all(ok for ok, _ in results.values()), results
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, width", [(100, 72), (1, 64), (37, 4096)])
+def test_liger_rmsnorm_and_swiglu_match_the_reference_on_cuda(dtype, rows, width):
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x0 = torch.randn(rows, width, device="cuda", generator=g).to(dtype)
+    w0 = (1 + 0.1 * torch.randn(width, device="cuda", generator=g)).to(dtype)
+    b0 = torch.randn(rows, width, device="cuda", generator=g).to(dtype)
+    seen = []
+    for liger in (False, True):
+        x, w, b = (t.clone().requires_grad_() for t in (x0, w0, b0))
+        norm = rms_norm(x, w, 1e-5, liger)
+        act = silu_mul(x, b, liger)
+        ((norm.float() * 1.5).sum() + (act.float() ** 2).sum()).backward()
+        seen.append([t.detach().float() for t in (norm, act, x.grad, w.grad, b.grad)])
+    for ref, got in zip(*seen):
+        torch.testing.assert_close(got, ref, rtol=tol, atol=tol * max(1.0, ref.abs().max().item()))
+    q, k = torch.randn(2, 4, 9, 16, device="cuda").to(dtype), torch.randn(2, 2, 9, 16, device="cuda").to(dtype)
+    cos, sin = torch.rand(9, 16, device="cuda").to(dtype), torch.rand(9, 16, device="cuda").to(dtype)
+    for ref, got in zip(rotary(q, k, cos, sin, False), rotary(q, k, cos, sin, True)):
+        torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.gpu
+def test_model_losses_and_gradients_match_with_liger_kernels_on_cuda():
+    tokens = torch.randint(0, 256, (2, 33), device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))
+    results = []
+    for kernels in ("torch", "liger"):
+        cfg = ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, kernels=kernels)
+        model = CausalLM(cfg, seed=0).cuda()
+        loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        results.append((loss.item(), torch.cat([p.grad.flatten() for p in model.parameters()])))
+    assert results[1][0] == pytest.approx(results[0][0], rel=1e-5)
+    torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-4, atol=1e-6)
