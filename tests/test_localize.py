@@ -269,7 +269,8 @@ def test_localize_under_zero_leaves_training_unchanged(stage):
     assert results["healthy"]["first_bad_module"] is None
     poisoned = results["poisoned"]
     assert poisoned["first_bad_module"] == "layers.2.attention.wo" and poisoned["classification"] == DATA
-    assert poisoned["n_bad_grads"] == 20  # ZeRO-3 too: autograd.grad reaches partitioned params (full gradients)
+    n_params = sum(1 for p in tiny().parameters() if p.requires_grad)
+    assert poisoned["n_bad_grads"] == n_params  # ZeRO-3 too: autograd.grad reaches partitioned params (full grads)
     if stage == 3:
         assert results["left_gathered"] == ["layers.0.tok_embeddings.weight"]
     assert results["losses"][True] == results["losses"][False]
