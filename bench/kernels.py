@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from keel.model.kernels import apply_rotary  # noqa: E402
+from keel.model.kernels import apply_rotary, fused_linear_cross_entropy, rms_norm, rotary, silu_mul  # noqa: E402
 from keel.model.layers import RMSNorm  # noqa: E402
 from keel.parallel.cross_entropy import vocab_parallel_cross_entropy  # noqa: E402
 
@@ -85,18 +85,15 @@ def liger_variant(name: str) -> Callable | None:
         return None
     try:
         from liger_kernel.ops.cross_entropy import LigerCrossEntropyFunction
-        from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
-        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
-        from liger_kernel.ops.rope import LigerRopeFunction
-        from liger_kernel.ops.swiglu import LigerSiLUMulFunction
     except ImportError:
         return None
+    # the rest through Keel's own entry points (keel/model/kernels.py): what `model.kernels=liger` trains with
     return {
-        "rmsnorm": lambda x, w: LigerRMSNormFunction.apply(x, w, 1e-5, 0.0, "llama", False),
-        "rope": lambda q, k, cos, sin: LigerRopeFunction.apply(q, k, cos, sin),
-        "swiglu": lambda a, b: LigerSiLUMulFunction.apply(a, b),
+        "rmsnorm": lambda x, w: rms_norm(x, w, 1e-5, liger=True),
+        "rope": lambda q, k, cos, sin: rotary(q, k, cos, sin, liger=True),
+        "swiglu": lambda a, b: silu_mul(a, b, liger=True),
         "ce": lambda x, y: _first(LigerCrossEntropyFunction.apply(x, y)),
-        "linear-ce": lambda h, w, y: _first(LigerFusedLinearCrossEntropyFunction.apply(h, w, y)),
+        "linear-ce": lambda h, w, y: fused_linear_cross_entropy(h, w, y, w.shape[0], 0.0, 0.0),
     }[name]
 
 

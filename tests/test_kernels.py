@@ -1,8 +1,9 @@
 """`model.kernels`: Liger's kernels against the PyTorch reference path (keel/model/kernels.py).
 
 On CPU, Triton runs only under `TRITON_INTERPRET=1`, so those checks run in a subprocess with it set (tiny shapes).
-Liger's RoPE runs there; its RMSNorm and SwiGLU kernels fail inside Triton's interpreter (`'float' object has no
-attribute 'to'`, liger-kernel 0.8.5 with triton 3.9.0), so they are `gpu` tests that bench/device_check.sh runs.
+Liger's RoPE and its fused linear + cross-entropy run there; its RMSNorm and SwiGLU kernels fail inside Triton's
+interpreter (`'float' object has no attribute 'to'`, liger-kernel 0.8.5 with triton 3.9.0), so they are `gpu`
+tests that bench/device_check.sh runs.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import torch
 
 from keel.config import ConfigError, ModelConfig, build_config, validate
 from keel.model import CausalLM
-from keel.model.kernels import liger_importable, resolve, rms_norm, rotary, silu_mul
+from keel.model.kernels import fused_linear_cross_entropy, liger_importable, resolve, rms_norm, rotary, silu_mul
+from keel.parallel.cross_entropy import cross_entropy_reference
 from tests.keel_runs import REPO
 
 needs_liger = pytest.mark.skipif(not liger_importable(), reason="liger-kernel/triton not installed")
@@ -46,6 +48,58 @@ for dtype, tol in ((torch.float32, 1e-5),):
 print(json.dumps(out))
 """
 
+# Liger's fused linear + cross-entropy against `cross_entropy_reference` of the materialized logits: padded
+# vocabularies (the padding rows get no gradient), odd widths, one row, ignored labels, label smoothing and z-loss;
+# then a CausalLM whose loss routes through it (tied and untied head, activation checkpointing) against the same
+# model's logits + Keel's loss
+FUSED_CE_CHECK = r"""
+import json, torch
+from keel.config import ModelConfig
+from keel.model import CausalLM
+from keel.model.kernels import fused_linear_cross_entropy
+from keel.parallel.cross_entropy import cross_entropy_reference
+out = {}
+cases = ((12, 8, 24, 17, 0.1, 1e-3), (1, 13, 37, 37, 0.0, 0.0), (7, 5, 48, 41, 0.0, 1e-2))
+for rows, dim, padded, vocab, eps, z in cases:
+    g = torch.Generator().manual_seed(0)
+    h0, w0 = torch.randn(rows, dim, generator=g), torch.randn(padded, dim, generator=g)
+    labels = torch.randint(0, vocab, (rows,), generator=g)
+    if rows > 1:
+        labels[::5] = -100
+    seen = []
+    for fused in (False, True):
+        h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+        if fused:
+            loss = fused_linear_cross_entropy(h, w, labels, vocab, eps, z)
+        else:
+            loss = cross_entropy_reference(h @ w.T, labels, vocab, eps, z)
+        loss.backward()
+        seen.append([loss.detach(), h.grad, w.grad])
+    err = max((a - b).abs().max().item() for a, b in zip(*seen))
+    out[f"{rows}x{dim} vocab {vocab}/{padded}"] = err <= 1e-5 and seen[1][2][vocab:].abs().sum().item() == 0, err
+for tied in (True, False):
+    cfg = ModelConfig(vocab_size=50, dim=16, n_layers=2, n_heads=4, n_kv_heads=2, tie_embeddings=tied,
+                      vocab_pad_multiple=16, kernels="torch")
+    tokens = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(1))
+    seen = []
+    for fuses in (False, True):
+        model = CausalLM(cfg, seed=0, label_smoothing=0.1, z_loss=1e-3, checkpoint_interval=2)
+        model.loss_fn.fuses_head = fuses
+        loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        seen.append([loss.detach(), *(p.grad for p in model.parameters())])
+    err = max((a - b).abs().max().item() for a, b in zip(*seen))
+    out[f"CausalLM tied={tied}"] = err <= 1e-5, err
+print(json.dumps(out))
+"""
+
+
+def _under_triton_interpreter(script: str) -> dict:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
 
 def test_auto_is_torch_without_cuda_and_liger_refuses_where_it_cannot_run(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
@@ -60,11 +114,34 @@ def test_auto_is_torch_without_cuda_and_liger_refuses_where_it_cannot_run(monkey
 
 @needs_liger
 def test_liger_rope_matches_the_reference_under_the_triton_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-c", ROPE_CHECK], capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    results = _under_triton_interpreter(ROPE_CHECK)
     assert len(results) == 3 and all(ok for ok, _ in results.values()), results
+
+
+@needs_liger
+def test_liger_fused_linear_cross_entropy_matches_the_reference_under_the_triton_interpreter():
+    results = _under_triton_interpreter(FUSED_CE_CHECK)
+    assert len(results) == 5 and all(ok for ok, _ in results.values()), results
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, dim, vocab", [(300, 72, 1000), (1, 64, 128), (4096, 256, 32000)])
+def test_liger_fused_linear_cross_entropy_matches_the_reference_on_cuda(dtype, rows, dim, vocab):
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h0 = torch.randn(rows, dim, device="cuda", generator=g).to(dtype)
+    w0 = (torch.randn(vocab + 64, dim, device="cuda", generator=g) / dim**0.5).to(dtype)
+    labels = torch.randint(0, vocab, (rows,), device="cuda", generator=g)
+    seen = []
+    for fused in (False, True):
+        h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+        loss = (fused_linear_cross_entropy(h, w, labels, vocab, 0.1, 1e-4) if fused
+                else cross_entropy_reference(h @ w.T, labels, vocab, 0.1, 1e-4))
+        loss.backward()
+        seen.append([loss.detach().float(), h.grad.float(), w.grad.float()])
+    for ref, got in zip(*seen):
+        torch.testing.assert_close(got, ref, rtol=tol, atol=tol * max(1.0, ref.abs().max().item()))
 
 
 @pytest.mark.gpu
@@ -92,12 +169,16 @@ def test_liger_rmsnorm_and_swiglu_match_the_reference_on_cuda(dtype, rows, width
 
 
 @pytest.mark.gpu
-def test_model_losses_and_gradients_match_with_liger_kernels_on_cuda():
+@pytest.mark.parametrize("tied", [True, False])
+def test_model_losses_and_gradients_match_with_liger_kernels_on_cuda(tied):
+    """Every Liger kernel at once, the fused head + loss included (tp = 1), with label smoothing and z-loss."""
     tokens = torch.randint(0, 256, (2, 33), device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))
     results = []
     for kernels in ("torch", "liger"):
-        cfg = ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, kernels=kernels)
-        model = CausalLM(cfg, seed=0).cuda()
+        cfg = ModelConfig(vocab_size=250, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, kernels=kernels,
+                          tie_embeddings=tied)
+        model = CausalLM(cfg, seed=0, label_smoothing=0.1, z_loss=1e-4).cuda()
+        assert model.loss_fn.fuses_head == (kernels == "liger")
         loss = model(tokens[:, :-1], tokens[:, 1:])
         loss.backward()
         results.append((loss.item(), torch.cat([p.grad.flatten() for p in model.parameters()])))

@@ -6,9 +6,11 @@ kernel forward and one backward on CUDA. `auto` picks liger where CUDA is availa
 torch elsewhere. Triton runs on a CPU only under `TRITON_INTERPRET=1` (tests, tiny shapes), so `liger` is accepted
 there too. Imports of liger_kernel are lazy: `import keel` never imports Triton.
 
-Not routed (yet): Liger's fused linear + cross-entropy (it needs the head and the loss joined, and the pipeline
-engine calls them separately) and its cross-entropy at tp > 1 (Liger has no vocab-parallel form): Keel's own
-vocab-parallel kernel serves both.
+At tp = 1 outside a pipeline, `liger` also joins the output head and the loss in Liger's fused linear +
+cross-entropy, which works through the tokens in chunks and never holds the full logits (label smoothing and
+z-loss are Liger's own `label_smoothing` and `lse_square_scale`, the same definitions as Keel's). Not routed: the
+pipeline's head (DeepSpeed's pipeline engine calls the last layer and its `loss_fn` separately, so the logits exist
+between them) and tp > 1 (Liger has no vocab-parallel cross-entropy): Keel's own vocab-parallel kernel serves both.
 """
 
 from __future__ import annotations
@@ -80,3 +82,16 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, liger: bool) -> torch.Tensor:
 
         return LigerSiLUMulFunction.apply(gate, up)
     return F.silu(gate) * up
+
+
+def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, vocab_size: int,
+                               label_smoothing: float, z_loss: float, ignore_index: int = -100) -> torch.Tensor:
+    """Mean over non-ignored tokens of `cross_entropy_reference(hidden @ weight[:vocab_size].T, labels)` by
+    Liger's chunked kernel; the padding rows of the (padded) head are sliced off, so they get no gradient.
+    Gradients accumulate in fp32 whatever the weight's dtype (many chunks add into one weight gradient)."""
+    from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
+
+    loss, *_ = LigerFusedLinearCrossEntropyFunction.apply(
+        hidden.flatten(0, -2), weight[:vocab_size], labels.flatten(), None, None, ignore_index, z_loss,
+        label_smoothing, "mean", None, False, torch.float32)
+    return loss

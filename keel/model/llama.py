@@ -20,13 +20,14 @@ from torch import nn
 from keel.adapters.deepspeed_internals import logical_shape
 from keel.config import ConfigError, ModelConfig, validate_model
 from keel.model.init import fill_shard_
+from keel.model.kernels import fused_linear_cross_entropy
+from keel.model.kernels import resolve as resolve_kernels
 from keel.model.layers import NO_SP, NO_TP, Attention, SwiGLU, make_norm
 from keel.model.materialize import Placement
 from keel.model.router import is_moe_block
 from keel.parallel.cross_entropy import vocab_parallel_cross_entropy
 from keel.parallel.experts import NO_EP, EPContext
 from keel.parallel.tensor import (
-    ColumnParallelLinear,
     TPContext,
     VocabParallelEmbedding,
     enter,
@@ -124,8 +125,10 @@ class OutputLayer(nn.Module):
         super().__init__()
         self.tp = tp
         if tied_embedding is None:
-            self.output = ColumnParallelLinear(cfg.dim, vocab_rows(cfg, tp), tp)
-            mark_sharded(self.output.weight, 0, (cfg.vocab_size, cfg.dim), tp)
+            weight = nn.Parameter(torch.empty(vocab_rows(cfg, tp) // tp.size, cfg.dim))
+            # column-parallel: vocabulary rows split; the logical tensor is the true vocabulary (padding rows are zero)
+            mark_sharded(weight, 0, (cfg.vocab_size, cfg.dim), tp)
+            self.output = _HeadProjection(weight)
             return
         # No weight of its own, not even briefly: under zero.Init it would be partitioned and kept by DeepSpeed.
         want = (vocab_rows(cfg, tp) // tp.size, cfg.dim)
@@ -133,20 +136,26 @@ class OutputLayer(nn.Module):
             raise ValueError(
                 f"tied embedding has shape {tuple(logical_shape(tied_embedding.weight))}, the head needs {want}"
             )
-        self.output = _TiedHead(tied_embedding.weight)
+        self.output = _HeadProjection(tied_embedding.weight)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.output(enter(x, self.tp))
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None,
+                loss_fn: VocabParallelLoss | None = None) -> torch.Tensor:
+        """Logits, or — given `labels` and a `loss_fn` that fuses — the loss straight from the hidden states."""
+        return self.output(enter(x, self.tp), labels, loss_fn)
 
 
-class _TiedHead(nn.Module):
-    """The head's projection by the embedding's own Parameter (state-dict key `output.weight`, as untied)."""
+class _HeadProjection(nn.Module):
+    """The head's projection (state-dict key `output.weight`, tied or not). The fused loss runs inside this
+    module's own call, the one that owns the weight: ZeRO-3 gathers a partitioned weight only there."""
 
     def __init__(self, weight: nn.Parameter) -> None:
         super().__init__()
         self.weight = weight
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None,
+                loss_fn: VocabParallelLoss | None = None) -> torch.Tensor:
+        if labels is not None and loss_fn is not None:
+            return loss_fn.fused(x, self.weight, labels)
         return F.linear(x, self.weight)
 
 
@@ -262,15 +271,19 @@ class CausalLM(nn.Module):
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (this rank's vocabulary shard, padding included) or, given `labels`, the mean loss."""
+        fused = labels is not None and getattr(self.loss_fn, "fuses_head", False)  # any callable(logits, labels) works
+        layers = self.layers[:-1] if fused else self.layers
         h = tokens
         step = self.checkpoint_interval if self.training and self.checkpoint_interval > 0 else len(self.layers)
-        for start in range(0, len(self.layers), step):
-            chunk = self.layers[start:start + step]
+        for start in range(0, len(layers), step):
+            chunk = layers[start:start + step]
             if step < len(self.layers) and torch.is_grad_enabled():
                 # recompute this chunk's activations in backward (as the pipeline does every N layers)
                 h = torch.utils.checkpoint.checkpoint(_run_layers, chunk, h, use_reentrant=False)
             else:
                 h = _run_layers(chunk, h)
+        if fused:  # through the head's own call, so hooks on it (non-finite localization) still see it
+            return self.layers[-1](h, labels, self.loss_fn)
         return h if labels is None else self.loss_fn(h, labels)
 
 
@@ -294,6 +307,8 @@ class VocabParallelLoss:
 
     A plain callable (not a module) so it adds no parameters; the pipeline engine takes it as its loss_fn.
     Under Ulysses sequence parallelism it scores this rank's label chunk and returns the full-sequence mean.
+    `fuses_head` (Liger kernels at tp = 1): `CausalLM` hands it the hidden states and the head's weight instead
+    of logits (`fused`), so the full logits never exist. The pipeline always passes logits.
     """
 
     def __init__(self, cfg: ModelConfig, tp: TPContext, label_smoothing: float = 0.0, z_loss: float = 0.0,
@@ -305,12 +320,22 @@ class VocabParallelLoss:
         self.z_loss = z_loss
         self.scale = 1.0  # fault injection multiplies a step's loss (faults.spike_step)
         self.sp = sp
+        self.fuses_head = tp.size == 1 and resolve_kernels(cfg.kernels) == "liger"
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         # the logits are the head's output, used by nothing after the loss: it may overwrite them
         loss = vocab_parallel_cross_entropy(logits, sequence_chunk(labels, self.sp), self.group, self.vocab_start,
                                             self.vocab_size, label_smoothing=self.label_smoothing,
                                             z_loss=self.z_loss, consume=True)
+        return self._finish(loss)
+
+    def fused(self, hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The same loss from the final hidden states and the head's weight, by Liger's fused linear + CE."""
+        loss = fused_linear_cross_entropy(hidden, head_weight, sequence_chunk(labels, self.sp), self.vocab_size,
+                                          self.label_smoothing, self.z_loss)
+        return self._finish(loss)
+
+    def _finish(self, loss: torch.Tensor) -> torch.Tensor:
         loss = sequence_mean(loss, self.sp)
         return loss * self.scale if self.scale != 1.0 else loss
 
