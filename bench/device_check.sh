@@ -4,6 +4,8 @@
 #   gpu-tests   pytest -m gpu: the model on CUDA equals the CPU reference; the channel rule on real CUDA tensors;
 #               Liger's RMSNorm/RoPE/SwiGLU and a whole model with model.kernels=liger against the torch path.
 #   throughput  bench/throughput.py in bf16 on a mid-sized Llama: tokens/s, MFU, the Keel/HF ratio, time outside GEMMs.
+#   throughput-compile  (only when named) the same with --compile: the first step's compilation time and the
+#               compiled step, the figures model.compile=auto needs before it may compile on CUDA.
 #   kernels     bench/kernels.py in bf16: RMSNorm, RoPE, SwiGLU, CE, linear+CE fwd+bwd time and peak memory, eager
 #               vs torch.compile vs Liger (liger-kernel from .whl: `pip download --no-deps liger-kernel -d .whl`).
 #   dense-z1 dense-z2 dense-z3 moe-z1 moe-z2
@@ -39,6 +41,11 @@ if want throughput; then
   timeout 180 python3 bench/throughput.py --precision bf16 --ds-config ds_configs/bf16.json --dim 2048 --layers 8 \
     --heads 16 --kv-heads 8 --vocab 32000 --seq-len 2048 --micro-batch 4 --steps 8 --warmup 2 --profile-steps 2 2>&1 \
     | grep -v -e "^\[20" -e "^USDT" | tee "$out/throughput.txt"
+fi
+if want throughput-compile; then
+  timeout 240 python3 bench/throughput.py --precision bf16 --ds-config ds_configs/bf16.json --dim 2048 --layers 8 \
+    --heads 16 --kv-heads 8 --vocab 32000 --seq-len 2048 --micro-batch 4 --steps 8 --warmup 2 --profile-steps 0 \
+    --compile 2>&1 | grep -v -e "^\[20" -e "^USDT" | tee "$out/throughput_compile.txt"
 fi
 if want kernels; then
   timeout 90 python3 bench/kernels.py --repeats 10 2>&1 | grep -v "^\[20" | tee "$out/kernels.txt"

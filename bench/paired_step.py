@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from keel.config.validate import compile_setting
 from keel.training.trainer import Trainer
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -235,8 +236,10 @@ def report(trainer: PairedTrainer, ref_name: str, peaks: dict[str, tuple[float, 
         print(f"peak {name} matmul: {flops / 1e12:.4f} TFLOP/s ({n}x{n}, best of repeats, summed over ranks){marker}")
     print(f"MFU = flops_per_token x tokens/s / peak; flops_per_token = 6N + 12*L*d*T = {fpt / 1e6:.2f} MFLOP "
           "(PaLM appendix B, no causal-mask discount); out-kern = profiler self CPU outside GEMM/SDPA")
-    if keel.warmup and cfg.model.compile:
-        print(f"model.compile: Keel's first step took {keel.warmup[0]:.1f} s (compilation included)")
+    if keel.warmup:
+        compiled = compile_setting(cfg.model.compile) == "true"
+        print(f"model.compile={compile_setting(cfg.model.compile)}: Keel's first step took {keel.warmup[0]:.1f} s"
+              f"{' (compilation included)' if compiled else ''}")
     print(f"first-step loss: Keel {keel_losses[0]:.6f}  ref {ref_losses[0]:.6f}  "
           f"|diff| {abs(keel_losses[0] - ref_losses[0]):.2e}; last paired: Keel {keel_losses[len(ref_losses) - 1]:.6f}"
           f"  ref {ref_losses[-1]:.6f}", flush=True)

@@ -39,6 +39,9 @@ TINY = {
     "train.eval_interval": 0,
     "checkpoint.interval": 0,
     "logging.log_interval": 5,
+    # eager: the equivalence references are eager models; the compiled path has its own runs (zero1-compiled,
+    # the default run under model.compile=auto) and tests/test_compile.py
+    "model.compile": "false",
 }
 REPO = Path(__file__).resolve().parent.parent
 ZERO0 = "ds_configs/zero0.json"

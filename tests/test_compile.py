@@ -70,3 +70,32 @@ def test_build_model_compiles_the_blocks_when_asked():
             lambda m, a, seen=seen: seen.append(torch.compiler.is_compiling()))
         model(torch.zeros(1, 8, dtype=torch.long))
         assert seen == [compiled]
+
+
+def test_auto_compiles_only_where_it_was_measured_to_win(monkeypatch):
+    """model.compile=auto: on the CPU, fp32, dense tp = pp = sp = 1 at ZeRO 0-2, dim >= 256, >= 1000 steps;
+    eager elsewhere, naming why; explicit true/false win over the policy; a bad value is one line."""
+    from keel.config import TrainConfig, build_config
+    from keel.training.compile_policy import should_compile
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    big = dataclasses.replace(CFG, dim=256, compile="auto")
+    long_run = TrainConfig(steps=1000)
+    assert should_compile(RunConfig(model=big, train=long_run), 1, "fp32")[0]
+    for cfg, stage, precision, why in [
+        (RunConfig(model=big, train=TrainConfig(steps=300)), 1, "fp32", "train.steps < 1000"),
+        (RunConfig(model=dataclasses.replace(big, dim=128), train=long_run), 1, "fp32", "model.dim < 256"),
+        (RunConfig(model=big, train=long_run), 3, "fp32", "ZeRO-3"),
+        (RunConfig(model=big, train=long_run), 1, "bf16", "bf16"),
+        (RunConfig(model=big, train=long_run, parallel=ParallelConfig(tp=2)), 1, "fp32", "parallel.tp"),
+    ]:
+        compiled, reason = should_compile(cfg, stage, precision)
+        assert not compiled and why in reason, reason
+    assert should_compile(RunConfig(model=dataclasses.replace(CFG, compile="true")), 1, "fp32") == (
+        True, "model.compile=true")
+    assert not should_compile(RunConfig(model=dataclasses.replace(big, compile=False), train=long_run), 1, "fp32")[0]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert "CUDA" in should_compile(RunConfig(model=big, train=long_run), 1, "fp32")[1]
+    assert build_config({"model": {"compile": True}}).model.compile == "True"  # YAML's boolean, read as a setting
+    with pytest.raises(ConfigError, match="model.compile: expected auto, true or false"):
+        validate(build_config({"model": {"compile": "sometimes"}}), 1)

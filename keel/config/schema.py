@@ -64,7 +64,9 @@ class ModelConfig:
     moe_drop_policy: str = "probability"  # over capacity, drop the lowest-probability or the latest tokens
     moe_bias_update: float = 0.0  # aux-loss-free balancing: per-expert bias step toward uniform load (0: off)
     kernels: str = "auto"  # auto (liger on CUDA when importable, else torch) | liger | torch (keel/model/kernels.py)
-    compile: bool = False  # torch.compile each block (torchtitan's per-block scheme); dense, pp=tp=sp=1, ZeRO 0-2
+    # torch.compile each block (torchtitan's per-block scheme): auto (where measured faster: CPU, fp32, dense,
+    # tp = pp = sp = 1, ZeRO 0-2; keel/training/compile_policy.py) | true | false
+    compile: str = "auto"
 
     @property
     def head_dim(self) -> int:

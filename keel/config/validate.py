@@ -191,14 +191,31 @@ def validate_layout(cfg: RunConfig) -> None:
     validate_compile(cfg)
 
 
-def validate_compile(cfg: RunConfig) -> None:
-    """model.compile is proven (equal losses, tests) on dense blocks without model parallelism; elsewhere the
-    blocks' collectives (tp, sp, ep all-to-all) and the pipeline engine's layer calls are not, so refuse them."""
+COMPILE_SETTINGS = {"auto": "auto", "true": "true", "false": "false", "on": "true", "off": "false",
+                    "yes": "true", "no": "false", "1": "true", "0": "false"}
+
+
+def compile_setting(value: object) -> str:
+    """`model.compile` as one of auto/true/false (YAML gives booleans, the CLI strings)."""
+    key = str(value).lower()
+    _require(key in COMPILE_SETTINGS, f"model.compile: expected auto, true or false, got {value!r}")
+    return COMPILE_SETTINGS[key]
+
+
+def unsupported_compile_layout(cfg: RunConfig) -> list[str]:
+    """The settings a compiled block is not proven under: the blocks' collectives (tp, sp, ep all-to-all) and
+    the pipeline engine's layer calls."""
     m, p = cfg.model, cfg.parallel
-    if not m.compile:
+    return [name for name, on in (("model.moe_experts", m.moe_experts > 0), ("parallel.tp", p.tp > 1),
+                                  ("parallel.pp", p.pp > 1), ("parallel.sp", p.sp > 1)) if on]
+
+
+def validate_compile(cfg: RunConfig) -> None:
+    """model.compile=true is proven (equal losses, tests) on dense blocks without model parallelism: refuse it
+    elsewhere. `auto` just stays eager there (keel/training/compile_policy.py)."""
+    if compile_setting(cfg.model.compile) != "true":
         return
-    unsupported = [name for name, on in (("model.moe_experts", m.moe_experts > 0), ("parallel.tp", p.tp > 1),
-                                         ("parallel.pp", p.pp > 1), ("parallel.sp", p.sp > 1)) if on]
+    unsupported = unsupported_compile_layout(cfg)
     _require(not unsupported, f"model.compile: supported for dense models with parallel.tp = pp = sp = 1 "
                               f"(data parallel, ZeRO 0-2); set model.compile=false or drop {', '.join(unsupported)}")
 

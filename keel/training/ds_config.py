@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from keel.config import ConfigError, RunConfig, validate_batch_split
+from keel.config.validate import compile_setting
 
 AUTO = "auto"
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
@@ -78,7 +79,7 @@ def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, dp_size: int) -> dict
             "ds_config: fp16 with zero_optimization.stage 0 mis-scales gradients in DeepSpeed 0.19 (its ZeRO-0 fp16 "
             "optimizer unscales a loss that was never scaled); use stage >= 1 (ds_configs/fp16.json) or bf16"
         )
-    if stage == 3 and cfg.model.compile:
+    if stage == 3 and compile_setting(cfg.model.compile) == "true":
         raise ConfigError("ds_config.zero_optimization.stage=3 with model.compile: ZeRO-3 gathers parameters in "
                           "hooks inside each block, which a compiled block does not keep; use ZeRO 0-2 or "
                           "model.compile=false")

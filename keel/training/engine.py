@@ -22,6 +22,7 @@ from keel.parallel.grad_norm import clip_grad_norm_, global_grad_norm
 from keel.parallel.tensor import TPContext
 from keel.parallel.topology import Topology
 from keel.parallel.ulysses import SPContext
+from keel.training.compile_policy import should_compile
 from keel.training.ds_config import precision, resolve_ds_config, zero_stage
 from keel.training.lr_schedule import build_scheduler
 
@@ -59,8 +60,10 @@ def build_model(cfg: RunConfig, topology: Topology | None = None, ds: dict[str, 
     model = CausalLM(cfg.model, seed=cfg.train.seed, tp=tp, label_smoothing=cfg.train.label_smoothing,
                      z_loss=cfg.train.z_loss, checkpoint_interval=cfg.train.activation_checkpoint_interval, ep=ep,
                      sp=SPContext.from_topology(topology), placement=placement)
-    if cfg.model.compile:
+    compiled, why = should_compile(cfg, zero_stage(ds or {}), precision(ds or {}))
+    if compiled:
         compile_blocks(model.layers)
+    log.info(why)
     return model
 
 
