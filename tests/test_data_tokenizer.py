@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from keel.data import DataError, Tokenizer, train_tokenizer
+from keel.data import DataError, SentencePieceTokenizer, Tokenizer, train_tokenizer
 
 
 def synthetic_docs(n_docs: int = 40, seed: int = 0) -> list[str]:
@@ -70,7 +70,7 @@ def test_training_is_deterministic(tmp_path, tokenizer: Tokenizer) -> None:
 
 def test_missing_model_raises(tmp_path) -> None:
     with pytest.raises(DataError, match="keel prepare"):
-        Tokenizer(tmp_path / "nope.model")
+        SentencePieceTokenizer(tmp_path / "nope.model")
 
 
 def test_vocab_too_large_for_corpus_raises(tmp_path) -> None:
