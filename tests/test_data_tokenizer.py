@@ -77,3 +77,12 @@ def test_vocab_too_large_for_corpus_raises(tmp_path) -> None:
     with pytest.raises(DataError, match="too large for this corpus"):
         train_tokenizer(["tiny corpus"] * 3, 4096, tmp_path / "tok")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_trained_tokenizer_reports_its_identity(tokenizer: Tokenizer) -> None:
+    import hashlib
+
+    record = tokenizer.record()
+    assert isinstance(tokenizer, SentencePieceTokenizer) and tokenizer.pad_id is None
+    assert record == {"path": str(tokenizer.path), "kind": "sentencepiece", "vocab_size": 400, "bos_id": 1,
+                      "eos_id": 2, "pad_id": None, "sha256": hashlib.sha256(tokenizer.path.read_bytes()).hexdigest()}

@@ -53,11 +53,13 @@ def prepare_corpus(
     first = next(documents, None)
     if first is None:
         raise DataError(f"data.corpus: the {len(files)} matched file(s) contain no text; point it at non-empty files")
-    if progress:
-        doing = f"training a {vocab_size}-token tokenizer on" if tokenizer is None else f"using {tokenizer} for"
-        tqdm.write(f"keel: {doing} {len(files)} file(s)", file=sys.stderr)
-    tokenizer = load_or_train_tokenizer(tokenizer, itertools.chain([first], documents), vocab_size,
-                                        out_dir, TOKENIZER_NAME)
+    if progress and tokenizer is None:
+        tqdm.write(f"keel: training a {vocab_size}-token tokenizer on {len(files)} file(s)", file=sys.stderr)
+    given = tokenizer
+    tokenizer = load_or_train_tokenizer(given, itertools.chain([first], documents), vocab_size, out_dir,
+                                        TOKENIZER_NAME)
+    if progress and given is not None:
+        tqdm.write(f"keel: tokenizing {len(files)} file(s) with {given}", file=sys.stderr)
     eos = tokenizer.eos_id
     bar = tqdm(total=len(files), unit="file", desc="keel: tokenizing", disable=not progress, file=sys.stderr)
     with bar, IndexedDatasetWriter(out_dir / DATA_NAME, tokenizer.vocab_size) as writer:
