@@ -107,6 +107,27 @@ def test_hf_directory_encodes_like_transformers(made: dict[str, Path]) -> None:
     assert [tok.decode(tok.encode(t)) for t in TEXTS] == TEXTS
 
 
+def test_directories_of_a_sentencepiece_model(made: dict[str, Path], tmp_path: Path) -> None:
+    """Only tokenizer.model (an original Llama checkpoint): sentencepiece. With a tokenizer_config.json naming a
+    slow class: transformers converts it, and Keel encodes as transformers does."""
+    from transformers import AutoTokenizer
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "tokenizer.model").write_bytes(made["sp"].read_bytes())
+    tok = load_tokenizer(bare)
+    assert tok.kind == "sentencepiece" and tok.encode(TEXTS[0]) == load_tokenizer(made["sp"]).encode(TEXTS[0])
+    slow = tmp_path / "slow"
+    slow.mkdir()
+    (slow / "tokenizer.model").write_bytes(made["sp"].read_bytes())
+    (slow / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "LlamaTokenizer", "eos_token": "</s>", "bos_token": None, "pad_token": "<pad>"}))
+    tok = load_tokenizer(slow)
+    reference = AutoTokenizer.from_pretrained(str(slow), local_files_only=True)
+    assert (tok.kind, tok.bos_id, tok.eos_id, tok.pad_id) == ("hf", None, 2, 0)
+    assert [tok.encode(t) for t in TEXTS] == [reference.encode(t, add_special_tokens=False) for t in TEXTS]
+
+
 @pytest.mark.parametrize("kind", ["sp", "json", "dir"])
 def test_pickles_by_path(made: dict[str, Path], kind: str) -> None:
     tok = load_tokenizer(made[kind])
