@@ -71,6 +71,9 @@ def made(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
                                    model_type="bpe", byte_fallback=True, pad_id=0, unk_id=1, bos_id=-1, eos_id=2,
                                    normalization_rule_name="identity", remove_extra_whitespaces=False,
                                    add_dummy_prefix=False, minloglevel=2)
+    out["sp_no_eos"] = root / "no_eos.model"
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(docs), model_prefix=str(root / "no_eos"), vocab_size=300,
+                                   model_type="bpe", byte_fallback=True, bos_id=-1, eos_id=-1, minloglevel=2)
     return out
 
 
@@ -240,7 +243,7 @@ def _write_bad(tmp_path: Path, made: dict[str, Path], case: str) -> str:
         (tmp_path / "model" / "config.json").write_text("{}")
         (tmp_path / "model" / "model.safetensors").write_bytes(b"")
         return str(tmp_path / "model")
-    return str(made["json_no_eos"])
+    return str(made[case])
 
 
 BAD_INPUTS = {
@@ -248,7 +251,8 @@ BAD_INPUTS = {
     "text_file": "notes.txt is not a valid sentencepiece model",
     "bad_json": "is not a Hugging Face tokenizer.json",
     "model_dir_without_tokenizer": "holds no tokenizer files",
-    "no_eos": "defines no EOS token",
+    "json_no_eos": "defines no EOS token",
+    "sp_no_eos": "defines no EOS token",
 }
 
 
@@ -278,6 +282,14 @@ def test_model_tokenizer_mismatch_is_one_line(made: dict[str, Path], override: s
                             f"data.tokenizer={made['json']}", override], None, str(tmp_path / "run"), 1)
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         prepare_data(spec)
+
+
+def test_vocab_size_setting_applies_only_when_training(made: dict[str, Path], tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="data.tokenizer_vocab_size: 100 is too small"):
+        build_run(None, ["data.tokenizer_vocab_size=100"], None, str(tmp_path / "run"), 1)
+    build_run(None, ["data.tokenizer_vocab_size=100", f"data.tokenizer={made['sp']}"], None, str(tmp_path / "run"), 1)
+    with pytest.raises(ConfigError, match="data.tokenizer: empty"):
+        build_run(None, ["data.tokenizer=''"], None, str(tmp_path / "run"), 1)
 
 
 def test_relative_path_is_taken_from_the_config_directory(made: dict[str, Path], tmp_path: Path) -> None:

@@ -66,7 +66,7 @@ class HFTokenizer(Tokenizer):
         self._backend = backend
         vocab = backend.get_vocab(with_added_tokens=True)
         self._vocab_size = max(vocab.values()) + 1 if vocab else 0
-        self._ids = {role: _special_id(role, named.get(role), vocab, self.path, conventional)
+        self._ids = {role: _special_id(role, named.get(role), vocab, conventional)
                      for role in _CONVENTIONAL_NAMES}
         self._require_eos()
 
@@ -143,15 +143,11 @@ def _load_directory(path: Path):
     return tokenizer
 
 
-def _special_id(role: str, token: object, vocab: dict[str, int], path: Path, conventional: bool) -> int | None:
-    """The id of the token named for `role` (a string or an AddedToken), else (a bare tokenizer.json) the first
-    conventional name present."""
+def _special_id(role: str, token: object, vocab: dict[str, int], conventional: bool) -> int | None:
+    """The id of the token named for `role` (a string or an AddedToken; transformers adds a named token missing from
+    the vocabulary, so it is there), else (a bare tokenizer.json) the first conventional name present."""
     if token is not None:
-        name = str(getattr(token, "content", token))
-        if name not in vocab:
-            raise DataError(f"data.tokenizer: {path} names {role}_token {name!r}, which is not in its vocabulary; "
-                            "fix its tokenizer_config.json / special_tokens_map.json")
-        return vocab[name]
+        return vocab.get(str(getattr(token, "content", token)))
     if not conventional:
         return None
     return next((vocab[name] for name in _CONVENTIONAL_NAMES[role] if name in vocab), None)
