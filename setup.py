@@ -17,6 +17,7 @@ setup(
         "deepspeed>=0.19.8,<0.20",
         "transformers>=5.0,<6",
         "sentencepiece>=0.2",
+        "tokenizers>=0.21",  # data.tokenizer: an HF tokenizer.json (encode_batch_fast)
         "pyyaml>=6",
         "numpy>=1.24",
         "tqdm>=4.60",

@@ -11,10 +11,10 @@ from keel.data import (
     DataError,
     IndexedDataset,
     PackedSamples,
-    Tokenizer,
     default_corpus_files,
     ensure_prepared,
     iter_documents,
+    load_tokenizer,
     prepare_corpus,
 )
 
@@ -36,7 +36,7 @@ def write_corpus(root: Path, n_files: int = 12, seed: int = 0) -> list[Path]:
 def test_prepare_corpus_round_trips_documents(tmp_path: Path) -> None:
     files = write_corpus(tmp_path / "corpus") + [tmp_path / "corpus" / "empty.txt"]
     prepared = prepare_corpus(files, tmp_path / "out", 400, progress=False)
-    tok = Tokenizer(prepared.tokenizer_path)
+    tok = load_tokenizer(prepared.tokenizer_path)
     ds = IndexedDataset(prepared.data_prefix)
     docs = list(iter_documents(files))
     assert prepared.num_docs == len(ds) == len(docs) == 12
@@ -67,7 +67,7 @@ def test_ensure_prepared_caches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     def no_tokenizing(*args: object, **kwargs: object) -> None:
         raise AssertionError("re-tokenized despite a complete cache entry")
 
-    monkeypatch.setattr(prepare_mod, "train_tokenizer", no_training)
+    monkeypatch.setattr(prepare_mod, "load_or_train_tokenizer", no_training)
     monkeypatch.setattr(prepare_mod, "prepare_corpus", no_tokenizing)
     second = ensure_prepared(["corpus/*.txt"], cache, 400, base_dir=tmp_path, progress=False)
     assert second == first

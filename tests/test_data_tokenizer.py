@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from keel.data import DataError, Tokenizer, train_tokenizer
+from keel.data import DataError, SentencePieceTokenizer, Tokenizer, train_tokenizer
 
 
 def synthetic_docs(n_docs: int = 40, seed: int = 0) -> list[str]:
@@ -70,10 +70,19 @@ def test_training_is_deterministic(tmp_path, tokenizer: Tokenizer) -> None:
 
 def test_missing_model_raises(tmp_path) -> None:
     with pytest.raises(DataError, match="keel prepare"):
-        Tokenizer(tmp_path / "nope.model")
+        SentencePieceTokenizer(tmp_path / "nope.model")
 
 
 def test_vocab_too_large_for_corpus_raises(tmp_path) -> None:
     with pytest.raises(DataError, match="too large for this corpus"):
         train_tokenizer(["tiny corpus"] * 3, 4096, tmp_path / "tok")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_trained_tokenizer_reports_its_identity(tokenizer: Tokenizer) -> None:
+    import hashlib
+
+    record = tokenizer.record()
+    assert isinstance(tokenizer, SentencePieceTokenizer) and tokenizer.pad_id is None
+    assert record == {"path": str(tokenizer.path), "kind": "sentencepiece", "vocab_size": 400, "bos_id": 1,
+                      "eos_id": 2, "pad_id": None, "sha256": hashlib.sha256(tokenizer.path.read_bytes()).hexdigest()}

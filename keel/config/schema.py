@@ -36,6 +36,11 @@ PARALLEL_AXES = ("tp", "pp", "ep", "sp")
 @dataclass
 class ModelConfig:
     vocab_size: int = 0  # 0: take the tokenizer's vocabulary size
+    # the tokenizer's special ids, filled in before launch (-1 before that, and for a role the tokenizer lacks);
+    # an explicit value must match the tokenizer's. They travel with the model (e.g. into an exported config).
+    bos_id: int = -1
+    eos_id: int = -1
+    pad_id: int = -1
     dim: int = 128
     n_layers: int = 4
     n_heads: int = 4
@@ -86,7 +91,10 @@ class DataConfig:
     corpus: list[str] = field(default_factory=lambda: ["default"])  # "default" = this Python's stdlib source
     skip_ranges: list[str] = field(default_factory=list)  # global sample ranges "start:end" the sampler jumps over
     text_field: str = "text"  # for .jsonl inputs
-    tokenizer_vocab_size: int = 4096
+    # train: a sentencepiece BPE trained on the corpus | PATH: a sentencepiece .model, an HF tokenizer.json, or an
+    # HF tokenizer / model directory (relative paths: from the config file's directory)
+    tokenizer: str = "train"
+    tokenizer_vocab_size: int = 4096  # only when training one
     seq_len: int = 128
     val_fraction: float = 0.01
     cache_dir: str = "~/.cache/keel"

@@ -44,7 +44,9 @@ def validate(cfg: RunConfig, world_size: int) -> None:
     d, t, p, c = cfg.data, cfg.train, cfg.parallel, cfg.checkpoint
     _require(d.seq_len > 0, f"data.seq_len: must be positive, got {d.seq_len}")
     _require(0.0 < d.val_fraction < 0.5, f"data.val_fraction: expected a fraction in (0, 0.5), got {d.val_fraction}")
-    _require(d.tokenizer_vocab_size >= 300,
+    _require(d.tokenizer.strip() != "", "data.tokenizer: empty; use train, or the path of a sentencepiece .model, "
+             "an HF tokenizer.json or an HF tokenizer directory")
+    _require(d.tokenizer != "train" or d.tokenizer_vocab_size >= 300,
              f"data.tokenizer_vocab_size: {d.tokenizer_vocab_size} is too small (byte fallback needs >= 300)")
     _require(len(d.corpus) > 0, "data.corpus: give at least one file, glob, or 'default'")
     _require(t.steps > 0, f"train.steps: must be positive, got {t.steps}")
@@ -94,6 +96,9 @@ def validate_watchdog(s: StabilityConfig) -> None:
 def validate_model(m: ModelConfig) -> None:
     """Shapes and choices of the model alone; also called by `build_layers` for models built without `validate`."""
     _require(m.vocab_size >= 0, f"model.vocab_size: must be >= 0 (0 takes the tokenizer's), got {m.vocab_size}")
+    for role in ("bos_id", "eos_id", "pad_id"):
+        value = getattr(m, role)
+        _require(value >= -1, f"model.{role}: must be >= -1 (-1: the tokenizer's), got {value}")
     _require(m.dim > 0 and m.n_layers > 0, "model.dim and model.n_layers must be positive")
     _require(m.n_heads > 0 and m.dim % m.n_heads == 0, f"model.n_heads: {m.n_heads} does not divide model.dim {m.dim}")
     _require(m.n_kv_heads > 0 and m.n_heads % m.n_kv_heads == 0,

@@ -1,9 +1,9 @@
 """Turn a corpus spec into a tokenizer plus a token store, once, and cache the result.
 
-The cache key covers everything the output depends on (file list, sizes, mtimes, vocabulary size, text field,
-format version), so editing the corpus or the config re-prepares, and anything else reuses. An entry becomes
-visible only by renaming a finished directory into place, with `done.json` written last inside it, so a crash
-or two racing ranks can never leave a half-built entry behind.
+The cache key covers everything the output depends on (file list, sizes, mtimes, vocabulary size or the given
+tokenizer's file hash, text field, format version), so editing the corpus, the tokenizer or the config
+re-prepares, and anything else reuses. An entry becomes visible only by renaming a finished directory into place,
+with `done.json` written last inside it, so a crash or two racing ranks can never leave a half-built entry behind.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from keel.data.atomic import temp_sibling, write_atomic
 from keel.data.corpus import iter_documents, resolve_corpus
 from keel.data.errors import DataError
 from keel.data.indexed import IndexedDataset, IndexedDatasetWriter
-from keel.data.tokenizer import train_tokenizer
+from keel.data.tokenizer_source import load_or_train_tokenizer, source_sha256
 
 FORMAT_VERSION = 1  # bump whenever tokenizer settings or the on-disk layout change
-TOKENIZER_NAME = "tokenizer"  # -> tokenizer.model
+TOKENIZER_NAME = "tokenizer"  # -> tokenizer.model (trained or a given sentencepiece), .json or a directory (HF)
 DATA_NAME = "data"  # -> data.bin / data.idx
 DONE_NAME = "done.json"
 _BATCH_CHARS = 4_000_000  # text per encode_batch call: large enough to keep every thread busy
@@ -42,18 +42,24 @@ class PreparedData:
 
 
 def prepare_corpus(
-    files: list[Path], out_dir: Path, vocab_size: int, text_field: str = "text", progress: bool = True
+    files: list[Path], out_dir: Path, vocab_size: int, text_field: str = "text", progress: bool = True,
+    tokenizer: Path | None = None,
 ) -> PreparedData:
-    """Train a tokenizer on `files`, then tokenize every document (each followed by EOS) into `out_dir`."""
+    """Train a tokenizer on `files` (or copy the given `tokenizer`: one pass over the corpus instead of two), then
+    tokenize every document (each followed by EOS) into `out_dir`."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     documents = iter_documents(files, text_field)
     first = next(documents, None)
     if first is None:
         raise DataError(f"data.corpus: the {len(files)} matched file(s) contain no text; point it at non-empty files")
-    if progress:
+    if progress and tokenizer is None:
         tqdm.write(f"keel: training a {vocab_size}-token tokenizer on {len(files)} file(s)", file=sys.stderr)
-    tokenizer = train_tokenizer(itertools.chain([first], documents), vocab_size, out_dir / TOKENIZER_NAME)
+    given = tokenizer
+    tokenizer = load_or_train_tokenizer(given, itertools.chain([first], documents), vocab_size, out_dir,
+                                        TOKENIZER_NAME)
+    if progress and given is not None:
+        tqdm.write(f"keel: tokenizing {len(files)} file(s) with {given}", file=sys.stderr)
     eos = tokenizer.eos_id
     bar = tqdm(total=len(files), unit="file", desc="keel: tokenizing", disable=not progress, file=sys.stderr)
     with bar, IndexedDatasetWriter(out_dir / DATA_NAME, tokenizer.vocab_size) as writer:
@@ -63,7 +69,7 @@ def prepare_corpus(
                 writer.add_document(ids)
             bar.update(files_done)
             bar.set_postfix(tokens=f"{writer.num_tokens:,}")
-    return PreparedData(tokenizer.model_path, out_dir / DATA_NAME, writer.num_tokens, writer.num_docs)
+    return PreparedData(tokenizer.path, out_dir / DATA_NAME, writer.num_tokens, writer.num_docs)
 
 
 def _batches(files: list[Path], text_field: str) -> Iterator[tuple[list[str], int]]:
@@ -82,8 +88,9 @@ def _batches(files: list[Path], text_field: str) -> Iterator[tuple[list[str], in
         yield batch, files_done
 
 
-def corpus_fingerprint(files: list[Path], vocab_size: int, text_field: str) -> str:
-    """A short hash of everything a prepared corpus depends on."""
+def corpus_fingerprint(files: list[Path], vocab_size: int, text_field: str, tokenizer_sha256: str | None = None) -> str:
+    """A short hash of everything a prepared corpus depends on (a given tokenizer's hash replaces the vocabulary
+    size, which applies only to training one)."""
     entries = []
     for file in sorted(files):
         try:
@@ -92,6 +99,9 @@ def corpus_fingerprint(files: list[Path], vocab_size: int, text_field: str) -> s
             raise DataError(f"data.corpus: cannot read {file} ({exc.strerror or exc})") from None
         entries.append([str(file), stat.st_size, stat.st_mtime_ns])
     key = {"format": FORMAT_VERSION, "vocab_size": vocab_size, "text_field": text_field, "files": entries}
+    if tokenizer_sha256 is not None:
+        key["vocab_size"] = None
+        key["tokenizer_sha256"] = tokenizer_sha256
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -102,11 +112,14 @@ def ensure_prepared(
     text_field: str = "text",
     base_dir: Path | None = None,
     progress: bool = True,
+    tokenizer: Path | None = None,
 ) -> PreparedData:
-    """Return the cached preparation of `spec`, building it first if no complete entry exists."""
+    """Return the cached preparation of `spec`, building it first if no complete entry exists; `tokenizer` is a
+    given tokenizer's path (keel.data.tokenizer_source.resolve_tokenizer_path), None to train one."""
     files = resolve_corpus(spec, base_dir)
     cache = Path(os.path.expanduser(str(cache_dir)))
-    entry = cache / corpus_fingerprint(files, vocab_size, text_field)
+    tokenizer_sha = None if tokenizer is None else source_sha256(tokenizer)
+    entry = cache / corpus_fingerprint(files, vocab_size, text_field, tokenizer_sha)
     found = _load_entry(entry)
     if found is None and entry.exists():
         _discard_damaged(entry)
@@ -122,8 +135,8 @@ def ensure_prepared(
             f"data.cache_dir: cannot write to {cache} ({exc.strerror or exc}); set a writable path"
         ) from None
     try:
-        prepared = prepare_corpus(files, tmp, vocab_size, text_field, progress)
-        _write_done(tmp, prepared, spec, files)
+        prepared = prepare_corpus(files, tmp, vocab_size, text_field, progress, tokenizer)
+        _write_done(tmp, prepared, spec, files, tokenizer, tokenizer_sha)
         try:
             os.rename(tmp, entry)
         except OSError:
@@ -138,7 +151,8 @@ def ensure_prepared(
     return found
 
 
-def _write_done(out_dir: Path, prepared: PreparedData, spec: list[str], files: list[Path]) -> None:
+def _write_done(out_dir: Path, prepared: PreparedData, spec: list[str], files: list[Path],
+                tokenizer: Path | None = None, tokenizer_sha: str | None = None) -> None:
     record = {
         "format": FORMAT_VERSION,
         "tokenizer": prepared.tokenizer_path.name,
@@ -148,6 +162,8 @@ def _write_done(out_dir: Path, prepared: PreparedData, spec: list[str], files: l
         "spec": list(spec),
         "num_files": len(files),
         "corpus_bytes": sum(f.stat().st_size for f in files),
+        "tokenizer_source": "train" if tokenizer is None else str(tokenizer),
+        "tokenizer_source_sha256": tokenizer_sha,
     }
     write_atomic(out_dir / DONE_NAME, json.dumps(record, indent=2).encode())
 
@@ -163,7 +179,7 @@ def _load_entry(entry: Path) -> PreparedData | None:
             num_docs=int(record["num_docs"]),
         )
         dataset = IndexedDataset(prepared.data_prefix)
-        if not prepared.tokenizer_path.is_file() or dataset.num_tokens != prepared.num_tokens:
+        if not prepared.tokenizer_path.exists() or dataset.num_tokens != prepared.num_tokens:
             return None
     except (OSError, ValueError, KeyError, TypeError):  # DataError is a ValueError
         return None

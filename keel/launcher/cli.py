@@ -94,10 +94,10 @@ def _train_in_place(args: argparse.Namespace, world_size: int) -> int:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from keel.data import ensure_prepared
+    from keel.data import ensure_prepared, resolve_tokenizer_path
 
     prepared = ensure_prepared(args.inputs or ["default"], args.cache_dir, args.vocab_size,
-                               text_field=args.text_field)
+                               text_field=args.text_field, tokenizer=resolve_tokenizer_path(args.tokenizer))
     print(f"tokenizer {prepared.tokenizer_path}\ntokens {prepared.data_prefix}.bin ({prepared.num_tokens} tokens, "
           f"{prepared.num_docs} documents)")
     return 0
@@ -176,9 +176,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="override a config field, e.g. --set train.steps=100 (repeatable)")
     train.set_defaults(func=cmd_train)
 
-    prep = sub.add_parser("prepare", help="train a tokenizer and write the token files for a corpus")
+    prep = sub.add_parser("prepare", help="train (or take) a tokenizer and write the token files for a corpus")
     prep.add_argument("inputs", nargs="*", help="text/JSONL files or globs (default: the Python stdlib source)")
-    prep.add_argument("--vocab-size", type=int, default=4096)
+    prep.add_argument("--tokenizer", default="train",
+                      help="train, or a sentencepiece .model / HF tokenizer.json / HF tokenizer directory")
+    prep.add_argument("--vocab-size", type=int, default=4096, help="when training the tokenizer")
     prep.add_argument("--text-field", default="text", help="JSONL field holding the text")
     prep.add_argument("--cache-dir", default="~/.cache/keel")
     prep.set_defaults(func=cmd_prepare)

@@ -1,8 +1,8 @@
 """Turn a command line into a checked, self-contained run directory — before any rank starts.
 
 The run dir holds everything the ranks need (`config.yaml` fully resolved, `ds_config.json` as the user wrote
-it, `data.json` naming the prepared tokenizer and token files), so a restart, a requeue or a different launcher
-reads the same run back without the original command line.
+it, `data.json` naming the prepared tokenizer and token files and recording which tokenizer it is), so a restart,
+a requeue or a different launcher reads the same run back without the original command line.
 """
 
 from __future__ import annotations
@@ -85,8 +85,8 @@ def _check_same_run(run_dir: Path, cfg: RunConfig) -> None:
         return
     old = build_config(yaml.safe_load(saved.read_text()))
     for key, value in vars(cfg.model).items():
-        if key == "vocab_size" and value == 0:
-            continue
+        if (key == "vocab_size" and value == 0) or (key in ("bos_id", "eos_id", "pad_id") and value == -1):
+            continue  # resolved from the tokenizer later (prepare_data)
         if getattr(old.model, key) != value:
             raise ConfigError(
                 f"model.{key}={value} differs from {getattr(old.model, key)} in the existing run {run_dir}; "
@@ -95,24 +95,32 @@ def _check_same_run(run_dir: Path, cfg: RunConfig) -> None:
 
 
 def prepare_data(spec: RunSpec) -> None:
-    """Prepare (or find cached) tokenizer and token files; resolve model.vocab_size from the tokenizer."""
-    from keel.data import IndexedDataset, Tokenizer, ensure_prepared
+    """Prepare (or find cached) tokenizer and token files; resolve model.vocab_size and the special ids from the
+    tokenizer, and record which tokenizer it was."""
+    from keel.data import IndexedDataset, ensure_prepared, load_tokenizer, resolve_tokenizer_path, source_sha256
+    from keel.launcher.run_tokenizer import check_same_tokenizer, resolve_special_ids, tokenizer_record
 
     cfg = spec.cfg
+    source = resolve_tokenizer_path(cfg.data.tokenizer, spec.base_dir)  # None: train one on the corpus
     prepared = ensure_prepared(cfg.data.corpus, cfg.data.cache_dir, cfg.data.tokenizer_vocab_size,
-                               text_field=cfg.data.text_field, base_dir=spec.base_dir)
-    vocab = Tokenizer(prepared.tokenizer_path).vocab_size
+                               text_field=cfg.data.text_field, base_dir=spec.base_dir, tokenizer=source)
+    tokenizer = load_tokenizer(prepared.tokenizer_path)
+    vocab = tokenizer.vocab_size
     data_vocab = IndexedDataset(prepared.data_prefix).vocab_size  # what the token file's header records
     need = max(vocab, data_vocab)
     if cfg.model.vocab_size == 0:
         cfg.model.vocab_size = need
     elif cfg.model.vocab_size < need:
-        source = f"the tokenizer's {vocab} ids" if vocab >= data_vocab else \
+        source_text = f"the tokenizer's {vocab} ids" if vocab >= data_vocab else \
             f"the {data_vocab} ids the token file {prepared.data_prefix}.idx records"
-        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than {source}; "
+        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than {source_text}; "
                           f"set it to >= {need} or 0")
-    spec.data = {"tokenizer": str(prepared.tokenizer_path), "prefix": str(prepared.data_prefix),
-                 "num_tokens": prepared.num_tokens, "num_docs": prepared.num_docs}
+    resolve_special_ids(cfg.model, tokenizer)
+    record = tokenizer_record(tokenizer, source, None if source is None else source_sha256(source))
+    check_same_tokenizer(spec.run_dir, cfg, record, DATA_FILE)
+    spec.data = {"tokenizer": str(prepared.tokenizer_path), "tokenizer_info": record,
+                 "prefix": str(prepared.data_prefix), "num_tokens": prepared.num_tokens,
+                 "num_docs": prepared.num_docs}
 
 
 def write_run_dir(spec: RunSpec) -> None:
