@@ -10,7 +10,8 @@ from keel.data import DataError, IndexedDataset, IndexedDatasetWriter, best_dtyp
 
 @pytest.mark.parametrize(
     ("vocab", "dtype"),
-    [(2, np.uint8), (256, np.uint8), (257, np.uint16), (4096, np.uint16), (65536, np.uint16), (70000, np.int32), (2**31, np.int32)],
+    [(2, np.uint8), (256, np.uint8), (257, np.uint16), (4096, np.uint16), (65536, np.uint16), (70000, np.int32),
+     (2**31, np.int32)],
 )
 def test_best_dtype(vocab: int, dtype: type) -> None:
     assert best_dtype(vocab) == np.dtype(dtype)

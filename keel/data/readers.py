@@ -88,7 +88,7 @@ def _parquet_documents(file: Path, text_field: str) -> Iterator[str]:
         raise DataError(f"data.corpus: {file} is parquet, which needs pyarrow: pip install 'keel[parquet]'") from None
     try:
         parquet = pq.ParquetFile(file)
-    except OSError as exc:
+    except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
         raise DataError(f"data.corpus: cannot read {file} as parquet ({exc})") from None
     schema = parquet.schema_arrow
     if text_field not in schema.names:
@@ -99,7 +99,10 @@ def _parquet_documents(file: Path, text_field: str) -> Iterator[str]:
         raise DataError(f"{file}: column {text_field!r} is {kind}, expected strings")
     with parquet:
         for group in range(parquet.num_row_groups):
-            column = parquet.read_row_group(group, columns=[text_field]).column(0)
+            try:
+                column = parquet.read_row_group(group, columns=[text_field]).column(0)
+            except (OSError, ValueError) as exc:
+                raise DataError(f"data.corpus: {file} row group {group} is damaged ({exc})") from None
             for text in column.to_pylist():
                 if text:
                     yield text

@@ -101,18 +101,23 @@ def prepare_data(spec: RunSpec) -> None:
     cfg = spec.cfg
     prepared = ensure_prepared(cfg.data.corpus, cfg.data.cache_dir, cfg.data.tokenizer_vocab_size,
                                text_field=cfg.data.text_field, base_dir=spec.base_dir)
-    vocab = Tokenizer(prepared.tokenizer_path).vocab_size
-    data_vocab = IndexedDataset(prepared.data_prefix).vocab_size  # what the token file's header records
+    if len(prepared.sources) > 1:
+        names = ", ".join(map(str, prepared.sources))
+        raise ConfigError(f"data.corpus: names {len(prepared.sources)} token sources ({names}); "
+                          "a run trains on one: list either text files or a single token file")
+    vocab = Tokenizer(prepared.tokenizer_path).vocab_size if prepared.tokenizer_path else prepared.vocab_size
+    # what the token file's sidecar records (a file without one is read with the tokenizer's vocabulary)
+    data_vocab = IndexedDataset(prepared.data_prefix, vocab_size=prepared.vocab_size or vocab).vocab_size
     need = max(vocab, data_vocab)
     if cfg.model.vocab_size == 0:
         cfg.model.vocab_size = need
     elif cfg.model.vocab_size < need:
         source = f"the tokenizer's {vocab} ids" if vocab >= data_vocab else \
-            f"the {data_vocab} ids the token file {prepared.data_prefix}.idx records"
+            f"the {data_vocab} ids the token file {prepared.data_prefix}.json records"
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than {source}; "
                           f"set it to >= {need} or 0")
     spec.data = {"tokenizer": str(prepared.tokenizer_path), "prefix": str(prepared.data_prefix),
-                 "num_tokens": prepared.num_tokens, "num_docs": prepared.num_docs}
+                 "num_tokens": prepared.num_tokens, "num_docs": prepared.num_docs, "vocab_size": data_vocab}
 
 
 def write_run_dir(spec: RunSpec) -> None:
