@@ -244,3 +244,18 @@ def test_worker_failure_stops_cleanly(tmp_path: Path, given_tokenizer: Tokenizer
         prepare_corpus(files, tmp_path / "out", 400, progress=False, tokenizer=_FailingTokenizer(given_tokenizer, how),
                        workers=2)
     assert list((tmp_path / "out").iterdir()) == []  # nothing half-written left behind
+
+
+def test_keel_prepare_workers_on_the_command_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from keel.launcher.cli import main
+
+    write_corpus(tmp_path / "corpus")
+    base = ["prepare", str(tmp_path / "corpus"), "--vocab-size", "400", "--cache-dir", str(tmp_path / "cache")]
+    with pytest.raises(SystemExit) as exit_info:
+        main(base + ["--workers", "0"])
+    assert exit_info.value.code == 2 and "--workers: must be >= 1, got 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main(base + ["--workers", "2"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "tokenizer " in out and "/data.bin" in out and "12 documents" in out
