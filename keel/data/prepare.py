@@ -31,7 +31,7 @@ FORMAT_VERSION = 2  # bump whenever tokenizer settings or the on-disk layout cha
 TOKENIZER_NAME = "tokenizer"  # -> tokenizer.model
 DATA_NAME = "data"  # -> data.bin / data.idx / data.json
 DONE_NAME = "done.json"
-# Text per worker task: small enough that the 2 x workers in flight stay a few MB (a worker holds its batch's ids
+# Text per worker task: small enough that the 4 x workers in flight stay a few MB (a worker holds its batch's ids
 # as Python ints, ~40 bytes each, before packing them) and that one slow batch does not idle the other workers.
 _BATCH_CHARS = 256_000
 

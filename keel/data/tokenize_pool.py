@@ -2,8 +2,9 @@
 
 Worker processes own a tokenizer each (its own threads pinned to 1, so N workers use N cores and never
 oversubscribe) and send back flat numpy arrays (ids with EOS appended, and per-document lengths), which pickle
-as raw buffers. At most `2 * workers` batches are in flight, so the reader never runs ahead of the tokenizers and
-memory depends on the batch size, not the corpus. The pool is hand-made rather than `multiprocessing.Pool.imap`
+as raw buffers. At most `4 * workers` batches are in flight (slack for the others while one slow batch holds up
+the ordered output), so the reader never runs ahead of the tokenizers and memory depends on the batch size, not
+the corpus. The pool is hand-made rather than `multiprocessing.Pool.imap`
 for two reasons: `imap` feeds its task queue from the whole input iterator as fast as it can (no back-pressure),
 and a worker that dies leaves `imap` waiting forever, where this one raises.
 """
@@ -84,7 +85,7 @@ def tokenize_in_order(
     for proc in procs:
         proc.start()
     try:
-        yield from _ordered(iter(batches), tasks, results, procs, window=2 * workers)
+        yield from _ordered(iter(batches), tasks, results, procs, window=4 * workers)
     finally:
         for _ in procs:
             tasks.put(None)
