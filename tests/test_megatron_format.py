@@ -163,3 +163,9 @@ def test_directory_of_token_files_and_sidecars(tmp_path: Path, tokenizer: Tokeni
     IndexedDatasetWriter(tmp_path / "d" / "b", 400).finalize()  # with a sidecar b.json
     prepared = ensure_prepared([str(tmp_path / "d")], tmp_path / "cache", 4096, progress=False, tokenizer=tokenizer)
     assert prepared.sources == (tmp_path / "d" / "a", tmp_path / "d" / "b")
+    glob_only_bins = ensure_prepared([str(tmp_path / "d" / "*.bin")], tmp_path / "cache", 4096, progress=False,
+                                     tokenizer=tokenizer)
+    assert glob_only_bins.sources == prepared.sources
+    (tmp_path / "d" / "orphan.bin").write_bytes(b"\0\0")
+    with pytest.raises(DataError, match=r"orphan\.bin has no .*orphan\.idx beside it"):
+        ensure_prepared([str(tmp_path / "d")], tmp_path / "cache", 4096, progress=False, tokenizer=tokenizer)

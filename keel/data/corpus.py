@@ -96,15 +96,16 @@ def _token_entry(entry: str, base: Path) -> Path | None:
 
 
 def _split_token_files(files: list[Path]) -> tuple[list[Path], list[Path]]:
-    """Separate `.bin`/`.idx` pairs (and their sidecars) from text files."""
-    text, prefixes = [], []
-    names = set(files)
+    """Separate `.bin`/`.idx` pairs (and their sidecars) from text files; half a pair is an error, not text."""
+    text, prefixes = [], set()
     for file in files:
-        prefix = token_file_prefix(file)
-        paired = prefix.with_name(prefix.name + ".bin") in names and prefix.with_name(prefix.name + ".idx") in names
-        if file.suffix in (".bin", ".idx") and paired:
-            if file.suffix == ".bin":
-                prefixes.append(prefix)
+        if file.suffix in (".bin", ".idx"):
+            prefix = token_file_prefix(file)
+            if not is_token_file(prefix):
+                other = ".idx" if file.suffix == ".bin" else ".bin"
+                raise DataError(f"data.corpus: {file} has no {prefix}{other} beside it; a token file needs both "
+                                "its .bin and .idx (or move the file out of the corpus)")
+            prefixes.add(prefix)
         elif not (file.suffix == ".json" and is_token_file(file.with_suffix(""))):
             text.append(file)
     return text, sorted(prefixes)

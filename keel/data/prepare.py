@@ -81,7 +81,7 @@ def prepare_corpus(
         tokenizer_hash=tokenizer_fingerprint(tokenizer))
     bar = tqdm(unit="tok", unit_scale=True, desc=f"keel: tokenizing ({workers} worker{'s' * (workers > 1)})",
                disable=not progress, file=sys.stderr)
-    with writer:
+    with bar, writer:
         files_done = 0
         for ids, lengths, finished in tokenize_in_order(tokenizer, _batches(files, text_field), workers):
             writer.add_documents(ids, lengths)
@@ -90,7 +90,6 @@ def prepare_corpus(
             bar.set_postfix_str(f"{files_done}/{len(files)} files, {writer.num_docs:,} docs", refresh=False)
         if writer.num_docs == 0:
             raise DataError(empty)
-    bar.close()
     path = Path(model_path) if model_path else None
     return PreparedData(path, out_dir / DATA_NAME, writer.num_tokens, writer.num_docs, (out_dir / DATA_NAME,),
                         tokenizer.vocab_size)
