@@ -1,9 +1,10 @@
 """Turn a corpus spec into a tokenizer plus a token store, once, and cache the result.
 
-The cache key covers everything the output depends on (file list, sizes, mtimes, vocabulary size, text field,
-format version), so editing the corpus or the config re-prepares, and anything else reuses. An entry becomes
-visible only by renaming a finished directory into place, with `done.json` written last inside it, so a crash
-or two racing ranks can never leave a half-built entry behind.
+The cache key covers everything the output depends on (file list, sizes, mtimes, the vocabulary size to train
+or the given tokenizer's hash, the token files named, text field, format version), so editing the corpus or
+the config re-prepares, and anything else reuses; the worker count is not in it (the output is the same). An
+entry becomes visible only by renaming a finished directory into place, with `done.json` written last inside
+it, so a crash or two racing ranks can never leave a half-built entry behind.
 """
 
 from __future__ import annotations
