@@ -259,3 +259,21 @@ def test_keel_prepare_workers_on_the_command_line(tmp_path: Path, capsys: pytest
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
     assert "tokenizer " in out and "/data.bin" in out and "12 documents" in out
+
+
+def test_the_pool_reads_no_further_ahead_than_its_window(given_tokenizer: Tokenizer) -> None:
+    """Back-pressure: the reader stays within 4 x workers batches of the writer, whatever the corpus size."""
+    from keel.data.tokenize_pool import tokenize_in_order
+
+    pulled: list[int] = []
+
+    def batches():
+        for i in range(40):
+            pulled.append(i)
+            yield [f"document number {i} " * 20], i
+
+    ahead = []
+    for _, lengths, tag in tokenize_in_order(given_tokenizer, batches(), workers=2):
+        ahead.append(len(pulled) - tag)
+        assert lengths.tolist() == [len(given_tokenizer.encode(f"document number {tag} " * 20)) + 1]
+    assert max(ahead) <= 4 * 2 + 1 and len(ahead) == 40 and len(pulled) == 40
