@@ -22,10 +22,14 @@ setup(
         "numpy>=1.24",
         "tqdm>=4.60",
         "tensorboard>=2.14",
+        "zstandard>=0.22",  # .jsonl.zst / .txt.zst corpora (a 5 MB wheel)
     ],
     extras_require={
-        # the lr-find tests read matplotlib's plot; Liger's RoPE is tested on CPU under TRITON_INTERPRET=1
-        "test": ["pytest>=8", "ruff>=0.5", "matplotlib>=3.7", "liger-kernel>=0.8", "triton>=3.0"],
+        # the lr-find tests read matplotlib's plot; Liger's RoPE is tested on CPU under TRITON_INTERPRET=1;
+        # tests/test_megatron_format.py checks Keel's token files against Megatron-Core's reader and builder
+        "test": ["pytest>=8", "ruff>=0.5", "matplotlib>=3.7", "liger-kernel>=0.8", "triton>=3.0",
+                 "megatron-core>=0.12", "pyarrow>=14"],
+        "parquet": ["pyarrow>=14"],  # parquet corpora (a 55 MB wheel, so not a core dependency)
         "liger": ["liger-kernel>=0.8", "triton>=3.0"],  # model.kernels: auto picks it on CUDA
         "wandb": ["wandb>=0.16"],
         "triton": ["triton>=3.0"],

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -180,15 +179,13 @@ def test_parallel_layout_errors(nproc, sets, message, tmp_path, capsys):
 
 
 def test_model_vocabulary_smaller_than_the_token_files_is_refused_before_any_rank(tmp_path, capsys, small_corpus):
-    """The token file's header records its vocabulary; a model too small for it is a one-line usage error."""
+    """The token file's sidecar records its vocabulary; a model too small for it is a one-line usage error."""
     overrides = tiny_overrides(small_corpus, tmp_path / "cache")
     spec = build_run(None, overrides, None, str(tmp_path / "first"), 2)
     prepare_data(spec)
     assert spec.cfg.model.vocab_size == 512
-    idx = Path(spec.data["prefix"] + ".idx")
-    header = bytearray(idx.read_bytes())
-    struct.pack_into("<Q", header, 16, 600)  # magic, version, dtype code, then the vocabulary size
-    idx.write_bytes(bytes(header))
+    sidecar = Path(spec.data["prefix"] + ".json")  # the vocabulary lives beside the Megatron-format pair
+    sidecar.write_text(json.dumps({**json.loads(sidecar.read_text()), "vocab_size": 600}))
     args = ["train", "--nproc", "2", "--run-dir", str(tmp_path / "run")]
     for item in overrides + ["model.vocab_size=512"]:
         args += ["--set", item]
@@ -197,5 +194,5 @@ def test_model_vocabulary_smaller_than_the_token_files_is_refused_before_any_ran
     assert exit_info.value.code == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line.lower()]
     assert errors == [f"keel: error: model.vocab_size=512 is smaller than the 600 ids the token file "
-                      f"{spec.data['prefix']}.idx records; set it to >= 600 or 0"], errors
+                      f"{spec.data['prefix']}.json records; set it to >= 600 or 0"], errors
     assert not (tmp_path / "run").exists()

@@ -7,18 +7,19 @@ a first run needs no download. Everything is sorted so the same spec yields the 
 from __future__ import annotations
 
 import glob
-import json
 import os
 import sysconfig
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from keel.data.errors import DataError
+from keel.data.indexed import is_token_file, token_file_prefix
+from keel.data.readers import file_documents
 
 # Directories left out of the default corpus: installed third-party code, and test suites / tools whose
 # bulk (data tables, generated fixtures) would dominate the text without being representative of it.
 _DEFAULT_EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3"})
-_JSON_LINES_SUFFIXES = frozenset({".jsonl", ".ndjson", ".json"})
 
 
 def default_corpus_files() -> list[Path]:
@@ -33,24 +34,81 @@ def default_corpus_files() -> list[Path]:
     return sorted(files)
 
 
-def resolve_corpus(spec: list[str], base_dir: Path | None = None) -> list[Path]:
-    """Expand a corpus spec into a sorted, de-duplicated file list.
+@dataclass(frozen=True)
+class CorpusSources:
+    """What a corpus spec names: text to tokenize, and token files (`.bin`/`.idx` prefixes) used in place."""
 
-    Each entry is "default", a file, a directory (all non-hidden files below it) or a glob (`**` recurses).
-    Relative entries are taken against `base_dir` (the config file's directory) or the working directory.
+    text_files: list[Path] = field(default_factory=list)
+    token_files: list[Path] = field(default_factory=list)
+
+
+def resolve_sources(spec: list[str], base_dir: Path | None = None) -> CorpusSources:
+    """Expand a corpus spec into sorted, de-duplicated text files and token-file prefixes (in spec order).
+
+    Each entry is "default", a file, a directory (all non-hidden files below it), a glob (`**` recurses) or a
+    token-file prefix (`/data/pile_text_document`, with or without `.bin`/`.idx`). Inside directories and globs a
+    `.bin`/`.idx` pair (and its `.json` sidecar) is a token file too. Relative entries are taken against
+    `base_dir` (the config file's directory) or the working directory.
     """
     if isinstance(spec, str):
         spec = [spec]
     if not spec:
         raise DataError("data.corpus: empty; list files or globs, or use [default]")
     base = Path(base_dir) if base_dir is not None else Path.cwd()
-    found: set[Path] = set()
+    text: set[Path] = set()
+    tokens: dict[Path, None] = {}  # ordered set
     for entry in spec:
+        prefix = None if entry == "default" else _token_entry(entry, base)
+        if prefix is not None:
+            tokens[prefix] = None
+            continue
         matches = default_corpus_files() if entry == "default" else _expand(entry, base)
-        if not matches:
+        found_text, found_tokens = _split_token_files(matches)
+        if not found_text and not found_tokens:
             raise DataError(f"data.corpus: no files match {entry!r}")
-        found.update(matches)
-    return sorted(found)
+        text.update(found_text)
+        tokens.update(dict.fromkeys(found_tokens))
+    return CorpusSources(sorted(text), list(tokens))
+
+
+def resolve_corpus(spec: list[str], base_dir: Path | None = None) -> list[Path]:
+    """The text files of a corpus spec, sorted (token files are left out: they need no tokenizing)."""
+    return resolve_sources(spec, base_dir).text_files
+
+
+def _token_entry(entry: str, base: Path) -> Path | None:
+    """The token-file prefix an entry names, None for other entries; half a pair is one clear error."""
+    raw = os.path.expanduser(entry)
+    if any(c in raw for c in "*?["):
+        return None
+    path = Path(raw) if os.path.isabs(raw) else base / raw
+    if path.is_dir() or (path.is_file() and path.suffix not in (".bin", ".idx")):
+        return None
+    prefix = token_file_prefix(path).absolute()
+    have = [Path(f"{prefix}{s}").is_file() for s in (".bin", ".idx")]
+    if all(have):
+        return prefix
+    if any(have) or path.suffix in (".bin", ".idx"):
+        missing = f"{prefix}.idx" if have[0] else f"{prefix}.bin"
+        raise DataError(f"data.corpus: {entry!r} names a token file but {missing} is missing; "
+                        "a token file needs both its .bin and .idx")
+    return None
+
+
+def _split_token_files(files: list[Path]) -> tuple[list[Path], list[Path]]:
+    """Separate `.bin`/`.idx` pairs (and their sidecars) from text files; half a pair is an error, not text."""
+    text, prefixes = [], set()
+    for file in files:
+        if file.suffix in (".bin", ".idx"):
+            prefix = token_file_prefix(file)
+            if not is_token_file(prefix):
+                other = ".idx" if file.suffix == ".bin" else ".bin"
+                raise DataError(f"data.corpus: {file} has no {prefix}{other} beside it; a token file needs both "
+                                "its .bin and .idx (or move the file out of the corpus)")
+            prefixes.add(prefix)
+        elif not (file.suffix == ".json" and is_token_file(file.with_suffix(""))):
+            text.append(file)
+    return text, sorted(prefixes)
 
 
 def _expand(entry: str, base: Path) -> list[Path]:
@@ -71,38 +129,7 @@ def _walk_files(root: Path) -> Iterator[Path]:
 
 
 def iter_documents(files: Iterable[Path], text_field: str = "text") -> Iterator[str]:
-    """Yield non-empty documents: one per line of a JSON-lines file, otherwise one per file."""
+    """Yield non-empty documents: one per line of a JSON-lines file or row of a parquet file, otherwise one per
+    file (keel/data/readers.py; `.gz` and `.zst` are decompressed on the fly)."""
     for file in files:
-        file = Path(file)
-        if file.suffix.lower() in _JSON_LINES_SUFFIXES:
-            yield from _iter_json_lines(file, text_field)
-            continue
-        try:
-            text = file.read_text(encoding="utf-8", errors="replace")
-        except OSError as exc:
-            raise DataError(f"data.corpus: cannot read {file} ({exc.strerror or exc})") from None
-        if text:
-            yield text
-
-
-def _iter_json_lines(file: Path, text_field: str) -> Iterator[str]:
-    try:
-        handle = open(file, encoding="utf-8", errors="replace")
-    except OSError as exc:
-        raise DataError(f"data.corpus: cannot read {file} ({exc.strerror or exc})") from None
-    with handle:
-        for lineno, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            where = f"{file}:{lineno}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{where}: not valid JSON ({exc.msg}); expected one JSON object per line") from None
-            if not isinstance(record, dict) or text_field not in record:
-                raise DataError(f"{where}: no {text_field!r} field; set data.text_field to the field holding the text")
-            text = record[text_field]
-            if not isinstance(text, str):
-                raise DataError(f"{where}: field {text_field!r} is {type(text).__name__}, expected a string")
-            if text:
-                yield text
+        yield from file_documents(Path(file), text_field)

@@ -91,8 +91,7 @@ def val_boundary(dataset: IndexedDataset, seq_len: int, val_fraction: float) -> 
             f"data: the corpus has {n:,} tokens, too few for seq_len={seq_len} with val_fraction={val_fraction} "
             f"(needs about {need:,}); add text or lower data.seq_len"
         )
-    offsets = dataset.doc_offsets
-    doc_start = int(offsets[np.searchsorted(offsets, latest, side="right") - 1])
+    doc_start = dataset.document_start_at(latest)  # binary searches in the index maps: no per-document copy
     if doc_start >= window and latest - doc_start <= want:
         return doc_start
     return latest

@@ -96,10 +96,15 @@ def _train_in_place(args: argparse.Namespace, world_size: int) -> int:
 def cmd_prepare(args: argparse.Namespace) -> int:
     from keel.data import ensure_prepared, resolve_tokenizer_path
 
+    if args.workers is not None and args.workers < 1:
+        raise ConfigError(f"--workers: must be >= 1, got {args.workers}")
     prepared = ensure_prepared(args.inputs or ["default"], args.cache_dir, args.vocab_size,
-                               text_field=args.text_field, tokenizer=resolve_tokenizer_path(args.tokenizer))
-    print(f"tokenizer {prepared.tokenizer_path}\ntokens {prepared.data_prefix}.bin ({prepared.num_tokens} tokens, "
-          f"{prepared.num_docs} documents)")
+                               text_field=args.text_field, tokenizer=resolve_tokenizer_path(args.tokenizer),
+                               workers=args.workers)
+    print(f"tokenizer {prepared.tokenizer_path}")
+    for prefix in prepared.sources:
+        print(f"tokens {prefix}.bin")
+    print(f"({prepared.num_tokens} tokens, {prepared.num_docs} documents)")
     return 0
 
 
@@ -177,12 +182,14 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(func=cmd_train)
 
     prep = sub.add_parser("prepare", help="train (or take) a tokenizer and write the token files for a corpus")
-    prep.add_argument("inputs", nargs="*", help="text/JSONL files or globs (default: the Python stdlib source)")
+    prep.add_argument("inputs", nargs="*", help="text/JSONL(.gz/.zst)/parquet files, directories, globs or .bin/.idx "
+                      "token files (default: the Python stdlib source)")
     prep.add_argument("--tokenizer", default="train",
                       help="train, or a sentencepiece .model / HF tokenizer.json / HF tokenizer directory")
     prep.add_argument("--vocab-size", type=int, default=4096, help="when training the tokenizer")
     prep.add_argument("--text-field", default="text", help="JSONL field holding the text")
     prep.add_argument("--cache-dir", default="~/.cache/keel")
+    prep.add_argument("--workers", type=int, help="tokenizer processes (default: every core this process may use)")
     prep.set_defaults(func=cmd_prepare)
 
     find = sub.add_parser("lr-find", help="LR range test: sweep the LR exponentially and suggest a peak LR")

@@ -104,15 +104,20 @@ def prepare_data(spec: RunSpec) -> None:
     source = resolve_tokenizer_path(cfg.data.tokenizer, spec.base_dir)  # None: train one on the corpus
     prepared = ensure_prepared(cfg.data.corpus, cfg.data.cache_dir, cfg.data.tokenizer_vocab_size,
                                text_field=cfg.data.text_field, base_dir=spec.base_dir, tokenizer=source)
+    if len(prepared.sources) > 1:
+        names = ", ".join(map(str, prepared.sources))
+        raise ConfigError(f"data.corpus: names {len(prepared.sources)} token sources ({names}); "
+                          "a run trains on one: list either text files or a single token file")
     tokenizer = load_tokenizer(prepared.tokenizer_path)
     vocab = tokenizer.vocab_size
-    data_vocab = IndexedDataset(prepared.data_prefix).vocab_size  # what the token file's header records
+    # what the token file's sidecar records (a file without one is read with the tokenizer's vocabulary)
+    data_vocab = IndexedDataset(prepared.data_prefix, vocab_size=prepared.vocab_size or vocab).vocab_size
     need = max(vocab, data_vocab)
     if cfg.model.vocab_size == 0:
         cfg.model.vocab_size = need
     elif cfg.model.vocab_size < need:
         source_text = f"the tokenizer's {vocab} ids" if vocab >= data_vocab else \
-            f"the {data_vocab} ids the token file {prepared.data_prefix}.idx records"
+            f"the {data_vocab} ids the token file {prepared.data_prefix}.json records"
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than {source_text}; "
                           f"set it to >= {need} or 0")
     resolve_special_ids(cfg.model, tokenizer)
@@ -120,7 +125,7 @@ def prepare_data(spec: RunSpec) -> None:
     check_same_tokenizer(spec.run_dir, cfg, record, DATA_FILE)
     spec.data = {"tokenizer": str(prepared.tokenizer_path), "tokenizer_info": record,
                  "prefix": str(prepared.data_prefix), "num_tokens": prepared.num_tokens,
-                 "num_docs": prepared.num_docs}
+                 "num_docs": prepared.num_docs, "vocab_size": data_vocab}
 
 
 def write_run_dir(spec: RunSpec) -> None:

@@ -70,7 +70,7 @@ def run_rank(run_dir: Path) -> int:
     if cfg.logging.collective_trace:
         topology.trace_into(run_dir / "collectives")
     seed_everything(data_parallel_seed(cfg.train.seed, topology))
-    dataset = IndexedDataset(data["prefix"])
+    dataset = IndexedDataset(data["prefix"], vocab_size=data.get("vocab_size"))
     train_samples = PackedSamples(dataset, cfg.data.seq_len, "train", cfg.data.val_fraction)
     val_samples = PackedSamples(dataset, cfg.data.seq_len, "val", cfg.data.val_fraction)
     try:
