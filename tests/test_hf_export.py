@@ -1,0 +1,146 @@
+"""`keel export`: a Keel checkpoint as an HF LlamaForCausalLM directory whose logits are Keel's.
+
+Fast tests read checkpoints written in DeepSpeed's layout in-process (tests/hf_fixtures.py); the slow ones export
+real `keel train` runs (tp2 × pp2 on 4 ranks, ZeRO-3 on 2) and compare with the single-process run.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from keel.config import ConfigError
+from keel.export.hf_export import export_hf
+from keel.export.hf_tokenizer import load_hf_tokenizer
+from keel.launcher.run_dir import read_run_dir
+from keel.model import CausalLM
+from tests.hf_fixtures import sample_docs, write_run
+from tests.keel_runs import REPO, Run, final_weights
+
+STEPS = 3  # few steps: layouts agree to fp32 rounding, which later steps amplify (tests/test_train_equivalence)
+REF_UNTIED = Run.of("hf-ref-untied", 1, train__steps=STEPS, model__tie_embeddings="false")
+TP2PP2 = Run.of("hf-tp2pp2", 4, "ds_configs/zero1.json", train__steps=STEPS, parallel__tp=2, parallel__pp=2,
+                model__tie_embeddings="false")
+REF_TIED = Run.of("hf-ref-tied", 1, train__steps=STEPS)
+ZERO3 = Run.of("hf-zero3", 2, "ds_configs/zero3.json", train__steps=STEPS)
+KEEL_RUNS = [REF_UNTIED, TP2PP2, REF_TIED, ZERO3]
+
+
+def hf_logits(out_dir, tokens: torch.Tensor) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(out_dir), dtype=torch.float32).eval()
+    assert type(model).__name__ == "LlamaForCausalLM"
+    with torch.no_grad():
+        return model(input_ids=tokens).logits
+
+
+def keel_logits(model: CausalLM, tokens: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model.eval()(tokens)[..., :model.cfg.vocab_size]
+
+
+def some_tokens(vocab: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, 24), generator=torch.Generator().manual_seed(0))
+
+
+LAYOUTS = [pytest.param(dict(), 1, 1, id="tp1"), pytest.param(dict(tie_embeddings=False), 2, 1, id="tp2-untied"),
+           pytest.param(dict(), 4, 1, id="tp4-replicated-kv"), pytest.param(dict(tie_embeddings=False), 2, 2,
+                                                                            id="tp2pp2-untied"),
+           pytest.param(dict(), 1, 2, id="pp2-tied")]
+
+
+@pytest.mark.parametrize("model, tp, pp", LAYOUTS)
+def test_export_gathers_tp_and_pp_shards(tmp_path, model, tp, pp):
+    """tp shards concatenated on their partition dim, vocabulary padding cut, replicated kv heads taken once,
+    pipeline layer files by index: the HF model's logits are the tp = 1 Keel model's."""
+    cfg, reference = write_run(tmp_path / "run", model, tp=tp, pp=pp)
+    result = export_hf(tmp_path / "run", tmp_path / "hf", max_shard_bytes=40_000)
+    assert result.shards > 1 and (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    x = some_tokens(cfg.model.vocab_size)
+    torch.testing.assert_close(hf_logits(tmp_path / "hf", x), keel_logits(reference, x), atol=1e-5, rtol=1e-5)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (config["vocab_size"], config["tie_word_embeddings"]) == (300, cfg.model.tie_embeddings)
+    assert not list(tmp_path.glob(".hf*"))  # the temp sibling was renamed, not left behind
+
+
+def test_exported_tokenizer_encodes_like_keel(tmp_path):
+    from keel.data.tokenizer import Tokenizer
+
+    write_run(tmp_path / "run")
+    export_hf(tmp_path / "run", tmp_path / "hf")
+    from transformers import AutoTokenizer
+
+    ours = Tokenizer(tmp_path / "run" / "tok.model")
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    texts = sample_docs(5) + ["  indented\n\tcode(x)  # trailing  \n\n", "Ä€漢字 unseen ✓ bytes 9876543210"]
+    for text in texts:
+        assert theirs(text)["input_ids"] == ours.encode(text)
+        assert theirs.decode(ours.encode(text)) == text
+    assert (theirs.bos_token_id, theirs.eos_token_id) == (ours.bos_id, ours.eos_id)
+    generation = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
+    assert (generation["bos_token_id"], generation["eos_token_id"]) == (ours.bos_id, ours.eos_id)
+
+
+def test_bad_inputs_are_one_line_and_write_nothing(tmp_path):
+    write_run(tmp_path / "run", step=5)
+    write_run(tmp_path / "partial", step=5, complete=False)
+    cases = [
+        (tmp_path / "nowhere", None, "not a Keel run dir"),
+        (tmp_path / "partial", None, "no complete checkpoint"),
+        (tmp_path / "run", 7, "does not exist; complete steps: 5"),
+    ]
+    for run_dir, step, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            export_hf(run_dir, tmp_path / "hf", step)
+    (tmp_path / "partial" / "checkpoints" / "latest").write_text("step00000005")
+    with pytest.raises(ConfigError, match="is incomplete"):
+        export_hf(tmp_path / "partial", tmp_path / "hf", 5)
+    assert not (tmp_path / "hf").exists() and not list(tmp_path.glob(".hf*"))
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "keep.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="already exists"):
+        export_hf(tmp_path / "run", tmp_path / "taken")
+    assert (tmp_path / "taken" / "keep.txt").read_text() == "mine"
+    write_run(tmp_path / "layernorm", dict(norm="layernorm"))
+    with pytest.raises(ConfigError, match="RMSNorm only"):
+        export_hf(tmp_path / "layernorm", tmp_path / "hf")
+
+
+def test_cli_exit_code_and_one_line(tmp_path):
+    write_run(tmp_path / "run", complete=False)
+    proc = subprocess.run([sys.executable, "-m", "keel.launcher.cli", "export", str(tmp_path / "run"),
+                           str(tmp_path / "hf")], capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0, proc.stderr
+    assert "keel: error:" in proc.stderr and not (tmp_path / "hf").exists()
+
+
+# -- real runs ----------------------------------------------------------------------------------------------------
+def trained_keel_model(run_dir) -> CausalLM:
+    cfg, _, _ = read_run_dir(run_dir)
+    model = CausalLM(cfg.model, seed=cfg.train.seed)
+    model.load_state_dict(final_weights(run_dir), strict=True)
+    return model
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run, reference", [(TP2PP2, REF_UNTIED), (ZERO3, REF_TIED)], ids=["tp2pp2", "zero3"])
+def test_export_of_real_runs_matches_keel(runs, tmp_path, run, reference):
+    """The export of a tp2 × pp2 run (4 ranks) and of a ZeRO-3 run (2 ranks) against the single-process run's
+    final model, and the reference's own export against itself (exact up to HF's kernels)."""
+    ref_dir = runs.run(reference)
+    model = trained_keel_model(ref_dir)
+    x = some_tokens(model.cfg.vocab_size)
+    expected = keel_logits(model, x)
+    export_hf(ref_dir, tmp_path / "ref")
+    torch.testing.assert_close(hf_logits(tmp_path / "ref", x), expected, atol=1e-5, rtol=1e-5)
+    export_hf(runs.run(run), tmp_path / "hf")
+    torch.testing.assert_close(hf_logits(tmp_path / "hf", x), expected, atol=1e-5, rtol=1e-5)
+    provenance = json.loads((tmp_path / "hf" / "keel_export.json").read_text())
+    assert "fp32" in provenance["weights"] and provenance["step"] == STEPS
+    tokenizer = load_hf_tokenizer(__import__("pathlib").Path(read_run_dir(ref_dir)[2]["tokenizer"]))
+    assert tokenizer is not None
