@@ -144,3 +144,19 @@ def test_export_of_real_runs_matches_keel(runs, tmp_path, run, reference):
     assert "fp32" in provenance["weights"] and provenance["step"] == STEPS
     tokenizer = load_hf_tokenizer(__import__("pathlib").Path(read_run_dir(ref_dir)[2]["tokenizer"]))
     assert tokenizer is not None
+
+
+@pytest.mark.slow
+def test_export_peak_rss_is_bounded_by_the_largest_tensor_not_the_model(capsys):
+    """bench/export_memory.py on a 24-layer tp=2 checkpoint (~330 MiB): the export's peak RSS above its
+    post-import baseline stays under 2 × max(largest tensor, shard budget) + the fixed transformers overhead."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from export_memory import run
+
+    result = run(dim=512, layers=24, vocab=8000, tp=2, shard_mib=16)
+    with capsys.disabled():
+        print(f"\nexport peak RSS: {result['peak_above_baseline_mib']:.1f} MiB above baseline for a "
+              f"{result['model_mib']:.1f} MiB model (largest tensor {result['largest_mib']:.1f} MiB, shards "
+              f"{result['shard_mib']:.0f} MiB, bound {result['bound_mib']:.1f} MiB)")
+    assert result["verdict"] == "PASS", result
+    assert result["peak_above_baseline_mib"] < result["model_mib"] / 2, result

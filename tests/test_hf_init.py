@@ -154,7 +154,7 @@ def init_runs(runs, tmp_path_factory):
     they share their launches)."""
     hf_dir = tmp_path_factory.mktemp("hf_init") / "llama"
     save_hf_llama(hf_dir, tiny_model_cfg(512))
-    common = dict(train__steps=1, model__init_from=str(hf_dir), model__vocab_size=512)
+    common = dict(train__steps=1, train__warmup_steps=0, model__init_from=str(hf_dir), model__vocab_size=512)
     wanted = {"tp1": Run.of("init-tp1", 1, **common), "tp2": Run.of("init-tp2", 2, parallel__tp=2, **common),
               "zero3": Run.of("init-zero3", 2, "ds_configs/zero3.json", **common)}
     runs.declare(list(wanted.values()))
