@@ -27,7 +27,8 @@ TP2PP2 = Run.of("hf-tp2pp2", 4, "ds_configs/zero1.json", train__steps=STEPS, par
                 model__tie_embeddings="false")
 REF_TIED = Run.of("hf-ref-tied", 1, train__steps=STEPS)
 ZERO3 = Run.of("hf-zero3", 2, "ds_configs/zero3.json", train__steps=STEPS)
-KEEL_RUNS = [REF_UNTIED, TP2PP2, REF_TIED, ZERO3]
+TP2_ZERO2 = Run.of("hf-tp2-zero2", 2, "ds_configs/zero2.json", train__steps=STEPS, parallel__tp=2)
+KEEL_RUNS = [REF_UNTIED, TP2PP2, REF_TIED, ZERO3, TP2_ZERO2]
 
 
 def hf_logits(out_dir, tokens: torch.Tensor) -> torch.Tensor:
@@ -128,10 +129,11 @@ def trained_keel_model(run_dir) -> CausalLM:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("run, reference", [(TP2PP2, REF_UNTIED), (ZERO3, REF_TIED)], ids=["tp2pp2", "zero3"])
+@pytest.mark.parametrize("run, reference", [(TP2PP2, REF_UNTIED), (ZERO3, REF_TIED), (TP2_ZERO2, REF_TIED)],
+                         ids=["tp2pp2", "zero3", "tp2-zero2"])
 def test_export_of_real_runs_matches_keel(runs, tmp_path, run, reference):
-    """The export of a tp2 × pp2 run (4 ranks) and of a ZeRO-3 run (2 ranks) against the single-process run's
-    final model, and the reference's own export against itself (exact up to HF's kernels)."""
+    """The export of a tp2 × pp2 run (4 ranks), a ZeRO-3 run and a tp2 ZeRO-2 run (2 ranks) against the
+    single-process run's final model, and the reference's own export against itself (exact up to HF's kernels)."""
     ref_dir = runs.run(reference)
     model = trained_keel_model(ref_dir)
     x = some_tokens(model.cfg.vocab_size)
@@ -160,3 +162,28 @@ def test_export_peak_rss_is_bounded_by_the_largest_tensor_not_the_model(capsys):
               f"{result['shard_mib']:.0f} MiB, bound {result['bound_mib']:.1f} MiB)")
     assert result["verdict"] == "PASS", result
     assert result["peak_above_baseline_mib"] < result["model_mib"] / 2, result
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_half_precision_runs_export_their_fp32_masters(runs, precision):
+    """A bf16/fp16 ZeRO-1 run (2 ranks, the suite's shared runs) exports its fp32 masters, streamed from the
+    optimizer partitions: exactly DeepSpeed's own zero_to_fp32 reconstruction, and rounding to the module's
+    half-precision weights."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from keel.export.checkpoint_reader import CheckpointReader, open_checkpoint
+
+    run_dir = runs.get(precision, 2, f"ds_configs/{precision}.json")
+    ckpt = open_checkpoint(run_dir)
+    assert ckpt.reads_zero12_master and ckpt.exports_master
+    reader = CheckpointReader(ckpt)
+    ours = reader.read(list(reader.layouts))
+    theirs = get_fp32_state_dict_from_zero_checkpoint(str(ckpt.tag_dir.parent), tag=ckpt.tag_dir.name)
+    module = final_weights(run_dir)
+    half = torch.bfloat16 if precision == "bf16" else torch.float16
+    for name, value in ours.items():
+        rows = value.shape[0]
+        torch.testing.assert_close(value, theirs[name][:rows].float(), atol=0, rtol=0, msg=name)
+        torch.testing.assert_close(value.to(half), module[name][:rows], atol=0, rtol=0, msg=name)
+    assert any(not torch.equal(v, v.to(half).float()) for v in ours.values())  # not merely the half weights

@@ -8,6 +8,7 @@ of real `keel train` runs (tp=1, tp=2 on 2 gloo ranks, ZeRO-3 on 2) is HF's loss
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -32,10 +33,12 @@ def save_hf_llama(path: Path, cfg: ModelConfig, seed: int = 0) -> None:
 
     torch.manual_seed(seed)
     hf = LlamaForCausalLM(to_hf_config(cfg))
-    with torch.no_grad():  # HF initialises norms to 1: make them differ, so a norm read wrongly shows
-        for name, param in hf.named_parameters():
+    with torch.no_grad():  # HF initialises norms to 1: make them differ, so a norm read wrongly shows; and a
+        for name, param in hf.named_parameters():  # wide embedding puts the loss far from a random init's ln V
             if "norm" in name:
                 param.uniform_(0.5, 1.5)
+            elif "embed_tokens" in name:
+                param.normal_(0.0, 1.0)
     hf.save_pretrained(str(path), safe_serialization=True, max_shard_size="20KB")
 
 
@@ -177,4 +180,5 @@ def test_first_step_loss_is_hf_loss(runs, init_runs, layout):
     rows = torch.cat(step_batch(order, samples, 0, cfg.train.global_batch_size, cfg.train.micro_batch_size, 0, 1))
     first = read_metrics(run_dir / "metrics.jsonl")[0]["loss"]
     expected = hf_loss(hf_dir, rows.long()).item()
+    assert abs(expected - math.log(cfg.model.vocab_size)) > 0.5  # far from what any random init would give
     assert abs(first - expected) <= 1e-5 * abs(expected), (first, expected)

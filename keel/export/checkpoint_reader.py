@@ -40,6 +40,7 @@ class ParamLayout:
     local_shape: tuple[int, ...]
     full_shape: tuple[int, ...]
     dim: int | None
+    same_as: str | None = None  # the first name of a Parameter shared by several modules (a tied head)
 
 
 @dataclass
@@ -53,15 +54,28 @@ class KeelCheckpoint:
     step: int
     tp: int
     pp: int
-    dp: int
+    dp: int  # ranks a ZeRO partition spans: data x Ulysses-sequence parallel
     zero_stage: int
     precision: str
 
+    def optimizer_file(self, dp_rank: int, tp_rank: int) -> Path:
+        """A dp rank's optimizer partitions; DeepSpeed's bf16 optimizer (bf16 at ZeRO 0-1) prefixes `bf16_`."""
+        name = f"zero_pp_rank_{dp_rank}_mp_rank_{tp_rank:02d}_optim_states.pt"
+        return self.tag_dir / (f"bf16_{name}" if self.precision == "bf16" and self.zero_stage < 2 else name)
+
+    @property
+    def reads_zero12_master(self) -> bool:
+        """A bf16/fp16 run at ZeRO < 3 without pipeline whose optimizer keeps fp32 masters as flat dp partitions
+        (ZeRO-1/2, and DeepSpeed's bf16 optimizer at ZeRO-0; fp16 ZeRO-0 keeps none)."""
+        return (self.precision != "fp32" and self.zero_stage < 3 and self.pp == 1
+                and self.optimizer_file(0, 0).is_file())
+
     @property
     def exports_master(self) -> bool:
-        """Whether the exported values are the fp32 master weights: ZeRO-3 reads them from the optimizer's
-        partitions, an fp32 run's module weights are its masters; bf16/fp16 ZeRO 0-2 export the module copy."""
-        return self.zero_stage == 3 or self.precision == "fp32"
+        """Whether the exported values are the fp32 master weights: ZeRO-3 and bf16/fp16 ZeRO-1/2 (pp = 1) read
+        them from the optimizer's partitions, an fp32 run's module weights are its masters; a bf16/fp16 run at
+        ZeRO-0 or in a pipeline exports its module copy."""
+        return self.zero_stage == 3 or self.precision == "fp32" or self.reads_zero12_master
 
 
 def open_checkpoint(run_dir: Path, step: int | None = None) -> KeelCheckpoint:
@@ -91,7 +105,8 @@ def open_checkpoint(run_dir: Path, step: int | None = None) -> KeelCheckpoint:
     if missing:
         raise ConfigError(f"checkpoint {tag_dir} lacks or has truncated files its manifest lists: {missing[:3]}")
     topo = manifest["topology"]
-    return KeelCheckpoint(run_dir, tag_dir, cfg, data, manifest["step"], topo["tp"], topo["pp"], topo["dp"],
+    partitions = topo["dp"] * topo.get("sp", 1)
+    return KeelCheckpoint(run_dir, tag_dir, cfg, data, manifest["step"], topo["tp"], topo["pp"], partitions,
                           topo.get("zero_stage", zero_stage(ds_raw)), precision(ds_raw))
 
 
@@ -105,12 +120,15 @@ def param_layouts(cfg: RunConfig, tp: int) -> dict[str, ParamLayout]:
     with torch.device("meta"):
         layers = build_layers(cfg.model, context)
     layouts = {}
+    first_name: dict[int, str] = {}
     for index, layer in enumerate(layers):
         for name, param in layer.named_parameters(remove_duplicate=False):
             sharded = getattr(param, "tp_size", 1) > 1
             full = tuple(getattr(param, "full_shape", param.shape))
-            layouts[f"layers.{index}.{name}"] = ParamLayout(tuple(param.shape), full,
-                                                            param.partition_dim if sharded else None)
+            key = f"layers.{index}.{name}"
+            same_as = first_name.setdefault(id(param), key)
+            layouts[key] = ParamLayout(tuple(param.shape), full, param.partition_dim if sharded else None,
+                                       None if same_as == key else same_as)
     return layouts
 
 
@@ -154,6 +172,8 @@ class CheckpointReader:
         """(name, this tp rank's tensor) for `names`; valid only until the next item (files close behind)."""
         if self.ckpt.zero_stage == 3:
             yield from self._zero3_shards(names, tp_rank)
+        elif self.ckpt.reads_zero12_master:
+            yield from self._zero12_master_shards(names, tp_rank)
         elif self.ckpt.pp == 1:
             state = _load_tensors(self.ckpt.tag_dir / f"mp_rank_{tp_rank:02d}_model_states.pt")["module"]
             for name in names:
@@ -167,6 +187,34 @@ class CheckpointReader:
                 for name in group:
                     yield name, state[name.split(".", 2)[2]]
 
+    def _zero12_master_shards(self, names: list[str], tp_rank: int):
+        """ZeRO-1/2 fp32 masters: each parameter group is flattened (params in `param_shapes` order, each followed
+        by its alignment padding) and cut into equal dp partitions. Written by hand because zero_to_fp32's
+        `_zero2_merge_trainable_params` concatenates every partition first (a whole tp shard of the model in
+        memory); here each parameter's window is copied from the memory-mapped partitions it spans."""
+        model = _load_tensors(self.ckpt.tag_dir / f"mp_rank_{tp_rank:02d}_model_states.pt")
+        where: dict[str, tuple[int, int, tuple[int, ...]]] = {}  # name -> (group, offset, shape)
+        partitions = [_load_optimizer(self.ckpt.optimizer_file(dp, tp_rank)) for dp in range(self.ckpt.dp)]
+        paddings = partitions[0].get("param_alignment_paddings")
+        for group, shapes in enumerate(model["param_shapes"]):
+            offset = 0
+            for i, (name, shape) in enumerate(shapes.items()):
+                where[name] = (group, offset, tuple(shape))
+                offset += math.prod(shape) + (paddings[group][i] if paddings else 0)
+        for name, layout in self.layouts.items():  # a tied head: the embedding's values (DeepSpeed lists the
+            if layout.same_as is not None:  # sharing in `shared_params` on some tp ranks only)
+                where[name] = where[layout.same_as]
+        flat = [state["single_partition_of_fp32_groups"] for state in partitions]
+        for name in names:
+            group, offset, shape = where[name]
+            size = flat[0][group].numel()
+            numel = math.prod(shape)
+            value = torch.empty(numel, dtype=torch.float32)
+            for dp in range(offset // size, (offset + numel - 1) // size + 1):
+                lo, hi = max(offset, dp * size), min(offset + numel, (dp + 1) * size)
+                value[lo - offset:hi - offset].copy_(flat[dp][group][lo - dp * size:hi - dp * size])
+            yield name, value.view(shape)
+
     def _zero3_shards(self, names: list[str], tp_rank: int):
         from keel.adapters.deepspeed_internals import zero3_fp32_state
 
@@ -178,6 +226,14 @@ class CheckpointReader:
         for name in names:
             yield name, state[name].contiguous()
         del state
+
+
+def _load_optimizer(path: Path) -> dict:
+    """One dp rank's ZeRO-1/2 optimizer file, memory-mapped. weights_only=False: DeepSpeed pickles its own
+    objects in it (and reads it the same way); only the checkpoint the user asked to export is opened."""
+    if not path.is_file():
+        raise ConfigError(f"checkpoint file {path} is missing; the checkpoint is not from this run's layout")
+    return torch.load(path, map_location="cpu", mmap=True, weights_only=False)["optimizer_state_dict"]
 
 
 def _load_tensors(path: Path) -> dict:

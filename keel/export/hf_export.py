@@ -128,4 +128,6 @@ def _weights_source(ckpt: KeelCheckpoint) -> str:
         return "fp32 master weights (ZeRO-3 optimizer partitions, via DeepSpeed's zero_to_fp32)"
     if ckpt.precision == "fp32":
         return "module weights (fp32: the master weights themselves)"
-    return f"{ckpt.precision} module weights cast to fp32 (the fp32 masters of ZeRO-{ckpt.zero_stage} are not read)"
+    if ckpt.reads_zero12_master:
+        return f"fp32 master weights (ZeRO-{ckpt.zero_stage} optimizer partitions)"
+    return f"{ckpt.precision} module weights cast to fp32 (no fp32 master read at ZeRO-{ckpt.zero_stage}, pp={ckpt.pp})"
