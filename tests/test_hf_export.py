@@ -28,7 +28,8 @@ TP2PP2 = Run.of("hf-tp2pp2", 4, "ds_configs/zero1.json", train__steps=STEPS, par
 REF_TIED = Run.of("hf-ref-tied", 1, train__steps=STEPS)
 ZERO3 = Run.of("hf-zero3", 2, "ds_configs/zero3.json", train__steps=STEPS)
 TP2_ZERO2 = Run.of("hf-tp2-zero2", 2, "ds_configs/zero2.json", train__steps=STEPS, parallel__tp=2)
-KEEL_RUNS = [REF_UNTIED, TP2PP2, REF_TIED, ZERO3, TP2_ZERO2]
+HALF = {precision: Run.of(precision, 2, f"ds_configs/{precision}.json") for precision in ("bf16", "fp16")}  # shared
+KEEL_RUNS = [REF_UNTIED, TP2PP2, REF_TIED, ZERO3, TP2_ZERO2, *HALF.values()]
 
 
 def hf_logits(out_dir, tokens: torch.Tensor) -> torch.Tensor:
@@ -85,6 +86,22 @@ def test_exported_tokenizer_encodes_like_keel(tmp_path):
     assert (theirs.bos_token_id, theirs.eos_token_id) == (ours.bos_id, ours.eos_id)
     generation = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
     assert (generation["bos_token_id"], generation["eos_token_id"]) == (ours.bos_id, ours.eos_id)
+
+
+def test_an_hf_tokenizer_the_run_used_is_saved_as_it_is(tmp_path):
+    """A run whose data.json names an HF tokenizer directory (data.tokenizer: PATH) exports that tokenizer."""
+    from transformers import AutoTokenizer
+
+    from keel.data.tokenizer import train_tokenizer
+    from keel.export.hf_tokenizer import sentencepiece_as_llama
+
+    model_file = train_tokenizer(sample_docs(), 300, tmp_path / "sp").model_path
+    sentencepiece_as_llama(model_file).save_pretrained(str(tmp_path / "hf_tok"))
+    write_run(tmp_path / "run", tokenizer=tmp_path / "hf_tok")
+    export_hf(tmp_path / "run", tmp_path / "hf")
+    original, exported = (AutoTokenizer.from_pretrained(str(d)) for d in (tmp_path / "hf_tok", tmp_path / "hf"))
+    for text in sample_docs(3) + ["  x = {'a': 1}\n"]:
+        assert exported(text)["input_ids"] == original(text)["input_ids"]
 
 
 def test_bad_inputs_are_one_line_and_write_nothing(tmp_path):
@@ -174,7 +191,7 @@ def test_half_precision_runs_export_their_fp32_masters(runs, precision):
 
     from keel.export.checkpoint_reader import CheckpointReader, open_checkpoint
 
-    run_dir = runs.get(precision, 2, f"ds_configs/{precision}.json")
+    run_dir = runs.run(HALF[precision])
     ckpt = open_checkpoint(run_dir)
     assert ckpt.reads_zero12_master and ckpt.exports_master
     reader = CheckpointReader(ckpt)

@@ -145,6 +145,25 @@ def test_bad_hf_dirs_are_refused_in_one_line_each(tmp_path):
         check_hf_dir(model_cfg(init_from=str(tmp_path / "nowhere")))
 
 
+def test_keel_train_refuses_a_bad_init_from_before_launch(tmp_path):
+    """One line on stderr, exit 2, and no rank started (no run dir written)."""
+    import subprocess
+    import sys
+
+    from tests.keel_runs import REPO
+
+    other = tmp_path / "gpt2"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    cmd = [sys.executable, "-m", "keel.launcher.cli", "train", "--nproc", "1", "--run-dir", str(tmp_path / "run"),
+           "--set", f"model.init_from={other}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [f"keel: error: model.init_from: {other} holds a GPT2LMHeadModel; "
+                                                "Keel loads LlamaForCausalLM weights only"]
+    assert not (tmp_path / "run").exists()
+
+
 # -- real runs: the first step's loss is HF's on the same batch -------------------------------------------------
 def tiny_model_cfg(vocab: int) -> ModelConfig:
     raw = {k.split(".", 1)[1]: v for k, v in TINY.items() if k.startswith("model.") and k != "model.compile"}
@@ -159,13 +178,14 @@ def init_runs(runs, tmp_path_factory):
     save_hf_llama(hf_dir, tiny_model_cfg(512))
     common = dict(train__steps=1, train__warmup_steps=0, model__init_from=str(hf_dir), model__vocab_size=512)
     wanted = {"tp1": Run.of("init-tp1", 1, **common), "tp2": Run.of("init-tp2", 2, parallel__tp=2, **common),
-              "zero3": Run.of("init-zero3", 2, "ds_configs/zero3.json", **common)}
+              "zero3": Run.of("init-zero3", 2, "ds_configs/zero3.json", **common),
+              "pp2": Run.of("init-pp2", 2, parallel__pp=2, **common)}
     runs.declare(list(wanted.values()))
     return hf_dir, wanted
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["tp1", "tp2", "zero3"])
+@pytest.mark.parametrize("layout", ["tp1", "tp2", "zero3", "pp2"])
 def test_first_step_loss_is_hf_loss(runs, init_runs, layout):
     from keel.data import IndexedDataset
     from keel.data.samples import GlobalSampleOrder, PackedSamples, step_batch
