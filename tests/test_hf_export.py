@@ -129,6 +129,20 @@ def test_bad_inputs_are_one_line_and_write_nothing(tmp_path):
         export_hf(tmp_path / "layernorm", tmp_path / "hf")
 
 
+def test_a_missing_zero_to_fp32_reader_is_named(monkeypatch):
+    """The ZeRO-3 path reads through DeepSpeed's zero_to_fp32 helpers (one private): an upgrade that drops one
+    fails in one line naming it."""
+    from deepspeed.utils import zero_to_fp32
+
+    from keel.adapters.deepspeed_internals import ZERO3_READERS, DeepSpeedInternalsError, zero3_fp32_state
+
+    for name in ZERO3_READERS:
+        assert callable(getattr(zero_to_fp32, name)), name
+    monkeypatch.delattr(zero_to_fp32, ZERO3_READERS[-1])
+    with pytest.raises(DeepSpeedInternalsError, match=f"no `zero_to_fp32.{ZERO3_READERS[-1]}`"):
+        zero3_fp32_state([], [], "unused")
+
+
 def test_cli_exit_code_and_one_line(tmp_path):
     write_run(tmp_path / "run", complete=False)
     proc = subprocess.run([sys.executable, "-m", "keel.launcher.cli", "export", str(tmp_path / "run"),
