@@ -3,8 +3,9 @@
 Keel's init draws each logical tensor identically at every tp size (keel/model/init.py), so building the model
 once per tp rank with a `TPContext` of that rank gives exactly the shards a tp-wide run starts from; saving them
 under DeepSpeed's names (`mp_rank_<tp>_model_states.pt` for pp = 1, `layer_<index>-model_<tp>-model_states.pt`
-for a pipeline) gives a checkpoint whose export must equal the tp = 1 model. The real engines' files are tested
-against the same reader in the slow tests (tests/test_hf_export.py).
+for a pipeline; MoE experts in `layer_<moe layer>_expert_<id>_mp_rank_<tp>_model_states.pt`, as
+DeepSpeed's `_save_moe_checkpoint` writes them) gives a checkpoint whose export must equal the tp = 1 model.
+The real engines' files are tested against the same reader in the slow tests (tests/test_hf_export.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from keel.model import CausalLM
 from keel.parallel.tensor import TPContext
 from keel.training.checkpoint import COMPLETE, LATEST, TrainState, tag_for
 
+EXPERT_KEY = "deepspeed_moe.experts.deepspeed_experts"
 TINY_MODEL = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=300, vocab_pad_multiple=64)
 
 
@@ -46,6 +48,10 @@ def write_run(run_dir: Path, model: dict | None = None, tp: int = 1, pp: int = 1
         context = TPContext(rank=rank, size=tp) if tp > 1 else TPContext()
         state = CausalLM(cfg.model, seed=7, tp=context).state_dict()
         if pp == 1:
+            for key in [k for k in state if EXPERT_KEY in k]:  # DeepSpeed: one file per expert of each MoE layer
+                block, expert = int(key.split(".")[1]) - 1, int(key.split(EXPERT_KEY + ".")[1].split(".")[0])
+                path = tag_dir / f"layer_{block}_expert_{expert}_mp_rank_{rank:02d}_model_states.pt"
+                torch.save({**(torch.load(path) if path.is_file() else {}), key: state.pop(key)}, path)
             torch.save({"module": state, "ds_version": "0.19.8"}, tag_dir / f"mp_rank_{rank:02d}_model_states.pt")
             continue
         for index in range(cfg.model.n_layers + 3):

@@ -30,14 +30,16 @@ ZERO3 = Run.of("hf-zero3", 2, "ds_configs/zero3.json", train__steps=STEPS)
 TP2_ZERO2 = Run.of("hf-tp2-zero2", 2, "ds_configs/zero2.json", train__steps=STEPS, parallel__tp=2)
 TP2_ZERO3 = Run.of("hf-tp2-zero3", 2, "ds_configs/zero3.json", train__steps=STEPS, parallel__tp=2)
 HALF = {precision: Run.of(precision, 2, f"ds_configs/{precision}.json") for precision in ("bf16", "fp16")}  # shared
-KEEL_RUNS = [REF_UNTIED, TP2PP2, REF_TIED, ZERO3, TP2_ZERO2, TP2_ZERO3, *HALF.values()]
+MOE_REF = Run.of("hf-moe-ref", 1, train__steps=STEPS, model__moe_experts=4)
+MOE_EP2 = Run.of("hf-moe-ep2", 2, train__steps=STEPS, model__moe_experts=4, parallel__ep=2)
+KEEL_RUNS = [REF_UNTIED, TP2PP2, REF_TIED, ZERO3, TP2_ZERO2, TP2_ZERO3, *HALF.values(), MOE_REF, MOE_EP2]
 
 
 def hf_logits(out_dir, tokens: torch.Tensor) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(out_dir), dtype=torch.float32).eval()
-    assert type(model).__name__ == "LlamaForCausalLM"
+    assert type(model).__name__ in ("LlamaForCausalLM", "MixtralForCausalLM")
     with torch.no_grad():
         return model(input_ids=tokens).logits
 
@@ -69,6 +71,35 @@ def test_export_gathers_tp_and_pp_shards(tmp_path, model, tp, pp):
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert (config["vocab_size"], config["tie_word_embeddings"]) == (300, cfg.model.tie_embeddings)
     assert not list(tmp_path.glob(".hf*"))  # the temp sibling was renamed, not left behind
+
+
+MOE = dict(moe_experts=4, moe_top_k=2, moe_ffn_hidden=48, tie_embeddings=False)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_moe_exports_as_mixtral(tmp_path, tp):
+    """A Keel MoE model (every block routed, softmax top-2) as MixtralForCausalLM: transformers' fused expert
+    tensors made from each expert's w13/w2; logits equal to Keel's."""
+    from transformers import AutoModelForCausalLM
+
+    cfg, reference = write_run(tmp_path / "run", MOE, tp=tp)
+    export_hf(tmp_path / "run", tmp_path / "hf", max_shard_bytes=60_000)
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
+    assert type(model).__name__ == "MixtralForCausalLM"
+    x = some_tokens(cfg.model.vocab_size)
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=x).logits, keel_logits(reference, x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("change, message", [(dict(moe_shared_expert=True), "no shared expert"),
+                                             (dict(moe_top_k=1), "moe_top_k=1"),
+                                             (dict(moe_scoring="sigmoid"), "routes by softmax"),
+                                             (dict(moe_every=2), "every Mixtral block is MoE")])
+def test_moe_mixtral_cannot_represent_is_refused(tmp_path, change, message):
+    write_run(tmp_path / "run", {**MOE, **change})
+    with pytest.raises(ConfigError, match=message):
+        export_hf(tmp_path / "run", tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
 
 
 def test_exported_tokenizer_encodes_like_keel(tmp_path):
@@ -154,21 +185,27 @@ def test_cli_exit_code_and_one_line(tmp_path):
 
 # -- real runs ----------------------------------------------------------------------------------------------------
 def trained_keel_model(run_dir) -> CausalLM:
+    """The single-process run's final model: its module state plus (MoE) DeepSpeed's one file per expert."""
     cfg, _, _ = read_run_dir(run_dir)
     model = CausalLM(cfg.model, seed=cfg.train.seed)
-    model.load_state_dict(final_weights(run_dir), strict=True)
+    state = final_weights(run_dir)
+    tag = (run_dir / "checkpoints" / "latest").read_text().strip()
+    for path in (run_dir / "checkpoints" / tag).glob("layer_*_expert_*_mp_rank_00_model_states.pt"):
+        state.update(torch.load(path, weights_only=True))
+    model.load_state_dict(state, strict=True)
     return model
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("run, reference", [(TP2PP2, REF_UNTIED), (ZERO3, REF_TIED), (TP2_ZERO2, REF_TIED)],
-                         ids=["tp2pp2", "zero3", "tp2-zero2"])
+@pytest.mark.parametrize("run, reference", [(TP2PP2, REF_UNTIED), (ZERO3, REF_TIED), (TP2_ZERO2, REF_TIED),
+                                            (MOE_EP2, MOE_REF)], ids=["tp2pp2", "zero3", "tp2-zero2", "moe-ep2"])
 def test_export_of_real_runs_matches_keel(runs, tmp_path, run, reference):
     from transformers import AutoTokenizer
 
     from keel.data.tokenizer import Tokenizer
 
-    """The export of a tp2 × pp2 run (4 ranks), a ZeRO-3 run and a tp2 ZeRO-2 run (2 ranks) against the
+    """The export of a tp2 × pp2 run (4 ranks), a ZeRO-3 run, a tp2 ZeRO-2 run and an ep2 MoE run (2 ranks; as
+    MixtralForCausalLM) against the
     single-process run's final model, and the reference's own export against itself (exact up to HF's kernels)."""
     ref_dir = runs.run(reference)
     model = trained_keel_model(ref_dir)

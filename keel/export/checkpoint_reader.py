@@ -31,6 +31,8 @@ from keel.launcher.run_dir import CONFIG_FILE, read_run_dir
 from keel.training.checkpoint import COMPLETE, LATEST, tag_for
 from keel.training.ds_config import precision, zero_stage
 
+_EXPERT_KEY = "deepspeed_moe.experts.deepspeed_experts"  # DeepSpeed's key pattern for expert parameters
+
 
 @dataclass(frozen=True)
 class ParamLayout:
@@ -67,7 +69,7 @@ class KeelCheckpoint:
     def reads_zero12_master(self) -> bool:
         """A bf16/fp16 run at ZeRO < 3 without pipeline whose optimizer keeps fp32 masters as flat dp partitions
         (ZeRO-1/2, and DeepSpeed's bf16 optimizer at ZeRO-0; fp16 ZeRO-0 keeps none)."""
-        return (self.precision != "fp32" and self.zero_stage < 3 and self.pp == 1
+        return (self.precision != "fp32" and self.zero_stage < 3 and self.pp == 1 and not self.cfg.model.moe_experts
                 and self.optimizer_file(0, 0).is_file())
 
     @property
@@ -175,9 +177,14 @@ class CheckpointReader:
         elif self.ckpt.reads_zero12_master:
             yield from self._zero12_master_shards(names, tp_rank)
         elif self.ckpt.pp == 1:
-            state = _load_tensors(self.ckpt.tag_dir / f"mp_rank_{tp_rank:02d}_model_states.pt")["module"]
+            dense = [name for name in names if _EXPERT_KEY not in name]
+            if dense:
+                state = _load_tensors(self.ckpt.tag_dir / f"mp_rank_{tp_rank:02d}_model_states.pt")["module"]
+                for name in dense:
+                    yield name, state[name]
             for name in names:
-                yield name, state[name]
+                if _EXPERT_KEY in name:
+                    yield name, self._expert_file(name, tp_rank)[name]
         else:
             by_layer: dict[int, list[str]] = {}
             for name in names:
@@ -186,6 +193,17 @@ class CheckpointReader:
                 state = _load_tensors(self.ckpt.tag_dir / f"layer_{index:02d}-model_{tp_rank:02d}-model_states.pt")
                 for name in group:
                     yield name, state[name.split(".", 2)[2]]
+
+    def _expert_file(self, name: str, tp_rank: int) -> dict:
+        """DeepSpeed saves each expert of each MoE layer on its own (`layer_<moe layer>_expert_<global id>_mp_rank_
+        <tp>`), keyed by the parameter's name with the expert's global id, whichever ep rank held it."""
+        from keel.model.router import is_moe_block
+
+        block = int(name.split(".")[1]) - 1
+        moe_layer = sum(is_moe_block(self.ckpt.cfg.model, b) for b in range(block))
+        expert = int(name.split(_EXPERT_KEY + ".")[1].split(".")[0])
+        file = f"layer_{moe_layer}_expert_{expert}_mp_rank_{tp_rank:02d}_model_states.pt"
+        return _load_tensors(self.ckpt.tag_dir / file)
 
     def _zero12_master_shards(self, names: list[str], tp_rank: int):
         """ZeRO-1/2 fp32 masters: each parameter group is flattened (params in `param_shapes` order, each followed

@@ -1,4 +1,5 @@
-"""`keel export RUN_DIR OUT_DIR`: a checkpoint as a Hugging Face `LlamaForCausalLM` directory.
+"""`keel export RUN_DIR OUT_DIR`: a checkpoint as a Hugging Face `LlamaForCausalLM` (or, for MoE,
+`MixtralForCausalLM`: keel/export/mixtral.py) directory.
 
 The weights stream shard by shard: tensors are grouped in HF order into safetensors files of at most
 `max_shard_bytes` (a tensor larger than that gets a file of its own), each group read from the checkpoint
@@ -18,10 +19,11 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from keel.config import ConfigError
+from keel.config import ConfigError, ModelConfig
 from keel.data.atomic import temp_sibling
 from keel.export.checkpoint_reader import CheckpointReader, KeelCheckpoint, logical_numel, open_checkpoint
 from keel.export.hf_tokenizer import write_tokenizer
+from keel.export.mixtral import Unit, check_mixtral, mixtral_config, mixtral_units
 from keel.model.hf import hf_parts, keel_names, to_hf_config
 
 log = logging.getLogger("keel")
@@ -50,20 +52,30 @@ def check_exportable(ckpt: KeelCheckpoint) -> None:
                           "partitions span the tp group, so its partitions are not one tp rank's parameters "
                           "(a known Keel problem); train tp > 1 runs at ZeRO 0-2")
     if m.moe_experts:
-        raise ConfigError(f"model.moe_experts={m.moe_experts}: `keel export` writes dense LlamaForCausalLM models; "
-                          "MoE export is not implemented yet")
+        check_mixtral(m)
+        if ckpt.pp > 1:
+            raise ConfigError(f"{ckpt.tag_dir}: an MoE checkpoint at pp={ckpt.pp} does not export yet (pipeline "
+                              "stages keep their experts in other files); export MoE runs trained at pp=1")
 
 
-def plan_shards(reader: CheckpointReader, names: list[str], max_bytes: int) -> list[list[str]]:
-    """Keel names grouped in order into shards of at most `max_bytes` of fp32 (one oversized tensor alone)."""
-    shards: list[list[str]] = [[]]
+def export_units(cfg: ModelConfig) -> list[Unit]:
+    """(Keel names, → HF tensors) in HF order: one Keel tensor per unit for Llama, E experts' for Mixtral's
+    fused expert tensors."""
+    if cfg.moe_experts:
+        return mixtral_units(cfg)
+    return [([name], lambda t, name=name: hf_parts(cfg, name, t[name])) for name in keel_names(cfg)]
+
+
+def plan_shards(reader: CheckpointReader, units: list[Unit], max_bytes: int) -> list[list[Unit]]:
+    """Units grouped in order into shards of at most `max_bytes` of fp32 (one oversized unit alone)."""
+    shards: list[list[Unit]] = [[]]
     size = 0
-    for name in names:
-        nbytes = 4 * logical_numel(reader.layouts[name])
+    for unit in units:
+        nbytes = 4 * sum(logical_numel(reader.layouts[name]) for name in unit[0])
         if shards[-1] and size + nbytes > max_bytes:
             shards.append([])
             size = 0
-        shards[-1].append(name)
+        shards[-1].append(unit)
         size += nbytes
     return shards
 
@@ -73,14 +85,16 @@ def write_weights(reader: CheckpointReader, out: Path, max_bytes: int) -> tuple[
     from safetensors.torch import save_file
 
     cfg = reader.ckpt.cfg.model
-    shards = plan_shards(reader, keel_names(cfg), max_bytes)
+    shards = plan_shards(reader, export_units(cfg), max_bytes)
     weight_map: dict[str, str] = {}
     total = 0
-    for number, names in enumerate(shards, start=1):
+    for number, units in enumerate(shards, start=1):
         file = "model.safetensors" if len(shards) == 1 else f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+        logical = reader.read([name for names, _ in units for name in names])
         tensors = {}
-        for keel, logical in reader.read(names).items():
-            tensors.update(hf_parts(cfg, keel, logical))
+        for names, to_hf in units:
+            tensors.update(to_hf({name: logical[name] for name in names}))
+        del logical
         save_file(tensors, str(out / file), metadata={"format": "pt"})
         for hf_name, tensor in tensors.items():
             weight_map[hf_name] = file
@@ -110,10 +124,12 @@ def export_hf(run_dir: Path, out_dir: Path, step: int | None = None,
     tmp.mkdir()
     try:
         special = write_tokenizer(ckpt.data, tmp)
-        config = to_hf_config(ckpt.cfg.model, max_position_embeddings=ckpt.cfg.data.seq_len)
+        moe = bool(ckpt.cfg.model.moe_experts)
+        make_config = mixtral_config if moe else to_hf_config
+        config = make_config(ckpt.cfg.model, max_position_embeddings=ckpt.cfg.data.seq_len)
         for key, value in special.items():
             setattr(config, key, value)
-        config.architectures = ["LlamaForCausalLM"]
+        config.architectures = ["MixtralForCausalLM" if moe else "LlamaForCausalLM"]
         config.dtype = "float32"
         config.save_pretrained(tmp)
         GenerationConfig(**special).save_pretrained(tmp)
