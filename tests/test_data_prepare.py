@@ -18,7 +18,7 @@ from keel.data import (
     load_tokenizer,
     prepare_corpus,
 )
-from keel.data.tokenizer import train_tokenizer
+from keel.data.tokenizer import Tokenizer, train_tokenizer
 
 
 def write_corpus(root: Path, n_files: int = 12, seed: int = 0) -> list[Path]:

@@ -72,6 +72,9 @@ class ModelConfig:
     # torch.compile each block (torchtitan's per-block scheme): auto (where measured faster: CPU, fp32, dense,
     # tp = pp = sp = 1, ZeRO 0-2; keel/training/compile_policy.py) | true | false
     compile: str = "auto"
+    # a Hugging Face LlamaForCausalLM directory (safetensors) to start from instead of random init: continued
+    # pretraining (keel/model/hf_init.py); its config must match model.* ("" = random init)
+    init_from: str = ""
 
     @property
     def head_dim(self) -> int:

@@ -1,4 +1,4 @@
-"""`keel` command line: `keel train` and `keel prepare`.
+"""`keel` command line: `keel train`, `keel prepare`, `keel lr-find`, `keel export`, `keel slurm`.
 
 Every user mistake (config, data, paths) is reported as one line on stderr with exit code 2, before any rank
 starts; tracebacks are for bugs.
@@ -152,6 +152,19 @@ def cmd_lr_find(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    """A run's checkpoint as a Hugging Face model directory (keel/export/hf_export.py)."""
+    from pathlib import Path
+
+    from keel.export.hf_export import export_hf
+
+    result = export_hf(Path(args.run_dir), Path(args.out_dir), args.step, int(args.max_shard_size * 2**20))
+    print(f"keel: exported step {result.step} to {result.out_dir} ({result.shards} safetensors shard(s), "
+          f"{result.total_bytes / 2**20:.1f} MiB, "
+          f"{'fp32 master weights' if result.master_weights else 'module weights (not the fp32 masters)'})")
+    return 0
+
+
 def cmd_slurm(args: argparse.Namespace) -> int:
     """Render slurm/keel.sbatch for this run (checked and data prepared here first) and submit it."""
     from keel.launcher.slurm import cmd_slurm as submit_slurm
@@ -204,6 +217,14 @@ def build_parser() -> argparse.ArgumentParser:
                       help="loss smoothing (EMA); lower lags less behind the LR but is noisier")
     find.add_argument("--out", default="runs/lr_find", help="where lr_find.csv and lr_find.png go")
     find.set_defaults(func=cmd_lr_find)
+
+    export = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face model directory")
+    export.add_argument("run_dir", help="the run dir of a keel train (its config and checkpoints)")
+    export.add_argument("out_dir", help="the HF directory to create (must not exist)")
+    export.add_argument("--step", type=int, help="the checkpoint's step (default: the latest complete one)")
+    export.add_argument("--max-shard-size", type=float, default=2048, metavar="MIB",
+                        help="largest safetensors file in MiB (a bigger tensor gets one of its own)")
+    export.set_defaults(func=cmd_export)
 
     from keel.launcher.slurm import add_parser as add_slurm_parser
 

@@ -65,6 +65,9 @@ def build_run(config_path: str | None, overrides: list[str], ds_config: str | No
     ds_path = resolve_path(cfg.train.ds_config, *bases)
     cfg.train.ds_config = str(ds_path)
     validate(cfg, world_size)
+    if cfg.model.init_from:  # relative to the config's directory, like the corpus; ranks may run elsewhere
+        cfg.model.init_from = str(resolve_path(cfg.model.init_from, *bases))
+    _check_init_from(cfg)
     ds_raw = load_ds_config(ds_path)
     if cfg.parallel.pp > 1 and zero_stage(ds_raw) >= 2:
         raise ConfigError(
@@ -94,6 +97,13 @@ def _check_same_run(run_dir: Path, cfg: RunConfig) -> None:
             )
 
 
+def _check_init_from(cfg: RunConfig) -> None:
+    if cfg.model.init_from:
+        from keel.model.hf_init import check_hf_dir
+
+        check_hf_dir(cfg.model)
+
+
 def prepare_data(spec: RunSpec) -> None:
     """Prepare (or find cached) tokenizer and token files; resolve model.vocab_size and the special ids from the
     tokenizer, and record which tokenizer it was."""
@@ -121,6 +131,7 @@ def prepare_data(spec: RunSpec) -> None:
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than {source_text}; "
                           f"set it to >= {need} or 0")
     resolve_special_ids(cfg.model, tokenizer)
+    _check_init_from(cfg)  # again, now that model.vocab_size is known
     record = tokenizer_record(tokenizer, source, None if source is None else source_sha256(source))
     check_same_tokenizer(spec.run_dir, cfg, record, DATA_FILE)
     spec.data = {"tokenizer": str(prepared.tokenizer_path), "tokenizer_info": record,

@@ -132,5 +132,26 @@ def from_hf_state_dict(model: CausalLM, state_dict: dict[str, torch.Tensor]) -> 
     model.load_state_dict(keel_state, strict=True)
 
 
+def keel_names(cfg: ModelConfig) -> list[str]:
+    """Keel `CausalLM` state-dict names in HF order (embedding, blocks, norm, head), the tied head left out."""
+    _require_rmsnorm(cfg)
+    return [name for name, hf in _name_map(cfg).items() if not (cfg.tie_embeddings and hf == (_HEAD,))]
+
+
+def hf_parts(cfg: ModelConfig, keel_name: str, logical: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """The HF tensors one logical Keel tensor (unpadded, unsharded) becomes: a fused weight's parts, each its own
+    contiguous tensor (safetensors refuses tensors that share storage)."""
+    hf_names = _name_map(cfg)[keel_name]
+    if len(hf_names) == 1:
+        return [(hf_names[0], _vocab_rows(logical, hf_names[0], cfg.vocab_size).contiguous())]
+    return [(hf, part.clone()) for hf, part in zip(hf_names, logical.unbind(0), strict=True)]
+
+
+def hf_sources(cfg: ModelConfig, keel_name: str) -> tuple[str, ...]:
+    """The HF tensors a Keel parameter is read from (its parts in order); a tied head reads the embedding."""
+    hf_names = _name_map(cfg)[keel_name]
+    return (_EMBED,) if cfg.tie_embeddings and hf_names == (_HEAD,) else hf_names
+
+
 def _vocab_rows(tensor: torch.Tensor, hf_name: str, vocab_size: int) -> torch.Tensor:
     return tensor[:vocab_size] if hf_name in (_EMBED, _HEAD) else tensor

@@ -56,15 +56,30 @@ def build_model(cfg: RunConfig, topology: Topology | None = None, ds: dict[str, 
     if cfg.parallel.pp > 1:
         from keel.parallel.pipeline import build_pipeline
 
-        return build_pipeline(cfg, topology, tp, ep, placement)
+        module = build_pipeline(cfg, topology, tp, ep, placement)
+        if cfg.model.init_from:
+            from keel.parallel.pipeline import local_layers
+
+            _load_init_from(cfg, local_layers(module), placement)
+        return module
     model = CausalLM(cfg.model, seed=cfg.train.seed, tp=tp, label_smoothing=cfg.train.label_smoothing,
                      z_loss=cfg.train.z_loss, checkpoint_interval=cfg.train.activation_checkpoint_interval, ep=ep,
                      sp=SPContext.from_topology(topology), placement=placement)
+    if cfg.model.init_from:
+        _load_init_from(cfg, list(enumerate(model.layers)), placement)
     compiled, why = should_compile(cfg, zero_stage(ds or {}), precision(ds or {}))
     if compiled:
         compile_blocks(model.layers)
     log.info(why)
     return model
+
+
+def _load_init_from(cfg: RunConfig, layers: list, placement: Placement) -> None:
+    """model.init_from: this rank's parameters from the HF directory, after init and before the engine exists."""
+    from keel.model.hf_init import load_hf_weights
+
+    load_hf_weights(layers, cfg.model, placement)
+    log.info("model.init_from: weights loaded from %s", cfg.model.init_from)
 
 
 class LRScale:

@@ -1,0 +1,1 @@
+"""Hugging Face export: a Keel checkpoint as a transformers model directory (`keel export`)."""
