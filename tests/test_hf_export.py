@@ -103,13 +103,13 @@ def test_moe_mixtral_cannot_represent_is_refused(tmp_path, change, message):
 
 
 def test_exported_tokenizer_encodes_like_keel(tmp_path):
-    from keel.data.tokenizer import Tokenizer
+    from keel.data.tokenizer_source import load_tokenizer
 
     write_run(tmp_path / "run")
     export_hf(tmp_path / "run", tmp_path / "hf")
     from transformers import AutoTokenizer
 
-    ours = Tokenizer(tmp_path / "run" / "tok.model")
+    ours = load_tokenizer(tmp_path / "run" / "tok.model")
     theirs = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
     texts = sample_docs(5) + ["  indented\n\tcode(x)  # trailing  \n\n", "Ä€漢字 unseen ✓ bytes 9876543210"]
     for text in texts:
@@ -202,7 +202,7 @@ def trained_keel_model(run_dir) -> CausalLM:
 def test_export_of_real_runs_matches_keel(runs, tmp_path, run, reference):
     from transformers import AutoTokenizer
 
-    from keel.data.tokenizer import Tokenizer
+    from keel.data.tokenizer_source import load_tokenizer
 
     """The export of a tp2 × pp2 run (4 ranks), a ZeRO-3 run, a tp2 ZeRO-2 run and an ep2 MoE run (2 ranks; as
     MixtralForCausalLM) against the
@@ -217,7 +217,7 @@ def test_export_of_real_runs_matches_keel(runs, tmp_path, run, reference):
     torch.testing.assert_close(hf_logits(tmp_path / "hf", x), expected, atol=1e-5, rtol=1e-5)
     provenance = json.loads((tmp_path / "hf" / "keel_export.json").read_text())
     assert "fp32" in provenance["weights"] and provenance["step"] == STEPS
-    ours = Tokenizer(read_run_dir(ref_dir)[2]["tokenizer"])
+    ours = load_tokenizer(read_run_dir(ref_dir)[2]["tokenizer"])
     theirs = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
     text = (REPO / "keel" / "model" / "hf.py").read_text()[:2000]
     assert theirs(text)["input_ids"] == ours.encode(text)

@@ -111,6 +111,9 @@ def prepare_data(spec: RunSpec) -> None:
     from keel.launcher.run_tokenizer import check_same_tokenizer, resolve_special_ids, tokenizer_record
 
     cfg = spec.cfg
+    if cfg.model.init_from and cfg.data.tokenizer == "train":
+        # continued pretraining: the weights' own tokenizer, not a fresh one whose ids they never saw
+        cfg.data.tokenizer = cfg.model.init_from
     source = resolve_tokenizer_path(cfg.data.tokenizer, spec.base_dir)  # None: train one on the corpus
     prepared = ensure_prepared(cfg.data.corpus, cfg.data.cache_dir, cfg.data.tokenizer_vocab_size,
                                text_field=cfg.data.text_field, base_dir=spec.base_dir, tokenizer=source)
