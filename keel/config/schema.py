@@ -83,13 +83,15 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    corpus: list[str] = field(default_factory=lambda: ["default"])  # "default" = this Python's stdlib source
+    # "default" = this Python's stdlib source; or weighted sources [{path: GLOB, weight: 0.7}, ...] (a blend)
+    corpus: list[str | dict] = field(default_factory=lambda: ["default"])
     skip_ranges: list[str] = field(default_factory=list)  # global sample ranges "start:end" the sampler jumps over
     text_field: str = "text"  # for .jsonl inputs
     tokenizer_vocab_size: int = 4096
     seq_len: int = 128
     val_fraction: float = 0.01
     cache_dir: str = "~/.cache/keel"
+    document_mask: bool = False  # attention stops at EOS and RoPE positions restart per document (packed windows)
 
 
 @dataclass

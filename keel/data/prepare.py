@@ -24,7 +24,7 @@ from keel.data.atomic import temp_sibling, write_atomic
 from keel.data.corpus import iter_documents, resolve_corpus
 from keel.data.errors import DataError
 from keel.data.indexed import IndexedDataset, IndexedDatasetWriter
-from keel.data.tokenizer import train_tokenizer
+from keel.data.tokenizer import Tokenizer, train_tokenizer
 
 FORMAT_VERSION = 1  # bump whenever tokenizer settings or the on-disk layout change
 TOKENIZER_NAME = "tokenizer"  # -> tokenizer.model
@@ -42,18 +42,24 @@ class PreparedData:
 
 
 def prepare_corpus(
-    files: list[Path], out_dir: Path, vocab_size: int, text_field: str = "text", progress: bool = True
+    files: list[Path], out_dir: Path, vocab_size: int, text_field: str = "text", progress: bool = True,
+    tokenizer: Path | None = None,
 ) -> PreparedData:
-    """Train a tokenizer on `files`, then tokenize every document (each followed by EOS) into `out_dir`."""
+    """Train a tokenizer on `files` (or copy the given `tokenizer`), then tokenize every document (each followed
+    by EOS) into `out_dir`."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     documents = iter_documents(files, text_field)
     first = next(documents, None)
     if first is None:
         raise DataError(f"data.corpus: the {len(files)} matched file(s) contain no text; point it at non-empty files")
-    if progress:
-        tqdm.write(f"keel: training a {vocab_size}-token tokenizer on {len(files)} file(s)", file=sys.stderr)
-    tokenizer = train_tokenizer(itertools.chain([first], documents), vocab_size, out_dir / TOKENIZER_NAME)
+    if tokenizer is not None:  # a blend's sources share the tokenizer trained on their union
+        shutil.copyfile(tokenizer, out_dir / f"{TOKENIZER_NAME}.model")
+        tokenizer = Tokenizer(out_dir / f"{TOKENIZER_NAME}.model")
+    else:
+        if progress:
+            tqdm.write(f"keel: training a {vocab_size}-token tokenizer on {len(files)} file(s)", file=sys.stderr)
+        tokenizer = train_tokenizer(itertools.chain([first], documents), vocab_size, out_dir / TOKENIZER_NAME)
     eos = tokenizer.eos_id
     bar = tqdm(total=len(files), unit="file", desc="keel: tokenizing", disable=not progress, file=sys.stderr)
     with bar, IndexedDatasetWriter(out_dir / DATA_NAME, tokenizer.vocab_size) as writer:
@@ -82,7 +88,7 @@ def _batches(files: list[Path], text_field: str) -> Iterator[tuple[list[str], in
         yield batch, files_done
 
 
-def corpus_fingerprint(files: list[Path], vocab_size: int, text_field: str) -> str:
+def corpus_fingerprint(files: list[Path], vocab_size: int, text_field: str, tokenizer: Path | None = None) -> str:
     """A short hash of everything a prepared corpus depends on."""
     entries = []
     for file in sorted(files):
@@ -92,6 +98,8 @@ def corpus_fingerprint(files: list[Path], vocab_size: int, text_field: str) -> s
             raise DataError(f"data.corpus: cannot read {file} ({exc.strerror or exc})") from None
         entries.append([str(file), stat.st_size, stat.st_mtime_ns])
     key = {"format": FORMAT_VERSION, "vocab_size": vocab_size, "text_field": text_field, "files": entries}
+    if tokenizer is not None:
+        key["tokenizer_sha256"] = hashlib.sha256(Path(tokenizer).read_bytes()).hexdigest()
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -102,11 +110,13 @@ def ensure_prepared(
     text_field: str = "text",
     base_dir: Path | None = None,
     progress: bool = True,
+    tokenizer: Path | None = None,
 ) -> PreparedData:
-    """Return the cached preparation of `spec`, building it first if no complete entry exists."""
+    """Return the cached preparation of `spec`, building it first if no complete entry exists (with the given
+    `tokenizer` model file, or one trained on `spec`)."""
     files = resolve_corpus(spec, base_dir)
     cache = Path(os.path.expanduser(str(cache_dir)))
-    entry = cache / corpus_fingerprint(files, vocab_size, text_field)
+    entry = cache / corpus_fingerprint(files, vocab_size, text_field, tokenizer)
     found = _load_entry(entry)
     if found is None and entry.exists():
         _discard_damaged(entry)
@@ -122,7 +132,7 @@ def ensure_prepared(
             f"data.cache_dir: cannot write to {cache} ({exc.strerror or exc}); set a writable path"
         ) from None
     try:
-        prepared = prepare_corpus(files, tmp, vocab_size, text_field, progress)
+        prepared = prepare_corpus(files, tmp, vocab_size, text_field, progress, tokenizer)
         _write_done(tmp, prepared, spec, files)
         try:
             os.rename(tmp, entry)

@@ -96,23 +96,53 @@ def _check_same_run(run_dir: Path, cfg: RunConfig) -> None:
 
 def prepare_data(spec: RunSpec) -> None:
     """Prepare (or find cached) tokenizer and token files; resolve model.vocab_size from the tokenizer."""
-    from keel.data import IndexedDataset, Tokenizer, ensure_prepared
+    from keel.config.corpus_spec import weighted_sources
+    from keel.data import Tokenizer, ensure_prepared
 
     cfg = spec.cfg
+    sources = weighted_sources(cfg.data.corpus)
+    if sources is not None:
+        _prepare_blend(spec, sources)
+        return
     prepared = ensure_prepared(cfg.data.corpus, cfg.data.cache_dir, cfg.data.tokenizer_vocab_size,
                                text_field=cfg.data.text_field, base_dir=spec.base_dir)
-    vocab = Tokenizer(prepared.tokenizer_path).vocab_size
-    data_vocab = IndexedDataset(prepared.data_prefix).vocab_size  # what the token file's header records
+    _resolve_vocab(cfg, Tokenizer(prepared.tokenizer_path), [prepared.data_prefix])
+    spec.data = {"tokenizer": str(prepared.tokenizer_path), "prefix": str(prepared.data_prefix),
+                 "num_tokens": prepared.num_tokens, "num_docs": prepared.num_docs,
+                 "eos_id": Tokenizer(prepared.tokenizer_path).eos_id}
+
+
+def _prepare_blend(spec: RunSpec, sources: list[tuple[list[str], float]]) -> None:
+    """Weighted sources: one shared tokenizer, a token store per source and the blend index (data.json records
+    the weights and realised shares)."""
+    from keel.data import Tokenizer
+    from keel.data.blend_prepare import prepare_blend
+    from keel.training.lr_schedule import samples_before_step
+
+    cfg, t = spec.cfg, spec.cfg.train
+    ends = [int(str(r).split(":")[1]) for r in cfg.data.skip_ranges]
+    horizon = max([samples_before_step(t.steps, t), *ends]) + 64 * t.global_batch_size  # rollbacks skip ahead
+    spec.data = prepare_blend(sources, cfg.data.cache_dir, cfg.data.tokenizer_vocab_size, cfg.data.text_field,
+                              spec.base_dir, horizon, cfg.data.seq_len, cfg.data.val_fraction)
+    tokenizer = Tokenizer(spec.data["tokenizer"])
+    _resolve_vocab(cfg, tokenizer, [Path(s["prefix"]) for s in spec.data["sources"]])
+    spec.data["eos_id"] = tokenizer.eos_id
+
+
+def _resolve_vocab(cfg: RunConfig, tokenizer, prefixes: list[Path]) -> None:
+    """model.vocab_size from the tokenizer (0), or refused when below what the tokenizer or a token file holds."""
+    from keel.data import IndexedDataset
+
+    vocab = tokenizer.vocab_size
+    data_vocab, prefix = max((IndexedDataset(p).vocab_size, p) for p in prefixes)  # what the headers record
     need = max(vocab, data_vocab)
     if cfg.model.vocab_size == 0:
         cfg.model.vocab_size = need
     elif cfg.model.vocab_size < need:
         source = f"the tokenizer's {vocab} ids" if vocab >= data_vocab else \
-            f"the {data_vocab} ids the token file {prepared.data_prefix}.idx records"
+            f"the {data_vocab} ids the token file {prefix}.idx records"
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than {source}; "
                           f"set it to >= {need} or 0")
-    spec.data = {"tokenizer": str(prepared.tokenizer_path), "prefix": str(prepared.data_prefix),
-                 "num_tokens": prepared.num_tokens, "num_docs": prepared.num_docs}
 
 
 def write_run_dir(spec: RunSpec) -> None:
