@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from keel.config import ConfigError
+from keel.data import DataError
 from keel.data.blend_prepare import open_splits
 from keel.launcher.run_dir import build_run, prepare_data
 from tests.keel_runs import Run, final_weights, losses, tiny_overrides
@@ -42,6 +43,12 @@ def test_bad_weighted_entries_are_one_line(tmp_path: Path) -> None:
     for bad, match in ([{"path": "a"}], "expected \\{path"), ([{"path": "a", "weight": -1}], "positive"):
         with pytest.raises(ConfigError, match=match):
             build_run(None, tiny_overrides([], tmp_path, data__corpus=json.dumps(bad)), None, str(tmp_path), 1)
+    tiny = json.dumps([{"path": str(STDLIB / "json" / "*.py"), "weight": 1},
+                       {"path": str(STDLIB / "this.py"), "weight": 1}])
+    spec = build_run(None, tiny_overrides([], tmp_path / "c", data__corpus=tiny, data__seq_len=4096), None,
+                     str(tmp_path / "s"), 1)
+    with pytest.raises(DataError, match="this.py"):  # the source too small for seq_len is named
+        prepare_data(spec)
     with pytest.raises(ConfigError, match="document_mask"):
         build_run(None, tiny_overrides(["default"], tmp_path, data__document_mask=True, parallel__pp=2), None,
                   str(tmp_path / "r"), 2)

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from keel.data.blend import ensure_blend_index, normalized_weights, realised_shares
+from keel.data.errors import DataError
 from keel.data.indexed import IndexedDataset
 from keel.data.prepare import ensure_prepared
 from keel.data.samples import PackedSamples
@@ -37,7 +38,10 @@ def prepare_blend(sources: list[tuple[list[str], float]], cache_dir: str | Path,
     for (paths, _), weight, share in zip(sources, weights, shares):
         prepared = ensure_prepared(paths, cache_dir, vocab_size, text_field=text_field, base_dir=base_dir,
                                    tokenizer=union.tokenizer_path)
-        train = PackedSamples(IndexedDataset(prepared.data_prefix), seq_len, "train", val_fraction)
+        try:
+            train = PackedSamples(IndexedDataset(prepared.data_prefix), seq_len, "train", val_fraction)
+        except DataError as err:  # name the source: "the corpus" alone would not say which one is too small
+            raise DataError(f"data.corpus source {paths}: {err}") from None
         records.append({"path": paths, "weight": float(weight), "realised_share": share,
                         "prefix": str(prepared.data_prefix), "num_tokens": prepared.num_tokens,
                         "num_docs": prepared.num_docs, "train_samples": len(train),
