@@ -29,6 +29,7 @@ def test_weighted_corpus_prepares_sources_with_one_tokenizer(tmp_path: Path) -> 
     prepare_data(spec)
     data = spec.data
     assert [s["weight"] for s in data["sources"]] == pytest.approx([0.7, 0.3])
+    assert data["blend"]["schedule_samples"] == 80 and data["blend"]["num_samples"] == 80 + 64 * 8
     assert [s["realised_share"] for s in data["sources"]] == pytest.approx([0.7, 0.3], abs=0.01)
     tokenizers = {(Path(s["prefix"]).parent / "tokenizer.model").read_bytes() for s in data["sources"]}
     assert tokenizers == {Path(data["tokenizer"]).read_bytes()}  # every source tokenized with the union's

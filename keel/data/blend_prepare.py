@@ -26,14 +26,17 @@ BLEND_VERSION = 1
 
 
 def prepare_blend(sources: list[tuple[list[str], float]], cache_dir: str | Path, vocab_size: int, text_field: str,
-                  base_dir: Path | None, num_samples: int, seq_len: int, val_fraction: float) -> dict[str, Any]:
-    """The run's data record (data.json) for a weighted corpus; every source prepared and the index built."""
+                  base_dir: Path | None, num_samples: int, seq_len: int, val_fraction: float,
+                  schedule_samples: int | None = None) -> dict[str, Any]:
+    """The run's data record (data.json) for a weighted corpus; every source prepared and the index built
+    (`num_samples` long); realised shares and epochs are over the schedule's `schedule_samples`."""
     union = ensure_prepared([p for paths, _ in sources for p in paths], cache_dir, vocab_size,
                             text_field=text_field, base_dir=base_dir)
     weights = normalized_weights([w for _, w in sources])
     key = hashlib.sha256(json.dumps([BLEND_VERSION, weights.tolist()]).encode()).hexdigest()[:16]
     index_path = ensure_blend_index(Path(cache_dir).expanduser() / f"blend-{key}.npy", weights, num_samples)
-    shares = realised_shares(np.load(index_path, mmap_mode="r"), len(sources), num_samples)
+    counted = min(schedule_samples or num_samples, num_samples)
+    shares = realised_shares(np.load(index_path, mmap_mode="r"), len(sources), counted)
     records = []
     for (paths, _), weight, share in zip(sources, weights, shares):
         prepared = ensure_prepared(paths, cache_dir, vocab_size, text_field=text_field, base_dir=base_dir,
@@ -45,9 +48,9 @@ def prepare_blend(sources: list[tuple[list[str], float]], cache_dir: str | Path,
         records.append({"path": paths, "weight": float(weight), "realised_share": share,
                         "prefix": str(prepared.data_prefix), "num_tokens": prepared.num_tokens,
                         "num_docs": prepared.num_docs, "train_samples": len(train),
-                        "epochs": share * num_samples / max(len(train), 1)})
+                        "epochs": share * counted / max(len(train), 1)})
     return {"tokenizer": str(union.tokenizer_path), "sources": records,
-            "blend": {"index": str(index_path), "num_samples": num_samples}}
+            "blend": {"index": str(index_path), "num_samples": num_samples, "schedule_samples": counted}}
 
 
 def open_splits(data: dict[str, Any], seq_len: int, val_fraction: float, seed: int) -> tuple[Any, Any, Any]:

@@ -121,9 +121,10 @@ def _prepare_blend(spec: RunSpec, sources: list[tuple[list[str], float]]) -> Non
 
     cfg, t = spec.cfg, spec.cfg.train
     ends = [int(str(r).split(":")[1]) for r in cfg.data.skip_ranges]
-    horizon = max([samples_before_step(t.steps, t), *ends]) + 64 * t.global_batch_size  # rollbacks skip ahead
+    schedule = samples_before_step(t.steps, t)
+    horizon = max([schedule, *ends]) + 64 * t.global_batch_size  # margin: rollbacks skip ahead
     spec.data = prepare_blend(sources, cfg.data.cache_dir, cfg.data.tokenizer_vocab_size, cfg.data.text_field,
-                              spec.base_dir, horizon, cfg.data.seq_len, cfg.data.val_fraction)
+                              spec.base_dir, horizon, cfg.data.seq_len, cfg.data.val_fraction, schedule)
     tokenizer = Tokenizer(spec.data["tokenizer"])
     _resolve_vocab(cfg, tokenizer, [Path(s["prefix"]) for s in spec.data["sources"]])
     spec.data["eos_id"] = tokenizer.eos_id
