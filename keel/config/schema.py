@@ -91,7 +91,8 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    corpus: list[str] = field(default_factory=lambda: ["default"])  # "default" = this Python's stdlib source
+    # "default" = this Python's stdlib source; or weighted sources [{path: GLOB, weight: 0.7}, ...] (a blend)
+    corpus: list[str | dict] = field(default_factory=lambda: ["default"])
     skip_ranges: list[str] = field(default_factory=list)  # global sample ranges "start:end" the sampler jumps over
     text_field: str = "text"  # for .jsonl inputs
     # train: a sentencepiece BPE trained on the corpus | PATH: a sentencepiece .model, an HF tokenizer.json, or an
@@ -101,6 +102,7 @@ class DataConfig:
     seq_len: int = 128
     val_fraction: float = 0.01
     cache_dir: str = "~/.cache/keel"
+    document_mask: bool = False  # attention stops at EOS and RoPE positions restart per document (packed windows)
 
 
 @dataclass

@@ -9,6 +9,7 @@ dataclass) calls the rule function here rather than restating it.
 
 from __future__ import annotations
 
+from keel.config.corpus_spec import weighted_sources
 from keel.config.schema import (
     INITS,
     KERNELS,
@@ -48,7 +49,10 @@ def validate(cfg: RunConfig, world_size: int) -> None:
              "an HF tokenizer.json or an HF tokenizer directory")
     _require(d.tokenizer != "train" or d.tokenizer_vocab_size >= 300,
              f"data.tokenizer_vocab_size: {d.tokenizer_vocab_size} is too small (byte fallback needs >= 300)")
-    _require(len(d.corpus) > 0, "data.corpus: give at least one file, glob, or 'default'")
+    weighted_sources(d.corpus)
+    _require(not d.document_mask or (p.pp == 1 and p.sp == 1),
+             f"data.document_mask with parallel.pp={p.pp}, sp={p.sp}: the mask is built from the tokens in the "
+             "model's forward, which pipeline stages and Ulysses shards do not see whole; use pp=1 and sp=1")
     _require(t.steps > 0, f"train.steps: must be positive, got {t.steps}")
     _require(t.exit_after >= 0, f"train.exit_after: must be >= 0 (0 disables), got {t.exit_after}")
     _require(t.micro_batch_size > 0, f"train.micro_batch_size: must be positive, got {t.micro_batch_size}")

@@ -100,19 +100,21 @@ def val_boundary(dataset: IndexedDataset, seq_len: int, val_fraction: float) -> 
 class GlobalSampleOrder:
     """Maps a global sample index (counted from the start of training) to a sample id, epoch by epoch."""
 
-    def __init__(self, num_samples: int, seed: int) -> None:
+    def __init__(self, num_samples: int, seed: int, stream: int | None = None) -> None:
         if num_samples < 1:
             raise DataError("data: the split has no samples; add text or lower data.seq_len")
         if seed < 0:
             raise DataError(f"train.seed must be non-negative, got {seed}")
         self.num_samples = num_samples
         self.seed = seed
+        self.stream = stream  # a blend's source index: equal-sized sources get different permutations
         self._perms: dict[int, np.ndarray] = {}
 
     def permutation(self, epoch: int) -> np.ndarray:
         perm = self._perms.get(epoch)
         if perm is None:
-            perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
+            key = [self.seed, epoch] if self.stream is None else [self.seed, self.stream, epoch]
+            perm = np.random.default_rng(key).permutation(self.num_samples)
             self._perms[epoch] = perm
             while len(self._perms) > _CACHED_EPOCHS:
                 del self._perms[next(iter(self._perms))]

@@ -105,41 +105,69 @@ def _check_init_from(cfg: RunConfig) -> None:
 
 
 def prepare_data(spec: RunSpec) -> None:
-    """Prepare (or find cached) tokenizer and token files; resolve model.vocab_size and the special ids from the
-    tokenizer, and record which tokenizer it was."""
+    """Prepare (or find cached) tokenizer and token files — one corpus, or weighted sources and their blend
+    index; resolve model.vocab_size and the special ids from the tokenizer, and record which tokenizer it was."""
+    from keel.config.corpus_spec import weighted_sources
     from keel.data import IndexedDataset, ensure_prepared, load_tokenizer, resolve_tokenizer_path, source_sha256
     from keel.launcher.run_tokenizer import check_same_tokenizer, resolve_special_ids, tokenizer_record
 
     cfg = spec.cfg
-    if cfg.model.init_from and cfg.data.tokenizer == "train":
+    if cfg.model.init_from and cfg.data.tokenizer == "train" and _has_tokenizer(Path(cfg.model.init_from)):
         # continued pretraining: the weights' own tokenizer, not a fresh one whose ids they never saw
         cfg.data.tokenizer = cfg.model.init_from
     source = resolve_tokenizer_path(cfg.data.tokenizer, spec.base_dir)  # None: train one on the corpus
-    prepared = ensure_prepared(cfg.data.corpus, cfg.data.cache_dir, cfg.data.tokenizer_vocab_size,
-                               text_field=cfg.data.text_field, base_dir=spec.base_dir, tokenizer=source)
-    if len(prepared.sources) > 1:
-        names = ", ".join(map(str, prepared.sources))
-        raise ConfigError(f"data.corpus: names {len(prepared.sources)} token sources ({names}); "
-                          "a run trains on one: list either text files or a single token file")
-    tokenizer = load_tokenizer(prepared.tokenizer_path)
+    weighted = weighted_sources(cfg.data.corpus)
+    if weighted is not None:
+        data = _prepare_blend(spec, weighted, source)
+        prefixes = [Path(s["prefix"]) for s in data["sources"]]
+    else:
+        prepared = ensure_prepared(cfg.data.corpus, cfg.data.cache_dir, cfg.data.tokenizer_vocab_size,
+                                   text_field=cfg.data.text_field, base_dir=spec.base_dir, tokenizer=source)
+        if len(prepared.sources) > 1:
+            names = ", ".join(map(str, prepared.sources))
+            raise ConfigError(f"data.corpus: names {len(prepared.sources)} token sources ({names}); a run trains "
+                              "on one unless they are weighted: list text files, a single token file, or weights")
+        data = {"tokenizer": str(prepared.tokenizer_path), "prefix": str(prepared.data_prefix),
+                "num_tokens": prepared.num_tokens, "num_docs": prepared.num_docs}
+        prefixes = [prepared.data_prefix]
+    tokenizer = load_tokenizer(data["tokenizer"])
     vocab = tokenizer.vocab_size
-    # what the token file's sidecar records (a file without one is read with the tokenizer's vocabulary)
-    data_vocab = IndexedDataset(prepared.data_prefix, vocab_size=prepared.vocab_size or vocab).vocab_size
+    # what the token files' sidecars record (a file without one is read with the tokenizer's vocabulary)
+    data_vocab, prefix = max((IndexedDataset(p, vocab_size=vocab).vocab_size, p) for p in prefixes)
     need = max(vocab, data_vocab)
     if cfg.model.vocab_size == 0:
         cfg.model.vocab_size = need
     elif cfg.model.vocab_size < need:
         source_text = f"the tokenizer's {vocab} ids" if vocab >= data_vocab else \
-            f"the {data_vocab} ids the token file {prepared.data_prefix}.json records"
+            f"the {data_vocab} ids the token file {prefix}.json records"
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than {source_text}; "
                           f"set it to >= {need} or 0")
     resolve_special_ids(cfg.model, tokenizer)
     _check_init_from(cfg)  # again, now that model.vocab_size is known
     record = tokenizer_record(tokenizer, source, None if source is None else source_sha256(source))
     check_same_tokenizer(spec.run_dir, cfg, record, DATA_FILE)
-    spec.data = {"tokenizer": str(prepared.tokenizer_path), "tokenizer_info": record,
-                 "prefix": str(prepared.data_prefix), "num_tokens": prepared.num_tokens,
-                 "num_docs": prepared.num_docs, "vocab_size": data_vocab}
+    spec.data = {**data, "tokenizer_info": record, "vocab_size": data_vocab, "eos_id": tokenizer.eos_id}
+
+
+def _has_tokenizer(directory: Path) -> bool:
+    from keel.data.hf_tokenizer import HF_TOKENIZER_FILES
+
+    return any((directory / name).is_file() for name in HF_TOKENIZER_FILES)
+
+
+def _prepare_blend(spec: RunSpec, sources: list[tuple[list[str], float]], tokenizer: Path | None) -> dict:
+    """Weighted sources: one shared tokenizer, a token store per source and the blend index (data.json records
+    the weights and realised shares)."""
+    from keel.data.blend_prepare import prepare_blend
+    from keel.training.lr_schedule import samples_before_step
+
+    cfg, t = spec.cfg, spec.cfg.train
+    ends = [int(str(r).split(":")[1]) for r in cfg.data.skip_ranges]
+    schedule = samples_before_step(t.steps, t)
+    horizon = max([schedule, *ends]) + 64 * t.global_batch_size  # margin: rollbacks skip ahead
+    return prepare_blend(sources, cfg.data.cache_dir, cfg.data.tokenizer_vocab_size, cfg.data.text_field,
+                         spec.base_dir, horizon, cfg.data.seq_len, cfg.data.val_fraction, schedule,
+                         tokenizer=tokenizer)
 
 
 def write_run_dir(spec: RunSpec) -> None:

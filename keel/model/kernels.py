@@ -67,8 +67,11 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
            liger: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE on q [b, heads, s, d] and k [b, kv_heads, s, d] with [s, d] tables (HF's rotate_half convention)."""
-    if liger:
+    """RoPE on q [b, heads, s, d] and k [b, kv_heads, s, d] with [s, d] tables, or per-row [b, s, d] ones
+    (document masking: torch path only) (HF's rotate_half convention)."""
+    if cos.dim() == 3:
+        cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
+    elif liger:
         from liger_kernel.ops.rope import LigerRopeFunction
 
         return LigerRopeFunction.apply(q, k, cos, sin)

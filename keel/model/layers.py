@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from keel.config import ModelConfig
+from keel.model.document_mask import DocumentLayout
 from keel.model.kernels import resolve, rms_norm, rotary, silu_mul
 from keel.parallel.tensor import (
     ColumnParallelLinear,
@@ -119,6 +120,11 @@ class RotaryEmbedding(nn.Module):
             self._build(seq_len, x.device, x.dtype)
         return self.cos[:seq_len], self.sin[:seq_len]
 
+    def at(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin), each [b, seq, head_dim], at per-row `positions` [b, seq] (document masking)."""
+        cos, sin = self(x)  # positions < seq, so the [seq, head_dim] tables cover them
+        return cos[positions], sin[positions]
+
 
 class Attention(nn.Module):
     """Causal grouped-query self-attention with RoPE (SDPA's `enable_gqa`: kv heads are read, not repeated).
@@ -158,27 +164,35 @@ class Attention(nn.Module):
         rows = slice(self.kv_head * self.head_dim, (self.kv_head + 1) * self.head_dim)
         return fused_linear(x, sum_grad_over_tp(self.wkv.weight, self.tp)[:, rows])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, document: DocumentLayout | None = None) -> torch.Tensor:
         x = enter(x, self.tp)
         b, s, _ = x.shape
         q = self.wq(x).view(b, s, -1, self.head_dim)  # [b, s, heads, head_dim]
         k, v = (t.view(b, s, -1, self.head_dim) for t in self._kv(x))  # [b, s, kv_heads, head_dim]
         if self.ulysses is None:
-            out = self._attend(q, k, v)
+            out = self._attend(q, k, v, document)
         else:
             if k.shape[2] % self.sp_size:  # too few kv heads to split over sp: send one per query head
                 k, v = (t.repeat_interleave(q.shape[2] // k.shape[2], dim=2) for t in (k, v))
             out = self.ulysses(q, k, v, 0)
         return exit(self.wo(out.reshape(b, s, -1)), self.tp)
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal attention over [b, s, heads, head_dim] inputs (full sequence), RoPE included."""
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                document: DocumentLayout | None = None) -> torch.Tensor:
+        """Causal attention over [b, s, heads, head_dim] inputs (full sequence), RoPE included; with a
+        `document` layout, block-diagonal causal with per-document positions (the torch RoPE path: [b, s, d]
+        tables)."""
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, head_dim]
-        cos, sin = self.rotary(q)
-        q, k = rotary(q, k, cos, sin, self.liger)
         # query head h reads kv head h // (heads / kv_heads): SDPA's own GQA, no repeated copies of k and v
         gqa = q.shape[1] != k.shape[1]
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa).transpose(1, 2)
+        if document is None:
+            cos, sin = self.rotary(q)
+            q, k = rotary(q, k, cos, sin, self.liger)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa).transpose(1, 2)
+        cos, sin = self.rotary.at(q, document.positions)
+        q, k = rotary(q, k, cos, sin, liger=False)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=document.mask, enable_gqa=gqa)
+        return out.transpose(1, 2)
 
 
 class SwiGLU(nn.Module):

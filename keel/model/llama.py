@@ -19,6 +19,7 @@ from torch import nn
 
 from keel.adapters.deepspeed_internals import logical_shape
 from keel.config import ConfigError, ModelConfig, validate_model
+from keel.model.document_mask import DocumentLayout, document_layout
 from keel.model.init import fill_shard_
 from keel.model.kernels import fused_linear_cross_entropy
 from keel.model.kernels import resolve as resolve_kernels
@@ -91,8 +92,8 @@ class Block(nn.Module):
         self.tp = tp
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self._dropout(self.attention(self.attention_norm(x)))
+    def forward(self, x: torch.Tensor, document: DocumentLayout | None = None) -> torch.Tensor:
+        x = x + self._dropout(self.attention(self.attention_norm(x), document))
         return x + self._dropout(self.feed_forward(self.ffn_norm(x)))
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
@@ -260,9 +261,10 @@ class CausalLM(nn.Module):
 
     def __init__(self, cfg: ModelConfig, seed: int = 0, tp: TPContext = NO_TP, label_smoothing: float = 0.0,
                  z_loss: float = 0.0, checkpoint_interval: int = 0, ep: EPContext = NO_EP,
-                 sp: SPContext = NO_SP, placement: Placement | None = None) -> None:
+                 sp: SPContext = NO_SP, placement: Placement | None = None, document_eos: int | None = None) -> None:
         super().__init__()
         self.cfg = cfg
+        self.document_eos = document_eos  # data.document_mask: attention and positions restart after this id
         self.checkpoint_interval = checkpoint_interval
         placement = placement or Placement()  # on meta, then this rank's shards on the CPU in fp32
         self.layers = nn.ModuleList(placement.build(lambda: build_layers(cfg, tp, ep, sp)))
@@ -274,14 +276,15 @@ class CausalLM(nn.Module):
         fused = labels is not None and getattr(self.loss_fn, "fuses_head", False)  # any callable(logits, labels) works
         layers = self.layers[:-1] if fused else self.layers
         h = tokens
+        document = None if self.document_eos is None else document_layout(tokens, self.document_eos)
         step = self.checkpoint_interval if self.training and self.checkpoint_interval > 0 else len(self.layers)
         for start in range(0, len(layers), step):
             chunk = layers[start:start + step]
             if step < len(self.layers) and torch.is_grad_enabled():
                 # recompute this chunk's activations in backward (as the pipeline does every N layers)
-                h = torch.utils.checkpoint.checkpoint(_run_layers, chunk, h, use_reentrant=False)
+                h = torch.utils.checkpoint.checkpoint(_run_layers, chunk, h, document, use_reentrant=False)
             else:
-                h = _run_layers(chunk, h)
+                h = _run_layers(chunk, h, document)
         if fused:  # through the head's own call, so hooks on it (non-finite localization) still see it
             return self.layers[-1](h, labels, self.loss_fn)
         return h if labels is None else self.loss_fn(h, labels)
@@ -296,9 +299,10 @@ def compile_blocks(layers: Iterable[nn.Module]) -> None:
             layer.compile()
 
 
-def _run_layers(layers: Iterable[nn.Module], h: torch.Tensor) -> torch.Tensor:
+def _run_layers(layers: Iterable[nn.Module], h: torch.Tensor,
+                document: DocumentLayout | None = None) -> torch.Tensor:
     for layer in layers:
-        h = layer(h)
+        h = layer(h, document) if document is not None and isinstance(layer, Block) else layer(h)
     return h
 
 

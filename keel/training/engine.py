@@ -47,9 +47,10 @@ def placement_for(ds: dict[str, Any] | None, topology: Topology | None) -> Place
     return Placement(get_accelerator().current_device_name(), dtype)
 
 
-def build_model(cfg: RunConfig, topology: Topology | None = None, ds: dict[str, Any] | None = None) -> torch.nn.Module:
+def build_model(cfg: RunConfig, topology: Topology | None = None, ds: dict[str, Any] | None = None,
+                document_eos: int | None = None) -> torch.nn.Module:
     """The plain `CausalLM`, or this rank's pipeline stage when parallel.pp > 1, built for the resolved
-    DeepSpeed config `ds` (see `placement_for`)."""
+    DeepSpeed config `ds` (see `placement_for`); `document_eos`: data.document_mask's EOS id."""
     tp = TPContext.from_topology(topology, cfg.parallel.sequence_parallel, seed=cfg.train.seed)
     ep = EPContext.from_topology(topology)
     placement = placement_for(ds, topology)
@@ -64,7 +65,7 @@ def build_model(cfg: RunConfig, topology: Topology | None = None, ds: dict[str, 
         return module
     model = CausalLM(cfg.model, seed=cfg.train.seed, tp=tp, label_smoothing=cfg.train.label_smoothing,
                      z_loss=cfg.train.z_loss, checkpoint_interval=cfg.train.activation_checkpoint_interval, ep=ep,
-                     sp=SPContext.from_topology(topology), placement=placement)
+                     sp=SPContext.from_topology(topology), placement=placement, document_eos=document_eos)
     if cfg.model.init_from:
         _load_init_from(cfg, list(enumerate(model.layers)), placement)
     compiled, why = should_compile(cfg, zero_stage(ds or {}), precision(ds or {}))
@@ -126,14 +127,14 @@ def adamw_implementation() -> dict[str, bool]:
 
 
 def build_engine(cfg: RunConfig, ds_raw: dict[str, Any], topology: Topology, model: torch.nn.Module | None = None,
-                 lr_scale: LRScale | None = None):
+                 lr_scale: LRScale | None = None, document_eos: int | None = None):
     """Return the DeepSpeed engine for this rank; `ds_raw` is the user's JSON with "auto" values unfilled."""
     import deepspeed
 
     ds = resolve_ds_config(ds_raw, cfg, topology.dp_size)
     if precision(ds) == "fp16" and allow_fp16_on_cpu():
         log.warning("fp16 on CPU: overriding DeepSpeed's CPU accelerator fp16 check (slow; use bf16 on CPU)")
-    model = model if model is not None else build_model(cfg, topology, ds)
+    model = model if model is not None else build_model(cfg, topology, ds, document_eos)
     groups = weight_decay_groups(model, cfg.train.weight_decay)
     if cfg.model.moe_experts:  # expert params in groups of their own, which ZeRO partitions over edp only
         from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer

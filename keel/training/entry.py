@@ -50,7 +50,7 @@ def init_distributed() -> None:
 
 def run_rank(run_dir: Path) -> int:
     """Train the run described by `run_dir`; returns the process exit code."""
-    from keel.data import IndexedDataset, PackedSamples
+    from keel.data.blend_prepare import open_splits
     from keel.launcher.run_dir import read_run_dir
     from keel.parallel import comm
     from keel.parallel.random import data_parallel_seed
@@ -70,21 +70,19 @@ def run_rank(run_dir: Path) -> int:
     if cfg.logging.collective_trace:
         topology.trace_into(run_dir / "collectives")
     seed_everything(data_parallel_seed(cfg.train.seed, topology))
-    dataset = IndexedDataset(data["prefix"], vocab_size=data.get("vocab_size"))
-    train_samples = PackedSamples(dataset, cfg.data.seq_len, "train", cfg.data.val_fraction)
-    val_samples = PackedSamples(dataset, cfg.data.seq_len, "val", cfg.data.val_fraction)
+    train_samples, order, val_samples = open_splits(data, cfg.data.seq_len, cfg.data.val_fraction, cfg.train.seed)
     try:
         ds_raw = reshard_if_needed(cfg, ds_raw, topology, run_dir)
     except CheckpointDisagreement as err:  # before the engine exists: nothing to release
         return checkpoint_disagreement(run_dir, rank, err)
     lr_scale = LRScale()
-    engine = build_engine(cfg, ds_raw, topology, lr_scale=lr_scale)
+    engine = build_engine(cfg, ds_raw, topology, lr_scale=lr_scale, document_eos=document_eos(cfg, data))
     if rank == 0:
         n_params = sum(p.numel() for p in engine.module.parameters())
         log.info("%s | %.2fM params | %d train samples of %d tokens | run dir %s", topology.describe(),
                  n_params / 1e6, len(train_samples), cfg.data.seq_len, run_dir)
     try:
-        result = Trainer(cfg, engine, topology, train_samples, val_samples, run_dir, lr_scale).fit()
+        result = Trainer(cfg, engine, topology, train_samples, val_samples, run_dir, lr_scale, order).fit()
     except CheckpointDisagreement as err:  # resume or rollback: every rank raised it, after one agreed gather
         return checkpoint_disagreement(run_dir, rank, err)
     finally:
@@ -98,6 +96,16 @@ def run_rank(run_dir: Path) -> int:
         return result.exit_code  # a guard stopped the run; peers stop at the same step with the same code
     comm.barrier(topology.control("world"))
     return EXIT_OK
+
+
+def document_eos(cfg, data: dict) -> int | None:
+    """The EOS id document masking splits windows at (data.json records the tokenizer's), or None when off."""
+    if not cfg.data.document_mask:
+        return None
+    if "eos_id" not in data:
+        raise RuntimeError("data.document_mask: this run's data.json records no eos_id; re-run `keel train` from "
+                           "the command line to rewrite it")
+    return int(data["eos_id"])
 
 
 def checkpoint_disagreement(run_dir: Path, rank: int, err) -> int:

@@ -161,12 +161,13 @@ def run_lr_find(spec, min_lr: float, max_lr: float, steps: int, out_dir: Path, b
     """
     import torch
 
-    from keel.data import GlobalSampleOrder, IndexedDataset, PackedSamples, step_batch
+    from keel.data import step_batch
+    from keel.data.blend_prepare import open_splits
     from keel.parallel.random import data_parallel_seed
     from keel.parallel.topology import Topology
     from keel.training.checkpoint import seed_everything
     from keel.training.engine import build_engine
-    from keel.training.entry import init_distributed
+    from keel.training.entry import document_eos, init_distributed
 
     cfg = copy.deepcopy(spec.cfg)
     t = cfg.train
@@ -175,10 +176,8 @@ def run_lr_find(spec, min_lr: float, max_lr: float, steps: int, out_dir: Path, b
     init_distributed()
     topology = Topology.from_env()
     seed_everything(data_parallel_seed(t.seed, topology))
-    dataset = IndexedDataset(spec.data["prefix"], vocab_size=spec.data.get("vocab_size"))
-    samples = PackedSamples(dataset, cfg.data.seq_len, "train", cfg.data.val_fraction)
-    order = GlobalSampleOrder(len(samples), t.seed)
-    engine = build_engine(cfg, spec.ds_raw, topology)
+    samples, order, _ = open_splits(spec.data, cfg.data.seq_len, cfg.data.val_fraction, t.seed)
+    engine = build_engine(cfg, spec.ds_raw, topology, document_eos=document_eos(cfg, spec.data))
     n_params = sum(p.numel() for p in engine.module.parameters())
     log.info("lr-find: %.2fM params | %d steps of %d samples | lr %.1e → %.1e", n_params / 1e6, steps,
              t.global_batch_size, min_lr, max_lr)

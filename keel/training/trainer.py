@@ -97,13 +97,14 @@ def _clock(record: dict, key: str) -> Iterator[None]:
 
 class Trainer:
     def __init__(self, cfg: RunConfig, engine, topology: Topology, train_samples: PackedSamples,
-                 val_samples: PackedSamples, run_dir: Path, lr_scale: LRScale | None = None):
+                 val_samples: PackedSamples, run_dir: Path, lr_scale: LRScale | None = None, order=None):
         self.cfg = cfg
         self.engine = engine
         self.topology = topology
         self.train_samples = train_samples
         self.val_samples = val_samples
-        self.order = GlobalSampleOrder(len(train_samples), cfg.train.seed)
+        # a blend's order (keel/data/blend.py) or the single source's
+        self.order = order or GlobalSampleOrder(len(train_samples), cfg.train.seed)
         self.checkpointer = Checkpointer(checkpoint_dir(run_dir, cfg, topology.rank), cfg.checkpoint.keep_last,
                                          topology)
         self.run_dir = run_dir

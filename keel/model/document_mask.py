@@ -1,0 +1,32 @@
+"""Document masking for packed windows: attention stays inside each document, RoPE positions restart at each.
+
+Computed in the model's forward from the input tokens (a document starts at the window's first token and after
+every EOS), so nothing extra travels with a batch and the trainer's tokens[:, :-1] / tokens[:, 1:] split is
+unchanged. The mask is SDPA's boolean `attn_mask` (True = attend), block-diagonal and causal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class DocumentLayout:
+    mask: torch.Tensor  # [b, 1, s, s] bool: query i may attend key j (same document, j <= i)
+    positions: torch.Tensor  # [b, s] long: position within its document
+
+
+def document_layout(tokens: torch.Tensor, eos_id: int) -> DocumentLayout:
+    """The block-diagonal causal mask and per-document positions of `tokens` [b, s]."""
+    b, s = tokens.shape
+    starts = torch.zeros_like(tokens, dtype=torch.bool)
+    starts[:, 0] = True
+    starts[:, 1:] = tokens[:, :-1] == eos_id
+    idx = torch.arange(s, device=tokens.device).expand(b, s)
+    first = torch.where(starts, idx, torch.zeros_like(idx)).cummax(dim=1).values  # each token's document start
+    doc = starts.cumsum(dim=1)
+    causal = torch.ones(s, s, dtype=torch.bool, device=tokens.device).tril()
+    mask = (doc[:, :, None] == doc[:, None, :]) & causal
+    return DocumentLayout(mask[:, None], idx - first)
