@@ -45,12 +45,6 @@ def check_exportable(ckpt: KeelCheckpoint) -> None:
     m = ckpt.cfg.model
     if m.norm != "rmsnorm":
         raise ConfigError(f"model.norm={m.norm}: HF Llama has RMSNorm only, so this run does not export")
-    if ckpt.zero_stage == 3 and ckpt.tp > 1:
-        # Measured: a tp=2 ZeRO-3 run's first loss already differs from tp=1 (6.2426 vs 6.2476) and each tp rank's
-        # fp32 partitions hold half its parameters, i.e. zero.Init partitioned over the tp ranks too.
-        raise ConfigError(f"{ckpt.tag_dir}: a ZeRO-3 checkpoint at tp={ckpt.tp} does not export: Keel's ZeRO-3 "
-                          "partitions span the tp group, so its partitions are not one tp rank's parameters "
-                          "(a known Keel problem); train tp > 1 runs at ZeRO 0-2")
     if m.moe_experts:
         check_mixtral(m)
         if ckpt.pp > 1:

@@ -38,7 +38,11 @@ class ZeRO3Placement(Placement):
         # dtype=None: zero.Init then takes it from the config (the same one `self.dtype` was derived from). An
         # explicit dtype is misread in DeepSpeed 0.19.8 where the accelerator lacks fp16 (CPU): `dtype or fp16 if
         # fp16_supported() else bf16 if is_bf16_supported else fp32` (a method, not a call) gives bf16 always.
-        with deepspeed.zero.Init(config_dict_or_path=self.ds, mpu=self.mpu, dtype=None):
+        # `mpu` only configures zero.Init's DeepSpeedConfig; the partitioning group is `data_parallel_group`, which
+        # defaults to the whole world: at tp > 1 that splits each tp rank's shard across the tp ranks as well. The
+        # engine shards over the mpu's sequence-data-parallel group (dp × sp; dp when sp = 1), so this must too.
+        group = self.mpu.get_sequence_data_parallel_group() if self.mpu is not None else None
+        with deepspeed.zero.Init(config_dict_or_path=self.ds, mpu=self.mpu, dtype=None, data_parallel_group=group):
             return construct()
 
     def fill(self, param: nn.Parameter, write: Callable[[torch.Tensor, tuple[int, int] | None], None]) -> None:
