@@ -11,6 +11,7 @@ from tests.keel_runs import Run, RunCache
 
 DECLARED_RUNS = pytest.StashKey[list[Run]]()
 RUN_CACHE = pytest.StashKey[RunCache]()
+FAULT_ROWS = pytest.StashKey[list[tuple[str, str, str]]]()
 
 
 def pytest_addoption(parser):
@@ -28,6 +29,7 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip_gpu)
+    config.stash[FAULT_ROWS] = fault_rows(items)
     # the runs the selected tests' modules declare train in shared launches (tests/keel_runs.py)
     modules = {item.module for item in items if item.get_closest_marker("skip") is None}
     config.stash[DECLARED_RUNS] = [run for module in modules for run in getattr(module, "KEEL_RUNS", [])]
@@ -39,8 +41,20 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def fault_rows(items) -> list[tuple[str, str, str]]:
+    """(test node id, fault, what Keel does) for every collected test marked `@pytest.mark.fault(fault, action)`."""
+    rows = []
+    for item in items:
+        for mark in item.iter_markers("fault"):
+            if len(mark.args) != 2 or not all(isinstance(a, str) and a for a in mark.args):
+                raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.fault takes (fault, action), two strings")
+            rows.append((item.nodeid, *mark.args))
+    return rows
+
+
 def pytest_terminal_summary(terminalreporter, config):
     _kernel_tests_summary(terminalreporter)
+    _fault_matrix(terminalreporter, config.stash.get(FAULT_ROWS, []))
     cache = config.stash.get(RUN_CACHE, None)
     if cache is None or not cache.launches:
         return
@@ -51,6 +65,21 @@ def pytest_terminal_summary(terminalreporter, config):
     if cache.undeclared:
         terminalreporter.write_line(f"keel runs not declared in KEEL_RUNS (each got a launch of its own): "
                                     f"{cache.undeclared}")
+
+
+def _fault_matrix(terminalreporter, rows: list[tuple[str, str, str]]) -> None:
+    """The fault matrix of this session: each fault-marked test's outcome, the fault, what Keel does."""
+    if not rows:
+        return
+    outcome_of: dict[str, str] = {}
+    for outcome in ("passed", "failed", "skipped", "error"):
+        for report in terminalreporter.stats.get(outcome, []):
+            nodeid = getattr(report, "nodeid", "")
+            if outcome_of.get(nodeid) not in ("failed", "error"):  # a failed call outranks a passed setup
+                outcome_of[nodeid] = outcome
+    terminalreporter.write_sep("-", f"fault matrix ({len(rows)} rows)")
+    for nodeid, fault, action in rows:
+        terminalreporter.write_line(f"{outcome_of.get(nodeid, 'not run'):8} {fault} -> {action}  [{nodeid}]")
 
 
 def _kernel_tests_summary(terminalreporter) -> None:
