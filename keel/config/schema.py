@@ -24,7 +24,8 @@ class ConfigError(ValueError):
 # -- the values each choice field admits ------------------------------------------------------------------------
 NORMS = ("rmsnorm", "layernorm")
 KERNELS = ("auto", "liger", "torch")
-INITS = ("normal", "truncated_normal")
+INITS = ("normal", "truncated_normal", "small_init")
+NORM_PLACEMENTS = ("pre", "post", "sandwich")
 MOE_SCORINGS = ("softmax", "sigmoid")
 MOE_DROP_POLICIES = ("probability", "position")
 LR_SCHEDULES = ("cosine", "linear", "constant", "inverse_sqrt", "wsd")
@@ -49,11 +50,17 @@ class ModelConfig:
     ffn_multiple_of: int = 32
     norm: str = "rmsnorm"  # rmsnorm | layernorm
     norm_eps: float = 1e-5
+    # where each block normalizes (keel/model/llama.py Block): pre (Llama) | post (the original Transformer) |
+    # sandwich (pre plus a norm on each branch's output, CogView)
+    norm_placement: str = "pre"
+    deepnorm: bool = False  # DeepNet (decoder-only, post-norm): residual x·(2N)^¼; v/wo/MLP init × (8N)^-¼
+    qk_norm: bool = False  # RMSNorm on each head's q and k (one weight over head_dim) before RoPE: bounds the logits
     rope_theta: float = 10000.0
     tie_embeddings: bool = True
     dropout: float = 0.0
-    init: str = "normal"  # normal | truncated_normal
+    init: str = "normal"  # normal | truncated_normal | small_init (std = sqrt(2 / (5·dim)), replacing init_std)
     init_std: float = 0.02
+    embedding_init_std: float = 0.0  # the token table's std (and a tied head's); 0: the matrices' std
     vocab_pad_multiple: int = 128  # embedding rows padded to a multiple of this × tp; padding gets no probability
     # Mixture of experts (keel/model/moe.py); moe_experts = 0 keeps every block dense
     moe_experts: int = 0
@@ -187,6 +194,9 @@ class StabilityConfig:
     watchdog_save_timeout: float = 1200.0  # checkpoint save, and the load of a rollback
     straggler_interval: int = 50  # log slowest/fastest rank step time every N steps (0: off)
     monitor_interval: int = 50  # per-layer grad norms and activation statistics every N steps (0: off)
+    # the monitor's largest attention logit per block (keel/training/attention_logits.py): warn above this (0: off)
+    attn_logit_warn: float = 1e4
+    attn_logit_growth: float = 0.0  # ... or above this factor × its first recorded value (0: off)
     expert_interval: int = 10  # MoE: per-layer expert load, dropped fraction, router entropy every N steps (0: off)
     expert_collapse_share: float = 0.1  # an expert under this fraction of the uniform share 1/E is starving ...
     expert_collapse_checks: int = 3  # ... for this many consecutive checks: the expert-collapse warning

@@ -16,6 +16,7 @@ from keel.config.schema import (
     LR_SCHEDULES,
     MOE_DROP_POLICIES,
     MOE_SCORINGS,
+    NORM_PLACEMENTS,
     NORMS,
     PARALLEL_AXES,
     PIPELINE_PARTITIONS,
@@ -94,6 +95,9 @@ def validate_watchdog(s: StabilityConfig) -> None:
     for name in ("watchdog_timeout", "watchdog_check_timeout", "watchdog_eval_timeout", "watchdog_save_timeout"):
         value = getattr(s, name)
         _require(value >= 0, f"stability.{name}: must be >= 0 seconds (0: off), got {value}")
+    _require(s.attn_logit_warn >= 0, f"stability.attn_logit_warn: must be >= 0 (0: off), got {s.attn_logit_warn}")
+    _require(s.attn_logit_growth == 0 or s.attn_logit_growth > 1,
+             f"stability.attn_logit_growth: a factor > 1 (0: off), got {s.attn_logit_growth}")
 
 
 # -- the model -------------------------------------------------------------------------------------------------
@@ -114,6 +118,12 @@ def validate_model(m: ModelConfig) -> None:
     _require(0.0 <= m.dropout < 1.0, f"model.dropout: expected a probability in [0, 1), got {m.dropout}")
     _require(m.vocab_pad_multiple >= 1, f"model.vocab_pad_multiple: must be >= 1, got {m.vocab_pad_multiple}")
     _require(m.init_std > 0, f"model.init_std: must be positive, got {m.init_std}")
+    _require(m.embedding_init_std >= 0,
+             f"model.embedding_init_std: must be >= 0 (0: the matrices' std), got {m.embedding_init_std}")
+    _require(m.norm_placement in NORM_PLACEMENTS,
+             f"model.norm_placement: expected {_either(NORM_PLACEMENTS)}, got {m.norm_placement!r}")
+    _require(not m.deepnorm or m.norm_placement == "post",
+             f"model.deepnorm: DeepNet is post-norm; set model.norm_placement: post (got {m.norm_placement!r})")
     _require(m.norm_eps > 0 and m.rope_theta > 0, "model.norm_eps and model.rope_theta must be positive")
     validate_moe(m)
 

@@ -24,7 +24,7 @@ from keel.data.atomic import temp_sibling
 from keel.export.checkpoint_reader import CheckpointReader, KeelCheckpoint, logical_numel, open_checkpoint
 from keel.export.hf_tokenizer import write_tokenizer
 from keel.export.mixtral import Unit, check_mixtral, mixtral_config, mixtral_units
-from keel.model.hf import hf_parts, keel_names, to_hf_config
+from keel.model.hf import hf_parts, keel_names, llama_cannot_express, to_hf_config
 
 log = logging.getLogger("keel")
 DEFAULT_SHARD_BYTES = 2 * 2**30
@@ -45,6 +45,8 @@ def check_exportable(ckpt: KeelCheckpoint) -> None:
     m = ckpt.cfg.model
     if m.norm != "rmsnorm":
         raise ConfigError(f"model.norm={m.norm}: HF Llama has RMSNorm only, so this run does not export")
+    if reason := llama_cannot_express(m):
+        raise ConfigError(f"{reason}, so this run does not export")
     if m.moe_experts:
         check_mixtral(m)
         if ckpt.pp > 1:

@@ -20,6 +20,15 @@ if TYPE_CHECKING:
 
     from keel.model.llama import CausalLM
 
+
+def llama_cannot_express(cfg: ModelConfig) -> str:
+    """Why HF's Llama cannot hold this model's architecture ("" when it can): its blocks are pre-RMSNorm with
+    plain residuals and no QK-norm. Init-only knobs (small_init, embedding_init_std) change nothing here."""
+    knobs = [f"model.norm_placement={cfg.norm_placement}" if cfg.norm_placement != "pre" else "",
+             "model.deepnorm=true" if cfg.deepnorm else "", "model.qk_norm=true" if cfg.qk_norm else ""]
+    knobs = [k for k in knobs if k]
+    return f"{', '.join(knobs)}: HF Llama has pre-norm blocks without QK-norm or scaled residuals" if knobs else ""
+
 # (Keel name inside a Block, HF names inside model.layers.{i}: one per part of a fused weight, in part order)
 _BLOCK_NAMES = (
     ("attention_norm.weight", ("input_layernorm.weight",)),

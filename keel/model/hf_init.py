@@ -21,7 +21,7 @@ from torch import nn
 
 from keel.adapters.deepspeed_internals import logical_shape
 from keel.config import ConfigError, ModelConfig
-from keel.model.hf import hf_sources
+from keel.model.hf import hf_sources, llama_cannot_express
 from keel.model.materialize import Placement
 
 _INDEX = "model.safetensors.index.json"
@@ -46,6 +46,8 @@ def check_hf_dir(cfg: ModelConfig) -> None:
         raise ConfigError(f"model.init_from: {hf_dir} holds a {arch}; Keel loads LlamaForCausalLM weights only")
     if cfg.norm != "rmsnorm" or cfg.moe_experts:
         raise ConfigError("model.init_from: a Llama checkpoint loads only into a dense model.norm=rmsnorm model")
+    if reason := llama_cannot_express(cfg):
+        raise ConfigError(f"model.init_from: {reason}; set them back to load Llama weights")
     weight_files(hf_dir)
     rope = hf.get("rope_parameters") or {}
     expected = {

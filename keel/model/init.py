@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from keel.adapters.deepspeed_internals import logical_shape
+from keel.config import ModelConfig
 
 # Bound of the fp32 block one draw allocates (the "init buffer"); a row wider than this is drawn alone.
 INIT_BLOCK_BYTES = 4 * 2**20
@@ -73,7 +74,8 @@ def fill_rows_(out: torch.Tensor, full_shape: tuple[int, ...], rows: tuple[int, 
         out[lo - first:hi - first, :col_end - cols[0]].copy_(values[lo - start:hi - start, cols[0]:col_end])
 
 
-def fill_shard_(param: torch.Tensor, std: float, truncated: bool, seed: int, index: int, name: str | tuple[str, ...],
+def fill_shard_(param: torch.Tensor, std: float | tuple[float, ...], truncated: bool, seed: int, index: int,
+                name: str | tuple[str, ...],
                 out: torch.Tensor | None = None, flat: tuple[int, int] | None = None) -> None:
     """Fill this rank's shard of a parameter marked by `mark_sharded` (or a whole unmarked parameter).
 
@@ -81,14 +83,16 @@ def fill_shard_(param: torch.Tensor, std: float, truncated: bool, seed: int, ind
     filled a chunk of at most `INIT_BLOCK_BYTES` of rows at a time, so no whole shard is ever built.
 
     A tuple of names is a fused parameter whose logical dim 0 indexes its parts (sharded on a later dim): part i
-    is drawn as its own logical tensor, named `name[i]`. Each part's shard is one contiguous stretch of the
-    flattened shard, so a flat window is cut into the parts it overlaps.
+    is drawn as its own logical tensor, named `name[i]`, with std `std[i]` when `std` is a tuple. Each part's shard
+    is one contiguous stretch of the flattened shard, so a flat window is cut into the parts it overlaps.
     """
     shape = tuple(logical_shape(param))
     full_shape = tuple(getattr(param, "full_shape", shape))
     dim = getattr(param, "partition_dim", None)
     rank = getattr(param, "tp_rank", 0)
     if isinstance(name, str):
+        if isinstance(std, tuple):
+            raise ValueError(f"one std per part ({std}) for the unfused parameter {name}")
         _fill_part(param.data if out is None else out, shape, full_shape, dim, rank, flat, std, truncated, seed,
                    index, name)
         return
@@ -97,7 +101,10 @@ def fill_shard_(param: torch.Tensor, std: float, truncated: bool, seed: int, ind
                          "parts on dim 0")
     part_numel = math.prod(shape[1:])
     part_dim = None if dim is None else dim - 1
-    for part, part_name in enumerate(name):
+    stds = std if isinstance(std, tuple) else (std,) * len(name)
+    if len(stds) != len(name):
+        raise ValueError(f"{len(stds)} stds for the {len(name)} parts {name}")
+    for part, (part_name, part_std) in enumerate(zip(name, stds)):
         lo, hi = part * part_numel, (part + 1) * part_numel
         if flat is None:
             target, window = (param.data if out is None else out)[part], None
@@ -106,7 +113,7 @@ def fill_shard_(param: torch.Tensor, std: float, truncated: bool, seed: int, ind
             if lo >= hi:
                 continue
             target, window = out[lo - flat[0]:hi - flat[0]], (lo - part * part_numel, hi - part * part_numel)
-        _fill_part(target, shape[1:], full_shape[1:], part_dim, rank, window, std, truncated, seed, index,
+        _fill_part(target, shape[1:], full_shape[1:], part_dim, rank, window, part_std, truncated, seed, index,
                    part_name)
 
 
@@ -127,3 +134,42 @@ def _fill_part(out: torch.Tensor, shape: tuple[int, ...], full_shape: tuple[int,
         fill_rows_(values, full_shape, (rows[0] + first, rows[0] + last), cols, std, truncated, seed, index, name)
         lo, hi = max(start, first * local_cols), min(end, last * local_cols)
         out[lo - start:hi - start].copy_(values.view(-1)[lo - first * local_cols:hi - first * local_cols])
+
+
+# -- which std each matrix gets ----------------------------------------------------------------------------
+# Parameters on the residual branch's output; initialised with std / sqrt(2·n_layers) (GPT-2, Megatron): the
+# attention output and every MLP's down projection (dense, each expert's, the shared expert's).
+_RESIDUAL_OUTPUTS = (".wo.weight", ".w2.weight")
+
+
+def deepnorm_alpha(cfg: ModelConfig) -> float:
+    """DeepNet's residual scale for a decoder-only model of N layers: α = (2N)^¼ (Wang et al. 2022, table 1)."""
+    return (2 * cfg.n_layers) ** 0.25
+
+
+def deepnorm_beta(cfg: ModelConfig) -> float:
+    """DeepNet's init gain for the value, attention-output and MLP projections: β = (8N)^-¼ (table 1)."""
+    return (8 * cfg.n_layers) ** -0.25
+
+
+# DeepNet scales these by β: the value projection (part 1 of the fused wkv), attention output, every MLP matrix
+_DEEPNORM_SCALED = (".wo.weight", ".w2.weight", ".w13.weight")
+
+
+def base_init_std(cfg: ModelConfig) -> float:
+    """The matrices' std: `model.init_std`, or small-init's sqrt(2 / (5·dim)) (Nguyen & Salazar 2019)."""
+    return math.sqrt(2 / (5 * cfg.dim)) if cfg.init == "small_init" else cfg.init_std
+
+
+def matrix_init_std(name: str, cfg: ModelConfig) -> float | tuple[float, ...]:
+    """The std of a block's matrix `name` (a tuple: one per part of a fused projection).
+
+    Residual-branch outputs (`wo`, `w2`) get std / sqrt(2·n_layers) (GPT-2, Megatron); under DeepNet the value,
+    attention-output and MLP matrices get std·β instead, and q and k keep std."""
+    std = base_init_std(cfg)
+    if cfg.deepnorm:
+        beta = std * deepnorm_beta(cfg)
+        if name.endswith(".wkv.weight"):
+            return std, beta  # (k, v)
+        return beta if name.endswith(_DEEPNORM_SCALED) else std
+    return std / math.sqrt(2 * cfg.n_layers) if name.endswith(_RESIDUAL_OUTPUTS) else std

@@ -82,6 +82,26 @@ def make_norm(cfg: ModelConfig, tp: TPContext = NO_TP) -> nn.Module:
     return NORM_CLASSES[cfg.norm](cfg.dim, eps=cfg.norm_eps, tp=tp, kernels=cfg.kernels)
 
 
+class HeadNorm(nn.Module):
+    """QK-norm: RMSNorm over each head's `head_dim` features of q or k, one weight shared by all heads (OLMo 2,
+    Qwen3). It bounds the attention logits, which otherwise grow with ‖q‖·‖k‖ (Dehghani et al. 2023).
+
+    Under tensor parallelism each rank normalizes its own heads with a replica of the weight, so the replicas'
+    gradients are partial and are summed over the TP group (as for a replicated kv projection). Under Ulysses it
+    runs on this rank's sequence chunk before the all-to-all, like the projections.
+    """
+
+    def __init__(self, head_dim: int, eps: float, tp: TPContext = NO_TP, kernels: str = "torch") -> None:
+        super().__init__()
+        self.eps = eps
+        self.tp = tp
+        self.liger = resolve(kernels) == "liger"
+        self.weight = nn.Parameter(torch.ones(head_dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, sum_grad_over_tp(self.weight, self.tp), self.eps, self.liger)
+
+
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for RoPE, cached per attention as non-persistent buffers.
 
@@ -152,6 +172,13 @@ class Attention(nn.Module):
         self.wkv = FusedColumnParallelLinear(cfg.dim, kv_dim, NO_TP if self.kv_replicated else tp, ("wk", "wv"))
         self.wo = RowParallelLinear(cfg.n_heads * cfg.head_dim, cfg.dim, tp)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
+        if cfg.qk_norm:
+            self.q_norm = HeadNorm(cfg.head_dim, cfg.norm_eps, tp, cfg.kernels)
+            self.k_norm = HeadNorm(cfg.head_dim, cfg.norm_eps, tp, cfg.kernels)
+        self.qk_norm = cfg.qk_norm
+        # the monitor's attention-logit probe (keel/training/attention_logits.py): while set, `_attend` records
+        # the largest pre-softmax logit of the pairs it attends into this tensor
+        self.logit_probe: torch.Tensor | None = None
         self.liger = resolve(cfg.kernels) == "liger"
         heads_per_rank, n_rep = cfg.n_heads // tp.size, cfg.n_heads // cfg.n_kv_heads
         self.kv_head = (tp.rank * heads_per_rank) // n_rep  # the one kv head used here when replicated
@@ -169,6 +196,8 @@ class Attention(nn.Module):
         b, s, _ = x.shape
         q = self.wq(x).view(b, s, -1, self.head_dim)  # [b, s, heads, head_dim]
         k, v = (t.view(b, s, -1, self.head_dim) for t in self._kv(x))  # [b, s, kv_heads, head_dim]
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.ulysses is None:
             out = self._attend(q, k, v, document)
         else:
@@ -188,11 +217,44 @@ class Attention(nn.Module):
         if document is None:
             cos, sin = self.rotary(q)
             q, k = rotary(q, k, cos, sin, self.liger)
+            if self.logit_probe is not None:
+                record_max_logit(self.logit_probe, q, k, None)
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa).transpose(1, 2)
         cos, sin = self.rotary.at(q, document.positions)
         q, k = rotary(q, k, cos, sin, liger=False)
+        if self.logit_probe is not None:
+            record_max_logit(self.logit_probe, q, k, document.mask)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=document.mask, enable_gqa=gqa)
         return out.transpose(1, 2)
+
+
+# elements of one block of attention scores the logit probe materializes (64 MiB of fp32), whatever the sequence
+PROBE_BLOCK_ELEMENTS = 1 << 24
+
+
+@torch.no_grad()
+def record_max_logit(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> None:
+    """`out` ← max(out, the largest q·kᵀ/√d over the pairs attention uses): causal, or `mask` [b, 1, s, s].
+
+    q [b, heads, s, d] and k [b, kv_heads, s, d] after RoPE (and QK-norm); query heads read their kv group as
+    SDPA's GQA does. Scores are computed in fp32 a block of query rows at a time (at most
+    PROBE_BLOCK_ELEMENTS), so the probe never holds an [s, s] matrix per head.
+    """
+    b, heads, s, d = q.shape
+    groups = k.shape[1]
+    qg = q.float().view(b, groups, heads // groups, s, d)
+    kf = k.float()[:, :, None]  # [b, groups, 1, s, d]
+    rows = max(1, PROBE_BLOCK_ELEMENTS // max(1, b * heads * s))
+    best = torch.full((), float("-inf"), device=q.device)
+    for start in range(0, s, rows):
+        stop = min(s, start + rows)
+        scores = qg[:, :, :, start:stop] @ kf.transpose(-1, -2) / d**0.5  # [b, groups, rep, rows, s]
+        if mask is None:
+            allowed = torch.ones(stop - start, s, dtype=torch.bool, device=q.device).tril(start)
+        else:
+            allowed = mask[:, :, None, start:stop]  # [b, 1, 1, rows, s]
+        best = torch.maximum(best, scores.masked_fill(~allowed, float("-inf")).amax())
+    out.copy_(torch.maximum(out, best.to(out.dtype)))
 
 
 class SwiGLU(nn.Module):

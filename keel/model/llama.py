@@ -8,7 +8,6 @@ Throughout, a layer's *index* is its position in the full list: 0 is the embeddi
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Callable, Iterable
 
@@ -20,7 +19,7 @@ from torch import nn
 from keel.adapters.deepspeed_internals import logical_shape
 from keel.config import ConfigError, ModelConfig, validate_model
 from keel.model.document_mask import DocumentLayout, document_layout
-from keel.model.init import fill_shard_
+from keel.model.init import base_init_std, deepnorm_alpha, fill_shard_, matrix_init_std
 from keel.model.kernels import fused_linear_cross_entropy
 from keel.model.kernels import resolve as resolve_kernels
 from keel.model.layers import NO_SP, NO_TP, Attention, SwiGLU, make_norm
@@ -38,9 +37,6 @@ from keel.parallel.tensor import (
 )
 from keel.parallel.ulysses import SPContext, sequence_chunk, sequence_mean
 
-# Parameters on the residual branch's output; initialised with std / sqrt(2·n_layers) (GPT-2, Megatron): the
-# attention output and every MLP's down projection (dense, each expert's, the shared expert's).
-_RESIDUAL_OUTPUTS = (".wo.weight", ".w2.weight")
 # An expert's local position in its MoE layer's module path (replaced by its global id in init keys).
 _LOCAL_EXPERT = re.compile(r"deepspeed_moe\.experts\.deepspeed_experts\.\d+\.")
 
@@ -71,18 +67,30 @@ class EmbeddingLayer(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block; dropout sits on each residual branch's output, before the add.
+    """A transformer block; dropout sits on each residual branch's output, before the add.
 
-    The feed-forward is the dense SwiGLU, or an MoE layer in every `model.moe_every`-th block.
+    Where it normalizes is `model.norm_placement` (Megatron/DeepNet semantics; f is attention, then the MLP):
+      pre       x + f(norm(x))                     Llama, GPT-2
+      post      norm(α·x + f(x))                   the original Transformer; α = 1, or DeepNet's (2N)^¼ under
+                                                   `model.deepnorm`
+      sandwich  x + out_norm(f(norm(x)))           CogView's sandwich-LN: the branch output is normalized too
+    The same parameter names (`attention_norm`, `ffn_norm`) serve every placement; sandwich adds
+    `attention_out_norm` and `ffn_out_norm`. The feed-forward is the dense SwiGLU, or an MoE layer in every
+    `model.moe_every`-th block.
     """
 
     def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPContext = NO_TP, ep: EPContext = NO_EP,
                  sp: SPContext = NO_SP) -> None:
         super().__init__()
         self.layer_id = layer_id
+        self.placement = cfg.norm_placement
+        self.residual_scale = deepnorm_alpha(cfg) if cfg.deepnorm else 1.0
         self.attention_norm = make_norm(cfg, tp)
         self.attention = Attention(cfg, tp, sp)
         self.ffn_norm = make_norm(cfg, tp)
+        sandwich = cfg.norm_placement == "sandwich"
+        self.attention_out_norm = make_norm(cfg, tp) if sandwich else None
+        self.ffn_out_norm = make_norm(cfg, tp) if sandwich else None
         if is_moe_block(cfg, layer_id):
             from keel.model.moe import MoE  # imports DeepSpeed; dense models never need it
 
@@ -93,8 +101,16 @@ class Block(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, document: DocumentLayout | None = None) -> torch.Tensor:
-        x = x + self._dropout(self.attention(self.attention_norm(x), document))
-        return x + self._dropout(self.feed_forward(self.ffn_norm(x)))
+        x = self._residual(x, lambda h: self.attention(h, document), self.attention_norm, self.attention_out_norm)
+        return self._residual(x, self.feed_forward, self.ffn_norm, self.ffn_out_norm)
+
+    def _residual(self, x: torch.Tensor, branch: Callable[[torch.Tensor], torch.Tensor], norm: nn.Module,
+                  out_norm: nn.Module | None) -> torch.Tensor:
+        if self.placement == "post":
+            skip = x * self.residual_scale if self.residual_scale != 1.0 else x
+            return norm(skip + self._dropout(branch(x)))
+        out = branch(norm(x))
+        return x + self._dropout(out if out_norm is None else out_norm(out))
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.dropout.p == 0.0 or self.tp.sharded_rng is None:
@@ -199,16 +215,16 @@ def init_key(name: str, param: torch.Tensor) -> str | tuple[str, ...]:
 
 
 # Whether model.init draws from the ±3σ truncated normal; keyed by exactly keel.config.INITS (tested).
-TRUNCATED_BY_INIT = {"normal": False, "truncated_normal": True}
-
-
+TRUNCATED_BY_INIT = {"normal": False, "truncated_normal": True, "small_init": False}
 @torch.no_grad()
 def init_weights(layers: Iterable[nn.Module], cfg: ModelConfig, seed: int, first_index: int = 0,
                  placement: Placement | None = None) -> None:
     """Initialise `layers` deterministically and independently of how the full layer list is split or sharded.
 
-    Matrices (embedding, projections, head) get N(0, init_std²), or the ±3σ truncated normal when
-    `cfg.init == "truncated_normal"`; `wo` and `w2` use init_std / sqrt(2·n_layers); norm weights are 1, biases 0.
+    Matrices (embedding, projections, head) get N(0, std²), or the ±3σ truncated normal when
+    `cfg.init == "truncated_normal"`; std is `init_std` or small-init's (`base_init_std`), the embedding's
+    `embedding_init_std` when set, and `matrix_init_std` scales residual outputs (and DeepNet's matrices); norm
+    weights are 1, biases 0.
 
     A matrix draws in row blocks keyed by (`seed`, its layer's index in the full list, its logical name, block)
     (keel/model/init.py), so a pipeline stage calling `init_weights(stage_layers, cfg, seed,
@@ -218,7 +234,6 @@ def init_weights(layers: Iterable[nn.Module], cfg: ModelConfig, seed: int, first
     ZeRO-3: only this rank's partition).
     """
     truncated = TRUNCATED_BY_INIT[cfg.init]  # cfg was validated: by build_layers, or as the run's config
-    residual_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
     done: set[int] = set()  # a Parameter shared between layers is initialised once, by its first owner
     for offset, layer in enumerate(layers):
         index = first_index + offset
@@ -226,20 +241,18 @@ def init_weights(layers: Iterable[nn.Module], cfg: ModelConfig, seed: int, first
             if id(param) in done:
                 continue
             done.add(id(param))
-            (placement or Placement()).fill(param, _writer(layer, index, name, param, cfg, seed, truncated,
-                                                           residual_std))
+            (placement or Placement()).fill(param, _writer(layer, index, name, param, cfg, seed, truncated))
 
 
 def _writer(layer: nn.Module, index: int, name: str, param: nn.Parameter, cfg: ModelConfig, seed: int,
-            truncated: bool, residual_std: float) -> Callable[[torch.Tensor, tuple[int, int] | None], None]:
+            truncated: bool) -> Callable[[torch.Tensor, tuple[int, int] | None], None]:
     """How `param`'s value (or a flat window of it) is written: drawn blocks, zeros (biases) or ones (norms)."""
     if len(logical_shape(param)) >= 2:
         tied_head = isinstance(layer, OutputLayer) and cfg.tie_embeddings and name == "output.weight"
         if tied_head or isinstance(layer, EmbeddingLayer):  # every copy of the table draws as layer 0's
-            std, key_index, key = cfg.init_std, 0, "tok_embeddings.weight"
+            std, key_index, key = cfg.embedding_init_std or base_init_std(cfg), 0, "tok_embeddings.weight"
         else:
-            std = residual_std if name.endswith(_RESIDUAL_OUTPUTS) else cfg.init_std
-            key_index, key = index, init_key(name, param)
+            std, key_index, key = matrix_init_std(name, cfg), index, init_key(name, param)
         return lambda out, flat: fill_shard_(param, std, truncated, seed, key_index, key, out=out, flat=flat)
     value = 0.0 if name.endswith("bias") else 1.0
     return lambda out, flat: out.fill_(value)

@@ -33,6 +33,7 @@ from keel.model import Block
 from keel.parallel import comm
 from keel.parallel.pipeline import local_layers
 from keel.parallel.topology import Topology
+from keel.training.attention_logits import PREFIX, SUFFIX, AttentionLogitProbes
 
 
 # -- model monitor ----------------------------------------------------------------------------------------------
@@ -142,6 +143,7 @@ class ModelMonitor:
         self._params = _counted_params(local, topology)
         self._params_per_layer = [float(sum(index == i for index, _ in self._params)) for i in range(total)]
         self._blocks = [(index, layer) for index, layer in local if isinstance(layer, Block)]
+        self._probes = AttentionLogitProbes(self._blocks, total, next(self.module.parameters()).device)
         self._partitioned = [self.engine is not None and is_partitioned(p) for _, p in self._params]
         # a replicated (not partitioned) parameter is split among its replicas: (index, parts) per parameter
         self._shares = [(0, 1) if part else (topology.rank_in(g), topology.size(g)) for part, g in
@@ -149,6 +151,7 @@ class ModelMonitor:
                                                 for _, p in self._params))]
         self._device = next(self.module.parameters()).device
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._logits: torch.Tensor | None = None  # [layer] the largest attention logit (-inf: no attention here)
         self._armed: int | None = None
         self._in_forward = False
         self._acts: torch.Tensor | None = None  # [layer, (tokens, sum, sum of squares, max-abs)]
@@ -176,6 +179,7 @@ class ModelMonitor:
                                                              always_call=True))
         for index, block in self._blocks:
             self._hooks.append(block.register_forward_hook(self._activation_hook(index)))
+        self._probes.arm()
 
     def _set_in_forward(self, value: bool) -> None:
         self._in_forward = value
@@ -198,6 +202,7 @@ class ModelMonitor:
         return hook
 
     def _remove_hooks(self) -> None:
+        self._probes.disarm()
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
@@ -209,6 +214,7 @@ class ModelMonitor:
         self._armed = None
         if not self.is_monitor_step(step):
             return
+        self._logits = self._probes.read()  # the forward passes are done: read before disarming
         self._remove_hooks()
         scale = self._loss_scale()
         per_layer: list[list[torch.Tensor]] = [[] for _ in self.names]
@@ -290,11 +296,13 @@ class ModelMonitor:
         n_layers = len(self.names)
         grad_count = torch.tensor(self._params_per_layer, dtype=torch.float64, device=self._device)
         summed = torch.cat([grad_sq, grad_count, acts[:, :3].flatten(), param_sq.view(1), update_sq.view(1)])
-        maxes = acts[:, 3].clone()
+        maxes = torch.cat([acts[:, 3], self._logits])
+        self._logits = None
         world = self.topology.device("world")  # one sum for everything additive, one max
         comm.all_reduce(summed, world)
         comm.all_reduce(maxes, world, "max")
         values, maxes_list = summed.tolist(), maxes.tolist()  # the one device → host sync
+        maxes_list, logit_list = maxes_list[:n_layers], maxes_list[n_layers:]
         grad_sq_list, counts = values[:n_layers], values[n_layers:2 * n_layers]
         act_list = values[2 * n_layers:5 * n_layers]
         total_param_sq, total_update_sq = values[-2], values[-1]
@@ -311,8 +319,12 @@ class ModelMonitor:
                 out[f"act/{name}/mean"] = mean
                 out[f"act/{name}/std"] = math.sqrt(max(total_sq / tokens - mean * mean, 0.0))
                 out[f"act/{name}/max_abs"] = maxes_list[index]
+        for name, logit in zip(self.names, logit_list):
+            if logit > float("-inf"):
+                out[f"{PREFIX}{name}{SUFFIX}"] = logit
         return out
 
     def close(self) -> None:
         self._remove_hooks()
+        self._probes.disarm()
         self._snapshot = self._acts = self._grad_sq = self._update_sq = None

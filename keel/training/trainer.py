@@ -28,6 +28,7 @@ from keel.config import RunConfig
 from keel.data import GlobalSampleOrder, PackedSamples, parse_skip_ranges, skip_to, step_batch, step_sample_indices
 from keel.parallel import comm
 from keel.parallel.topology import Topology
+from keel.training.attention_logits import AttentionLogitWarning
 from keel.training.checkpoint import Checkpointer, TrainState, checkpoint_dir
 from keel.training.engine import Fp32GradClipper, LRScale
 from keel.training.expert_health import ExpertHealth
@@ -125,6 +126,7 @@ class Trainer:
         self.preemption = PreemptionHandler()
         self.gate = StepGate(engine, topology.control("world"), self.preemption.signalled)
         self.monitor = ModelMonitor(engine, topology, cfg.stability.monitor_interval)
+        self.attention_logits = AttentionLogitWarning(cfg.stability, self.anomalies)
         if self.is_pipeline:
             self.monitor.attach(engine)  # train_batch leaves no gap between the last backward and the step
         self.experts = ExpertHealth(cfg, engine.module, topology, self.anomalies)
@@ -158,6 +160,7 @@ class Trainer:
         record = {"loss": loss, "lr": lr, "grad_norm": batch.grad_norm, "skipped": not applied,
                   "batch_size": batch.size, "loss_scale": loss_scale(self.engine),
                   **self.monitor.after_step(batch.step), **self.experts.after_step(batch.step, applied=applied)}
+        self.attention_logits.check(batch.step, record)
         return record, decision
 
     def _fetch(self, state: TrainState) -> StepBatch:
