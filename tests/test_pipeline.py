@@ -15,6 +15,10 @@ KEEL_RUNS = [Run.of("pp2tp2dp2", 8, "ds_configs/zero1.json", parallel__pp=2, par
                     parallel__sequence_parallel="true"),
              Run.of("pp2-20", 2, "ds_configs/zero1.json", **PP2_20),
              Run.of("pp2-20-resumed", 2, "ds_configs/zero1.json", resume_at=10, **PP2_20)]
+# Ulysses sp inside pipeline stages (DeepSpeed's data axis holds the sp ranks): with data parallel, and with tp
+PP_SP = {"pp2sp2dp2": dict(parallel__pp=2, parallel__sp=2),
+         "pp2tp2sp2": dict(parallel__pp=2, parallel__tp=2, parallel__sp=2, parallel__sequence_parallel="true")}
+KEEL_RUNS += [Run.of(name, 8, "ds_configs/zero1.json", **layout) for name, layout in PP_SP.items()]
 KEEL_RUNS += [Run.of(f"pp{pp}-tied{tied}", pp, **({"parallel__pp": 2} if pp == 2 else {}), model__tie_embeddings=tied)
               for pp in (1, 2) for tied in ("true", "false")]
 KEEL_RUNS += [Run.of(f"ckpt-{on}-pp{pp}", pp, parallel__pp=pp,
@@ -40,6 +44,14 @@ def test_3d_pp2_tp2_dp2_matches_single_process(runs):
                        parallel__sequence_parallel="true")
     assert_close(column(three_d, "loss"), column(reference, "loss"), 1e-5)
     assert_grad_norms_close(column(three_d, "grad_norm"), column(reference, "grad_norm"))
+
+
+@pytest.mark.parametrize("layout", sorted(PP_SP))
+def test_ulysses_inside_pipeline_stages_matches_single_process(runs, layout):
+    reference = runs.get("pp1-tiedtrue", 1, model__tie_embeddings="true")
+    got = runs.get(layout, 8, "ds_configs/zero1.json", **PP_SP[layout])
+    assert_close(column(got, "loss"), column(reference, "loss"), 1e-5)
+    assert_grad_norms_close(column(got, "grad_norm"), column(reference, "grad_norm"))
 
 
 @pytest.mark.parametrize("pp", [1, 2])

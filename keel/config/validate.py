@@ -273,5 +273,3 @@ def validate_expert_and_sequence_parallel(cfg: RunConfig) -> None:
     _require(cfg.data.seq_len % shards == 0,
              f"data.seq_len={cfg.data.seq_len} must be divisible by {shards} (parallel.sp"
              f"{' × parallel.tp under sequence_parallel' if p.sequence_parallel else ''})")
-    _require(p.pp == 1, f"parallel.sp={p.sp} with parallel.pp={p.pp}: Ulysses sequence parallel runs without "
-                        "pipeline stages in this version; use parallel.pp=1 or parallel.sp=1")

@@ -329,7 +329,7 @@ class VocabParallelLoss:
     """
 
     def __init__(self, cfg: ModelConfig, tp: TPContext, label_smoothing: float = 0.0, z_loss: float = 0.0,
-                 sp: SPContext = NO_SP):
+                 sp: SPContext = NO_SP, engine_averages_sp: bool = False):
         self.group = tp.group if tp.size > 1 else None
         self.vocab_start = tp.rank * vocab_rows(cfg, tp) // tp.size
         self.vocab_size = cfg.vocab_size
@@ -337,6 +337,7 @@ class VocabParallelLoss:
         self.z_loss = z_loss
         self.scale = 1.0  # fault injection multiplies a step's loss (faults.spike_step)
         self.sp = sp
+        self.engine_averages_sp = engine_averages_sp  # the pipeline engine: see keel/parallel/ulysses.py
         self.fuses_head = tp.size == 1 and resolve_kernels(cfg.kernels) == "liger"
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -353,7 +354,7 @@ class VocabParallelLoss:
         return self._finish(loss)
 
     def _finish(self, loss: torch.Tensor) -> torch.Tensor:
-        loss = sequence_mean(loss, self.sp)
+        loss = sequence_mean(loss, self.sp, self.engine_averages_sp)
         return loss * self.scale if self.scale != 1.0 else loss
 
 

@@ -7,6 +7,13 @@ in the full list, so a stage needs nothing from the others).
 
 With tied embeddings the last stage holds a second `EmbeddingLayer` whose `project` is the head; DeepSpeed's
 `TiedLayerSpec` broadcasts it from the first stage at start and sums the two copies' gradients every step.
+
+Ulysses sequence parallelism inside the stages: DeepSpeed's pipeline topology has pipe, data and model axes only,
+so the sp ranks are folded into its data axis (Keel's grid orders edp, ep, sp inside pp, so its data axis is
+exactly Keel's `sp_dp` group, the one ZeRO partitions over in the plain engine too). Stage-to-stage activations
+are each rank's own sequence chunk [b, s/sp, d]; the loss takes the full-sequence mean and lets the engine's
+average over its data axis combine the sp ranks' gradients (`engine_averages_sp`), and the engine's batch
+arithmetic counts every sp rank's copy of a sample (`keel/training/ds_config.py` `engine_batch_copies`).
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from keel.parallel import comm
 from keel.parallel.experts import EPContext
 from keel.parallel.tensor import TPContext
 from keel.parallel.topology import Topology
+from keel.parallel.ulysses import SPContext
 
 log = logging.getLogger("keel")
 TIED_KEY = "embedding"
@@ -51,20 +59,22 @@ def _placed(spec_class: type) -> type:
     return Placed
 
 
-def layer_specs(cfg: RunConfig, tp: TPContext, ep: EPContext, placement: Placement | None = None) -> list:
+def layer_specs(cfg: RunConfig, tp: TPContext, ep: EPContext, placement: Placement | None = None,
+                sp: SPContext | None = None) -> list:
     """The flat layer list as specs: `[Embedding, Block × n, FinalNorm, Head]`, built lazily per stage."""
     from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
     m = cfg.model
     placement = placement or Placement()
+    sp = sp or SPContext()
     spec, tied = _placed(LayerSpec), _placed(TiedLayerSpec)
     if m.tie_embeddings:
         weight = ["tok_embeddings.weight"]
-        first = tied(placement, TIED_KEY, EmbeddingLayer, m, tp, tied_weight_attr=weight)
-        head = tied(placement, TIED_KEY, EmbeddingLayer, m, tp, forward_fn=_project, tied_weight_attr=weight)
+        first = tied(placement, TIED_KEY, EmbeddingLayer, m, tp, sp, tied_weight_attr=weight)
+        head = tied(placement, TIED_KEY, EmbeddingLayer, m, tp, sp, forward_fn=_project, tied_weight_attr=weight)
     else:
-        first, head = spec(placement, EmbeddingLayer, m, tp), spec(placement, OutputLayer, m, None, tp)
-    blocks = [spec(placement, Block, m, layer_id, tp, ep) for layer_id in range(m.n_layers)]
+        first, head = spec(placement, EmbeddingLayer, m, tp, sp), spec(placement, OutputLayer, m, None, tp)
+    blocks = [spec(placement, Block, m, layer_id, tp, ep, sp) for layer_id in range(m.n_layers)]
     return [first, *blocks, spec(placement, FinalNorm, m, tp), head]
 
 
@@ -88,11 +98,14 @@ def build_pipeline(cfg: RunConfig, topology: Topology, tp: TPContext, ep: EPCont
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
     shape = topology.shape
+    sp = SPContext.from_topology(topology)
     checkpoint = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
     module = PipelineModule(
-        layers=layer_specs(cfg, tp, ep, placement),
-        topology=PipeModelDataParallelTopology(num_pp=shape.pp, num_mp=shape.tp, num_dp=shape.dp),
-        loss_fn=VocabParallelLoss(cfg.model, tp, cfg.train.label_smoothing, cfg.train.z_loss),
+        layers=layer_specs(cfg, tp, ep, placement, sp),
+        # sp folded into DeepSpeed's data axis (see the module docstring)
+        topology=PipeModelDataParallelTopology(num_pp=shape.pp, num_mp=shape.tp, num_dp=shape.dp * shape.sp),
+        loss_fn=VocabParallelLoss(cfg.model, tp, cfg.train.label_smoothing, cfg.train.z_loss, sp,
+                                  engine_averages_sp=True),
         partition_method=cfg.parallel.pipeline_partition,
         activation_checkpoint_interval=cfg.train.activation_checkpoint_interval,
         activation_checkpoint_func=checkpoint,

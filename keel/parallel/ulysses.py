@@ -41,22 +41,24 @@ def sequence_chunk(x: torch.Tensor, sp: SPContext) -> torch.Tensor:
 
 class _SequenceMean(torch.autograd.Function):
     """Forward: the mean of the sp ranks' chunk losses (the full-sequence loss, on every rank).
-    Backward: each rank's chunk loss gets 1/sp (DeepSpeed sums the sp ranks' gradients)."""
+    Backward: each rank's chunk loss gets 1/sp where DeepSpeed sums the sp ranks' gradients (the plain engine's
+    sequence-data-parallel reduction divides by dp alone), 1 where it averages them (the pipeline engine, whose
+    data axis holds the sp ranks: keel/parallel/pipeline.py)."""
 
     @staticmethod
-    def forward(ctx, loss: torch.Tensor, sp: SPContext) -> torch.Tensor:
-        ctx.size = sp.size
+    def forward(ctx, loss: torch.Tensor, sp: SPContext, engine_averages_sp: bool) -> torch.Tensor:
+        ctx.size = 1 if engine_averages_sp else sp.size
         total = loss.detach().clone()
         comm.all_reduce(total, sp.group)
         return total / sp.size
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad / ctx.size, None
+        return grad / ctx.size, None, None
 
 
-def sequence_mean(loss: torch.Tensor, sp: SPContext) -> torch.Tensor:
-    return loss if sp.size == 1 else _SequenceMean.apply(loss, sp)
+def sequence_mean(loss: torch.Tensor, sp: SPContext, engine_averages_sp: bool = False) -> torch.Tensor:
+    return loss if sp.size == 1 else _SequenceMean.apply(loss, sp, engine_averages_sp)
 
 
 def ulysses_attention(attend, sp: SPContext):

@@ -55,6 +55,12 @@ def gradient_accumulation(cfg: RunConfig, dp_size: int) -> int:
     return cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp_size)
 
 
+def engine_batch_copies(cfg: RunConfig) -> int:
+    """How many times DeepSpeed counts one sample of the global batch: the pipeline engine's data axis holds the
+    Ulysses sp ranks (keel/parallel/pipeline.py), which all read the same sample, so it counts it on each."""
+    return cfg.parallel.sp if cfg.parallel.pp > 1 else 1
+
+
 def _fill(ds: dict[str, Any], key: str, value: Any, source: str) -> None:
     given = ds.get(key, AUTO)
     if given == AUTO:
@@ -91,6 +97,7 @@ def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, dp_size: int) -> dict
     _fill(ds, "train_micro_batch_size_per_gpu", cfg.train.micro_batch_size, "train.micro_batch_size")
     _fill(ds, "gradient_accumulation_steps", ga, "train.global_batch_size/(micro_batch_size×dp)")
     _fill(ds, "gradient_clipping", cfg.train.grad_clip, "train.grad_clip")
+    ds["train_batch_size"] *= engine_batch_copies(cfg)  # checked against Keel's global batch above
     if cfg.parallel.pp > 1 and cfg.parallel.tp > 1 and cfg.parallel.sequence_parallel:
         # DeepSpeed splits stage-to-stage activations across the TP group assuming every TP rank holds the same
         # tensor; under sequence parallelism each holds a different sequence shard, so each must send its own.

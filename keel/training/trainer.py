@@ -30,6 +30,7 @@ from keel.parallel import comm
 from keel.parallel.topology import Topology
 from keel.training.attention_logits import AttentionLogitWarning
 from keel.training.checkpoint import Checkpointer, TrainState, checkpoint_dir
+from keel.training.ds_config import engine_batch_copies
 from keel.training.engine import Fp32GradClipper, LRScale
 from keel.training.expert_health import ExpertHealth
 from keel.training.faults import FaultInjector
@@ -169,8 +170,9 @@ class Trainer:
         t, step, dp = self.cfg.train, state.step + 1, self.topology.dp_size
         start = skip_to(state.consumed_samples, self.skip_ranges)
         size = rampup_batch_size(state.step, t, dp)
-        if size != self.engine.train_batch_size():  # batch-size ramp-up: DeepSpeed adjusts accumulation
-            self.engine.set_train_batch_size(size)
+        engine_size = size * engine_batch_copies(self.cfg)
+        if engine_size != self.engine.train_batch_size():  # batch-size ramp-up: DeepSpeed adjusts accumulation
+            self.engine.set_train_batch_size(engine_size)
         self.experts.before_step(loss_scale(self.engine) or 1.0, self.engine.gradient_accumulation_steps())
         micro_batches = self.prefetcher.get(start, size)
         self.prefetcher.prefetch(skip_to(start + size, self.skip_ranges), rampup_batch_size(step, t, dp))
@@ -230,11 +232,12 @@ class Trainer:
     def _pipeline_losses(self) -> tuple[torch.Tensor | None, torch.Tensor]:
         """The pipeline's last stage holds the summed micro-batch losses; every rank needs their mean over
         replicas (the guards decide on it). One device all-reduce over the world, to which only the last stage's
-        tp-rank-0 ranks contribute; every other rank adds a zero on the same device (never a CPU tensor).
+        tp-rank-0, sp-rank-0 ranks contribute (the sp ranks each hold the full-sequence loss); every other rank adds
+        a zero on the same device (never a CPU tensor).
         Returns (this rank's loss, None off the last stage; the mean), both left on the device."""
         summed = pipeline_summed_loss(self.engine)
         local = torch.zeros((), device=self.engine.device)
-        if summed is not None and self.topology.rank_in("tp") == 0:
+        if summed is not None and self.topology.rank_in("tp") == 0 and self.topology.rank_in("sp") == 0:
             local = summed.detach().float() / self.engine.gradient_accumulation_steps()
         mine = local.clone() if summed is not None else None
         total = comm.all_reduce(local, self.topology.device("world"))
