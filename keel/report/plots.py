@@ -1,7 +1,7 @@
 """Drawing `keel report`'s plots with matplotlib (the `plot` extra), each from its series alone.
 
 Every function takes the series dict of keel/report/series.py and returns PNG bytes: what is drawn is exactly
-what series.json holds. The loss axis is fitted to the kept training and validation losses, so a spike of a
+what series.json holds. The loss axis is fitted to the losses of applied steps and validation, so a spike of a
 skipped or rolled-back step (often 1000× the loss) marks its step without flattening the curve.
 """
 
@@ -60,6 +60,9 @@ def _plain_log_ticks(ax) -> None:
 
 
 def _finish(ax, title: str, ylabel: str, legend: bool = True) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
     ax.set_title(title)
     ax.set_xlabel("step")
     ax.set_ylabel(ylabel)
@@ -80,7 +83,9 @@ def draw_loss(s: dict[str, Any]) -> bytes:
         ax.plot(*_points(s["val"]), "o-", color="C1", markersize=4, label="validation loss")
     _mark_steps(ax, [m["step"] for m in s["skipped"]], "skipped step", "C3", ":")
     _mark_steps(ax, s["resumes"], "resumed", "C2", "--")
-    _fit_ylim(ax, s["train"]["value"] + s["val"]["value"])
+    skipped = {m["step"] for m in s["skipped"] if not m["rolled_back"]}
+    updated = [v for step, v in zip(s["train"]["step"], s["train"]["value"]) if step not in skipped]
+    _fit_ylim(ax, (updated or s["train"]["value"]) + s["val"]["value"])
     _finish(ax, "Loss", "loss")
     return _png(fig)
 

@@ -51,9 +51,10 @@ def _markers(run: RunRecords) -> dict[str, list]:
 
 
 def loss_series(run: RunRecords) -> dict | Skipped:
+    """Every step's loss (a skipped step's too: the batch was trained on, its update dropped), the validation
+    losses, the rolled-back steps' losses, and the markers."""
     records = run.metrics.records
-    kept = [r for r in records if not r.get("skipped")]
-    train = _column(kept, "loss")
+    train = _column(records, "loss")
     if not _has_values(train):
         return Skipped("no training loss in metrics.jsonl yet")
     return {"train": train, "val": _column(records, "val_loss"), "rolled_back": _column(run.discarded.records, "loss"),
@@ -72,7 +73,8 @@ def grad_norm_series(run: RunRecords) -> dict | Skipped:
                     key=_layer_order)
     per_layer = {name: _column(records, GRAD_NORM_PREFIX + name) for name in layers}
     if not _has_values(norm) and not per_layer:
-        return Skipped("no gradient norm in metrics.jsonl (none is computed on this path)")
+        return Skipped("no finite gradient norm in metrics.jsonl (every step overflowed, or none is computed on "
+                       "this path)")
     return {"grad_norm": norm, "per_layer": per_layer, "skipped": [m["step"] for m in _markers(run)["skipped"]
                                                                     if not m["rolled_back"]]}
 

@@ -94,8 +94,8 @@ def _summary(run: RunRecords, series: dict[str, Any]) -> list[str]:
     state = "finished" if total is not None and last.get("step") == total else (
         f"at step {last.get('step')} of {total} (still running, or stopped: see summary.md)")
     lines = [f"- status: {state}"]
-    kept = [r for r in records if not r.get("skipped") and isinstance(r.get("loss"), float)
-            and math.isfinite(r["loss"])]
+    finite = [r for r in records if isinstance(r.get("loss"), float) and math.isfinite(r["loss"])]
+    kept = [r for r in finite if not r.get("skipped")] or finite  # the applied steps' (all skipped: every one's)
     if kept:
         lowest = min(kept, key=lambda r: r["loss"])
         lines.append(f"- training loss: {kept[0]['loss']:.4f} at step {kept[0]['step']} → {kept[-1]['loss']:.4f} "
