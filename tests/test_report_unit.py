@@ -52,7 +52,8 @@ def live_run(tmp_path: Path) -> Path:
 def test_synthetic_run_draws_every_plot_from_its_records(live_run, tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()
-    (out / "stale.png").write_bytes(b"an older report")  # replaced as a whole, not merged
+    (out / "stale.png").write_bytes(b"an older report")  # a previous report: replaced as a whole, not merged
+    (out / "report.md").write_text("# an older report\n")
     main_args = ["report", str(live_run), "--out", str(out)]
     with pytest.raises(SystemExit) as exit_info:
         main(main_args)
@@ -121,15 +122,24 @@ def test_a_plot_without_data_is_skipped_with_its_reason(tmp_path):
 
 
 def test_errors_are_one_line_with_exit_2(tmp_path, capsys, monkeypatch):
-    for target, message in ((tmp_path / "missing", "is not a directory"), (tmp_path, "is not a keel run dir")):
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("")
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("keep me")
+    for target, out, message in ((tmp_path / "missing", [], "is not a directory"),
+                                 (tmp_path / "notes", [], "is not a keel run dir"),
+                                 (run, ["--out", str(run)], "would replace the run dir"),
+                                 (run, ["--out", str(tmp_path)], "would replace the run dir"),
+                                 (run, ["--out", str(tmp_path / "notes")], "holds files but no report.md")):
         with pytest.raises(SystemExit) as exit_info:
-            main(["report", str(target)])
+            main(["report", str(target), *out])
         err = capsys.readouterr().err.strip().splitlines()
         assert exit_info.value.code == 2 and len(err) == 1 and message in err[0], err
+    assert (tmp_path / "notes" / "todo.txt").read_text() == "keep me" and (run / "checkpoints").is_dir()
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
-    (tmp_path / "metrics.jsonl").write_text("")
     with pytest.raises(SystemExit) as exit_info:
-        main(["report", str(tmp_path)])
+        main(["report", str(run)])
     assert exit_info.value.code == 2 and capsys.readouterr().err == f"keel: error: {INSTALL_HINT}\n"
     assert "pip install 'keel[plot]'" in INSTALL_HINT

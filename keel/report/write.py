@@ -41,6 +41,7 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> Report:
     run_dir = run_dir.expanduser().resolve()
     out_dir = (out_dir or run_dir / "report").expanduser().resolve()
     run = read_run(run_dir)
+    _check_out(out_dir, run_dir)
     series = all_series(run)
     drawn = [name for name, s in series.items() if not isinstance(s, Skipped)]
     skipped = {name: s.reason for name, s in series.items() if isinstance(s, Skipped)}
@@ -60,6 +61,17 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> Report:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return Report(out_dir, drawn, skipped, run.left_out())
+
+
+def _check_out(out_dir: Path, run_dir: Path) -> None:
+    """DIR is replaced as a whole: only a previous report (or nothing, or an empty directory) may be there."""
+    if out_dir == run_dir or out_dir in run_dir.parents:
+        raise ConfigError(f"keel report: --out {out_dir} would replace the run dir; use a directory of its own")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError(f"keel report: --out {out_dir} is a file")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / "report.md").is_file():
+        raise ConfigError(f"keel report: --out {out_dir} holds files but no report.md; it is replaced as a whole, "
+                          "so give a new or empty directory (or a previous report's)")
 
 
 def _publish(staging: Path, out_dir: Path) -> None:
