@@ -66,7 +66,7 @@ def build_run(config_path: str | None, overrides: list[str], ds_config: str | No
     ds_path = resolve_path(cfg.train.ds_config, *bases)
     cfg.train.ds_config = str(ds_path)
     clamped = clamp_warmup(cfg.train)
-    if clamped:
+    if clamped and os.environ.get("RANK", "0") == "0":  # under an external launcher every rank builds the run
         print(f"keel: warning: {clamped}", file=sys.stderr, flush=True)
     validate(cfg, world_size)
     if cfg.model.init_from:  # relative to the config's directory, like the corpus; ranks may run elsewhere
