@@ -70,7 +70,7 @@ BAD_CASES = {
     "tp": (["parallel.tp=3"], "parallel"),
     "missing corpus": (["data.corpus=[/nonexistent/*.txt]"], "data.corpus"),
     "vocab": (["model.vocab_size=100"], "model.vocab_size"),
-    "warmup": (["train.warmup_steps=50"], "train.warmup_steps"),
+    "warmup": (["train.warmup_steps=-1"], "train.warmup_steps"),  # a longer one is clamped (below)
     "save watchdog": (["stability.watchdog_save_timeout=-1"], "stability.watchdog_save_timeout"),
 }
 
@@ -90,6 +90,17 @@ def test_bad_config_gives_one_line_naming_the_field(case, tmp_path, capsys, smal
     assert len(errors) == 1 and errors[0].startswith("keel: error: ") and "Traceback" not in err, err
     assert field in errors[0], errors[0]
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_warmup_longer_than_the_run_is_clamped_with_one_warning(tmp_path, capsys):
+    """`--set train.steps=20` with the default 30 warmup steps: the warmup ends with the run, said in one line."""
+    assert RunConfig().train.warmup_steps == 30
+    spec = build_run(None, ["train.steps=20"], None, str(tmp_path / "run"), 2)
+    assert spec.cfg.train.warmup_steps == 20
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert warnings == ["keel: warning: train.warmup_steps=30 is longer than the run (train.steps=20): clamped to 20"]
+    spec = build_run(None, ["train.steps=40"], None, str(tmp_path / "run"), 2)
+    assert spec.cfg.train.warmup_steps == 30 and capsys.readouterr().err == ""
 
 
 @pytest.mark.parametrize("ds, field", [

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
 import pytest
 
+from keel.report import write_report
 from keel.training.metrics import FIELDS, read_metrics
 from tests.keel_runs import REPO, Run
 
@@ -29,11 +31,18 @@ def test_default_run_learns(tmp_path):
     assert last < first - 2.0, (first, last)
     assert any("val_loss" in r for r in records)
     assert "step    300/300" in proc.stdout
+    assert "| mfu n/a | eta 0s" in proc.stdout  # the step line's last fields (CPU: no peak FLOP/s to divide by)
     # Running the same command again resumes from the final checkpoint and has nothing left to do.
     again = subprocess.run([sys.executable, "-m", "keel.launcher.cli", "train", "--run-dir", str(tmp_path)],
                            capture_output=True, text=True, cwd=REPO, timeout=600)
     assert again.returncode == 0 and "resumed from step00000300" in again.stdout
     assert len(read_metrics(tmp_path / "metrics.jsonl")) == 300
+    # keel report: every plot a dense bf16-less run has data for, and the resume at step 300 marked
+    report = write_report(tmp_path)
+    assert report.drawn == ["loss", "lr", "grad_norm", "throughput", "step_time_by_rank"]
+    series = json.loads((report.out_dir / "series.json").read_text())["plots"]
+    assert series["loss"]["resumes"] == [300] and series["loss"]["skipped"] == []
+    assert series["step_time_by_rank"]["by_rank"]["0"]["step"] == list(range(50, 301, 50))
 
 
 def test_runs_in_place_under_torchrun(runs, tmp_path):

@@ -228,7 +228,8 @@ def _straggler_worker(rank: int, world: int, port: int) -> None:
         reports = [monitor.update(step, (1.0 + 0.25 * rank) * step / 2) for step in range(1, 5)]
         assert reports[0] is None and reports[2] is None  # only every `interval` steps
         for step, report in ((2, reports[1]), (4, reports[3])):
-            assert report.metrics == {"step_time_max": 1.25 * step / 2, "step_time_min": step / 2, "slowest_rank": 1}
+            assert report.metrics == {"step_time_max": 1.25 * step / 2, "step_time_min": step / 2, "slowest_rank": 1,
+                                      "step_time_by_rank": [step / 2, 1.25 * step / 2]}
             assert report.line.startswith(f"stragglers: slowest rank 1 ({socket.gethostname()}) ")
             assert "fastest rank 0 " in report.line and report.line.endswith("spread 25%")
     finally:
@@ -244,5 +245,5 @@ def test_straggler_monitor_names_the_slowest_rank():
 def test_straggler_monitor_single_process():
     monitor = StragglerMonitor(None, interval=1)
     report = monitor.update(1, 0.5)
-    assert report.metrics == {"step_time_max": 0.5, "step_time_min": 0.5, "slowest_rank": 0}
+    assert report.metrics == {"step_time_max": 0.5, "step_time_min": 0.5, "slowest_rank": 0, "step_time_by_rank": [0.5]}
     assert StragglerMonitor(None, interval=0).update(50, 0.5) is None

@@ -33,6 +33,7 @@ from keel.config.schema import (
     load_config,
 )
 from keel.config.validate import (
+    clamp_warmup,
     validate,
     validate_batch_split,
     validate_expert_and_sequence_parallel,
@@ -69,6 +70,7 @@ __all__ = [
     "TrainConfig",
     "apply_overrides",
     "build_config",
+    "clamp_warmup",
     "load_config",
     "validate",
     "validate_batch_split",

@@ -161,6 +161,7 @@ class LoggingConfig:
     log_interval: int = 10  # stdout line every N steps; metrics.jsonl gets every step
     collective_trace: bool = False  # record every Keel collective per rank in RUN_DIR/collectives/ (debug, tests)
     sync_debug: str = ""  # "warn": count the synchronizing CUDA calls of each step (keel/training/sync_debug.py)
+    peak_tflops: float = 0.0  # one device's peak, for the step line's MFU (0: H100/H200/A100 by name, else n/a)
 
 
 @dataclass

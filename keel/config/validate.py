@@ -40,6 +40,17 @@ def _either(names: tuple[str, ...]) -> str:
 
 
 # -- the whole run ---------------------------------------------------------------------------------------------
+def clamp_warmup(t: TrainConfig) -> str | None:
+    """A warmup longer than the run (the default 30 steps in a quick `--set train.steps=20`) ends with the run:
+    clamped, with the warning line to show (None when nothing changed). A negative one is still refused."""
+    if t.warmup_steps <= t.steps or t.steps <= 0:
+        return None
+    line = (f"train.warmup_steps={t.warmup_steps} is longer than the run (train.steps={t.steps}): "
+            f"clamped to {t.steps}")
+    t.warmup_steps = t.steps
+    return line
+
+
 def validate(cfg: RunConfig, world_size: int) -> None:
     """Everything that can be checked without data or DeepSpeed; the DeepSpeed JSON is checked against it later."""
     validate_model(cfg.model)
@@ -73,6 +84,8 @@ def validate(cfg: RunConfig, world_size: int) -> None:
     _require(c.keep_last >= 1, f"checkpoint.keep_last: must keep at least 1, got {c.keep_last}")
     _require(cfg.logging.sync_debug in ("", "warn"),
              f"logging.sync_debug: expected '' (off) or 'warn', got {cfg.logging.sync_debug!r}")
+    _require(cfg.logging.peak_tflops >= 0,
+             f"logging.peak_tflops: must be >= 0 (0: by device name), got {cfg.logging.peak_tflops}")
     for name in PARALLEL_AXES:
         size = getattr(p, name)
         _require(size >= 1, f"parallel.{name}: must be >= 1, got {size}")

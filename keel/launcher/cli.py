@@ -1,4 +1,4 @@
-"""`keel` command line: `keel train`, `keel prepare`, `keel lr-find`, `keel export`, `keel slurm`.
+"""`keel` command line: `keel train`, `keel prepare`, `keel lr-find`, `keel export`, `keel report`, `keel slurm`.
 
 Every user mistake (config, data, paths) is reported as one line on stderr with exit code 2, before any rank
 starts; tracebacks are for bugs.
@@ -165,6 +165,22 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    """A run's plots, report.md and series.json (keel/report/), from whatever the run dir holds now."""
+    from pathlib import Path
+
+    from keel.report import write_report
+
+    report = write_report(Path(args.run_dir), Path(args.out) if args.out else None)
+    print(f"keel: report in {report.out_dir}: {len(report.drawn)} plot(s) ({', '.join(report.drawn) or 'none'}), "
+          f"report.md, series.json")
+    for name, reason in report.skipped.items():
+        print(f"keel: no {name} plot: {reason}")
+    for name, what in report.left_out.items():
+        print(f"keel: left out of {name}: {what}")
+    return 0
+
+
 def cmd_slurm(args: argparse.Namespace) -> int:
     """Render slurm/keel.sbatch for this run (checked and data prepared here first) and submit it."""
     from keel.launcher.slurm import cmd_slurm as submit_slurm
@@ -225,6 +241,11 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--max-shard-size", type=float, default=2048, metavar="MIB",
                         help="largest safetensors file in MiB (a bigger tensor gets one of its own)")
     export.set_defaults(func=cmd_export)
+
+    report = sub.add_parser("report", help="plot a run (live or finished): PNGs, report.md and series.json")
+    report.add_argument("run_dir", help="the run dir of a keel train")
+    report.add_argument("--out", help="where the report goes (default: RUN_DIR/report; replaced atomically)")
+    report.set_defaults(func=cmd_report)
 
     from keel.launcher.slurm import add_parser as add_slurm_parser
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 import yaml
 
 import keel
-from keel.config import ConfigError, RunConfig, build_config, load_config, validate
+from keel.config import ConfigError, RunConfig, build_config, clamp_warmup, load_config, validate
 from keel.training.ds_config import load_ds_config, resolve_ds_config, zero_stage
 
 CONFIG_FILE, DS_FILE, DATA_FILE = "config.yaml", "ds_config.json", "data.json"
@@ -64,6 +65,9 @@ def build_run(config_path: str | None, overrides: list[str], ds_config: str | No
         cfg.train.ds_config = ds_config
     ds_path = resolve_path(cfg.train.ds_config, *bases)
     cfg.train.ds_config = str(ds_path)
+    clamped = clamp_warmup(cfg.train)
+    if clamped and os.environ.get("RANK", "0") == "0":  # under an external launcher every rank builds the run
+        print(f"keel: warning: {clamped}", file=sys.stderr, flush=True)
     validate(cfg, world_size)
     if cfg.model.init_from:  # relative to the config's directory, like the corpus; ranks may run elsewhere
         cfg.model.init_from = str(resolve_path(cfg.model.init_from, *bases))

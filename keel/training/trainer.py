@@ -42,6 +42,7 @@ from keel.training.metrics import MetricsWriter
 from keel.training.monitor import ModelMonitor
 from keel.training.preemption import EXIT_PREEMPTED, PreemptionHandler
 from keel.training.prefetch import BatchPrefetcher
+from keel.training.progress import run_progress
 from keel.training.sinks import Sinks
 from keel.training.step_gate import StepGate
 from keel.training.sync_debug import SyncCounter
@@ -311,6 +312,8 @@ class Trainer:
         self.guards.load_state_dict(self.checkpointer.read_manifest(tag).get("guards", {}))
         self.lr_scale.value = state.lr_scale
         refresh_lr(self.engine.lr_scheduler)
+        # the run's history: where a restart, requeue or continuation picked up (`keel report` marks it)
+        self.anomalies.record("resume", state.step, checkpoint=tag, consumed_samples=state.consumed_samples)
         if self.topology.rank == 0:
             log.info("resumed from %s: step %d, %d samples consumed", tag, state.step, state.consumed_samples)
         return state
@@ -324,7 +327,9 @@ class Trainer:
         t, s = self.cfg.train, self.cfg.stability
         state = self.resume()
         metrics = MetricsWriter(self.run_dir, self.topology.rank == 0, state.step, self.cfg.logging.log_interval,
-                                t.steps)
+                                t.steps,
+                                run_progress(self.cfg, self.topology.shape.world_size, self.engine.device)
+                                if self.topology.rank == 0 else None)
         self.sinks = Sinks(self.run_dir, s, self.cfg.to_dict(), enabled=self.topology.rank == 0,
                            resumed_step=state.step)
         watchdog = Watchdog(self.run_dir, self.topology.rank, s.watchdog_timeout, self.anomalies)

@@ -237,7 +237,9 @@ class Watchdog:
 @dataclass
 class StragglerReport:
     line: str  # for the log
-    metrics: dict[str, float | int]  # for metrics.jsonl: step_time_max, step_time_min, slowest_rank
+    # for metrics.jsonl: step_time_max, step_time_min, slowest_rank, and step_time_by_rank (every rank's time, in
+    # rank order: the values the check gathered anyway, for `keel report`'s per-rank plot)
+    metrics: dict[str, float | int | list[float]]
 
 
 class StragglerMonitor:
@@ -270,8 +272,9 @@ class StragglerMonitor:
         spread = (times[slow] - times[fast]) / times[fast] if times[fast] > 0 else 0.0
         line = (f"stragglers: slowest rank {self._ranks[slow]} ({self._hosts[slow]}) {times[slow]:.2f} s, "
                 f"fastest rank {self._ranks[fast]} {times[fast]:.2f} s, spread {spread:.0%}")
+        by_rank = [t for _, t in sorted(zip(self._ranks, times))]
         return StragglerReport(line, {"step_time_max": times[slow], "step_time_min": times[fast],
-                                      "slowest_rank": self._ranks[slow]})
+                                      "slowest_rank": self._ranks[slow], "step_time_by_rank": by_rank})
 
     def _gather(self, value: float) -> list[float]:
         import torch  # here, not at the top: the watchdog above must stay importable without torch's start-up
