@@ -209,6 +209,7 @@ def test_special_ids_and_vocab_reach_the_model_and_the_record(made: dict[str, Pa
                     "vocab_size": tok.vocab_size, "bos_id": 0, "eos_id": 1, "pad_id": None}
 
 
+@pytest.mark.fault("resume with another tokenizer", "refused in one line before any rank")
 def test_resume_with_another_tokenizer_is_refused(made: dict[str, Path], tmp_path: Path) -> None:
     from keel.launcher.run_dir import write_run_dir
 

@@ -114,6 +114,7 @@ def _rewrite(path, edit) -> None:
         (".json", lambda b: b[:10], "not valid JSON"),
     ],
 )
+@pytest.mark.fault("corrupt .bin/.idx/sidecar token file", "one line naming the file and the mismatch")
 def test_corrupt_files_raise_one_line(written, suffix: str, edit, match: str) -> None:
     _rewrite(written.with_name(written.name + suffix), edit)
     with pytest.raises(DataError, match=match) as info:

@@ -119,6 +119,7 @@ def test_flat_windows_equal_the_whole_shard(tmp_path):
                 torch.testing.assert_close(out, whole[start:end], atol=0, rtol=0, msg=name)
 
 
+@pytest.mark.fault("HF model that does not match the config", "refused naming each mismatched field")
 def test_bad_hf_dirs_are_refused_in_one_line_each(tmp_path):
     cfg = model_cfg()
     save_hf_llama(tmp_path / "hf", cfg)

@@ -35,6 +35,7 @@ def events(run_dir, kind):
     return [e for e in read_anomalies(run_dir) if e["kind"] == kind]
 
 
+@pytest.mark.fault("NaN in one rank's batch", "step skipped on every rank; the bad sample localized and recorded")
 def test_nan_on_one_rank_skips_the_step_everywhere(runs):
     """NaN in rank 1's batch at step 5: skipped on all ranks, diagnosed, and the final weights equal a run whose
     sampler simply skipped that batch."""
@@ -53,6 +54,7 @@ def test_nan_on_one_rank_skips_the_step_everywhere(runs):
     assert (faulty / "summary.md").read_text().count("nonfinite") >= 1
 
 
+@pytest.mark.fault("bit flip in one replica's weights (ZeRO-0)", "checksums name parameter and rank; exit 3")
 def test_bit_flip_is_detected_naming_parameter_and_rank(runs, tmp_path):
     """The default action stops the run (exit code 3) at the first check after the flip. With two replicas the
     comparison cannot tell which one is wrong (both named, `ambiguous`); rank 1's own at-rest check names it."""
@@ -80,6 +82,7 @@ def _checkpoint_tensors(run_dir) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.fault("low bit flip in a rank's fp32 partition (ZeRO 0-3)", "at-rest checksum names rank and parameter")
 def test_low_bit_flip_in_the_source_of_truth_is_caught_at_every_zero_stage(runs, stage):
     """A low mantissa bit of rank 1's copy of the state the next steps are rebuilt from (the parameter at ZeRO-0,
     its fp32 partition at ZeRO-1/2/3) flips after step 5: the next check (step 6) names rank 1 and the parameter. With
@@ -121,6 +124,7 @@ def test_monitor_statistics_agree_at_every_zero_stage(runs):
         assert sum(got[k] ** 2 for k in layers) ** 0.5 == pytest.approx(got["grad_norm"], rel=1e-5), stage
 
 
+@pytest.mark.fault("one rank trains on garbage data", "cross-rank loss check flags that rank")
 def test_noisy_rank_is_flagged_by_the_cross_rank_loss_check(runs):
     run = runs.get("noise", 4, **NOISE)
     flagged = events(run, "loss_outlier")
@@ -129,6 +133,7 @@ def test_noisy_rank_is_flagged_by_the_cross_rank_loss_check(runs):
     assert flagged[0]["consecutive"] >= 2 and flagged[0]["sigmas"] > 3
 
 
+@pytest.mark.fault("rank stalls inside a step", "watchdog dumps stacks; every rank exits 4")
 def test_sleeping_rank_trips_the_watchdog(runs, tmp_path):
     """Rank 1 stalls in step 4: its stacks are dumped and the run exits with the hang code (bench/recovery.py
     measures how long detection takes)."""
