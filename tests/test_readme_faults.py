@@ -113,14 +113,14 @@ def test_readme_faults_table_lists_exactly_the_fault_marked_tests():
     wanted = Counter((test, *mark) for test, marks in marked.items() for mark in marks)
     listed = Counter(rows)
     problems = [f"listed {n} times: {row}" for row, n in listed.items() if n > 1]
-    for test, fault, action in listed.keys() - wanted.keys():
+    for test, fault, action in sorted(listed.keys() - wanted.keys()):
         if test not in tests:
             problems.append(f"README names {test}, which does not exist")
         elif test not in marked:
             problems.append(f"README names {test}, which has no @pytest.mark.fault")
         else:
             problems.append(f"README row ({fault!r}, {action!r}) for {test} matches none of its marks {marked[test]}")
-    for test, fault, action in wanted.keys() - listed.keys():
+    for test, fault, action in sorted(wanted.keys() - listed.keys()):
         problems.append(f"no README row for {test}: | {fault} | {action} | `{test}` |")
     assert not problems, "README.md's Faults table and the fault marks differ:\n" + "\n".join(problems)
     assert marked and rows  # a reader that finds nothing must not pass
