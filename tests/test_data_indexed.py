@@ -145,6 +145,7 @@ def test_file_without_sidecar_takes_the_callers_vocabulary(written) -> None:
 
 
 @pytest.mark.parametrize("suffix", [".idx", ".bin"])
+@pytest.mark.fault("token file missing", "one line naming it and how to rebuild")
 def test_missing_files_raise(written, suffix: str) -> None:
     written.with_name(written.name + suffix).unlink()
     with pytest.raises(DataError, match=r"missing; re-run `keel prepare`"):

@@ -119,6 +119,7 @@ def test_render_gpus_and_quoting():
     assert array == cmd
 
 
+@pytest.mark.fault("bad config for a SLURM job", "one line, exit 2, nothing submitted")
 def test_config_errors_are_one_line_before_submitting(runs, tmp_path, capsys):
     # 3 ranks cannot split the global batch of 8 into micro-batches of 2: refused before sbatch is looked for
     code, _, err = keel_slurm_here(capsys, tmp_path, runs.overrides(), "--nodes", "3", "--tasks-per-node", "1")
