@@ -9,7 +9,7 @@ import torch
 
 from keel.training.guards.base import read_anomalies
 from keel.training.metrics import read_metrics
-from tests.keel_runs import REPO, Run, final_weights, keel_train
+from tests.keel_runs import REPO, Run, final_weights
 
 pytestmark = pytest.mark.slow
 
@@ -29,6 +29,10 @@ STAGES = (0, 1, 2, 3)
 # the flipped runs, and the clean runs of tests/test_train_equivalence.py (the same runs: they share one launch)
 KEEL_RUNS += [Run.of(f"bitflip-zero{s}", 2, f"ds_configs/zero{s}.json", **BITFLIP) for s in STAGES]
 KEEL_RUNS += [Run.of(f"zero{s}", 2, f"ds_configs/zero{s}.json") for s in STAGES]
+# the default action, stop, ends this run with exit code 3; the world goes on to the others in its launch
+BITFLIP_STOP = dict(faults__bitflip_step=5, faults__bitflip_rank=1, stability__checksum_interval=3,
+                    faults__bitflip_param="layers.1.attention.wq.weight")
+KEEL_RUNS += [Run.of("bitflip-stop", 2, "ds_configs/zero0.json", expect_code=3, **BITFLIP_STOP)]
 
 
 def events(run_dir, kind):
@@ -55,19 +59,17 @@ def test_nan_on_one_rank_skips_the_step_everywhere(runs):
 
 
 @pytest.mark.fault("bit flip in one replica's weights (ZeRO-0)", "checksums name parameter and rank; exit 3")
-def test_bit_flip_is_detected_naming_parameter_and_rank(runs, tmp_path):
-    """The default action stops the run (exit code 3) at the first check after the flip. With two replicas the
-    comparison cannot tell which one is wrong (both named, `ambiguous`); rank 1's own at-rest check names it."""
-    proc = keel_train(tmp_path, 2, runs.overrides(faults__bitflip_step=5, faults__bitflip_rank=1,
-                                                  faults__bitflip_param="layers.1.attention.wq.weight",
-                                                  stability__checksum_interval=3),
-                      "ds_configs/zero0.json", expect_code=3)
-    at_rest, replicas = sorted(events(tmp_path, "checksum_mismatch"), key=lambda e: e["group"])
+def test_bit_flip_is_detected_naming_parameter_and_rank(runs):
+    """The default action stops the run (exit code 3, checked by the shared launch) at the first check after the
+    flip. With two replicas the comparison cannot tell which one is wrong (both named, `ambiguous`); rank 1's own
+    at-rest check names it."""
+    run = runs.get("bitflip-stop", 2, "ds_configs/zero0.json", expect_code=3, **BITFLIP_STOP)
+    at_rest, replicas = sorted(events(run, "checksum_mismatch"), key=lambda e: e["group"])
     assert at_rest["step"] == 6 and at_rest["parameter"] == "layers.1.attention.wq.weight"
     assert at_rest["group"] == "at_rest" and at_rest["ranks"] == [1] and at_rest["states"] == ["param"]
     assert replicas["step"] == 6 and replicas["parameter"] == "layers.1.attention.wq.weight"
     assert replicas["ranks"] == [0, 1] and replicas["ambiguous"]
-    assert "checksum" in proc.stdout + proc.stderr
+    assert "- status: stopped early (exit code 3): parameter checksum mismatch" in (run / "summary.md").read_text()
 
 
 def _checkpoint_tensors(run_dir) -> list[torch.Tensor]:
