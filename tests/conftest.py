@@ -29,10 +29,14 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip_gpu)
-    config.stash[FAULT_ROWS] = fault_rows(items)
     # the runs the selected tests' modules declare train in shared launches (tests/keel_runs.py)
     modules = {item.module for item in items if item.get_closest_marker("skip") is None}
     config.stash[DECLARED_RUNS] = [run for module in modules for run in getattr(module, "KEEL_RUNS", [])]
+
+
+def pytest_collection_finish(session):
+    # after -k/-m deselection (which runs in other plugins' modifyitems hooks): the rows of the tests this session runs
+    session.config.stash[FAULT_ROWS] = fault_rows(session.items)
 
 
 def _cuda_available() -> bool:

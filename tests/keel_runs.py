@@ -7,11 +7,19 @@ one after another (`keel.training.entry.run_sequence`), and later requests find 
 still works — it just gets a launch of its own. A `Run` with `resume_at` N trains in several invocations in the
 same run dir (`train.exit_after=N`): each stops with a checkpoint after N steps and the next resumes from it, until
 the run reaches `train.steps`.
+
+A run a guard stops (checksum mismatch 3, checkpoint disagreement 6, corrupt state 7, failed save 8...) shares
+its launch too: give it `expect_code`. The world goes on to the next run dir after it (every rank agreed on the
+stop), the launch exits with the highest code, and each run's own code is read back from its `summary.md`, so a
+run that should have finished and one that should have stopped are each checked. Runs expected to stop train
+first in their launch (a finished run's closing barrier then keeps the world together until the last summary is
+written). A stop that ends the processes (a hang, exit 4) cannot share a launch: it has one of its own.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -98,18 +106,19 @@ class Run:
     changes: tuple[tuple[str, str], ...] = ()
     resume_at: int = 0  # > 0: stop with a checkpoint every this many steps, and resume, until the end
     ds_patch: str = ""  # JSON merged into the DeepSpeed config's sections (e.g. {"fp16": {...}})
+    expect_code: int = 0  # the exit code the run ends with: non-zero for a run a guard stops
 
     @staticmethod
     def of(name: str, nproc: int, ds_config: str = ZERO0, resume_at: int = 0, ds_patch: dict | None = None,
-           **changes: Any) -> Run:
+           expect_code: int = 0, **changes: Any) -> Run:
         text = {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in changes.items()}
         patch = json.dumps(ds_patch, sort_keys=True) if ds_patch else ""
-        return Run(name, nproc, ds_config, tuple(sorted(text.items())), resume_at, patch)
+        return Run(name, nproc, ds_config, tuple(sorted(text.items())), resume_at, patch, expect_code)
 
     @property
     def key(self) -> tuple:
         """What makes two runs the same run (the name is only a label for its directory)."""
-        return self.nproc, self.ds_config, self.changes, self.resume_at, self.ds_patch
+        return self.nproc, self.ds_config, self.changes, self.resume_at, self.ds_patch, self.expect_code
 
     def ds_config_file(self, run_dir: Path) -> Path:
         """The DeepSpeed JSON to train with: the named one, or a patched copy beside the run dir."""
@@ -139,8 +148,8 @@ class RunCache:
             self._declared.setdefault(run.key, run)
 
     def get(self, name: str, nproc: int, ds_config: str = ZERO0, resume_at: int = 0, ds_patch: dict | None = None,
-            **changes: Any) -> Path:
-        return self.run(Run.of(name, nproc, ds_config, resume_at, ds_patch, **changes))
+            expect_code: int = 0, **changes: Any) -> Path:
+        return self.run(Run.of(name, nproc, ds_config, resume_at, ds_patch, expect_code, **changes))
 
     def run(self, wanted: Run) -> Path:
         if wanted.key not in self._done:
@@ -148,7 +157,7 @@ class RunCache:
                 self.undeclared.append(wanted.name)
             batch = [wanted] + [r for k, r in self._declared.items()
                                 if r.nproc == wanted.nproc and k not in self._done and k != wanted.key]
-            self._launch(batch)
+            self._launch(sorted(batch, key=lambda run: run.expect_code == 0))  # stopped runs first (see above)
         return self._done[wanted.key]
 
     def overrides(self, **changes: Any) -> list[str]:
@@ -172,7 +181,21 @@ class RunCache:
         start = time.perf_counter()
         proc = subprocess.run([sys.executable, "-c", code, *map(str, dirs)], capture_output=True, text=True,
                               timeout=1200, cwd=REPO)
-        _checked(proc, 0, f"{batch[0].nproc}-rank launch of {[r.name for r in batch]}")
+        what = f"{batch[0].nproc}-rank launch of {[r.name for r in batch]}"
+        _checked(proc, max(run.expect_code for run in batch), what)
         self.launches.append((batch[0].nproc, [r.name for r in batch], time.perf_counter() - start))
         for run, run_dir in zip(batch, dict.fromkeys(dirs)):
+            code = summary_exit_code(run_dir)
+            if code != run.expect_code:
+                raise AssertionError(f"run {run.name} in the {what} ended with exit code {code}, expected "
+                                     f"{run.expect_code}:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
             self._done[run.key] = run_dir
+
+
+def summary_exit_code(run_dir: Path) -> int | None:
+    """The exit code a run's `summary.md` records (0 when it finished or stopped on request), None without one."""
+    path = run_dir / "summary.md"
+    if not path.is_file():
+        return None
+    found = re.search(r"^- status: stopped early \(exit code (\d+)\)", path.read_text(), re.MULTILINE)
+    return int(found.group(1)) if found else 0

@@ -189,6 +189,7 @@ def test_a_vetoed_step_changes_nothing_and_an_allowed_one_updates(probed, kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.fault("DeepSpeed internal missing (version change)", "one line naming the attribute")
 def test_a_missing_internal_fails_in_one_line_naming_it(probed, kind):
     missing = probed[kind]["missing"]
     needed = {"engine._take_model_step", "optimizer.overflow"}

@@ -57,6 +57,7 @@ def stopped(runs, tmp_path_factory) -> dict:
             "stall_run": stall_run}
 
 
+@pytest.mark.fault("rank sees a stale checkpoint directory", "every rank stops in one line; exit 6")
 def test_rank_with_a_stale_checkpoint_view_stops_every_rank_with_one_line(stopped):
     """Rank 0's choice, step 30, fails rank 1's check: both ranks stop before building an engine."""
     proc, run, stale = stopped["proc"], stopped["stale_run"], stopped["stale"]
@@ -73,6 +74,7 @@ def test_rank_with_a_stale_checkpoint_view_stops_every_rank_with_one_line(stoppe
     assert [r["step"] for r in records if "save_time_s" in r] == [6, 11, 16, 21, 26]
 
 
+@pytest.mark.fault("rank stalls inside a checkpoint save", "stacks dumped, exit 4 within the save timeout")
 def test_rank_stalled_inside_a_save_is_reported_within_the_save_timeout(stopped):
     """Rank 1 stalls inside the step-2 save while rank 0 waits for it in the save's barrier: both dump their
     stacks and exit with the hang code after stability.watchdog_save_timeout, not at the stall's end (paused, the

@@ -209,6 +209,7 @@ def test_special_ids_and_vocab_reach_the_model_and_the_record(made: dict[str, Pa
                     "vocab_size": tok.vocab_size, "bos_id": 0, "eos_id": 1, "pad_id": None}
 
 
+@pytest.mark.fault("resume with another tokenizer", "refused in one line before any rank")
 def test_resume_with_another_tokenizer_is_refused(made: dict[str, Path], tmp_path: Path) -> None:
     from keel.launcher.run_dir import write_run_dir
 
@@ -257,6 +258,7 @@ BAD_INPUTS = {
 
 
 @pytest.mark.parametrize("case", list(BAD_INPUTS))
+@pytest.mark.fault("missing or unusable tokenizer", "one line naming it; exit 2")
 def test_bad_tokenizer_is_one_line(made: dict[str, Path], case: str, tmp_path: Path,
                                    capsys: pytest.CaptureFixture[str]) -> None:
     write_corpus(tmp_path / "corpus", n_files=2)
@@ -275,6 +277,7 @@ def test_bad_tokenizer_is_one_line(made: dict[str, Path], case: str, tmp_path: P
     ("model.vocab_size=100", "model.vocab_size=100 is smaller than the tokenizer's"),
     ("model.eos_id=5", "model.eos_id=5 differs from the tokenizer's (1"),
 ])
+@pytest.mark.fault("model vocabulary or special ids disagree with the tokenizer", "one line naming the field")
 def test_model_tokenizer_mismatch_is_one_line(made: dict[str, Path], override: str, message: str,
                                               tmp_path: Path) -> None:
     write_corpus(tmp_path / "corpus", n_files=2)

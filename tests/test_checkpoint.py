@@ -31,6 +31,7 @@ class FakeEngine:
         torch.save(client_state, path / "mp_rank_00_model_states.pt")
 
 
+@pytest.mark.fault("crash while writing a checkpoint", "half-written checkpoint never chosen; latest kept")
 def test_latest_skips_half_written_and_prunes(tmp_path):
     ckpt = Checkpointer(tmp_path, keep_last=2, topology=Topology.from_env())
     engine = FakeEngine()
@@ -49,6 +50,7 @@ def test_latest_skips_half_written_and_prunes(tmp_path):
     assert manifest["consumed_samples"] == 240 and manifest["topology"]["world_size"] == 1
 
 
+@pytest.mark.fault("save fails while re-saving a step", "step marked incomplete, never loaded")
 def test_resaving_a_step_marks_it_incomplete_until_done(tmp_path):
     ckpt = Checkpointer(tmp_path, keep_last=3, topology=Topology.from_env())
 
@@ -75,6 +77,7 @@ def test_metrics_rewind_on_resume_keeps_discarded_records(tmp_path):
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.discarded.jsonl")] == list(range(11, 16))
 
 
+@pytest.mark.fault("checkpoint file truncated or missing", "chosen checkpoint refused in one line; exit 6")
 def test_agreed_tag_is_verified_against_the_manifest_file_list(tmp_path):
     """One process is rank 0 and its only verifier: a listed file gone or truncated stops the choice."""
     ckpt = Checkpointer(tmp_path, keep_last=3, topology=Topology.from_env())

@@ -60,6 +60,7 @@ def divergences(traces: dict[int, list[dict]]) -> list[str]:
     return problems
 
 
+@pytest.mark.fault("ranks issue different collectives", "trace comparison names the divergence")
 def test_divergence_is_found():
     """The comparison can fail: an extra call, a different size, or another channel on one rank."""
     call = {"op": "all_reduce_max", "group": "world", "ranks": [0, 1], "channel": "control", "dtype": "int64",

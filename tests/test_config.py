@@ -76,6 +76,7 @@ BAD_CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(BAD_CASES))
+@pytest.mark.fault("bad config value", "one line naming the field; exit 2")
 def test_bad_config_gives_one_line_naming_the_field(case, tmp_path, capsys, small_corpus):
     sets, field = BAD_CASES[case]
     overrides = tiny_overrides(small_corpus, tmp_path / "cache") + sets
@@ -141,6 +142,7 @@ def test_ds_config_checks_the_batch_split_for_the_ranks_it_has():
     assert str(err.value) == "train.global_batch_size=16 must be a multiple of train.micro_batch_size×dp = 4×3 = 12"
 
 
+@pytest.mark.fault("malformed YAML or DeepSpeed JSON", "one line naming the file")
 def test_invalid_json_and_yaml(tmp_path):
     bad_json = tmp_path / "ds.json"
     bad_json.write_text("{ not json")
@@ -152,6 +154,7 @@ def test_invalid_json_and_yaml(tmp_path):
         load_config(bad_yaml)
 
 
+@pytest.mark.fault("bad --set on the command line", "one line, no traceback; exit 2")
 def test_cli_error_has_no_traceback(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "keel.launcher.cli", "train", "--run-dir", str(tmp_path),
                            "--set", "model.n_kv_heads=3"], capture_output=True, text=True, cwd=REPO, timeout=120)
@@ -189,6 +192,7 @@ def test_parallel_layout_errors(nproc, sets, message, tmp_path, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.fault("model vocabulary smaller than the token files", "refused in one line before any rank; exit 2")
 def test_model_vocabulary_smaller_than_the_token_files_is_refused_before_any_rank(tmp_path, capsys, small_corpus):
     """The token file's sidecar records its vocabulary; a model too small for it is a one-line usage error."""
     overrides = tiny_overrides(small_corpus, tmp_path / "cache")

@@ -77,6 +77,7 @@ def test_jsonl_yields_text_field(tmp_path: Path) -> None:
         ('["text"]\n', r"data.jsonl:1: no 'text' field"),
     ],
 )
+@pytest.mark.fault("malformed JSONL line", "one line naming file and line")
 def test_bad_jsonl_names_file_and_line(tmp_path: Path, content: str, match: str) -> None:
     path = tmp_path / "data.jsonl"
     path.write_text(content)

@@ -114,6 +114,7 @@ def _rewrite(path, edit) -> None:
         (".json", lambda b: b[:10], "not valid JSON"),
     ],
 )
+@pytest.mark.fault("corrupt .bin/.idx/sidecar token file", "one line naming the file and the mismatch")
 def test_corrupt_files_raise_one_line(written, suffix: str, edit, match: str) -> None:
     _rewrite(written.with_name(written.name + suffix), edit)
     with pytest.raises(DataError, match=match) as info:
@@ -144,6 +145,7 @@ def test_file_without_sidecar_takes_the_callers_vocabulary(written) -> None:
 
 
 @pytest.mark.parametrize("suffix", [".idx", ".bin"])
+@pytest.mark.fault("token file missing", "one line naming it and how to rebuild")
 def test_missing_files_raise(written, suffix: str) -> None:
     written.with_name(written.name + suffix).unlink()
     with pytest.raises(DataError, match=r"missing; re-run `keel prepare`"):

@@ -199,6 +199,7 @@ def test_compressed_and_parquet_inputs_give_the_same_tokens(tmp_path: Path, give
     ("x.jsonl.gz", b"not gzip at all", r"x\.jsonl\.gz is damaged"),
     ("x.parquet", b"PAR1 not parquet", r"cannot read .*x\.parquet as parquet"),
 ])
+@pytest.mark.fault("damaged .gz or parquet input", "one line naming the file")
 def test_damaged_inputs_are_one_line(tmp_path: Path, name: str, content: bytes, match: str) -> None:
     (tmp_path / name).write_bytes(content)
     with pytest.raises(DataError, match=match) as info:
@@ -236,6 +237,7 @@ class _FailingTokenizer:
     ("raise", DataError, r"tokenizing failed in a worker: ValueError: cannot encode POISON"),
     ("exit", RuntimeError, r"a tokenizer worker died \(exit code 3\)"),
 ])
+@pytest.mark.fault("tokenizer worker raises or dies", "prepare stops in one line; nothing half-written")
 def test_worker_failure_stops_cleanly(tmp_path: Path, given_tokenizer: Tokenizer, how: str, error: type,
                                       match: str) -> None:
     files = write_corpus(tmp_path / "corpus")

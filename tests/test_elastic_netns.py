@@ -32,6 +32,7 @@ def _tail(path, n: int = 6000) -> str:
     return path.read_text(errors="replace")[-n:] if path.is_file() else f"({path} missing)"
 
 
+@pytest.mark.fault("node lost (agent and worker killed)", "survivor re-rendezvouses alone, reshards, same samples")
 def test_node_loss_shrinks_to_one_node_and_finishes_on_the_same_samples(runs, tmp_path):
     sets = dict(train__steps=STEPS, checkpoint__interval=INTERVAL)
     straight = runs.get("elastic-ref", 2, "ds_configs/zero1.json", **sets)  # also prepares the shared data

@@ -5,6 +5,8 @@ cross-rank guards (NaN on one rank skipped everywhere, bit flips, noisy ranks, h
 
 from __future__ import annotations
 
+import pytest
+
 from keel.training.guards.base import read_anomalies
 from keel.training.metrics import read_metrics
 from tests.keel_runs import Run
@@ -22,6 +24,7 @@ def events(run_dir, kind):
     return [e for e in read_anomalies(run_dir) if e["kind"] == kind]
 
 
+@pytest.mark.fault("loss spikes", "skipped; a cluster rolls back with the LR halved")
 def test_spikes_are_skipped_and_a_cluster_rolls_back(runs):
     run = runs.get("spikes", 1, "ds_configs/zero1.json", **SPIKES)
     spikes = events(run, "spike")
@@ -47,6 +50,7 @@ def test_spikes_are_skipped_and_a_cluster_rolls_back(runs):
     assert [e.step for e in events_tb.Scalars("train/loss")] == list(range(1, 21))  # rolled-back steps replaced
 
 
+@pytest.mark.fault("fp16 overflow storm", "steps skipped, loss scale halved, warning to use bf16")
 def test_fp16_overflow_storm_halves_the_scale_and_warns(runs):
     run = runs.get("fp16-storm", 1, "ds_configs/fp16.json", ds_patch={"fp16": STORM},
                    stability__loss_scale_halvings=4)

@@ -119,6 +119,7 @@ def test_flat_windows_equal_the_whole_shard(tmp_path):
                 torch.testing.assert_close(out, whole[start:end], atol=0, rtol=0, msg=name)
 
 
+@pytest.mark.fault("HF model that does not match the config", "refused naming each mismatched field")
 def test_bad_hf_dirs_are_refused_in_one_line_each(tmp_path):
     cfg = model_cfg()
     save_hf_llama(tmp_path / "hf", cfg)
@@ -145,6 +146,7 @@ def test_bad_hf_dirs_are_refused_in_one_line_each(tmp_path):
         check_hf_dir(model_cfg(init_from=str(tmp_path / "nowhere")))
 
 
+@pytest.mark.fault("init_from names another architecture", "one line, exit 2, no rank started")
 def test_keel_train_refuses_a_bad_init_from_before_launch(tmp_path):
     """One line on stderr, exit 2, and no rank started (no run dir written)."""
     import subprocess

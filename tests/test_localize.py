@@ -49,6 +49,7 @@ def test_poisoned_weight_is_data_at_its_module():
     assert "findings" not in event and json.loads(json.dumps(event))["origin_module"] == "layers.2.attention.wo"
 
 
+@pytest.mark.fault("non-finite embedding row hit by one sample", "localization names the row and the sample")
 def test_bad_token_names_its_row_and_sample():
     """A non-finite embedding row hit by one sample only: that sample, in the second micro-batch, is named."""
     model = tiny(tie_embeddings=False)
@@ -123,6 +124,7 @@ def test_inf_in_the_loss_only_points_at_the_model():
     assert loc.classification == DATA
 
 
+@pytest.mark.fault("NaN only in the backward pass", "localization names the bad gradients")
 def test_backward_only_nan_is_found_in_the_gradients():
     model = tiny()
 

@@ -236,6 +236,7 @@ def test_range_test_smooths_with_bias_correction_and_stops_on_divergence():
     assert 1e-3 < result.lrs[index] < 1e-2
 
 
+@pytest.mark.fault("loss turns non-finite during lr-find", "the sweep stops there and says why")
 def test_range_test_stops_on_nonfinite_loss():
     result = range_test(lambda lr: float("nan") if lr > 1e-3 else 3.0, sweep_lrs(1e-5, 1.0, 20))
     assert "non-finite" in result.stop_reason and not math.isfinite(result.losses[-1])

@@ -119,6 +119,7 @@ def test_megatron_token_file_is_a_corpus_used_in_place(tmp_path: Path, tokenizer
     assert ensure_prepared(spec, tmp_path / "cache", 4096, progress=False, tokenizer=tokenizer) == prepared
 
 
+@pytest.mark.fault("token ids outside the vocabulary", "one line naming file and token; nothing cached")
 def test_out_of_vocab_token_file_is_one_line(tmp_path: Path, tokenizer: Tokenizer) -> None:
     _tokenized(tmp_path / "foreign", tokenizer, ["fine", "ends badly"], extra=[7, 400])
     with pytest.raises(DataError, match=r"foreign\.bin: token \d+ is id 400, outside the tokenizer's vocabulary"
@@ -142,6 +143,7 @@ def test_bad_prefix_is_one_line(tmp_path: Path, tokenizer: Tokenizer, make: list
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.fault("truncated Megatron token file", "one line naming the file and sizes")
 def test_truncated_megatron_file_is_one_line(tmp_path: Path, tokenizer: Tokenizer) -> None:
     _tokenized(tmp_path / "t", tokenizer, ["some text", "more text"])
     data = (tmp_path / "t.bin").read_bytes()

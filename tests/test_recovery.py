@@ -23,6 +23,7 @@ KEEL_RUNS = [Run.of("zero1-20", 2, "ds_configs/zero1.json", train__steps=20),
              Run.of("restart-ref", 2, "ds_configs/zero1.json", **RESTART)]
 
 
+@pytest.mark.fault("resume on fewer ranks", "universal-checkpoint reshard; same samples and losses")
 def test_resume_on_fewer_ranks_reshards_through_a_universal_checkpoint(runs, tmp_path):
     """ZeRO-1 at dp=2 → stop at step 10 → resume at dp=1: DeepSpeed's universal conversion, same global batch
     (gradient accumulation doubles), the same samples, the same losses."""
@@ -41,6 +42,7 @@ def _entry_pids(run_dir) -> list[int]:
     return sorted(int(pid) for pid in out.split())
 
 
+@pytest.mark.fault("rank killed (SIGKILL) mid-run", "world restarted, resumed to bitwise-equal weights")
 def test_killed_rank_restarts_and_resumes_to_the_same_weights(runs, tmp_path):
     sets = RESTART
     straight = runs.get("restart-ref", 2, "ds_configs/zero1.json", **sets)

@@ -119,6 +119,7 @@ def test_render_gpus_and_quoting():
     assert array == cmd
 
 
+@pytest.mark.fault("bad config for a SLURM job", "one line, exit 2, nothing submitted")
 def test_config_errors_are_one_line_before_submitting(runs, tmp_path, capsys):
     # 3 ranks cannot split the global batch of 8 into micro-batches of 2: refused before sbatch is looked for
     code, _, err = keel_slurm_here(capsys, tmp_path, runs.overrides(), "--nodes", "3", "--tasks-per-node", "1")
@@ -175,6 +176,7 @@ def test_two_nodes_two_tasks_each(slurm_cluster, runs, reference, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.fault("SLURM preemption (SIGUSR1)", "checkpoint, exit 5, requeue, bitwise-exact resume")
 def test_usr1_checkpoints_requeues_and_resumes(slurm_cluster, runs, reference, tmp_path):
     overrides = runs.overrides(train__steps=STEPS, faults__sleep_step=SLEEP_STEP, faults__sleep_rank=0,
                                faults__sleep_s=10)
@@ -219,6 +221,7 @@ def test_usr1_checkpoints_requeues_and_resumes(slurm_cluster, runs, reference, t
 
 
 @pytest.mark.slow
+@pytest.mark.fault("SLURM time limit / scancel", "signal reaches every rank; requeued, or cancelled for good")
 def test_time_limit_signal_is_forwarded_and_scancel_is_final(slurm_cluster, runs, tmp_path, capsys, monkeypatch):
     """The script's own signal handling, with a stand-in for the ranks (no training): USR1 to the batch shell
     (what --signal=B:USR1@lead sends before the time limit) reaches every rank and the job requeues; a plain

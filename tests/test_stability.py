@@ -9,7 +9,7 @@ import torch
 
 from keel.training.guards.base import read_anomalies
 from keel.training.metrics import read_metrics
-from tests.keel_runs import REPO, Run, final_weights, keel_train
+from tests.keel_runs import REPO, Run, final_weights
 
 pytestmark = pytest.mark.slow
 
@@ -29,12 +29,17 @@ STAGES = (0, 1, 2, 3)
 # the flipped runs, and the clean runs of tests/test_train_equivalence.py (the same runs: they share one launch)
 KEEL_RUNS += [Run.of(f"bitflip-zero{s}", 2, f"ds_configs/zero{s}.json", **BITFLIP) for s in STAGES]
 KEEL_RUNS += [Run.of(f"zero{s}", 2, f"ds_configs/zero{s}.json") for s in STAGES]
+# the default action, stop, ends this run with exit code 3; the world goes on to the others in its launch
+BITFLIP_STOP = dict(faults__bitflip_step=5, faults__bitflip_rank=1, stability__checksum_interval=3,
+                    faults__bitflip_param="layers.1.attention.wq.weight")
+KEEL_RUNS += [Run.of("bitflip-stop", 2, "ds_configs/zero0.json", expect_code=3, **BITFLIP_STOP)]
 
 
 def events(run_dir, kind):
     return [e for e in read_anomalies(run_dir) if e["kind"] == kind]
 
 
+@pytest.mark.fault("NaN in one rank's batch", "step skipped on every rank; the bad sample localized and recorded")
 def test_nan_on_one_rank_skips_the_step_everywhere(runs):
     """NaN in rank 1's batch at step 5: skipped on all ranks, diagnosed, and the final weights equal a run whose
     sampler simply skipped that batch."""
@@ -53,19 +58,18 @@ def test_nan_on_one_rank_skips_the_step_everywhere(runs):
     assert (faulty / "summary.md").read_text().count("nonfinite") >= 1
 
 
-def test_bit_flip_is_detected_naming_parameter_and_rank(runs, tmp_path):
-    """The default action stops the run (exit code 3) at the first check after the flip. With two replicas the
-    comparison cannot tell which one is wrong (both named, `ambiguous`); rank 1's own at-rest check names it."""
-    proc = keel_train(tmp_path, 2, runs.overrides(faults__bitflip_step=5, faults__bitflip_rank=1,
-                                                  faults__bitflip_param="layers.1.attention.wq.weight",
-                                                  stability__checksum_interval=3),
-                      "ds_configs/zero0.json", expect_code=3)
-    at_rest, replicas = sorted(events(tmp_path, "checksum_mismatch"), key=lambda e: e["group"])
+@pytest.mark.fault("bit flip in one replica's weights (ZeRO-0)", "checksums name parameter and rank; exit 3")
+def test_bit_flip_is_detected_naming_parameter_and_rank(runs):
+    """The default action stops the run (exit code 3, checked by the shared launch) at the first check after the
+    flip. With two replicas the comparison cannot tell which one is wrong (both named, `ambiguous`); rank 1's own
+    at-rest check names it."""
+    run = runs.get("bitflip-stop", 2, "ds_configs/zero0.json", expect_code=3, **BITFLIP_STOP)
+    at_rest, replicas = sorted(events(run, "checksum_mismatch"), key=lambda e: e["group"])
     assert at_rest["step"] == 6 and at_rest["parameter"] == "layers.1.attention.wq.weight"
     assert at_rest["group"] == "at_rest" and at_rest["ranks"] == [1] and at_rest["states"] == ["param"]
     assert replicas["step"] == 6 and replicas["parameter"] == "layers.1.attention.wq.weight"
     assert replicas["ranks"] == [0, 1] and replicas["ambiguous"]
-    assert "checksum" in proc.stdout + proc.stderr
+    assert "- status: stopped early (exit code 3): parameter checksum mismatch" in (run / "summary.md").read_text()
 
 
 def _checkpoint_tensors(run_dir) -> list[torch.Tensor]:
@@ -80,6 +84,7 @@ def _checkpoint_tensors(run_dir) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.fault("low bit flip in a rank's fp32 partition (ZeRO 0-3)", "at-rest checksum names rank and parameter")
 def test_low_bit_flip_in_the_source_of_truth_is_caught_at_every_zero_stage(runs, stage):
     """A low mantissa bit of rank 1's copy of the state the next steps are rebuilt from (the parameter at ZeRO-0,
     its fp32 partition at ZeRO-1/2/3) flips after step 5: the next check (step 6) names rank 1 and the parameter. With
@@ -121,6 +126,7 @@ def test_monitor_statistics_agree_at_every_zero_stage(runs):
         assert sum(got[k] ** 2 for k in layers) ** 0.5 == pytest.approx(got["grad_norm"], rel=1e-5), stage
 
 
+@pytest.mark.fault("one rank trains on garbage data", "cross-rank loss check flags that rank")
 def test_noisy_rank_is_flagged_by_the_cross_rank_loss_check(runs):
     run = runs.get("noise", 4, **NOISE)
     flagged = events(run, "loss_outlier")
@@ -129,6 +135,7 @@ def test_noisy_rank_is_flagged_by_the_cross_rank_loss_check(runs):
     assert flagged[0]["consecutive"] >= 2 and flagged[0]["sigmas"] > 3
 
 
+@pytest.mark.fault("rank stalls inside a step", "watchdog dumps stacks; every rank exits 4")
 def test_sleeping_rank_trips_the_watchdog(runs, tmp_path):
     """Rank 1 stalls in step 4: its stacks are dumped and the run exits with the hang code (bench/recovery.py
     measures how long detection takes)."""

@@ -50,6 +50,7 @@ HANG = """
 """
 
 
+@pytest.mark.fault("step hangs", "stacks dumped, hang recorded, exit 4")
 def test_hang_dumps_stacks_records_and_exits_with_hang_code(tmp_path):
     proc, ended = _run_script(tmp_path, HANG)
     assert proc.returncode == EXIT_HANG, proc.stderr
@@ -91,6 +92,7 @@ PHASE = """
 """
 
 
+@pytest.mark.fault("checkpoint save hangs", "fires at the save's own deadline; exit 4")
 def test_phase_between_steps_fires_at_its_own_deadline(tmp_path):
     """A save watched with its own 1 s deadline ends the process ~1 s in, though the step's timeout is 60 s."""
     proc, ended = _run_script(tmp_path, PHASE)
@@ -146,6 +148,7 @@ def test_disabled_and_unarmed_watchdog_never_fires(tmp_path):
     assert proc.returncode == 0 and "clean exit" in proc.stdout, proc.stderr
 
 
+@pytest.mark.fault("hang holding the GIL in C code", "faulthandler backstop dumps stacks; exit 4")
 def test_gil_held_in_c_code_is_caught_by_the_faulthandler_backstop(tmp_path):
     """A regex backtracking in C holds the GIL: the watchdog thread cannot run, faulthandler's C thread can."""
     proc, _ = _run_script(tmp_path, """
@@ -195,6 +198,7 @@ PEERS = """
 
 @pytest.mark.slow
 @pytest.mark.parametrize("late", [0.0, 1.0])
+@pytest.mark.fault("rank hangs while its peer waits in a collective", "both ranks dump stacks and exit 4")
 def test_hung_rank_and_its_blocked_peer_both_exit_with_hang_code(tmp_path, late):
     """Rank 1 sleeps in step 3 while rank 0 waits for it in an all-reduce: both dump and exit 4 in time.
 
@@ -237,6 +241,7 @@ def _straggler_worker(rank: int, world: int, port: int) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.fault("straggler rank", "slowest rank named with host and spread")
 def test_straggler_monitor_names_the_slowest_rank():
     mp.get_context("forkserver").set_forkserver_preload([__name__])
     mp.start_processes(_straggler_worker, args=(2, free_port()), nprocs=2, start_method="forkserver")

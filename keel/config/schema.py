@@ -110,6 +110,9 @@ class DataConfig:
     val_fraction: float = 0.01
     cache_dir: str = "~/.cache/keel"
     document_mask: bool = False  # attention stops at EOS and RoPE positions restart per document (packed windows)
+    # resume on another corpus, blend weights, seq_len, val_fraction or train.seed (refused unless true: the
+    # checkpoint's sample count would index a different order)
+    allow_change_on_resume: bool = False
 
 
 @dataclass

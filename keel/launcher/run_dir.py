@@ -113,6 +113,7 @@ def prepare_data(spec: RunSpec) -> None:
     index; resolve model.vocab_size and the special ids from the tokenizer, and record which tokenizer it was."""
     from keel.config.corpus_spec import weighted_sources
     from keel.data import IndexedDataset, ensure_prepared, load_tokenizer, resolve_tokenizer_path, source_sha256
+    from keel.launcher.resume_data import check_same_data
     from keel.launcher.run_tokenizer import check_same_tokenizer, resolve_special_ids, tokenizer_record
 
     cfg = spec.cfg
@@ -151,6 +152,7 @@ def prepare_data(spec: RunSpec) -> None:
     record = tokenizer_record(tokenizer, source, None if source is None else source_sha256(source))
     check_same_tokenizer(spec.run_dir, cfg, record, DATA_FILE)
     spec.data = {**data, "tokenizer_info": record, "vocab_size": data_vocab, "eos_id": tokenizer.eos_id}
+    check_same_data(spec.run_dir, cfg, spec.data, CONFIG_FILE, DATA_FILE)
 
 
 def _has_tokenizer(directory: Path) -> bool:

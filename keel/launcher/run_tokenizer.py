@@ -43,11 +43,19 @@ def check_same_tokenizer(run_dir: Path, cfg: RunConfig, record: dict[str, Any], 
     if not cfg.checkpoint.resume or not (run_dir / "checkpoints" / "latest").is_file():
         return
     try:
-        old = json.loads((run_dir / data_file).read_text()).get("tokenizer_info")
+        recorded = json.loads((run_dir / data_file).read_text())
+        old = recorded.get("tokenizer_info")
     except (OSError, ValueError, AttributeError):
         return  # no readable record of the old run: nothing to compare against
     if not isinstance(old, dict) or old.get("sha256") in (None, record["sha256"]):
         return
+    if old.get("source") == record["source"] == "train":  # trained on the corpus: the corpus (or size) changed
+        raise ConfigError(
+            f"data.tokenizer: the checkpoints in {run_dir} were trained with a tokenizer trained on their corpus "
+            f"(sha256 {str(old['sha256'])[:12]}), this run's data.corpus / data.tokenizer_vocab_size train another "
+            f"(sha256 {record['sha256'][:12]}); give the old one, data.tokenizer={recorded.get('tokenizer')}, or use "
+            "a new --run-dir, or checkpoint.resume=false"
+        )
     raise ConfigError(
         f"data.tokenizer: the checkpoints in {run_dir} were trained with tokenizer {old.get('source')} (sha256 "
         f"{str(old['sha256'])[:12]}), this run gives {record['source']} (sha256 {record['sha256'][:12]}); use the "
