@@ -37,6 +37,7 @@ from keel.config import RunConfig
 from keel.parallel import comm
 from keel.parallel.topology import Topology
 from keel.training import rng_state
+from keel.training.moe_reshard import MOE_UNIVERSAL, moe_universal_tag
 
 COMPLETE = "keel_complete.json"
 UNIVERSAL = "universal"
@@ -203,6 +204,8 @@ class Checkpointer:
             return True
         # ZeRO partitions over data × Ulysses-sequence parallel ranks
         partitions = saved["dp"] * saved.get("sp", 1), now["dp"] * now["sp"]
+        if saved.get("ep", 1) != now["ep"]:  # experts move between ranks (keel/training/moe_reshard.py)
+            return True
         return partitions[0] != partitions[1] and max(zero_stage, saved.get("zero_stage", zero_stage)) > 0
 
     def convert_universal(self, tag: str) -> None:
@@ -220,6 +223,14 @@ class Checkpointer:
             raise RuntimeError(f"ds_to_universal failed for {tag}:\n{proc.stderr[-2000:]}")
         os.replace(tmp, target)
 
+    def _universal_tag(self, tag: str) -> str:
+        """Where this rank reads a converted checkpoint: DeepSpeed's universal folder, or for an MoE model the
+        folder Keel's converter wrote for this rank's (tp, ep) position."""
+        ep = self.topology.size("ep")
+        if (self.directory / tag / MOE_UNIVERSAL / f"ep{ep}").is_dir():
+            return moe_universal_tag(tag, ep, self.topology.rank_in("tp"), self.topology.rank_in("ep"))
+        return f"{tag}/{UNIVERSAL}"
+
     # -- load -----------------------------------------------------------------------------------------------
     def load(self, engine, tag: str, seed: int) -> TrainState:
         """Restore engine, scheduler and RNG from `tag`; returns the saved position. A checkpoint from another
@@ -228,7 +239,7 @@ class Checkpointer:
         saved, now = manifest["topology"], self.topology.stamp()
         universal = engine.load_universal_checkpoint()
         load_path, _ = engine.load_checkpoint(
-            str(self.directory), tag=f"{tag}/{UNIVERSAL}" if universal else tag, load_optimizer_states=True,
+            str(self.directory), tag=self._universal_tag(tag) if universal else tag, load_optimizer_states=True,
             load_lr_scheduler_states=True,
         )
         if load_path is None:

@@ -136,6 +136,7 @@ def reshard_if_needed(cfg, ds_raw: dict, topology, run_dir: Path) -> dict:
     from keel.parallel import comm
     from keel.training.checkpoint import Checkpointer, checkpoint_dir
     from keel.training.ds_config import zero_stage
+    from keel.training.moe_reshard import check_moe_reshard, convert_moe_universal
 
     checkpointer = Checkpointer(checkpoint_dir(run_dir, cfg, topology.rank), cfg.checkpoint.keep_last, topology)
     tag = checkpointer.agreed_latest() if cfg.checkpoint.resume else None  # rank 0 chooses, every rank verifies
@@ -143,14 +144,15 @@ def reshard_if_needed(cfg, ds_raw: dict, topology, run_dir: Path) -> dict:
         return ds_raw
     log = logging.getLogger("keel")
     saved = checkpointer.read_manifest(tag)["topology"]
-    if cfg.model.moe_experts:
-        raise RuntimeError(f"checkpoint {tag} was written at {saved}; this MoE run is {topology.stamp()}: "
-                           "DeepSpeed's universal checkpoints do not convert MoE models, so resume an MoE run "
-                           "on the layout that wrote it")
+    if cfg.model.moe_experts:  # DeepSpeed's converter cannot place experts: Keel's own (moe_reshard.py)
+        check_moe_reshard(saved, topology.stamp(), zero_stage(ds_raw), cfg.model.moe_experts)
     if topology.rank == 0:
         log.warning("checkpoint %s was written at %s; this run is %s: converting to a universal checkpoint", tag,
-                    {k: saved[k] for k in ("world_size", "dp", "tp", "pp")}, topology.describe())
-        checkpointer.convert_universal(tag)
+                    {k: saved.get(k, 1) for k in ("world_size", "dp", "ep", "tp", "pp")}, topology.describe())
+        if cfg.model.moe_experts:
+            convert_moe_universal(checkpointer.directory / tag, saved, topology.stamp(), cfg.model.moe_experts)
+        else:
+            checkpointer.convert_universal(tag)
     comm.barrier(topology.control("world"))
     return {**ds_raw, "checkpoint": {**ds_raw.get("checkpoint", {}), "load_universal": True}}
 
