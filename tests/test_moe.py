@@ -153,7 +153,7 @@ def test_moe_every_places_moe_blocks():
     ({"model": {"moe_experts": 1}}, 1, "needs >= 2 experts"),
     ({"parallel": {"sp": 2}, "model": {"n_heads": 4, "dim": 64}, "data": {"seq_len": 31}}, 2, "data.seq_len=31"),
     ({"parallel": {"sp": 4}, "model": {"n_heads": 2, "dim": 64, "n_kv_heads": 2}}, 4, "must divide the attention"),
-    ({"parallel": {"sp": 2, "pp": 2}}, 4, "without pipeline stages"),
+    ({"parallel": {"sp": 2, "pp": 2}, "data": {"document_mask": True}}, 4, "data.document_mask with parallel.pp=2"),
     ({"parallel": {"tp": 2}, "model": {"moe_experts": 4, "moe_ffn_hidden": 33}}, 2, "model.moe_ffn_hidden"),
 ])
 def test_bad_moe_and_sequence_parallel_settings_are_one_line_errors(overrides, world, message):
