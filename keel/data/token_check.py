@@ -116,7 +116,7 @@ def sample_spans(num_tokens: int, itemsize: int, chunks: int = SAMPLE_CHUNKS,
 
 def check_id_sample(dataset: IndexedDataset, vocab_size: int) -> None:
     """Every id in the sampled spans lies in [0, vocab_size); the first that does not raises its line."""
-    for start, end in sample_spans(dataset.num_tokens, dataset.dtype.itemsize):
+    for start, end in sample_spans(dataset.num_tokens, dataset.dtype.itemsize, SAMPLE_CHUNKS, SAMPLE_BYTES):
         span = np.asarray(dataset.tokens[start:end])
         if int(span.min()) < 0 or int(span.max()) >= vocab_size:
             token = start + int(np.argmax((span < 0) | (span >= vocab_size)))
