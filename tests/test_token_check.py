@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import keel.data.token_check as token_check
-from keel.data import DataError, IndexedDatasetWriter
+from keel.data import DataError, IndexedDataset, IndexedDatasetWriter
 from keel.data.megatron_index import CODE_OF_DTYPE, HEADER, MAGIC
 from keel.data.token_check import (
     check_index,
@@ -168,3 +168,41 @@ def test_keel_train_refuses_a_corrupt_token_file_before_launch(tmp_path: Path,
                        "made this file (data.tokenizer)")
     assert not (tmp_path / "run").exists()  # nothing written, no rank started
 
+
+
+def megatron_file_with_a_late_bad_id(root: Path, vocab: int, seq_len: int = 32, val_fraction: float = 0.01,
+                                     global_batch: int = 8, micro_batch: int = 2, dp: int = 2, step: int = 2,
+                                     rank: int = 1) -> tuple[Path, int, int]:
+    """A Megatron-Core-built int32 token file larger than the pre-launch id sample, whose one bad id (== vocab) sits
+    in a train sample that data-parallel rank `rank` reads at `step`, outside the sampled spans. Returns the prefix,
+    the bad token's index and its global sample index."""
+    import warnings
+
+    from keel.config import RunConfig
+    from keel.data.samples import GlobalSampleOrder, step_sample_indices, val_boundary
+
+    with warnings.catch_warnings():  # "Transformer Engine and Apex are not installed": irrelevant to its data code
+        warnings.simplefilter("ignore")
+        from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, vocab, 1_500_000).astype(np.int32)  # 6 MB: larger than the 4 MiB id sample
+    builder = IndexedDatasetBuilder(f"{root / 'late'}.bin", dtype=np.int32)
+    for first in range(0, len(tokens), 1500):
+        builder.add_item(torch.from_numpy(tokens[first : first + 1500]))
+        builder.end_document()
+    builder.finalize(f"{root / 'late'}.idx")
+    dataset = IndexedDataset(root / "late", vocab_size=vocab)
+    train_samples = (val_boundary(dataset, seq_len, val_fraction) - 1) // seq_len
+    order = GlobalSampleOrder(train_samples, RunConfig().train.seed)
+    spans = sample_spans(dataset.num_tokens, 4)
+    for sample in step_sample_indices((step - 1) * global_batch, global_batch, micro_batch, rank, dp):
+        begin = order.sample_id(sample) * seq_len
+        token = next((t for t in range(begin + 1, begin + seq_len) if not any(s <= t < e for s, e in spans)), None)
+        if token is not None:
+            break
+    assert token is not None, "every candidate token is sampled: change the seed"
+    bins = np.memmap(f"{root / 'late'}.bin", dtype=np.int32, mode="r+")
+    bins[token] = vocab
+    bins.flush()
+    return root / "late", token, sample

@@ -140,13 +140,6 @@ def bad_id_line(dataset: IndexedDataset, token: int, vocab_size: int, advice: st
             f"(byte {token * dataset.dtype.itemsize}, sequence {sequence}, document {document}{where}); {advice}")
 
 
-def first_bad_token(dataset: IndexedDataset, start: int, count: int, vocab_size: int) -> int | None:
-    """The token index of the first id outside [0, vocab_size) among tokens [start, start + count), or None."""
-    window = np.asarray(dataset.tokens[start : start + count])
-    bad = (window < 0) | (window >= vocab_size)
-    return start + int(np.argmax(bad)) if bad.any() else None
-
-
 def first_bad_row(micro_batches: list[torch.Tensor], vocab_size: int) -> int | None:
     """The at-sample check: the first row (counting across the step's micro-batches in order) holding an id
     outside [0, vocab_size), or None. One vectorised min and max over the batch when it is clean."""
