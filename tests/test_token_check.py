@@ -206,3 +206,35 @@ def megatron_file_with_a_late_bad_id(root: Path, vocab: int, seq_len: int = 32, 
     bins[token] = vocab
     bins.flush()
     return root / "late", token, sample
+
+
+@pytest.mark.slow
+@pytest.mark.fault("an id outside the vocabulary in a later sequence the pre-launch sample does not read (2 ranks)",
+                   "the rank holding it runs the step on stand-in ids; every rank stops at that step, exit 2, "
+                   "same line")
+def test_a_bad_id_at_the_sample_stops_every_rank_with_one_line(tmp_path: Path) -> None:
+    from keel.data.tokenizer import train_tokenizer
+    from keel.training.guards.base import read_anomalies
+    from keel.training.metrics import read_metrics
+    from tests.keel_runs import keel_train, tiny_overrides
+    from tests.test_data_prepare import write_corpus
+
+    files = write_corpus(tmp_path / "corpus", n_files=3)
+    tokenizer = train_tokenizer((f.read_text() for f in files), 300, tmp_path / "tokenizer")
+    prefix, token, sample = megatron_file_with_a_late_bad_id(tmp_path, 300, step=2, rank=1)
+    check_token_file(prefix, 300)  # the pre-launch check passes: the sample does not read the bad id
+    run = tmp_path / "run"
+    proc = keel_train(run, 2, tiny_overrides([str(prefix)], tmp_path / "cache", data__tokenizer=tokenizer.path,
+                                             train__steps=4, logging__log_interval=1), expect_code=2)
+    lines = {rank: [ln for ln in proc.stdout.splitlines() if ln.startswith(f"[keel r{rank}] stopping at step ")]
+             for rank in (0, 1)}
+    assert len(lines[0]) == len(lines[1]) == 1, proc.stdout[-3000:]
+    said = lines[1][0].removeprefix("[keel r1] stopping at step 2: ")
+    assert lines[0][0] == f"[keel r0] stopping at step 2: {said}"  # the rank that never held it says the same
+    assert said.startswith(f"{prefix}.bin: token {token} is id 300, outside the tokenizer's vocabulary [0, 300) "
+                           f"(byte {4 * token}, sequence {token // 1500}, document {token // 1500}, train sample ")
+    assert f"(global sample {sample}), step 2)" in said
+    assert "Traceback" not in proc.stdout + proc.stderr and "rank 0 exit 2, rank 1 exit 2" in proc.stderr
+    records = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2] and records[-1]["skipped"]  # the stopped step's update vetoed
+    assert [e["reason"] for e in read_anomalies(run) if e["kind"] == "bad_token_id"] == [said]
