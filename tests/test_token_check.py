@@ -238,3 +238,28 @@ def test_a_bad_id_at_the_sample_stops_every_rank_with_one_line(tmp_path: Path) -
     records = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2] and records[-1]["skipped"]  # the stopped step's update vetoed
     assert [e["reason"] for e in read_anomalies(run) if e["kind"] == "bad_token_id"] == [said]
+
+
+def test_keel_prepare_check_all_ids_reads_what_the_sample_does_not(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    from keel.data.tokenizer import train_tokenizer
+    from keel.launcher.cli import main as keel_main
+    from tests.test_data_prepare import write_corpus
+
+    files = write_corpus(tmp_path / "corpus", n_files=3)
+    tokenizer = train_tokenizer((f.read_text() for f in files), 300, tmp_path / "tokenizer")
+    tokens = np.arange(4000, dtype=np.int32) % 300
+    monkeypatch.setattr(token_check, "SAMPLE_BYTES", 4 * 4 * 16)  # 4 spans of 16 int32 ids
+    monkeypatch.setattr(token_check, "SAMPLE_CHUNKS", 4)
+    tokens[2000] = 300  # between the sampled spans
+    write_raw(tmp_path / "meg", [1000, 3000], [0, 1, 2], tokens)
+    args = ["prepare", str(tmp_path / "meg"), "--tokenizer", str(tokenizer.path), "--cache-dir", str(tmp_path / "c")]
+    with pytest.raises(SystemExit) as exit_info:
+        keel_main(args)
+    assert exit_info.value.code == 0
+    with pytest.raises(SystemExit) as exit_info:
+        keel_main([*args, "--check-all-ids"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"keel: error: {tmp_path / 'meg'}.bin: token 2000 is id 300, outside the tokenizer's vocabulary [0, 300) "
+        "(byte 8000, sequence 1, document 1); use the tokenizer that made this file (data.tokenizer)")
