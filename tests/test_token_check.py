@@ -263,3 +263,37 @@ def test_keel_prepare_check_all_ids_reads_what_the_sample_does_not(tmp_path: Pat
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"keel: error: {tmp_path / 'meg'}.bin: token 2000 is id 300, outside the tokenizer's vocabulary [0, 300) "
         "(byte 8000, sequence 1, document 1); use the tokenizer that made this file (data.tokenizer)")
+
+
+@pytest.mark.fault("an id outside the vocabulary in a validation window the id sample does not read",
+                   "one line naming the validation sample; exit 2 before any rank starts")
+def test_the_evaluation_windows_are_checked_in_full_before_launch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    from keel.data.samples import val_boundary
+    from keel.data.tokenizer import train_tokenizer
+    from keel.launcher.cli import main as keel_main
+    from tests.keel_runs import tiny_overrides
+    from tests.test_data_prepare import write_corpus
+
+    files = write_corpus(tmp_path / "corpus", n_files=3)
+    tokenizer = train_tokenizer((f.read_text() for f in files), 300, tmp_path / "tokenizer")
+    monkeypatch.setattr(token_check, "SAMPLE_BYTES", 4 * 4 * 16)  # 4 spans of 16 int32 ids
+    monkeypatch.setattr(token_check, "SAMPLE_CHUNKS", 4)
+    tokens = np.arange(8000, dtype=np.int32) % 300
+    write_raw(tmp_path / "meg", [4000, 4000], [0, 1, 2], tokens)
+    start = val_boundary(IndexedDataset(tmp_path / "meg", vocab_size=300), 32, 0.1)
+    tokens[start + 40] = 300  # validation window 1
+    assert not any(s <= start + 40 < e for s, e in sample_spans(8000, 4, 4, 256))
+    write_raw(tmp_path / "meg", [4000, 4000], [0, 1, 2], tokens)
+    args = ["train", "--nproc", "2", "--run-dir", str(tmp_path / "run")]
+    for item in tiny_overrides([str(tmp_path / "meg")], tmp_path / "cache", data__tokenizer=tokenizer.path,
+                               data__val_fraction=0.1, train__eval_interval=5):
+        args += ["--set", item]
+    with pytest.raises(SystemExit) as exit_info:
+        keel_main(args)
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"keel: error: {tmp_path / 'meg'}.bin: token {start + 40} is id 300, outside the tokenizer's vocabulary "
+        f"[0, 300) (byte {4 * (start + 40)}, sequence 1, document 1, validation sample 1); every evaluation reads "
+        "it; fix or regenerate the file (or set train.eval_interval=0)")
+    assert not (tmp_path / "run").exists()

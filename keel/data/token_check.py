@@ -140,6 +140,19 @@ def bad_id_line(dataset: IndexedDataset, token: int, vocab_size: int, advice: st
             f"(byte {token * dataset.dtype.itemsize}, sequence {sequence}, document {document}{where}); {advice}")
 
 
+def check_windows(samples, sample_ids: range, vocab_size: int, label: str) -> None:
+    """Every id of the given windows of `samples` (PackedSamples or a blend's) lies in [0, vocab_size): the
+    evaluation's fixed windows, checked in full before launch."""
+    for i in sample_ids:
+        window = samples.window(i)
+        bad = np.flatnonzero((window < 0) | (window >= vocab_size))
+        if bad.size:
+            dataset, begin = samples.origin(i)
+            raise DataError(bad_id_line(dataset, begin + int(bad[0]), vocab_size, "every evaluation reads it; "
+                                        "fix or regenerate the file (or set train.eval_interval=0)",
+                                        f", {label} sample {i}"))
+
+
 def first_bad_row(micro_batches: list[torch.Tensor], vocab_size: int) -> int | None:
     """The at-sample check: the first row (counting across the step's micro-batches in order) holding an id
     outside [0, vocab_size), or None. One vectorised min and max over the batch when it is clean."""
