@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 
 import torch
 
@@ -84,7 +85,7 @@ def agree(decision: Decision, signalled: bool, control: comm.Group) -> tuple[Dec
     codes = torch.tensor([int(decision.action), int(signalled), decision.exit_code, sample], dtype=torch.int64)
     action, preempted, exit_code, sample = comm.all_reduce(codes, control, "max").tolist()
     agreed_sample = None if sample == 0 else _NO_SAMPLE - sample
-    if (action, exit_code, agreed_sample) == (decision.action, decision.exit_code, decision.sample):
-        return decision, bool(preempted)
+    if action == decision.action:  # keep this rank's own reason
+        return replace(decision, exit_code=exit_code, sample=agreed_sample), bool(preempted)
     return Decision(Action(action), reason="decided on another rank", exit_code=exit_code,
                     sample=agreed_sample), bool(preempted)
