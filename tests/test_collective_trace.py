@@ -82,11 +82,11 @@ def test_every_rank_issues_the_same_collectives(runs, name):
     assert divergences(traces) == []
     channels = {e["channel"] for entries in traces.values() for e in entries}
     assert channels == {"device", "control"}
-    # the step's agreement (guard decision + preemption flag) is one small control collective per step
+    # the step's agreement (decision, preemption flag, exit code, data-stop sample) is one small control collective
     steps = max(json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines())
     for rank, entries in traces.items():
         agreements = [e for e in entries if e["group"] == "world" and e["op"] == "all_reduce_max"
-                      and e["channel"] == "control" and e["numel"] == 2]
+                      and e["channel"] == "control" and e["numel"] == 4]
         assert len(agreements) == steps, (rank, len(agreements), steps)
         control_tensors = [e for e in entries if e["channel"] == "control" and e["dtype"] != "object"]
         assert all(e["device"] == "cpu" for e in control_tensors)

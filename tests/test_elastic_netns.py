@@ -80,8 +80,8 @@ def test_node_loss_shrinks_to_one_node_and_finishes_on_the_same_samples(runs, tm
         assert code_a == 0, f"node A exited {code_a} after node B was killed at step {kill_step}\n{report()}"
 
         # the run before the kill had both nodes; the resume ran alone and resharded the 2-rank checkpoint
-        saved = re.search(r"checkpoint (step\d+) was written at \{'world_size': 2, 'dp': 2, 'ep': 1, 'tp': 1, 'pp': 1\}; "
-                          r"this run is world=1 ", log_a)
+        saved = re.search(r"checkpoint (step\d+) was written at "
+                          r"\{'world_size': 2, 'dp': 2, 'ep': 1, 'tp': 1, 'pp': 1\}; this run is world=1 ", log_a)
         assert saved, f"no universal conversion from world size 2 to 1 in node A's log\n{report()}"
         tag = saved.group(1)
         resumed_step = int(tag.removeprefix("step"))

@@ -97,9 +97,25 @@ class BlendedSamples:
     def __len__(self) -> int:
         return int(self.offsets[-1])
 
-    def __getitem__(self, flat_id: int) -> np.ndarray:
+    @property
+    def vocab_size(self) -> int:
+        return max(source.vocab_size for source in self.sources)
+
+    def _split(self, flat_id: int) -> tuple[object, int]:
         source = int(np.searchsorted(self.offsets, flat_id, side="right") - 1)
-        return self.sources[source][int(flat_id - self.offsets[source])]
+        return self.sources[source], int(flat_id - self.offsets[source])
+
+    def __getitem__(self, flat_id: int) -> np.ndarray:
+        source, i = self._split(flat_id)
+        return source[i]
+
+    def window(self, flat_id: int) -> np.ndarray:
+        source, i = self._split(flat_id)
+        return source.window(i)
+
+    def origin(self, flat_id: int) -> tuple[object, int]:
+        source, i = self._split(flat_id)
+        return source.origin(i)
 
 
 class BlendedOrder:

@@ -84,3 +84,13 @@ class _Ordered:
 
     def __getitem__(self, i: int) -> np.ndarray:
         return self.samples[self.order.sample_id(i)]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.samples.vocab_size
+
+    def window(self, i: int) -> np.ndarray:
+        return self.samples.window(self.order.sample_id(i))
+
+    def origin(self, i: int) -> tuple[Any, int]:
+        return self.samples.origin(self.order.sample_id(i))

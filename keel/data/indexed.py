@@ -4,8 +4,9 @@
 One layout for Keel's own output and for corpora tokenized by Megatron-LM or GPT-NeoX, so either tool reads the
 other's files in place. Memory mapping lets every rank and dataloader worker share one page-cached copy and start
 instantly however large the corpus. Opening checks only sizes and end points (constant work, so 512 ranks can
-open a 300B-token file at once); `validate()` streams the full check (pointers, document indices, every id
-against the vocabulary) and runs once, when the corpus is prepared.
+open a 300B-token file at once). Before launch keel/data/token_check.py streams the whole index and reads a
+bounded id sample; ids are checked in full where they are used, each step's batch (keel/training/data_stop.py).
+`validate()` is the offline pass over every id (`keel prepare --check-all-ids`): its cost grows with the tokens.
 """
 
 from __future__ import annotations
@@ -272,10 +273,10 @@ class IndexedDataset:
             chunk = self.tokens[first : first + _SCAN_TOKENS]
             low, high = int(chunk.min()), int(chunk.max())
             if low < 0 or high >= vocab:
-                at = int(np.flatnonzero((chunk < 0) | (chunk >= vocab))[0])
-                bad, at = int(chunk[at]), first + at
-                raise DataError(f"{self.prefix}.bin: token {at} is id {bad}, outside the tokenizer's vocabulary "
-                                f"[0, {vocab}); use the tokenizer that made this file (data.tokenizer)")
+                from keel.data.token_check import bad_id_line  # it builds on this module
+
+                at = first + int(np.flatnonzero((chunk < 0) | (chunk >= vocab))[0])
+                raise DataError(bad_id_line(self, at, vocab, "use the tokenizer that made this file (data.tokenizer)"))
 
 
 def write_documents(prefix: str | Path, documents: Sequence[Sequence[int]], vocab_size: int,

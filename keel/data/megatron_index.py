@@ -76,21 +76,21 @@ def read_header(idx_path: Path) -> IndexHeader:
         raise DataError(f"{fix_hint(idx_path)} (truncated header: {len(raw)} of {HEADER.size} bytes)")
     magic, version, code, sequences, documents = HEADER.unpack(raw)
     if magic != MAGIC:
-        raise DataError(f"{idx_path}: not a Megatron indexed-dataset index (no MMIDIDX header); "
+        raise DataError(f"{idx_path}: not a Megatron indexed-dataset index (no MMIDIDX header at byte 0); "
                         "point data.corpus at a .bin/.idx pair or re-run `keel prepare`")
     if version != VERSION:
-        raise DataError(f"{fix_hint(idx_path)} (index version {version}; Megatron and Keel write {VERSION})")
+        raise DataError(f"{fix_hint(idx_path)} (index version {version} at byte 9; Megatron and Keel write {VERSION})")
     if code not in DTYPE_CODES:
-        raise DataError(f"{fix_hint(idx_path)} (unknown token dtype code {code})")
+        raise DataError(f"{fix_hint(idx_path)} (unknown token dtype code {code} at byte 17)")
     if DTYPE_CODES[code].kind == "f":
-        raise DataError(f"{idx_path}: holds {DTYPE_CODES[code]} values, not token ids; "
+        raise DataError(f"{idx_path}: holds {DTYPE_CODES[code]} values, not token ids (dtype code {code} at byte 17); "
                         "use a token file written by a tokenizer (integer dtype)")
     header = IndexHeader(DTYPE_CODES[code], sequences, documents)
     if idx_size == header.index_size + sequences and sequences:
         raise DataError(f"{idx_path}: a multimodal token file (with sequence modes); Keel reads text-only files")
     if idx_size != header.index_size or documents < 1:
         raise DataError(f"{fix_hint(idx_path)} (size {idx_size} does not match the {sequences} sequences and "
-                        f"{documents} document entries its header records)")
+                        f"{documents} document entries its header records at bytes 18..33)")
     return header
 
 

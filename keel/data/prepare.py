@@ -25,9 +25,10 @@ from keel.data.atomic import temp_sibling, write_atomic
 from keel.data.corpus import CorpusSources, iter_documents, resolve_sources
 from keel.data.errors import DataError
 from keel.data.indexed import IndexedDataset, IndexedDatasetWriter
+from keel.data.token_check import check_token_file
 from keel.data.tokenize_pool import BatchTokenizer, default_workers, tokenize_in_order
 from keel.data.tokenizer import train_tokenizer
-from keel.data.tokenizer_source import load_or_train_tokenizer, source_sha256
+from keel.data.tokenizer_source import load_or_train_tokenizer, load_tokenizer, source_sha256
 
 FORMAT_VERSION = 2  # bump whenever tokenizer settings or the on-disk layout change (2: Megatron .bin/.idx)
 TOKENIZER_NAME = "tokenizer"  # -> tokenizer.model (trained or a given sentencepiece), .json or a directory (HF)
@@ -170,7 +171,9 @@ def ensure_prepared(
     """Return the cached preparation of `spec`, building it first if no complete entry exists.
 
     Text is tokenized into the cache (with `tokenizer`, or one trained on it); token files named in `spec` are
-    used in place, after one full check against the tokenizer's vocabulary (remembered by the cache entry).
+    used in place, checked on every call (keel/data/token_check.py: the whole index streamed and a bounded id
+    sample, cheap enough to repeat, so a file changed behind the cache's back is still caught before launch; ids
+    the sample does not read are checked at the sample, in training).
     `tokenizer` may be a given tokenizer's path (keel.data.tokenizer_source.resolve_tokenizer_path): it is keyed
     by its files' hash without loading it, and copied into the entry, so the entry's tokens keep their meaning
     if the source moves or changes.
@@ -190,6 +193,7 @@ def ensure_prepared(
         _discard_damaged(entry)
         found = _load_entry(entry)
     if found is not None:
+        _check_token_files(sources.token_files, tokenizer, progress)
         return found
     try:
         cache.mkdir(parents=True, exist_ok=True)
@@ -201,6 +205,7 @@ def ensure_prepared(
         ) from None
     try:
         made = None
+        _check_token_files(sources.token_files, tokenizer, progress)
         if source is not None:  # the entry's own copy of the given tokenizer
             tokenizer = load_or_train_tokenizer(source, (), vocab_size, tmp, TOKENIZER_NAME)
             if progress:
@@ -208,7 +213,7 @@ def ensure_prepared(
         if sources.text_files:
             made = prepare_corpus(sources.text_files, tmp, vocab_size, text_field, progress, tokenizer=tokenizer,
                                   workers=workers)
-        given = [_checked_token_file(prefix, tokenizer.vocab_size, progress) for prefix in sources.token_files]
+        given = [_token_file_record(prefix, tokenizer.vocab_size) for prefix in sources.token_files]
         _write_done(tmp, made, given, tokenizer, spec, sources, source, tokenizer_key)
         try:
             os.rename(tmp, entry)
@@ -230,12 +235,21 @@ def _check_tokenizer_for(sources: CorpusSources, tokenizer: BatchTokenizer | Non
                         "the tokenizer that made it; set data.tokenizer to that tokenizer")
 
 
-def _checked_token_file(prefix: Path, vocab_size: int, progress: bool) -> dict[str, object]:
-    """Open a given token file with the tokenizer's vocabulary and check every id once."""
-    if progress:
-        tqdm.write(f"keel: checking {prefix}.bin against the tokenizer's {vocab_size} ids", file=sys.stderr)
+def _check_token_files(prefixes: list[Path], tokenizer: BatchTokenizer | Path | None, progress: bool) -> None:
+    """The given token files' pre-launch check: each whole index and a bounded id sample against the tokenizer's
+    vocabulary (keel/data/token_check.py)."""
+    if not prefixes:
+        return
+    vocab = (load_tokenizer(tokenizer) if isinstance(tokenizer, (str, Path)) else tokenizer).vocab_size
+    for prefix in prefixes:
+        if progress:
+            tqdm.write(f"keel: checking {prefix}.idx and an id sample against the tokenizer's {vocab} ids",
+                       file=sys.stderr)
+        check_token_file(prefix, vocab)
+
+
+def _token_file_record(prefix: Path, vocab_size: int) -> dict[str, object]:
     dataset = IndexedDataset(prefix, vocab_size=vocab_size)
-    dataset.validate(vocab_size)
     return {"prefix": str(prefix), "num_tokens": dataset.num_tokens, "num_docs": len(dataset)}
 
 

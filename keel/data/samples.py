@@ -59,17 +59,33 @@ class PackedSamples:
     def __len__(self) -> int:
         return self._len
 
-    def __getitem__(self, i: int) -> np.ndarray:
+    @property
+    def vocab_size(self) -> int:
+        """The vocabulary the token file records (its sidecar's, else the tokenizer's)."""
+        return self.dataset.vocab_size
+
+    def origin(self, i: int) -> tuple[IndexedDataset, int]:
+        """(token file, index of its first token) of window `i`."""
         if i < 0:
             i += self._len
         if not 0 <= i < self._len:
             raise IndexError(f"sample {i} out of range for {self._len} {self.split} samples")
-        begin = self.start + i * self.seq_len
-        window = np.array(self.dataset.tokens[begin : begin + self.seq_len + 1], dtype=np.int64)
-        if window.size and int(window.max()) >= self.dataset.vocab_size:  # one pass over seq_len ids: negligible
+        return self.dataset, self.start + i * self.seq_len
+
+    def window(self, i: int) -> np.ndarray:
+        """Window `i` as stored, unchecked: the trainer checks a whole step's batch at once
+        (keel/training/data_stop.py)."""
+        _, begin = self.origin(i)
+        return np.array(self.dataset.tokens[begin : begin + self.seq_len + 1], dtype=np.int64)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        window = self.window(i)
+        if window.size and (int(window.min()) < 0 or int(window.max()) >= self.dataset.vocab_size):  # negligible
+            bad = int(window.min()) if int(window.min()) < 0 else int(window.max())
+            begin = self.origin(i)[1]
             raise DataError(
                 f"{self.dataset.prefix}.bin: {self.split} sample {i} (tokens {begin}..{begin + self.seq_len}) holds "
-                f"token id {int(window.max())}, outside the vocabulary [0, {self.dataset.vocab_size}) its index "
+                f"token id {bad}, outside the vocabulary [0, {self.dataset.vocab_size}) its index "
                 "records: the file is corrupt or from another tokenizer; re-run `keel prepare`"
             )
         return window
@@ -169,12 +185,16 @@ def step_batch(
     micro_batch: int,
     dp_rank: int,
     dp_size: int,
+    checked: bool = True,
 ) -> list[torch.Tensor]:
-    """This rank's micro-batches (LongTensor [micro_batch, seq_len+1] each) for the step after `consumed` samples."""
+    """This rank's micro-batches (LongTensor [micro_batch, seq_len+1] each) for the step after `consumed` samples.
+
+    `checked=False` reads the windows as stored, for a caller that checks the whole batch at once (the trainer)."""
     if order.num_samples != len(samples):
         raise ValueError(f"order covers {order.num_samples} samples but the split has {len(samples)}")
     indices = step_sample_indices(consumed, global_batch, micro_batch, dp_rank, dp_size)
-    rows = [samples[sid] for sid in order.sample_ids(indices)]
+    read = samples.__getitem__ if checked else samples.window
+    rows = [read(sid) for sid in order.sample_ids(indices)]
     return [torch.from_numpy(np.stack(rows[i : i + micro_batch])) for i in range(0, len(rows), micro_batch)]
 
 

@@ -104,6 +104,11 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     print(f"tokenizer {prepared.tokenizer_path}")
     for prefix in prepared.sources:
         print(f"tokens {prefix}.bin")
+        if args.check_all_ids:  # the offline full pass; training checks the ids it uses at the sample
+            from keel.data import IndexedDataset
+
+            IndexedDataset(prefix, vocab_size=prepared.vocab_size).validate(prepared.vocab_size)
+            print(f"  every id lies in [0, {prepared.vocab_size})")
     print(f"({prepared.num_tokens} tokens, {prepared.num_docs} documents)")
     return 0
 
@@ -219,6 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--text-field", default="text", help="JSONL field holding the text")
     prep.add_argument("--cache-dir", default="~/.cache/keel")
     prep.add_argument("--workers", type=int, help="tokenizer processes (default: every core this process may use)")
+    prep.add_argument("--check-all-ids", action="store_true",
+                      help="also read every id of every token file (training checks a sample before launch and "
+                      "every id it uses at the sample)")
     prep.set_defaults(func=cmd_prepare)
 
     find = sub.add_parser("lr-find", help="LR range test: sweep the LR exponentially and suggest a peak LR")

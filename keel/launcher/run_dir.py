@@ -53,6 +53,7 @@ class RunSpec:
     run_dir: Path
     data: dict[str, Any] = field(default_factory=dict)  # filled by prepare_data
     base_dir: Path | None = None  # relative corpus paths are read from the config file's directory
+    world_size: int = 1
 
 
 def build_run(config_path: str | None, overrides: list[str], ds_config: str | None, run_dir: str | None,
@@ -82,7 +83,7 @@ def build_run(config_path: str | None, overrides: list[str], ds_config: str | No
     default_name = Path(config_path).stem if config_path else "default"
     directory = Path(run_dir or Path("runs") / default_name).expanduser().resolve()
     _check_same_run(directory, cfg)
-    return RunSpec(cfg, ds_raw, directory, base_dir=bases[0] if config_path else None)
+    return RunSpec(cfg, ds_raw, directory, base_dir=bases[0] if config_path else None, world_size=world_size)
 
 
 def _check_same_run(run_dir: Path, cfg: RunConfig) -> None:
@@ -153,6 +154,21 @@ def prepare_data(spec: RunSpec) -> None:
     check_same_tokenizer(spec.run_dir, cfg, record, DATA_FILE)
     spec.data = {**data, "tokenizer_info": record, "vocab_size": data_vocab, "eos_id": tokenizer.eos_id}
     check_same_data(spec.run_dir, cfg, spec.data, CONFIG_FILE, DATA_FILE)
+    _check_eval_windows(spec)
+
+
+def _check_eval_windows(spec: RunSpec) -> None:
+    """The validation windows every evaluation reads are few and fixed: check each of their ids before launch
+    (training's own windows are checked at the sample, keel/training/data_stop.py)."""
+    from keel.data.blend_prepare import open_splits
+    from keel.data.token_check import check_windows
+
+    cfg, t, p = spec.cfg, spec.cfg.train, spec.cfg.parallel
+    if not t.eval_interval:
+        return
+    _, _, val = open_splits(spec.data, cfg.data.seq_len, cfg.data.val_fraction, t.seed)
+    dp = max(1, spec.world_size // (p.tp * p.pp * p.sp))
+    check_windows(val, range(min(len(val), t.eval_batches * dp * t.micro_batch_size)), val.vocab_size, "validation")
 
 
 def _has_tokenizer(directory: Path) -> bool:

@@ -6,16 +6,18 @@ So the trainer cannot decide between backward and step, and instead hands the ga
 the duration of the step (`with gate.deciding(trainer._decide): ...`). Every engine — ZeRO 0-3, bf16, fp16, the
 pipeline — ends in the torch optimizer's `step()`; the gate wraps exactly that call, asks once, agrees the answer
 across ranks, and either steps or vetoes. The agreement is the step's one control collective: it carries the
-preemption flag too, and a step DeepSpeed dropped before asking (fp16 overflow) is agreed by `agree_unconsulted`.
-A veto leaves parameters, Adam moments, the LR schedule and the loss scaler untouched: DeepSpeed treats it as it
-treats an fp16 overflow (gradients dropped, `skipped_steps` counted, scheduler held). The DeepSpeed internals this
-needs live in keel/adapters/deepspeed_internals.py.
+stop's exit code, a data stop's sample (keel/training/data_stop.py) and the preemption flag too, and a step
+DeepSpeed dropped before asking (fp16 overflow) is agreed by `agree_unconsulted`. A veto leaves parameters, Adam
+moments, the LR schedule and the loss scaler untouched: DeepSpeed treats it as it treats an fp16 overflow
+(gradients dropped, `skipped_steps` counted, scheduler held). The DeepSpeed internals this needs live in
+keel/adapters/deepspeed_internals.py.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 
 import torch
 
@@ -70,11 +72,20 @@ class StepGate:
         return self.decision
 
 
+# An agreed sample index travels as _NO_SAMPLE - index, so MAX picks the lowest index and 0 means none.
+_NO_SAMPLE = 2**62
+
+
 def agree(decision: Decision, signalled: bool, control: comm.Group) -> tuple[Decision, bool]:
-    """Every rank acts on the most severe decision any rank reached, and stops if any rank was signalled: one
-    two-element all-reduce (MAX) on the control channel."""
-    codes = torch.tensor([int(decision.action), int(signalled)], dtype=torch.int64)
-    action, preempted = comm.all_reduce(codes, control, "max").tolist()
-    if action == decision.action:
-        return decision, bool(preempted)
-    return Decision(Action(action), reason="decided on another rank"), bool(preempted)
+    """Every rank acts on the most severe decision any rank reached, with the highest exit code any rank chose, and
+    stops if any rank was signalled; a data stop's sample (the lowest, when several ranks saw one) reaches every
+    rank, which names it the same way (keel/training/data_stop.py). One four-element all-reduce (MAX) on the control
+    channel."""
+    sample = 0 if decision.sample is None else _NO_SAMPLE - decision.sample
+    codes = torch.tensor([int(decision.action), int(signalled), decision.exit_code, sample], dtype=torch.int64)
+    action, preempted, exit_code, sample = comm.all_reduce(codes, control, "max").tolist()
+    agreed_sample = None if sample == 0 else _NO_SAMPLE - sample
+    if action == decision.action:  # keep this rank's own reason
+        return replace(decision, exit_code=exit_code, sample=agreed_sample), bool(preempted)
+    return Decision(Action(action), reason="decided on another rank", exit_code=exit_code,
+                    sample=agreed_sample), bool(preempted)

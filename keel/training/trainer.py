@@ -30,6 +30,7 @@ from keel.parallel import comm
 from keel.parallel.topology import Topology
 from keel.training.attention_logits import AttentionLogitWarning
 from keel.training.checkpoint import Checkpointer, TrainState, checkpoint_dir
+from keel.training.data_stop import check_step_batch, named_stop, with_data_stop
 from keel.training.ds_config import engine_batch_copies
 from keel.training.engine import Fp32GradClipper, LRScale
 from keel.training.expert_health import ExpertHealth
@@ -71,6 +72,7 @@ class StepBatch:
     # (this rank's loss or None, the data-parallel mean) as device scalars, until the step's one read-back
     device_losses: tuple[torch.Tensor | None, torch.Tensor] | None = None
     grad_norm: float | None = None  # the global norm the guards decided on (None: not known on this path)
+    data_stop: Decision | None = None  # this rank's batch held ids outside the vocabulary (keel/training/data_stop.py)
 
     @property
     def end(self) -> int:
@@ -119,7 +121,7 @@ class Trainer:
         t = cfg.train
         self.prefetcher = BatchPrefetcher(
             lambda start, size: step_batch(self.order, train_samples, start, size, t.micro_batch_size,
-                                           topology.dp_rank, topology.dp_size),
+                                           topology.dp_rank, topology.dp_size, checked=False),
             pin=torch.device(engine.device).type == "cuda")
         self.anomalies = AnomalyLog(run_dir, topology.rank)
         self.faults = FaultInjector(cfg.faults, topology.rank, engine, cfg.model.vocab_size, cfg.train.seed)
@@ -153,8 +155,12 @@ class Trainer:
         decision = self.gate.decision
         if not applied and not self.gate.consulted:  # DeepSpeed dropped the step before asking (non-finite, fp16)
             stats = self._stats(batch)
-            decision = self.gate.agree_unconsulted(self.guards.engine_skipped(stats, self.engine.fp16_enabled()))
+            decision = self.gate.agree_unconsulted(
+                with_data_stop(self.guards.engine_skipped(stats, self.engine.fp16_enabled()), batch.data_stop))
             batch.grad_norm = stats.grad_norm  # NaN unless fp16 (where the loss scaler's overflow is routine)
+        if decision.sample is not None:  # some rank's batch held a bad id: every rank names it, the same way
+            decision = named_stop(decision, self.train_samples, self.order, batch.step)
+            self.anomalies.record("bad_token_id", batch.step, reason=decision.reason, sample=decision.sample)
         state.step, state.consumed_samples = batch.step, batch.end
         state.skipped_steps += int(not applied)
         if not applied and self.guards.nonfinite_at(batch.step):
@@ -179,7 +185,9 @@ class Trainer:
         self.prefetcher.prefetch(skip_to(start + size, self.skip_ranges), rampup_batch_size(step, t, dp))
         self.faults.before_forward(step)
         self.loss_fn.scale = self.faults.loss_scale(start, size)
-        return StepBatch(step, start, size, self.faults.batches(step, micro_batches))
+        micro_batches, stop = check_step_batch(self.faults.batches(step, micro_batches), self.train_samples.vocab_size,
+                                               start, size, t.micro_batch_size, self.topology.dp_rank, dp)
+        return StepBatch(step, start, size, micro_batches, data_stop=stop)
 
     def _forward_backward(self, batch: StepBatch) -> float:
         """Every micro-batch forward and backward, then the engine's step (where the gate decides)."""
@@ -210,7 +218,7 @@ class Trainer:
         if self.is_pipeline:
             batch.device_losses = self._pipeline_losses()
         self._read_step_values(batch, self._grad_norm())
-        return self.guards.decide(self._stats(batch))
+        return with_data_stop(self.guards.decide(self._stats(batch)), batch.data_stop)
 
     def _read_step_values(self, batch: StepBatch, norm: torch.Tensor | float | None) -> None:
         """The step's one host sync: this rank's loss, the data-parallel mean and the gradient norm, read back

@@ -6,6 +6,8 @@ Keel's process exit codes (one table, read by the launcher and by whoever reads 
     0  ok                                                       keel.training.entry.EXIT_OK
     1  failure: an exception on the rank                        keel.training.entry.EXIT_FAILED
     2  usage or config error, reported before any rank starts   keel.launcher.cli.EXIT_USAGE
+       or a token id outside the vocabulary at the sample:       keel.training.data_stop.EXIT_BAD_DATA
+       every rank stops at that step with the same line
     3  parameter checksum mismatch: replicas diverged, stopped  keel.training.guards.stack.CHECKSUM_EXIT
     4  hang: a step overran stability.watchdog_timeout          EXIT_HANG; stacks in <run_dir>/stacks/
        (or a check, evaluation or save its own watchdog_*_timeout)

@@ -31,6 +31,8 @@ class Decision:
     reason: str = ""
     exit_code: int = 0  # for STOP
     restore: bool = False  # ROLLBACK to repair state (e.g. a corrupted replica), without the spike LR cut
+    # STOP on bad data: the global sample index holding ids outside the vocabulary (every rank names it the same)
+    sample: int | None = None
 
     @staticmethod
     def most_severe(decisions: list[Decision]) -> Decision:
