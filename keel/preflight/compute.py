@@ -22,7 +22,6 @@ SPEED_N = {"cpu": 1024, "cuda": 8192}
 SPEED_REPS = 5
 SEED = 20261202
 SLOW_FAULT_FACTOR = 8  # faults.preflight_slow_rank computes this many times slower
-CORRUPT_FAULT = 0.01  # faults.preflight_bad_matmul_rank: the largest element comes out this much off
 
 
 @dataclass(frozen=True)
@@ -53,8 +52,9 @@ def hardware_key(device: str) -> str:
     return " | ".join(parts)
 
 
-def check_matmul(device: str, corrupt: bool) -> tuple[str, float]:
-    """(digest of the fp32 product, worst error against fp64 as a fraction of the rounding bound)."""
+def check_matmul(device: str, corrupt: float = 0.0) -> tuple[str, float]:
+    """(digest of the fp32 product, worst error against fp64 as a fraction of the rounding bound); `corrupt`:
+    the relative error faults.preflight_bad_matmul_error puts into the largest element (0: none)."""
     gen = torch.Generator().manual_seed(SEED)
     a = torch.randn(CHECK_N, CHECK_N, generator=gen)
     b = torch.randn(CHECK_N, CHECK_N, generator=gen)
@@ -66,7 +66,7 @@ def check_matmul(device: str, corrupt: bool) -> tuple[str, float]:
         torch.backends.cuda.matmul.allow_tf32 = allow_tf32
     if corrupt:
         worst = product.abs().argmax()
-        product.view(-1)[worst] *= 1 + CORRUPT_FAULT
+        product.view(-1)[worst] *= 1 + corrupt
     reference = a.double() @ b.double()
     unit = torch.finfo(torch.float32).eps / 2
     gamma = CHECK_N * unit / (1 - CHECK_N * unit)
@@ -96,7 +96,7 @@ def matmul_tflops(device: str, dtype: torch.dtype, slow: bool) -> float:
     return 2 * n ** 3 / best / 1e12
 
 
-def measure_compute(device: str, precision: str, corrupt: bool, slow: bool) -> ComputeResult:
+def measure_compute(device: str, precision: str, corrupt: float, slow: bool) -> ComputeResult:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
     if device != "cuda":
         dtype = torch.float32  # 16-bit matmuls on CPU say little about training speed there

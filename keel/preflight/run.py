@@ -73,8 +73,8 @@ def run_preflight(spec: RunSpec) -> int:
     timer = Timer(lambda: clock.now() - own, rank, Injected(f.preflight_slow_rank, f.preflight_slow_link_rank), device)
     timings = measure_kinds(topology, timer) + measure_links(topology, timer)
     comm.barrier(world)
-    compute = measure_compute(device, precision(spec.ds_raw), rank == f.preflight_bad_matmul_rank,
-                              rank == f.preflight_slow_rank)
+    corrupt = f.preflight_bad_matmul_error if rank == f.preflight_bad_matmul_rank else 0.0
+    compute = measure_compute(device, precision(spec.ds_raw), corrupt, rank == f.preflight_slow_rank)
     comm.barrier(world)
     checkpoints = checkpoint_dir(spec.run_dir, cfg, rank)
     storage = measure_storage(checkpoints, rank, f.preflight_free_bytes)
