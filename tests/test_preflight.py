@@ -1,6 +1,7 @@
 """`keel preflight` (keel/preflight/): the judging logic on synthetic measurements in one process, the measuring
-pieces that need no peers, the `keel slurm --preflight` step, and two real launches (--slow): three ranks with
-every injected fault at once (each named), and a healthy run under the deepspeed launcher that exits 0.
+pieces that need no peers, the `keel slurm --preflight` step, and real launches (--slow): three ranks with every
+injected fault at once (each named), a healthy run under the deepspeed launcher that exits 0, and a job on a real
+SLURM cluster (tests/slurm_cluster.py) whose preflight step finds a bad node and stops it before training.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -27,6 +29,7 @@ from keel.preflight.report import REPORT_FILE, table, verdict_line, write_report
 from keel.preflight.storage import StorageResult, directory_bytes, free_bytes, measure_storage
 from keel.training.ds_config import load_ds_config
 from tests.keel_runs import REPO, Run
+from tests.slurm_cluster import SlurmCluster, ensure_installed
 
 KEEL_RUNS = [Run.of("zero0", 2)]  # shared with tests/test_keel_train.py: its checkpoint sizes the disk check
 GIB = 2**30
@@ -364,3 +367,34 @@ def test_a_healthy_allocation_exits_0_under_the_deepspeed_launcher(runs, tmp_pat
     assert report["elapsed_s"] < 60 and "keel preflight: healthy" in proc.stdout
     names = [c["name"] for c in report["checks"]]
     assert names[:2] == ["clock skew", "dp=world (1x2)"] and "matmul check" in names and "disk space" in names
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster(tmp_path_factory):
+    reason = ensure_installed()
+    if reason is not None:
+        pytest.skip(reason)
+    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm")).start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.fault("preflight under SLURM: a node computes wrong results",
+                   "the job's preflight step names it and the job stops before training, exit 9")
+def test_a_slurm_job_with_a_bad_node_stops_at_its_preflight_step(slurm_cluster, runs, tmp_path):
+    cmd = [sys.executable, "-m", "keel.launcher.cli", "slurm", "--preflight", "--run-dir", str(tmp_path),
+           "--ds-config", str(REPO / "ds_configs" / "zero1.json"), "--nodes", "2", "--tasks-per-node", "1",
+           "--time", "00:10:00", "--signal-lead", "60"]
+    for item in runs.overrides(faults__preflight_bad_matmul_rank=1):
+        cmd += ["--set", item]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=slurm_cluster.env, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    job_id = re.search(r"submitted job (\d+)", proc.stdout).group(1)
+    job = slurm_cluster.wait_job(job_id, timeout=300)
+    log = (tmp_path / f"slurm-{job_id}.out").read_text(errors="replace")
+    assert job["JobState"] == "FAILED" and job["ExitCode"] == f"{EXIT_PREFLIGHT}:0", log[-3000:]
+    assert "bad ranks 1 (node2)" in log  # under srun each rank names its SLURM node
+    assert "keel-slurm: preflight found bad node(s) in node[1-2]: not training" in log
+    assert not (tmp_path / "metrics.jsonl").exists() and "keel-slurm: ranks exited" not in log  # never trained
+    assert json.loads((tmp_path / REPORT_FILE).read_text())["bad_ranks"].keys() == {"1"}
