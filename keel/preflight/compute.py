@@ -45,11 +45,12 @@ def cpu_model() -> str:
 
 
 def hardware_key(device: str) -> str:
-    """What decides a matmul's bits: the processor, the library versions and the thread count."""
-    parts = [cpu_model(), f"torch {torch.__version__}", f"threads {torch.get_num_threads()}"]
+    """What decides a matmul's bits: the processor, the library versions, and on CPU the thread count (it
+    changes how the product is blocked)."""
+    parts = [cpu_model(), f"torch {torch.__version__}"]
     if device == "cuda":
-        parts += [torch.cuda.get_device_name(), f"cuda {torch.version.cuda}"]
-    return " | ".join(parts)
+        return " | ".join([*parts, torch.cuda.get_device_name(), f"cuda {torch.version.cuda}"])
+    return " | ".join([*parts, f"threads {torch.get_num_threads()}"])
 
 
 def check_matmul(device: str, corrupt: float = 0.0) -> tuple[str, float]:
