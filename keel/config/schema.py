@@ -231,6 +231,14 @@ class FaultsConfig:
     save_stall_s: float = 0.0
     checkpoint_dir_rank: int = -1  # this rank reads checkpoint_dir instead of <run_dir>/checkpoints (a stale view)
     checkpoint_dir: str = ""
+    # `keel preflight` (keel/preflight/): each check proven by a fault it must name
+    preflight_bad_matmul_rank: int = -1  # this rank's check matmul comes out wrong in one element (silent corruption)
+    preflight_bad_matmul_error: float = 0.01  # ...by this relative error (below ~1e-5 only the majority vote sees it)
+    preflight_slow_rank: int = -1  # this rank computes 8x slower and arrives late at every timed collective
+    preflight_slow_link_rank: int = -1  # every transfer through this rank carries 16x the bytes (a slow link)
+    preflight_clock_skew_rank: int = -1  # this rank's clock runs preflight_clock_skew_s ahead
+    preflight_clock_skew_s: float = 0.0
+    preflight_free_bytes: int = -1  # >= 0: every rank sees this much free space in the checkpoint directory
 
 
 @dataclass

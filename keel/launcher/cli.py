@@ -1,4 +1,5 @@
-"""`keel` command line: `keel train`, `keel prepare`, `keel lr-find`, `keel export`, `keel report`, `keel slurm`.
+"""`keel` command line: `keel train`, `keel preflight`, `keel prepare`, `keel lr-find`, `keel export`, `keel report`,
+`keel slurm`.
 
 Every user mistake (config, data, paths) is reported as one line on stderr with exit code 2, before any rank
 starts; tracebacks are for bugs.
@@ -52,22 +53,37 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def _train_with_deepspeed_launcher(args: argparse.Namespace) -> int:
     """Check the config for the hostfile's world size and prepare the data, then hand over to `deepspeed`."""
-    from keel.launcher.deepspeed_launcher import hostfile_slots, launch_deepspeed
     from keel.launcher.run_dir import build_run, prepare_data, write_run_dir
+
+    spec = build_run(args.config, args.set, args.ds_config, args.run_dir, _hostfile_world_size(args))
+    prepare_data(spec)
+    write_run_dir(spec)
+    return _launch_deepspeed(args, "train", spec.run_dir)
+
+
+def _hostfile_world_size(args: argparse.Namespace) -> int:
+    from keel.launcher.deepspeed_launcher import hostfile_slots
 
     if not args.hostfile:
         raise ConfigError("--launcher deepspeed needs --hostfile (lines of 'hostname slots=N')")
-    world_size = sum(slots for _, slots in hostfile_slots(args.hostfile))
-    spec = build_run(args.config, args.set, args.ds_config, args.run_dir, world_size)
-    prepare_data(spec)
-    write_run_dir(spec)
-    keel_args = ([args.config] if args.config else []) + ["--run-dir", str(spec.run_dir)]
+    return sum(slots for _, slots in hostfile_slots(args.hostfile))
+
+
+def _rank_args(args: argparse.Namespace, run_dir) -> list[str]:
+    """The command line each rank gets: the same config, overrides and an explicit run dir."""
+    keel_args = ([args.config] if args.config else []) + ["--run-dir", str(run_dir)]
     if args.ds_config:
         keel_args += ["--ds-config", args.ds_config]
     for item in args.set:
         keel_args += ["--set", item]
-    return launch_deepspeed(keel_args, args.hostfile, args.no_ssh, args.node_rank, args.master_addr,
-                            args.master_port)
+    return keel_args
+
+
+def _launch_deepspeed(args: argparse.Namespace, command: str, run_dir) -> int:
+    from keel.launcher.deepspeed_launcher import launch_deepspeed
+
+    return launch_deepspeed(_rank_args(args, run_dir), args.hostfile, args.no_ssh, args.node_rank, args.master_addr,
+                            args.master_port, command)
 
 
 def _train_in_place(args: argparse.Namespace, world_size: int) -> int:
@@ -91,6 +107,31 @@ def _train_in_place(args: argparse.Namespace, world_size: int) -> int:
     if verdict is not None:
         raise ConfigError(verdict)
     return run_sequence([spec.run_dir])
+
+
+def cmd_preflight(args: argparse.Namespace) -> int:
+    """Measure and judge the allocation (keel/preflight/); started like `keel train`, each rank runs in place."""
+    from keel.launcher.run_dir import build_run
+
+    external = _external_world_size()
+    if external is not None:
+        from keel.preflight.run import resolve_vocab_size, run_preflight
+
+        spec = build_run(args.config, args.set, args.ds_config, args.run_dir, external)  # every rank checks
+        resolve_vocab_size(spec)
+        return run_preflight(spec)
+    if args.launcher == "deepspeed":
+        spec = build_run(args.config, args.set, args.ds_config, args.run_dir, _hostfile_world_size(args))
+        return _launch_deepspeed(args, "preflight", spec.run_dir)
+    nproc = args.nproc or _default_nproc()
+    if nproc < 1:
+        raise ConfigError(f"--nproc: must be >= 1, got {nproc}")
+    spec = build_run(args.config, args.set, args.ds_config, args.run_dir, nproc)  # refused here, before any rank
+    print(f"keel: preflight | run dir {spec.run_dir} | {nproc} local rank(s)", flush=True)
+    from keel.launcher.local import launch_module
+
+    return launch_module(["keel.launcher.cli", "preflight", *_rank_args(args, spec.run_dir)], nproc,
+                         what="preflight", where=str(spec.run_dir / "preflight.json"))
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
@@ -193,6 +234,16 @@ def cmd_slurm(args: argparse.Namespace) -> int:
     return submit_slurm(args)
 
 
+def add_launcher_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--launcher", choices=["local", "deepspeed"], default="local",
+                   help="local: torchrun's agent on this machine; deepspeed: the deepspeed launcher + --hostfile")
+    p.add_argument("--hostfile", help="deepspeed launcher: lines of 'hostname slots=N'")
+    p.add_argument("--no-ssh", action="store_true", help="deepspeed launcher: run once per node, no ssh")
+    p.add_argument("--node-rank", type=int, default=0, help="deepspeed launcher with --no-ssh: this node")
+    p.add_argument("--master-addr", help="deepspeed launcher: rendezvous host (default: first host)")
+    p.add_argument("--master-port", type=int, default=29500, help="deepspeed launcher: rendezvous port")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="keel", description="Distributed LLM pretraining on DeepSpeed.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -202,18 +253,27 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--ds-config", help="DeepSpeed JSON (default: train.ds_config)")
     train.add_argument("--nproc", type=int, help="local ranks (default: GPUs, or 2 on CPU)")
     train.add_argument("--run-dir", help="where checkpoints, metrics and logs go (default: runs/<config name>)")
-    train.add_argument("--launcher", choices=["local", "deepspeed"], default="local",
-                       help="local: torchrun's agent on this machine; deepspeed: the deepspeed launcher + --hostfile")
-    train.add_argument("--hostfile", help="deepspeed launcher: lines of 'hostname slots=N'")
-    train.add_argument("--no-ssh", action="store_true", help="deepspeed launcher: run once per node, no ssh")
-    train.add_argument("--node-rank", type=int, default=0, help="deepspeed launcher with --no-ssh: this node")
-    train.add_argument("--master-addr", help="deepspeed launcher: rendezvous host (default: first host)")
-    train.add_argument("--master-port", type=int, default=29500, help="deepspeed launcher: rendezvous port")
+    add_launcher_args(train)
     train.add_argument("--max-restarts", type=int, default=0,
                        help="restart all local ranks after a failure, resuming from the latest checkpoint")
     train.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                        help="override a config field, e.g. --set train.steps=100 (repeatable)")
     train.set_defaults(func=cmd_train)
+
+    preflight = sub.add_parser("preflight", help="measure and judge the allocation before a run (exit 9 names bad "
+                               "ranks)", description="Launched like `keel train`: collectives per group kind, "
+                               "rank-pair links, a seeded matmul vote, matmul speed, clock skew, the checkpoint "
+                               "directory and memory against the run's needs. One table on stdout and "
+                               "RUN_DIR/preflight.json; exit 0 healthy, 9 with the bad ranks named.")
+    preflight.add_argument("config", nargs="?", help="run YAML (default: the tiny built-in config)")
+    preflight.add_argument("--ds-config", help="DeepSpeed JSON (default: train.ds_config)")
+    preflight.add_argument("--nproc", type=int, help="local ranks (default: GPUs, or 2 on CPU)")
+    preflight.add_argument("--run-dir", help="where preflight.json goes and checkpoints will (default: runs/<config "
+                                             "name>)")
+    add_launcher_args(preflight)
+    preflight.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                           help="override a config field, e.g. --set faults.preflight_slow_rank=1 (repeatable)")
+    preflight.set_defaults(func=cmd_preflight)
 
     prep = sub.add_parser("prepare", help="train (or take) a tokenizer and write the token files for a corpus")
     prep.add_argument("inputs", nargs="*", help="text/JSONL(.gz/.zst)/parquet files, directories, globs or .bin/.idx "

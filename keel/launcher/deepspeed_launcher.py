@@ -36,7 +36,8 @@ def hostfile_slots(path: str | Path) -> list[tuple[str, int]]:
 
 
 def deepspeed_command(keel_args: list[str], hostfile: str, no_ssh: bool, node_rank: int, master_addr: str | None,
-                      master_port: int) -> list[str]:
+                      master_port: int, command: str = "train") -> list[str]:
+    """The `deepspeed` command line that starts `keel COMMAND KEEL_ARGS...` (train or preflight) on every slot."""
     launcher = shutil.which("deepspeed") or ""
     cmd = [launcher] if launcher else [sys.executable, "-m", "deepspeed.launcher.runner"]
     cmd += ["--hostfile", str(hostfile), "--master_port", str(master_port), "--no_local_rank", "--module"]
@@ -44,11 +45,11 @@ def deepspeed_command(keel_args: list[str], hostfile: str, no_ssh: bool, node_ra
         cmd += ["--master_addr", master_addr]
     if no_ssh:
         cmd += ["--no_ssh", "--node_rank", str(node_rank)]
-    return [*cmd, "keel.launcher.cli", "train", *keel_args]
+    return [*cmd, "keel.launcher.cli", command, *keel_args]
 
 
 def launch_deepspeed(keel_args: list[str], hostfile: str, no_ssh: bool, node_rank: int, master_addr: str | None,
-                     master_port: int) -> int:
-    cmd = deepspeed_command(keel_args, hostfile, no_ssh, node_rank, master_addr, master_port)
+                     master_port: int, command: str = "train") -> int:
+    cmd = deepspeed_command(keel_args, hostfile, no_ssh, node_rank, master_addr, master_port, command)
     print("keel: " + " ".join(cmd), flush=True)
     return subprocess.run(cmd).returncode

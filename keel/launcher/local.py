@@ -19,6 +19,13 @@ def launch_local(run_dir: Path | list[Path], nproc: int, max_restarts: int = 0) 
     """Run `python -m keel.training.entry RUN_DIR [RUN_DIR ...]` on `nproc` local ranks (several run dirs train
     one after another in the same world); returns 0 when all succeeded."""
     run_dirs = [str(d) for d in (run_dir if isinstance(run_dir, list) else [run_dir])]
+    return launch_module(["keel.training.entry", *run_dirs], nproc, max_restarts, "training", " ".join(run_dirs))
+
+
+def launch_module(module_args: list[str], nproc: int, max_restarts: int = 0, what: str = "training",
+                  where: str = "the run dir") -> int:
+    """Run `python -m MODULE ARGS...` on `nproc` local ranks; returns 0, or the highest exit code of a rank
+    that failed (Keel's documented codes pass through to the caller)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -37,10 +44,10 @@ def launch_local(run_dir: Path | list[Path], nproc: int, max_restarts: int = 0) 
         monitor_interval=0.5,
     )
     try:
-        elastic_launch(config, sys.executable)("-u", "-m", "keel.training.entry", *run_dirs)
+        elastic_launch(config, sys.executable)("-u", "-m", *module_args)
     except ChildFailedError as exc:
         failures = ", ".join(f"rank {r} exit {f.exitcode}" for r, f in sorted(exc.failures.items()))
-        print(f"keel: training failed ({failures}); see the log above and {' '.join(run_dirs)}", file=sys.stderr)
+        print(f"keel: {what} failed ({failures}); see the log above and {where}", file=sys.stderr)
         codes = [f.exitcode for f in exc.failures.values() if f.exitcode and f.exitcode > 0]
         return max(codes) if codes else 1  # keep Keel's documented codes (3 checksum, 4 hang) for the caller
     return 0

@@ -11,6 +11,10 @@ the ranks; `scancel --signal=USR1 JOBID` reaches them directly. Every rank stops
 checkpoint is saved, and the ranks exit with EXIT_PREEMPTED (5); the script then runs `scontrol requeue`, and
 the requeued job resumes from that checkpoint because the run dir is the same.
 
+With `--preflight` the job's first srun step is `keel preflight` on the same tasks (keel/preflight/): a bad node
+(exit 9, its ranks named in the log and in RUN_DIR/preflight.json) or a failed preflight stops the job with one
+line before training starts; on a requeue it runs again, as the job may land on other nodes.
+
 Before submitting, the config is checked for nodes × tasks-per-node ranks and the data is prepared here (the
 ranks find it in `data.cache_dir`, which must therefore be on a filesystem every node shares, like the run dir).
 """
@@ -118,8 +122,10 @@ def check_options(opts: SbatchOptions) -> None:
             raise ConfigError(f"--sbatch: {line!r} must be one sbatch option such as --qos=high")
 
 
-def train_command(python: str, config: Path | None, run_dir: Path, ds_config: str, overrides: list[str]) -> list[str]:
-    cmd = [python, "-m", "keel.launcher.cli", "train"]
+def train_command(python: str, config: Path | None, run_dir: Path, ds_config: str, overrides: list[str],
+                  command: str = "train") -> list[str]:
+    """The command every task runs: `keel COMMAND` (train or preflight) for this run."""
+    cmd = [python, "-m", "keel.launcher.cli", command]
     if config is not None:
         cmd.append(str(config))
     cmd += ["--run-dir", str(run_dir), "--ds-config", ds_config]
@@ -128,7 +134,40 @@ def train_command(python: str, config: Path | None, run_dir: Path, ds_config: st
     return cmd
 
 
-def render(template: str, opts: SbatchOptions, run_dir: Path, workdir: Path, command: list[str]) -> str:
+PREFLIGHT_STEP = """
+# Preflight: measure and judge the allocation first (keel preflight); a bad node stops the job here.
+KEEL_PREFLIGHT=({command})
+preflight_rc=0
+srun --nodes="${{SLURM_JOB_NUM_NODES}}" --ntasks-per-node={tasks_per_node} \\
+     ${{SLURM_CPUS_PER_TASK:+--cpus-per-task=${{SLURM_CPUS_PER_TASK}}}} \\
+     bash -c 'export RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=$SLURM_LOCALID; exec "$@"' \\
+     keel-rank "${{KEEL_PREFLIGHT[@]}}" || preflight_rc=$?
+if [ "${{preflight_rc}}" -eq {exit_preflight} ]; then
+    echo "keel-slurm: preflight found bad node(s) in ${{SLURM_JOB_NODELIST}}: not training; the bad ranks and their" \\
+         "hosts are named above and in ${{RUN_DIR}}/preflight.json; resubmit with --sbatch=--exclude=NODE" >&2
+    exit "${{preflight_rc}}"
+elif [ "${{preflight_rc}}" -ne 0 ]; then
+    echo "keel-slurm: preflight failed with exit code ${{preflight_rc}} on ${{SLURM_JOB_NODELIST}}: not training;" \\
+         "see the log above" >&2
+    exit "${{preflight_rc}}"
+fi
+echo "keel-slurm: preflight healthy at $(date -Is)"
+"""
+
+
+def preflight_step(opts: SbatchOptions, command: list[str] | None) -> str:
+    """The script's first srun step (`keel slurm --preflight`), or nothing."""
+    from keel.preflight.judge import EXIT_PREFLIGHT
+
+    if command is None:
+        return ""
+    return PREFLIGHT_STEP.format(command=" ".join(shlex.quote(part) for part in command),
+                                 tasks_per_node=opts.tasks_per_node, exit_preflight=EXIT_PREFLIGHT)
+
+
+def render(template: str, opts: SbatchOptions, run_dir: Path, workdir: Path, command: list[str],
+           preflight: list[str] | None = None) -> str:
+    """The sbatch script; `preflight`: the `keel preflight` command its first srun step runs (None: no step)."""
     from keel.training.preemption import EXIT_PREEMPTED
 
     optional = []
@@ -156,6 +195,7 @@ def render(template: str, opts: SbatchOptions, run_dir: Path, workdir: Path, com
         "exit_preempted": EXIT_PREEMPTED,
         "port_base": PORT_BASE,
         "port_span": PORT_SPAN,
+        "preflight_step": preflight_step(opts, preflight),
     }
     return SbatchTemplate(template).substitute(fields)
 
@@ -189,8 +229,11 @@ def prepare_script(args: argparse.Namespace) -> tuple[str, Path]:
         raise ConfigError(f"--run-dir: {spec.run_dir} contains '%', which sbatch expands in the log's file name")
     _sbatch_safe("working directory", str(Path.cwd()))
     prepare_data(spec)
-    command = train_command(args.python or sys.executable, config, spec.run_dir, spec.cfg.train.ds_config, args.set)
-    script = render(template, opts, spec.run_dir, Path.cwd(), command)
+    python = args.python or sys.executable
+    command = train_command(python, config, spec.run_dir, spec.cfg.train.ds_config, args.set)
+    preflight = train_command(python, config, spec.run_dir, spec.cfg.train.ds_config, args.set, "preflight") \
+        if args.preflight else None
+    script = render(template, opts, spec.run_dir, Path.cwd(), command, preflight)
     return script, spec.run_dir
 
 
@@ -249,5 +292,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="an extra #SBATCH option, e.g. --sbatch=--qos=high (repeatable)")
     p.add_argument("--python", help="python on the compute nodes (default: this one)")
     p.add_argument("--template", help=f"sbatch template (default: Keel's {TEMPLATE})")
+    p.add_argument("--preflight", action="store_true",
+                   help="run `keel preflight` as the job's first step; a bad node stops the job before training")
     p.add_argument("--dry-run", action="store_true", help="print the script and write it to the run dir only")
     return p

@@ -13,6 +13,7 @@ Keel's process exit codes (one table, read by the launcher and by whoever reads 
        (or a check, evaluation or save its own watchdog_*_timeout)
     5  preempted: checkpoint saved on SIGUSR1/SIGTERM, requeue  keel.training.preemption.EXIT_PREEMPTED
     6  ranks disagree on the checkpoint to load, stopped        keel.training.checkpoint.EXIT_CHECKPOINT
+    9  preflight found bad ranks (named in its table and JSON)  keel.preflight.judge.EXIT_PREFLIGHT
 
 A hang is usually transient (a stuck node, a network flap): restarting from the last checkpoint is the cure.
 
