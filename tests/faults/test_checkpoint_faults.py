@@ -13,6 +13,8 @@ import errno
 import hashlib
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +22,7 @@ import torch
 from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 
 from keel.config import ConfigError, FaultsConfig, load_config, validate
+from keel.launcher.run_dir import build_run, prepare_data, write_run_dir
 from keel.parallel.topology import Topology
 from keel.training.checkpoint import (
     COMPLETE,
@@ -33,7 +36,10 @@ from keel.training.checkpoint import (
 )
 from keel.training.checkpoint_verify import shares
 from keel.training.guards.base import AnomalyLog, read_anomalies
+from keel.training.metrics import read_metrics
 from keel.training.save_failures import after_failed_save
+from tests.keel_runs import REPO, Run, copy_run, final_weights
+from tests.test_recovery import RESTART
 
 SHARD = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
 MODEL = "mp_rank_00_model_states.pt"
@@ -251,3 +257,90 @@ def test_on_save_error_is_validated():
     cfg = load_config(None, ["checkpoint.on_save_error=halt"])
     with pytest.raises(ConfigError, match="checkpoint.on_save_error: expected continue or stop, got 'halt'"):
         validate(cfg, world_size=1)
+
+
+# -- the issue's case, with real ranks ---------------------------------------------------------------------------------
+ZERO1 = "ds_configs/zero1.json"
+TO_20 = {**RESTART, "train__exit_after": 20}  # restart-ref's run, stopped at step 20: checkpoints 10, 15, 20
+KEEL_RUNS = [Run.of("restart-ref", 2, ZERO1, **RESTART), Run.of("restart-to-20", 2, ZERO1, **TO_20)]
+CORRUPT_SHARD = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+DISK_FULL = dict(train__steps=15, checkpoint__interval=5, faults__save_enospc_rank=1, faults__save_enospc_step=10)
+
+
+@pytest.fixture(scope="module")
+def faulted(runs, tmp_path_factory) -> dict:
+    """One 2-rank launch of three run dirs: restart-to-20 resumed after 4 KiB of rank 1's optimizer shard in step
+    20 were flipped; then fresh runs whose rank 1's disk fills inside DeepSpeed's step-10 shard write, under
+    on_save_error continue and stop."""
+    root = tmp_path_factory.mktemp("checkpoint-faults")
+    corrupt = copy_run(runs.get("restart-to-20", 2, ZERO1, **TO_20), root / "corrupt")
+    shard = corrupt / "checkpoints" / "step00000020" / CORRUPT_SHARD
+    flip(shard, shard.stat().st_size // 2)
+    flipped = shard.read_bytes()
+    dirs = {"corrupt": corrupt}
+    for policy in ("continue", "stop"):
+        dirs[policy] = root / policy
+        spec = build_run(None, runs.overrides(**DISK_FULL, checkpoint__on_save_error=policy), str(REPO / ZERO1),
+                         str(dirs[policy]), 2)
+        prepare_data(spec)
+        write_run_dir(spec)
+    code = "import sys; from pathlib import Path; from keel.launcher.local import launch_local; " \
+           "sys.exit(launch_local([Path(d) for d in sys.argv[1:]], 2))"
+    proc = subprocess.run([sys.executable, "-c", code, *map(str, dirs.values())], capture_output=True, text=True,
+                          timeout=900, cwd=REPO)
+    return {"proc": proc, "flipped": flipped, **dirs}
+
+
+@pytest.mark.slow
+@pytest.mark.fault("4 KiB flipped in a rank's ZeRO-1 optimizer shard, then resume",
+                   "checkpoint_corrupt recorded, set aside, previous one loaded: same final weights")
+def test_resume_from_a_corrupt_checkpoint_takes_the_previous_one(faulted, runs):
+    run, out = faulted["corrupt"], faulted["proc"].stdout
+    assert "finished" in (run / "summary.md").read_text(), out[-3000:] + faulted["proc"].stderr[-3000:]
+    [event] = corrupt_events(run)
+    assert (event["checkpoint"], event["file"]) == ("step00000020", CORRUPT_SHARD) and "sha256" in event["reason"]
+    assert f"checkpoint step00000020 is corrupt: {CORRUPT_SHARD}: sha256 differs" in out
+    assert "resumed from step00000015: step 15" in out
+    kept = run / "checkpoints" / "step00000020.corrupt" / CORRUPT_SHARD
+    assert kept.read_bytes() == faulted["flipped"]  # set aside as found, never deleted or pruned
+    assert "finished" in (run / "summary.md").read_text()
+    straight = final_weights(runs.get("restart-ref", 2, ZERO1, **RESTART))
+    got = final_weights(run)
+    assert got.keys() == straight.keys() and all(torch.equal(got[k], straight[k]) for k in got)
+
+
+def disk_full_checks(run: Path, action: str) -> dict:
+    [event] = [e for e in read_anomalies(run) if e["kind"] == "checkpoint_save_failed"]
+    assert (event["step"], event["checkpoint"], event["action"]) == (10, "step00000010", action)
+    assert event["error"].startswith(f"rank 1: writing {run / 'checkpoints' / 'step00000010' / CORRUPT_SHARD}: "
+                                     "[Errno 28] No space left on device"), event["error"]
+    assert not (run / "checkpoints" / "step00000010").exists()
+    return event
+
+
+@pytest.mark.slow
+@pytest.mark.fault("disk full inside DeepSpeed's shard write, on_save_error: continue",
+                   "warned and recorded, save discarded, the next interval saves")
+def test_disk_full_during_a_save_continues_by_default(faulted):
+    run = faulted["continue"]
+    assert "finished" in (run / "summary.md").read_text(), faulted["proc"].stdout[-3000:]
+    disk_full_checks(run, "continue")
+    ckpt = Checkpointer(run / "checkpoints", 3, Topology.from_env())
+    assert ckpt.complete_tags() == ["step00000005", "step00000015"] and ckpt.latest_tag() == "step00000015"
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == list(range(1, 16))
+    assert "finished" in (run / "summary.md").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.fault("disk full inside DeepSpeed's shard write, on_save_error: stop",
+                   f"one line, exit {EXIT_SAVE_FAILED}; previous checkpoint intact and latest")
+def test_disk_full_during_a_save_stops_cleanly_when_asked(faulted):
+    run, out = faulted["stop"], faulted["proc"].stdout
+    assert faulted["proc"].returncode == EXIT_SAVE_FAILED, out[-3000:] + faulted["proc"].stderr[-3000:]
+    disk_full_checks(run, "stop")
+    lines = [line for line in out.splitlines() if "could not be saved" in line]
+    assert len(lines) == 2 and len({line.split("] ", 1)[1] for line in lines}) == 1, lines  # every rank, alike
+    assert "[keel r0] stopping at step 10: checkpoint step00000010 could not be saved (rank 1: writing" in out
+    assert f"exit code {EXIT_SAVE_FAILED}" in (run / "summary.md").read_text()
+    assert_intact(Checkpointer(run / "checkpoints", 3, Topology.from_env()), "step00000005")
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == list(range(1, 11))
