@@ -47,7 +47,7 @@ from keel.config import FaultsConfig, RunConfig
 from keel.parallel import comm
 from keel.parallel.topology import Topology
 from keel.training import checkpoint_verify, rng_state
-from keel.training.checkpoint_writes import WrittenFiles
+from keel.training.checkpoint_writes import WrittenFiles, failure_text
 
 if TYPE_CHECKING:
     from keel.training.guards.base import AnomalyLog
@@ -263,17 +263,19 @@ class Checkpointer:
     def finish_save(self, tag: str, state: TrainState, error: str, files: dict[str, tuple[int, str]],
                     guards: dict[str, Any] | None = None, zero_stage: int = 0) -> SaveOutcome:
         """Every rank, once its files for `tag` are written (`error`: its first failure, or ""; `files`: name →
-        (size, sha256) of what it wrote): one all-gather of these verdicts, then every rank alike either commits
-        (rank 0 writes the manifest from the gathered hashes, `latest`, prunes) or discards the save."""
+        (size, sha256) of what it wrote): one all-gather of these verdicts, then rank 0 commits (the manifest from
+        the gathered hashes, `latest`, pruning) or discards the save, and one broadcast tells every rank which."""
         verdicts = comm.all_gather_object((error, files), self.control)
         errors = [f"rank {r}: {e}" for r, (e, _) in zip(self.control.ranks, verdicts) if e]
-        if self.topology.rank == 0:
-            if errors:  # half-written: nothing in it that is not still in memory, and a full disk needs the space
-                shutil.rmtree(self.directory / tag, ignore_errors=True)
-            else:
+        if self.topology.rank == 0 and not errors:
+            try:
                 self.commit(tag, state, {name: entry for _, f in verdicts for name, entry in f.items()}, guards,
                             zero_stage)
-        comm.barrier(self.control)
+            except OSError as exc:  # the manifest or `latest` could not be written: the save failed after all
+                errors = [f"rank 0: committing {tag}: {failure_text(exc)}"]
+        if self.topology.rank == 0 and errors:  # half-written: all still in memory, and a full disk needs the space
+            shutil.rmtree(self.directory / tag, ignore_errors=True)
+        errors = comm.broadcast_object(errors, self.control)  # rank 0's commit, and the end of the save everywhere
         if errors:
             more = f" (and {len(errors) - 1} more rank(s))" if len(errors) > 1 else ""
             return SaveOutcome(tag, errors[0] + more)

@@ -216,6 +216,26 @@ def test_disk_full_mid_shard_discards_the_save_and_keeps_the_previous(tmp_path):
     assert ckpt.complete_tags() == ["step00000030"]
 
 
+@pytest.mark.fault("disk full while rank 0 writes the manifest", "save discarded, previous checkpoint stays latest")
+def test_disk_full_at_the_commit_discards_the_save(tmp_path, monkeypatch):
+    import keel.training.checkpoint as checkpoint
+
+    ckpt = saved(tmp_path, steps=(10,), keep_last=1)
+    write = checkpoint.atomic_write_text
+
+    def full_at_manifest(path: Path, text: str) -> None:
+        if path.name == COMPLETE:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        write(path, text)
+
+    monkeypatch.setattr(checkpoint, "atomic_write_text", full_at_manifest)
+    outcome = ckpt.save(FakeEngine(), TrainState(step=20))
+    assert outcome.error == "rank 0: committing step00000020: [Errno 28] No space left on device"
+    monkeypatch.undo()
+    assert not (ckpt.directory / "step00000020").exists()
+    assert_intact(ckpt, "step00000010")
+
+
 def test_the_injected_disk_writes_its_bytes_then_fails(tmp_path):
     """N bytes reach the file before ENOSPC, as on a filesystem that fills mid-write."""
     from keel.training.checkpoint_writes import FullDisk
