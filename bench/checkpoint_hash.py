@@ -80,6 +80,7 @@ def main() -> None:
     parser.add_argument("--dir", default=tempfile.gettempdir())
     parser.add_argument("--params", type=float, default=70e9)
     parser.add_argument("--ranks", type=int, default=512)
+    parser.add_argument("--fs-gbps", type=float, default=100.0, help="assumed aggregate read GB/s of the cluster FS")
     args = parser.parse_args()
     print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; torch {torch.__version__}")
 
@@ -110,13 +111,19 @@ def main() -> None:
             cold = _timed(lambda: verify(directory, files, list(files)))
             print(f"verify (4 threads, pages dropped): {total_gb / cold:.2f} GB/s ({cold:.2f} s)")
 
-    per_rank_gb = args.params * BYTES_PER_PARAM / args.ranks / 1e9
-    print(f"projection: {args.params / 1e9:.0f}B params x {BYTES_PER_PARAM} B = "
-          f"{args.params * BYTES_PER_PARAM / 1e12:.2f} TB per checkpoint; {per_rank_gb:.2f} GB per rank of "
-          f"{args.ranks}. Hashing that on the save: {per_rank_gb / per_thread:.1f} s of one thread's time "
-          f"({per_rank_gb / min(rates[2], 2 * per_thread):.1f} s on 2 threads, overlapped with the writes); "
-          f"verifying it on load at this machine's 4-thread rate: {per_rank_gb / rates[4]:.1f} s per rank, all "
-          "ranks at once — or the filesystem's read time for the whole checkpoint if that is slower")
+    total_tb = args.params * BYTES_PER_PARAM / 1e12
+    per_rank_gb = total_tb * 1e3 / args.ranks
+    largest_gb = args.params * 12 / args.ranks / 1e9  # ZeRO-1/2: the rank's optimizer shard is its largest file
+    print(f"projection: {args.params / 1e9:.0f}B params x {BYTES_PER_PARAM} B = {total_tb:.2f} TB per checkpoint, "
+          f"{per_rank_gb:.2f} GB per rank of {args.ranks} (largest file {largest_gb:.2f} GB).")
+    print(f"  save: {per_rank_gb / per_thread:.1f} s of hashing per rank on 2 background threads, overlapping the "
+          f"writes; the save waits at most for its last file's hash, {largest_gb / per_thread:.1f} s "
+          f"(torch.save itself wrote {total_gb / a:.2f} GB/s here: {per_rank_gb / (total_gb / a):.1f} s per rank)")
+    cpu_s = per_rank_gb / (4 * per_thread)
+    fs_s = total_tb * 1e3 / args.fs_gbps
+    print(f"  load: each rank verifies 1/{args.ranks}: {cpu_s:.1f} s of CPU at 4 threads x {per_thread:.2f} GB/s, "
+          f"all ranks at once; the checkpoint is read once in total, {fs_s:.0f} s at an assumed {args.fs_gbps:.0f} "
+          f"GB/s aggregate filesystem read (--fs-gbps) — the slower of the two, ~{max(cpu_s, fs_s):.0f} s per load")
 
 
 def _timed(fn) -> float:

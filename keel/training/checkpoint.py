@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from keel.config import FaultsConfig, RunConfig
+from keel.config import RunConfig
 from keel.parallel import comm
 from keel.parallel.topology import Topology
 from keel.training import checkpoint_verify, rng_state
@@ -239,9 +239,9 @@ class Checkpointer:
 
     # -- save -----------------------------------------------------------------------------------------------
     def save(self, engine, state: TrainState, guards: dict[str, Any] | None = None,
-             before_commit: Callable[[], None] | None = None, faults: FaultsConfig | None = None) -> SaveOutcome:
-        """Every rank writes its files, then `finish_save`. `before_commit` runs on each rank after its own files
-        are written (fault injection: a rank that stalls mid-save); `faults` may fill this rank's disk."""
+             before_commit: Callable[[], None] | None = None, disk_room: int | None = None) -> SaveOutcome:
+        """Every rank writes its files, then `finish_save`. Fault injection: `before_commit` runs on each rank after
+        its own files are written (a rank that stalls mid-save); `disk_room` bytes fill this rank's disk."""
         tag = tag_for(state.step)
         tag_dir = self.directory / tag
         rank = self.topology.rank
@@ -249,7 +249,7 @@ class Checkpointer:
             self.directory.mkdir(parents=True, exist_ok=True)
             (tag_dir / COMPLETE).unlink(missing_ok=True)  # re-saving a step: it is incomplete until we finish
         comm.barrier(self.control)
-        written = WrittenFiles(rank, faults, state.step)
+        written = WrittenFiles(rank, disk_room)
         client_state = {"keel": asdict(state), "topology": self.topology.stamp()}
         with written.seam(engine):
             engine.save_checkpoint(str(self.directory), tag=tag, client_state=client_state, save_latest=False)

@@ -12,8 +12,9 @@ go through `write` too. So this rank knows exactly which files it wrote, and:
   goes on through DeepSpeed's barrier, and reports the error in the same all-gather; every rank then discards
   the save together (`on_save_error` decides what the run does, keel/training/saves.py).
 
-`faults.save_enospc_rank` rehearses a full disk inside DeepSpeed's own shard write: that rank's first file of the
-save writes `faults.save_enospc_bytes` bytes and then fails with ENOSPC, as a full filesystem would.
+`disk_room` rehearses a full disk inside DeepSpeed's own shard write (`faults.save_enospc_*`, through
+keel/training/faults.py): the rank's first file of the save takes that many bytes and then fails with ENOSPC, as a
+full filesystem would.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 from keel.adapters.deepspeed_internals import route_checkpoint_writes
-from keel.config import FaultsConfig
 from keel.training.checkpoint_verify import describe
 
 HASH_THREADS = 2
@@ -75,12 +75,10 @@ def failure_text(exc: BaseException) -> str:
 class WrittenFiles:
     """The files this rank wrote for one checkpoint: their (size, sha256), or the first write error."""
 
-    def __init__(self, rank: int, faults: FaultsConfig | None = None, step: int = 0, threads: int = HASH_THREADS):
+    def __init__(self, rank: int, disk_room: int | None = None, threads: int = HASH_THREADS):
         self.rank = rank
         self.error = ""
-        f = faults
-        self._full_disk = f.save_enospc_bytes if f and f.save_enospc_rank == rank and \
-            f.save_enospc_step in (0, step) else None
+        self._full_disk = disk_room
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="keel-ckpt-hash")
         self._hashes: dict[str, Future] = {}
 

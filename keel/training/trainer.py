@@ -313,7 +313,8 @@ class Trainer:
 
     def save(self, state: TrainState) -> SaveOutcome:
         return self.checkpointer.save(self.engine, state, guards=self.guards.state_dict(),
-                                      before_commit=self.faults.during_save, faults=self.cfg.faults)
+                                      before_commit=self.faults.during_save,
+                                      disk_room=self.faults.disk_room(state.step))
 
     # -- the loop -------------------------------------------------------------------------------------------
     def fit(self) -> TrainResult:

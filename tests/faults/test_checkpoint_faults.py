@@ -35,6 +35,7 @@ from keel.training.checkpoint import (
     tag_for,
 )
 from keel.training.checkpoint_verify import shares
+from keel.training.faults import FaultInjector
 from keel.training.guards.base import AnomalyLog, read_anomalies
 from keel.training.metrics import read_metrics
 from keel.training.save_failures import after_failed_save
@@ -192,10 +193,6 @@ def test_shares_balance_bytes_and_cover_every_file_once():
 
 
 # -- disk full during a save ------------------------------------------------------------------------------------------
-def enospc(step: int, nbytes: int = 4096) -> FaultsConfig:
-    return FaultsConfig(save_enospc_rank=0, save_enospc_step=step, save_enospc_bytes=nbytes)
-
-
 def assert_intact(ckpt: Checkpointer, tag: str) -> None:
     """`latest` names `tag`, it verifies, and every file in it loads."""
     assert (ckpt.directory / "latest").read_text() == tag and ckpt.agreed_latest() == tag
@@ -207,12 +204,12 @@ def assert_intact(ckpt: Checkpointer, tag: str) -> None:
                    "save discarded on every rank, previous checkpoint stays latest")
 def test_disk_full_mid_shard_discards_the_save_and_keeps_the_previous(tmp_path):
     ckpt = saved(tmp_path, steps=(10,), keep_last=1)  # keep_last=1: a committed save would prune step 10
-    outcome = ckpt.save(FakeEngine(), TrainState(step=20), faults=enospc(20, nbytes=200))
+    outcome = ckpt.save(FakeEngine(), TrainState(step=20), disk_room=200)
     assert not outcome.ok and outcome.tag == "step00000020"
     assert outcome.error.startswith(f"rank 0: writing {ckpt.directory / 'step00000020' / MODEL}: [Errno 28]")
     assert not (ckpt.directory / "step00000020").exists()  # the half-written directory is removed
     assert_intact(ckpt, "step00000010")
-    assert ckpt.save(FakeEngine(), TrainState(step=30), faults=enospc(20)).ok  # the next interval saves
+    assert ckpt.save(FakeEngine(), TrainState(step=30)).ok  # the next interval saves
     assert ckpt.complete_tags() == ["step00000030"]
 
 
@@ -234,6 +231,17 @@ def test_disk_full_at_the_commit_discards_the_save(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert not (ckpt.directory / "step00000020").exists()
     assert_intact(ckpt, "step00000010")
+
+
+def test_the_disk_fault_fires_on_its_rank_and_step():
+    class Engine:
+        module = torch.nn.Linear(2, 2)
+
+    cfg = FaultsConfig(save_enospc_rank=1, save_enospc_step=10, save_enospc_bytes=123)
+    assert [FaultInjector(cfg, rank, Engine(), 8, 0).disk_room(step) for rank, step in
+            [(1, 10), (1, 5), (0, 10)]] == [123, None, None]
+    every = FaultsConfig(save_enospc_rank=0, save_enospc_step=0)
+    assert FaultInjector(every, 0, Engine(), 8, 0).disk_room(7) == 4096
 
 
 def test_the_injected_disk_writes_its_bytes_then_fails(tmp_path):
