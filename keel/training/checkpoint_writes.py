@@ -10,7 +10,7 @@ go through `write` too. So this rank knows exactly which files it wrote, and:
 - a write that fails (disk full, quota, I/O error) is *kept*, not raised: DeepSpeed's save ends in a collective
   barrier, and a rank that raised would skip it and hang its peers. The rank writes nothing more for this save,
   goes on through DeepSpeed's barrier, and reports the error in the same all-gather; every rank then discards
-  the save together (`on_save_error` decides what the run does, keel/training/saves.py).
+  the save together (`on_save_error` decides what the run does, keel/training/save_failures.py).
 
 `disk_room` rehearses a full disk inside DeepSpeed's own shard write (`faults.save_enospc_*`, through
 keel/training/faults.py): the rank's first file of the save takes that many bytes and then fails with ENOSPC, as a
