@@ -140,7 +140,25 @@ def _probe_kind(kind: str) -> dict:
         finally:
             object.__setattr__(internal, "probe", original)
     return {"seen": seen, "vetoed": vetoed, "stepped": stepped, "missing": missing,
-            "model_step_wrapped": len(wrapped_calls), "wraps": dsi._wraps_optimizer(engine)}
+            "model_step_wrapped": len(wrapped_calls), "wraps": dsi._wraps_optimizer(engine),
+            "seam": _checkpoint_seam(engine)}
+
+
+def _checkpoint_seam(engine) -> dict:
+    """The files `save_checkpoint` wrote, and those it routed through `engine.checkpoint_engine.save`."""
+    import tempfile
+
+    routed = []
+
+    def route(save, state_dict, path) -> None:
+        routed.append(os.path.basename(path))
+        save(state_dict, path)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        with dsi.route_checkpoint_writes(engine, route):
+            engine.save_checkpoint(tmp, tag="probe", save_latest=False)
+        on_disk = sorted(p.name for p in (Path(tmp) / "probe").rglob("*") if p.is_file())
+    return {"routed": sorted(routed), "on_disk": on_disk, "restored": "save" not in vars(engine.checkpoint_engine)}
 
 
 def _worker(_rank: int, port: int, out: str) -> None:
@@ -179,6 +197,13 @@ def test_internals_are_present_and_do_what_keel_needs(probed, kind):
     assert ("param" in seen["master_keys"]) == (kind == "zero0")
     if kind in ("zero1", "zero2", "zero3"):  # local gradient shards (here the whole): DeepSpeed's own norm
         assert seen["local_grad_norm"] == pytest.approx(seen["norm"], rel=1e-5)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_checkpoint_file_goes_through_the_checkpoint_engine_seam(probed, kind):
+    """`engine.checkpoint_engine.save`: Keel hashes each file there and keeps a failed write on the rank."""
+    seam = probed[kind]["seam"]
+    assert seam["on_disk"] and seam["routed"] == seam["on_disk"] and seam["restored"], seam
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -7,19 +7,24 @@ from pathlib import Path
 
 import pytest
 import torch
+from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 
 from keel.parallel.random import ShardedRNG
 from keel.parallel.tensor import TPContext
 from keel.parallel.topology import Topology
 from keel.training import rng_state
-from keel.training.checkpoint import COMPLETE, CheckpointDisagreement, Checkpointer, TrainState
+from keel.training.checkpoint import COMPLETE, Checkpointer, NoIntactCheckpoint, TrainState
 from keel.training.metrics import MetricsWriter, read_metrics
 
 
 class FakeEngine:
-    """Writes a file where DeepSpeed would; enough to exercise Keel's bookkeeping around it."""
+    """Writes a file where DeepSpeed would, through DeepSpeed's own checkpoint engine (the seam Keel routes each
+    write through); enough to exercise Keel's bookkeeping around it."""
 
     module = torch.nn.Linear(2, 2)
+
+    def __init__(self):
+        self.checkpoint_engine = TorchCheckpointEngine()
 
     def zero_optimization_stage(self) -> int:
         return 1
@@ -28,7 +33,7 @@ class FakeEngine:
         assert save_latest is False  # Keel writes 'latest' itself, after every rank finished
         path = Path(save_dir) / tag
         path.mkdir(parents=True, exist_ok=True)
-        torch.save(client_state, path / "mp_rank_00_model_states.pt")
+        self.checkpoint_engine.save(client_state, str(path / "mp_rank_00_model_states.pt"))
 
 
 @pytest.mark.fault("crash while writing a checkpoint", "half-written checkpoint never chosen; latest kept")
@@ -79,20 +84,21 @@ def test_metrics_rewind_on_resume_keeps_discarded_records(tmp_path):
 
 @pytest.mark.fault("checkpoint file truncated or missing", "chosen checkpoint refused in one line; exit 6")
 def test_agreed_tag_is_verified_against_the_manifest_file_list(tmp_path):
-    """One process is rank 0 and its only verifier: a listed file gone or truncated stops the choice."""
+    """One process is rank 0 and its only verifier: a listed file truncated (or gone) stops the choice — the
+    checkpoint is set aside, and with none left the run stops rather than start from step 0."""
     ckpt = Checkpointer(tmp_path, keep_last=3, topology=Topology.from_env())
     ckpt.save(FakeEngine(), TrainState(step=10, consumed_samples=80))
     manifest = ckpt.read_manifest("step00000010")
-    assert set(manifest["files"]) == {"mp_rank_00_model_states.pt", "keel_rng_rank0.pt"}
-    assert ckpt.agreed_latest() == "step00000010" and ckpt.agreed_at_or_before(9) is None
+    assert set(manifest["files"]) == {"mp_rank_00_model_states.pt", "keel_rng_rank0.pt"} == set(manifest["sha256"])
+    assert ckpt.agreed_latest() == "step00000010"
+    assert ckpt.agreed_at_or_before(9) is None
     shard = tmp_path / "step00000010" / "mp_rank_00_model_states.pt"
     shard.write_bytes(shard.read_bytes()[:-1])
-    with pytest.raises(CheckpointDisagreement, match="rank 0: .*mp_rank_00_model_states.pt has .* bytes"):
-        ckpt.agreed_latest()
     (tmp_path / "step00000010" / "keel_rng_rank0.pt").unlink()
-    with pytest.raises(CheckpointDisagreement, match="keel_rng_rank0.pt is missing") as err:
+    with pytest.raises(NoIntactCheckpoint, match="every checkpoint in .* is corrupt .step00000010 set aside") as err:
         ckpt.agreed_latest()
     assert err.value.exit_code == 6
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step00000010.corrupt"]  # kept; `latest` had no target
 
 
 class DropoutModel(torch.nn.Module):

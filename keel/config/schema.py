@@ -30,6 +30,7 @@ MOE_SCORINGS = ("softmax", "sigmoid")
 MOE_DROP_POLICIES = ("probability", "position")
 LR_SCHEDULES = ("cosine", "linear", "constant", "inverse_sqrt", "wsd")
 RAMPUP_SCALINGS = ("linear", "sqrt", "none")
+SAVE_ERROR_POLICIES = ("continue", "stop")
 PIPELINE_PARTITIONS = ("parameters", "uniform")  # or "type:<LayerClass>"
 PARALLEL_AXES = ("tp", "pp", "ep", "sp")
 
@@ -157,6 +158,9 @@ class CheckpointConfig:
     interval: int = 100  # 0: only at the end
     keep_last: int = 3
     resume: bool = True  # resume from the latest complete checkpoint in the run dir
+    # a save that fails (disk full, I/O error) is discarded on every rank; then: continue (warn, retry at the next
+    # interval) | stop (exit 8). A failed final save exits 8 either way.
+    on_save_error: str = "continue"
 
 
 @dataclass
@@ -229,6 +233,9 @@ class FaultsConfig:
     noise_rank: int = -1  # this rank's data replaced by uniform random tokens
     save_stall_rank: int = -1  # this rank sleeps save_stall_s inside every checkpoint save (a peer dead mid-save)
     save_stall_s: float = 0.0
+    save_enospc_rank: int = -1  # this rank's disk fills inside DeepSpeed's shard write: ENOSPC after ...
+    save_enospc_bytes: int = 4096  # ... this many bytes of its first file ...
+    save_enospc_step: int = 0  # ... in the save at this step (0: every save)
     checkpoint_dir_rank: int = -1  # this rank reads checkpoint_dir instead of <run_dir>/checkpoints (a stale view)
     checkpoint_dir: str = ""
     # `keel preflight` (keel/preflight/): each check proven by a fault it must name

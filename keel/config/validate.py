@@ -21,6 +21,7 @@ from keel.config.schema import (
     PARALLEL_AXES,
     PIPELINE_PARTITIONS,
     RAMPUP_SCALINGS,
+    SAVE_ERROR_POLICIES,
     ConfigError,
     ModelConfig,
     RunConfig,
@@ -82,6 +83,10 @@ def validate(cfg: RunConfig, world_size: int) -> None:
              "train.eval_interval must be >= 0 (0 disables) and train.eval_batches positive")
     _require(c.interval >= 0, f"checkpoint.interval: must be >= 0 (0: only at the end), got {c.interval}")
     _require(c.keep_last >= 1, f"checkpoint.keep_last: must keep at least 1, got {c.keep_last}")
+    _require(c.on_save_error in SAVE_ERROR_POLICIES,
+             f"checkpoint.on_save_error: expected {_either(SAVE_ERROR_POLICIES)}, got {c.on_save_error!r}")
+    _require(cfg.faults.save_enospc_bytes >= 0 and cfg.faults.save_enospc_step >= 0,
+             "faults.save_enospc_bytes and faults.save_enospc_step must be >= 0")
     _require(cfg.logging.sync_debug in ("", "warn"),
              f"logging.sync_debug: expected '' (off) or 'warn', got {cfg.logging.sync_debug!r}")
     _require(cfg.logging.peak_tflops >= 0,

@@ -28,7 +28,7 @@ import torch
 
 from keel.config import ConfigError, RunConfig
 from keel.launcher.run_dir import CONFIG_FILE, read_run_dir
-from keel.training.checkpoint import COMPLETE, LATEST, tag_for
+from keel.training.checkpoint import COMPLETE, LATEST, TAG, tag_for
 from keel.training.ds_config import precision, zero_stage
 
 _EXPERT_KEY = "deepspeed_moe.experts.deepspeed_experts"  # DeepSpeed's key pattern for expert parameters
@@ -87,7 +87,8 @@ def open_checkpoint(run_dir: Path, step: int | None = None) -> KeelCheckpoint:
         raise ConfigError(f"{run_dir} is not a Keel run dir (no {CONFIG_FILE}); pass the --run-dir of a keel train")
     cfg, ds_raw, data = read_run_dir(run_dir)
     ckpt = run_dir / "checkpoints"
-    complete = sorted(p.name for p in ckpt.iterdir() if (p / COMPLETE).is_file()) if ckpt.is_dir() else []
+    complete = sorted(p.name for p in ckpt.iterdir() if TAG.fullmatch(p.name) and (p / COMPLETE).is_file()) \
+        if ckpt.is_dir() else []  # not the set-aside `stepN.corrupt` ones
     if step is None:
         tag = (ckpt / LATEST).read_text().strip() if (ckpt / LATEST).is_file() else (complete or [None])[-1]
         if tag is None:

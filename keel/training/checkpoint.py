@@ -3,16 +3,25 @@
 Layout of `<run_dir>/checkpoints/`:
     step00000100/            DeepSpeed's model/optimizer files for that step (its own format)
         keel_rng_rank<R>.pt  each rank's RNG streams (keel/training/rng_state.py)
-        keel_complete.json   written by rank 0 after a barrier: the checkpoint is whole; lists every file and size
+        keel_complete.json   written by rank 0 once every rank's files are written: the checkpoint is whole;
+                             lists every file with its size and sha256 (hashed by the rank that wrote it)
+    step00000050.corrupt/    a checkpoint that failed verification: set aside, never deleted nor loaded
     latest                   DeepSpeed's pointer file, replaced atomically after keel_complete.json exists
 
-A crash mid-save leaves a directory without `keel_complete.json`; it is never loaded and is overwritten when
-that step is saved again.
+A save is: every rank writes its files (keel/training/checkpoint_writes.py: hashed as they close, a failed write
+kept on the rank), then `finish_save` — one all-gather of every rank's (error, file hashes) — and, when no rank
+failed, `commit` on rank 0 (manifest, `latest`, pruning). A failed save is discarded by every rank together: its
+directory removed, nothing committed or pruned, `latest` untouched. A crash mid-save leaves a directory without
+`keel_complete.json`; it is never loaded and is overwritten when that step is saved again.
 
-Which checkpoint to load is chosen once: rank 0 reads the directory, broadcasts the tag and a digest of its
-manifest, every rank checks that its own view holds that checkpoint whole (same manifest, every listed file at its
-size, its RNG file), and one all-gather of the verdicts makes every rank stop together (`CheckpointDisagreement`,
-exit code 6) when any rank does not — a stale view of a shared filesystem must not load another step's state.
+Which checkpoint to load is chosen once: rank 0 picks the tag and broadcasts it with a digest of its manifest;
+every rank checks that its own view holds that manifest and verifies a byte-balanced share of the files against
+it (keel/training/checkpoint_verify.py); one all-gather of the verdicts follows. A rank whose view lacks the
+manifest makes every rank stop together (`CheckpointDisagreement`, exit code 6) — a stale view of a shared
+filesystem must not load another step's state. A file that does not match (cut short, bytes flipped, missing) is
+corruption: recorded (`checkpoint_corrupt` in anomalies.jsonl), the directory set aside as `stepN.corrupt`,
+`latest` repointed, and the next older candidate agreed the same way. When every candidate was corrupt the run
+stops (`NoIntactCheckpoint`, exit 6) rather than start over from step 0 next to the set-aside checkpoints.
 """
 
 from __future__ import annotations
@@ -22,13 +31,14 @@ import json
 import logging
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -36,13 +46,19 @@ import torch
 from keel.config import RunConfig
 from keel.parallel import comm
 from keel.parallel.topology import Topology
-from keel.training import rng_state
+from keel.training import checkpoint_verify, rng_state
+from keel.training.checkpoint_writes import WrittenFiles, failure_text
 from keel.training.moe_reshard import MOE_UNIVERSAL, moe_universal_tag
+
+if TYPE_CHECKING:
+    from keel.training.guards.base import AnomalyLog
 
 COMPLETE = "keel_complete.json"
 UNIVERSAL = "universal"
 LATEST = "latest"
-EXIT_CHECKPOINT = 6  # ranks disagree on the checkpoint to load (see the exit-code table in watchdog.py)
+TAG = re.compile(r"step\d{8}")
+EXIT_CHECKPOINT = 6  # no checkpoint to load as agreed: views disagree, or all corrupt (exit-code table: watchdog.py)
+EXIT_SAVE_FAILED = 8  # a checkpoint save failed and the run stops
 
 log = logging.getLogger("keel")
 
@@ -51,6 +67,25 @@ class CheckpointDisagreement(RuntimeError):
     """Some rank does not see the checkpoint rank 0 chose, whole; every rank raises it with the same message."""
 
     exit_code = EXIT_CHECKPOINT
+    anomaly = "checkpoint_disagreement"
+
+
+class NoIntactCheckpoint(CheckpointDisagreement):
+    """Every checkpoint rank 0 could choose was corrupt and is set aside: stop rather than restart from step 0."""
+
+    anomaly = "no_intact_checkpoint"
+
+
+@dataclass
+class SaveOutcome:
+    """A save every rank agreed on: committed, or discarded with the first rank's error."""
+
+    tag: str
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.error
 
 
 def checkpoint_dir(run_dir: Path, cfg: RunConfig, rank: int) -> Path:
@@ -84,29 +119,32 @@ def tag_for(step: int) -> str:
 
 
 class Checkpointer:
-    def __init__(self, directory: Path, keep_last: int, topology: Topology):
+    def __init__(self, directory: Path, keep_last: int, topology: Topology, anomalies: AnomalyLog | None = None):
         self.directory = Path(directory)
         self.keep_last = keep_last
         self.topology = topology
         self.control = topology.control("world")
+        self.anomalies = anomalies
+        self._resume: tuple[str | None] | None = None  # `agreed_resume`'s answer, once agreed
 
     # -- discovery ------------------------------------------------------------------------------------------
     def tag_at_or_before(self, step: int) -> str | None:
         """The newest complete checkpoint written at or before `step` (the last healthy one for a rollback)."""
-        tags = [t for t in self.complete_tags() if self.read_manifest(t)["step"] <= step]
+        tags = [t for t in self.complete_tags() if int(t.removeprefix("step")) <= step]
         return tags[-1] if tags else None
 
     def complete_tags(self) -> list[str]:
+        """Checkpoints with a completion marker, oldest first (set-aside `.corrupt` ones are not checkpoints)."""
         if not self.directory.is_dir():
             return []
-        return sorted(p.name for p in self.directory.iterdir() if (p / COMPLETE).is_file())
+        return sorted(p.name for p in self.directory.iterdir() if TAG.fullmatch(p.name) and (p / COMPLETE).is_file())
 
     def latest_tag(self) -> str | None:
         """The tag `latest` names if it is complete, else the newest complete one (never a half-written one)."""
         pointer = self.directory / LATEST
         if pointer.is_file():
             tag = pointer.read_text().strip()
-            if (self.directory / tag / COMPLETE).is_file():
+            if TAG.fullmatch(tag) and (self.directory / tag / COMPLETE).is_file():
                 return tag
         tags = self.complete_tags()
         return tags[-1] if tags else None
@@ -117,51 +155,94 @@ class Checkpointer:
     # -- the one choice every rank loads ------------------------------------------------------------------
     def agreed_latest(self) -> str | None:
         """`latest_tag()` as rank 0 sees it, verified on every rank (collective over the world)."""
-        return self.agree_on(self.latest_tag() if self.topology.rank == 0 else None)
+        return self._agreed(self.latest_tag)
+
+    def agreed_resume(self) -> str | None:
+        """The checkpoint this run resumes from: `agreed_latest()`, agreed (and read) once per run although two
+        places need it — keel/training/entry.py before the engine exists (to reshard), then the trainer."""
+        if self._resume is None:
+            self._resume = (self.agreed_latest(),)
+        return self._resume[0]
 
     def agreed_at_or_before(self, step: int) -> str | None:
         """`tag_at_or_before(step)` as rank 0 sees it, verified on every rank (collective over the world)."""
-        return self.agree_on(self.tag_at_or_before(step) if self.topology.rank == 0 else None)
+        return self._agreed(lambda: self.tag_at_or_before(step))
 
-    def agree_on(self, tag: str | None) -> str | None:
-        """Rank 0's `tag` (other ranks' argument is ignored) once every rank has checked it sees that checkpoint
-        whole; raises CheckpointDisagreement on every rank otherwise. None: rank 0 has nothing to load."""
-        offer = {"tag": tag, "manifest": self._digest(tag)} if self.topology.rank == 0 and tag else None
-        offer = comm.broadcast_object(offer, self.control)
-        problem = self._problem(offer["tag"], offer["manifest"]) if offer else ""
-        verdicts = comm.all_gather_object(problem, self.control)
-        bad = [f"rank {r}: {p}" for r, p in zip(self.control.ranks, verdicts) if p]
-        if bad:
-            more = f" (and {len(bad) - 1} more rank(s))" if len(bad) > 1 else ""
-            raise CheckpointDisagreement(
-                f"checkpoint {offer['tag']} chosen by rank 0 is not whole on every rank — {bad[0]}{more}; every "
-                "rank must see the same checkpoint directory (a stale or different shared-filesystem view?)")
-        return offer["tag"] if offer else None
+    def _agreed(self, choose: Callable[[], str | None]) -> str | None:
+        """Rank 0's choice once every rank verified it; a corrupt one is set aside and rank 0 chooses again.
+        None: nothing to load. Raises CheckpointDisagreement (a rank's view differs) or NoIntactCheckpoint (every
+        candidate was corrupt) on every rank alike."""
+        set_aside: list[str] = []
+        while True:
+            tag = choose() if self.topology.rank == 0 else None
+            offer = comm.broadcast_object({"tag": tag, "digest": self._digest(tag)} if tag else None, self.control)
+            if offer is None:
+                if set_aside:
+                    raise NoIntactCheckpoint(f"every checkpoint in {self.directory} is corrupt ({', '.join(set_aside)}"
+                                             " set aside as <tag>.corrupt, see anomalies.jsonl): nothing to resume "
+                                             "from; restore a checkpoint or start a new run directory")
+                return None
+            tag = offer["tag"]
+            corrupt = self._verdicts(tag, offer["digest"])
+            if not corrupt:
+                return tag
+            self._set_aside(tag, corrupt)
+            set_aside.append(tag)
 
     def _digest(self, tag: str) -> str:
         return hashlib.sha256((self.directory / tag / COMPLETE).read_bytes()).hexdigest()
 
-    def _problem(self, tag: str, digest: str) -> str:
-        """Why this rank cannot load `tag` from its own view ("" when it can)."""
-        tag_dir = self.directory / tag
-        if not (tag_dir / COMPLETE).is_file():
-            return f"{tag_dir / COMPLETE} does not exist"
+    def _verdicts(self, tag: str, digest: str) -> list[tuple[str, str]]:
+        """Every rank's verdict on `tag` in one all-gather: the (file, reason) pairs found corrupt, or raises
+        CheckpointDisagreement when some rank's view lacks rank 0's manifest."""
+        verdicts = comm.all_gather_object(self._verdict(tag, digest), self.control)
+        bad = [f"rank {r}: {view}" for r, (view, _) in zip(self.control.ranks, verdicts) if view]
+        if bad:
+            more = f" (and {len(bad) - 1} more rank(s))" if len(bad) > 1 else ""
+            raise CheckpointDisagreement(
+                f"checkpoint {tag} chosen by rank 0 is not whole on every rank — {bad[0]}{more}; every "
+                "rank must see the same checkpoint directory (a stale or different shared-filesystem view?)")
+        return sorted({(name, reason) for _, corrupt in verdicts for name, reason in corrupt})
+
+    def _verdict(self, tag: str, digest: str) -> tuple[str, list[tuple[str, str]]]:
+        """(why this rank's view is not rank 0's, or ""; the files of this rank's share that do not match)."""
+        manifest = self.directory / tag / COMPLETE
+        if not manifest.is_file():
+            return f"{manifest} does not exist", []
         if self._digest(tag) != digest:
-            return f"{tag_dir / COMPLETE} differs from rank 0's"
-        wanted = {f"keel_rng_rank{self.topology.rank}.pt": None, **self.read_manifest(tag).get("files", {})}
-        for name, size in wanted.items():
-            path = tag_dir / name
-            if not path.is_file():
-                return f"{path} is missing"
-            if size is not None and path.stat().st_size != size:
-                return f"{path} has {path.stat().st_size} bytes, the manifest says {size}"
-        return ""
+            return f"{manifest} differs from rank 0's", []
+        try:
+            files = checkpoint_verify.read_manifest_files(manifest)
+        except ValueError as err:  # every rank read the same bytes: all of them say so
+            return "", [(COMPLETE, f"the manifest {err}")]
+        share = checkpoint_verify.shares({name: size for name, (size, _) in files.items()}, self.control.size)
+        return "", checkpoint_verify.verify(manifest.parent, files, share[self.control.ranks.index(self.topology.rank)])
+
+    def _set_aside(self, tag: str, corrupt: list[tuple[str, str]]) -> None:
+        """Record the corrupt checkpoint, rename it `<tag>.corrupt` and repoint `latest` (rank 0 renames)."""
+        step = int(tag.removeprefix("step"))
+        if self.anomalies is not None:
+            self.anomalies.record("checkpoint_corrupt", step, checkpoint=tag, file=corrupt[0][0],
+                                  reason=corrupt[0][1], files=[{"file": f, "reason": r} for f, r in corrupt])
+        if self.topology.rank != 0:
+            return
+        moved = checkpoint_verify.set_aside(self.directory, tag)
+        pointer = self.directory / LATEST
+        if pointer.is_file() and pointer.read_text().strip() == tag:
+            tags = self.complete_tags()
+            if tags:
+                atomic_write_text(pointer, tags[-1])
+            else:
+                pointer.unlink()
+        more = f" (and {len(corrupt) - 1} more file(s))" if len(corrupt) > 1 else ""
+        log.error("checkpoint %s is corrupt: %s: %s%s — set aside as %s", tag, corrupt[0][0], corrupt[0][1], more,
+                  moved.name)
 
     # -- save -----------------------------------------------------------------------------------------------
     def save(self, engine, state: TrainState, guards: dict[str, Any] | None = None,
-             before_commit: Callable[[], None] | None = None) -> str:
-        """Every rank writes its files, then rank 0 the manifest and `latest`. `before_commit` runs on each rank
-        after its own files are written (fault injection: a rank that stalls mid-save)."""
+             before_commit: Callable[[], None] | None = None, disk_room: int | None = None) -> SaveOutcome:
+        """Every rank writes its files, then `finish_save`. Fault injection: `before_commit` runs on each rank after
+        its own files are written (a rank that stalls mid-save); `disk_room` bytes fill this rank's disk."""
         tag = tag_for(state.step)
         tag_dir = self.directory / tag
         rank = self.topology.rank
@@ -169,26 +250,53 @@ class Checkpointer:
             self.directory.mkdir(parents=True, exist_ok=True)
             (tag_dir / COMPLETE).unlink(missing_ok=True)  # re-saving a step: it is incomplete until we finish
         comm.barrier(self.control)
+        written = WrittenFiles(rank, disk_room)
         client_state = {"keel": asdict(state), "topology": self.topology.stamp()}
-        engine.save_checkpoint(str(self.directory), tag=tag, client_state=client_state, save_latest=False)
+        with written.seam(engine):
+            engine.save_checkpoint(str(self.directory), tag=tag, client_state=client_state, save_latest=False)
         tag_dir.mkdir(parents=True, exist_ok=True)
-        rng_path = tag_dir / f"keel_rng_rank{rank}.pt"
-        tmp = rng_path.with_name(f".{rng_path.name}.tmp")
-        torch.save(rng_state.capture(engine.module), tmp)
-        os.replace(tmp, rng_path)
+        written.write(tag_dir / f"keel_rng_rank{rank}.pt", lambda to: torch.save(rng_state.capture(engine.module), to))
         if before_commit is not None:
             before_commit()
-        comm.barrier(self.control)  # every rank has written its DeepSpeed shards and RNG file
-        if rank == 0:
-            topology = {**self.topology.stamp(), "zero_stage": engine.zero_optimization_stage()}
-            files = {p.name: p.stat().st_size for p in sorted(tag_dir.iterdir())
-                     if p.is_file() and p.name != COMPLETE and not p.name.startswith(".")}
-            manifest = {"tag": tag, **asdict(state), "topology": topology, "guards": guards or {}, "files": files}
-            atomic_write_text(tag_dir / COMPLETE, json.dumps(manifest) + "\n")
-            atomic_write_text(self.directory / LATEST, tag)
-            self._prune(keep=tag)
-        comm.barrier(self.control)
-        return tag
+        error, files = written.result()
+        return self.finish_save(tag, state, error, files, guards, engine.zero_optimization_stage())
+
+    def finish_save(self, tag: str, state: TrainState, error: str, files: dict[str, tuple[int, str]],
+                    guards: dict[str, Any] | None = None, zero_stage: int = 0) -> SaveOutcome:
+        """Every rank, once its files for `tag` are written (`error`: its first failure, or ""; `files`: name →
+        (size, sha256) of what it wrote): one all-gather of these verdicts, then rank 0 commits (the manifest from
+        the gathered hashes, `latest`, pruning) or discards the save, and one broadcast tells every rank which."""
+        verdicts = comm.all_gather_object((error, files), self.control)
+        errors = [f"rank {r}: {e}" for r, (e, _) in zip(self.control.ranks, verdicts) if e]
+        if self.topology.rank == 0 and not errors:
+            try:
+                self.commit(tag, state, {name: entry for _, f in verdicts for name, entry in f.items()}, guards,
+                            zero_stage)
+            except OSError as exc:  # the manifest or `latest` could not be written: the save failed after all
+                errors = [f"rank 0: committing {tag}: {failure_text(exc)}"]
+        if self.topology.rank == 0 and errors:  # half-written: all still in memory, and a full disk needs the space
+            shutil.rmtree(self.directory / tag, ignore_errors=True)
+        errors = comm.broadcast_object(errors, self.control)  # rank 0's commit, and the end of the save everywhere
+        if errors:
+            more = f" (and {len(errors) - 1} more rank(s))" if len(errors) > 1 else ""
+            return SaveOutcome(tag, errors[0] + more)
+        return SaveOutcome(tag)
+
+    def commit(self, tag: str, state: TrainState, files: dict[str, tuple[int, str]],
+               guards: dict[str, Any] | None = None, zero_stage: int = 0) -> None:
+        """Rank 0, after an agreed verdict that every rank's files are written: the manifest (every file's size
+        and sha256), then `latest`, then pruning down to `keep_last`."""
+        tag_dir = self.directory / tag
+        for path in sorted(tag_dir.iterdir()):  # a file written outside the seam (none today): described here
+            if path.is_file() and path.name != COMPLETE and not path.name.startswith(".") and path.name not in files:
+                files[path.name] = checkpoint_verify.describe(path)
+        topology = {**self.topology.stamp(), "zero_stage": zero_stage}
+        names = sorted(files)
+        manifest = {"tag": tag, **asdict(state), "topology": topology, "guards": guards or {},
+                    "files": {n: files[n][0] for n in names}, "sha256": {n: files[n][1] for n in names}}
+        atomic_write_text(tag_dir / COMPLETE, json.dumps(manifest) + "\n")
+        atomic_write_text(self.directory / LATEST, tag)
+        self._prune(keep=tag)
 
     def _prune(self, keep: str) -> None:
         tags = [t for t in self.complete_tags() if t != keep]

@@ -55,8 +55,9 @@ def run_rank(run_dir: Path) -> int:
     from keel.parallel import comm
     from keel.parallel.random import data_parallel_seed
     from keel.parallel.topology import Topology
-    from keel.training.checkpoint import CheckpointDisagreement, seed_everything
+    from keel.training.checkpoint import CheckpointDisagreement, Checkpointer, checkpoint_dir, seed_everything
     from keel.training.engine import LRScale, build_engine
+    from keel.training.guards.base import AnomalyLog
     from keel.training.summary import write_summary
     from keel.training.trainer import Trainer
 
@@ -71,8 +72,10 @@ def run_rank(run_dir: Path) -> int:
         topology.trace_into(run_dir / "collectives")
     seed_everything(data_parallel_seed(cfg.train.seed, topology))
     train_samples, order, val_samples = open_splits(data, cfg.data.seq_len, cfg.data.val_fraction, cfg.train.seed)
+    checkpointer = Checkpointer(checkpoint_dir(run_dir, cfg, rank), cfg.checkpoint.keep_last, topology,
+                                AnomalyLog(run_dir, rank))
     try:
-        ds_raw = reshard_if_needed(cfg, ds_raw, topology, run_dir)
+        ds_raw = reshard_if_needed(cfg, ds_raw, topology, checkpointer)
     except CheckpointDisagreement as err:  # before the engine exists: nothing to release
         return checkpoint_disagreement(run_dir, rank, err)
     lr_scale = LRScale()
@@ -82,7 +85,8 @@ def run_rank(run_dir: Path) -> int:
         log.info("%s | %.2fM params | %d train samples of %d tokens | run dir %s", topology.describe(),
                  n_params / 1e6, len(train_samples), cfg.data.seq_len, run_dir)
     try:
-        result = Trainer(cfg, engine, topology, train_samples, val_samples, run_dir, lr_scale, order).fit()
+        result = Trainer(cfg, engine, topology, train_samples, val_samples, run_dir, lr_scale, order,
+                         checkpointer).fit()
     except CheckpointDisagreement as err:  # resume or rollback: every rank raised it, after one agreed gather
         return checkpoint_disagreement(run_dir, rank, err)
     finally:
@@ -115,7 +119,7 @@ def checkpoint_disagreement(run_dir: Path, rank: int, err) -> int:
 
     if rank == 0:
         logging.getLogger("keel").error("stopping: %s", err)
-        AnomalyLog(run_dir, rank).record("checkpoint_disagreement", 0, reason=str(err))
+        AnomalyLog(run_dir, rank).record(err.anomaly, 0, reason=str(err))
         write_summary(run_dir, False, err.exit_code, str(err))
     return err.exit_code
 
@@ -129,17 +133,16 @@ def release_run(engine) -> None:
     forget_run_groups()
 
 
-def reshard_if_needed(cfg, ds_raw: dict, topology, run_dir: Path) -> dict:
+def reshard_if_needed(cfg, ds_raw: dict, topology, checkpointer) -> dict:
     """Resuming on another layout (a node lost, a different world size): rank 0 converts the latest checkpoint
     to DeepSpeed's universal format and every rank loads that; the global batch stays fixed because gradient
-    accumulation is derived from the new data-parallel size."""
+    accumulation is derived from the new data-parallel size. The checkpoint is verified here, before converting
+    (the trainer's resume then finds it verified)."""
     from keel.parallel import comm
-    from keel.training.checkpoint import Checkpointer, checkpoint_dir
     from keel.training.ds_config import zero_stage
     from keel.training.moe_reshard import check_moe_reshard, convert_moe_universal
 
-    checkpointer = Checkpointer(checkpoint_dir(run_dir, cfg, topology.rank), cfg.checkpoint.keep_last, topology)
-    tag = checkpointer.agreed_latest() if cfg.checkpoint.resume else None  # rank 0 chooses, every rank verifies
+    tag = checkpointer.agreed_resume() if cfg.checkpoint.resume else None  # rank 0 chooses, every rank verifies
     if tag is None or not checkpointer.needs_universal(tag, zero_stage(ds_raw)):
         return ds_raw
     log = logging.getLogger("keel")

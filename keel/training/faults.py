@@ -2,7 +2,7 @@
 
 Every fault is applied at one well-defined point of a step so that its effect is exactly the failure it
 imitates: a NaN that comes with a batch (and comes back when that batch is replayed), a loss spike, a flipped
-bit in one replica's weights, a rank that stalls, a rank whose data is garbage.
+bit in one replica's weights, a rank that stalls, a rank whose data is garbage, a disk that fills mid-save.
 """
 
 from __future__ import annotations
@@ -79,6 +79,14 @@ class FaultInjector:
         if c.save_stall_rank == self.rank and c.save_stall_s > 0:
             log.warning("fault injection: rank %d stalls %.1f s inside a checkpoint save", self.rank, c.save_stall_s)
             time.sleep(c.save_stall_s)
+
+    def disk_room(self, step: int) -> int | None:
+        """Bytes this rank's disk takes in the checkpoint save at `step` before failing with ENOSPC (applied inside
+        DeepSpeed's own shard write, keel/training/checkpoint_writes.py); None: the disk is fine."""
+        c = self.cfg
+        if c.save_enospc_rank == self.rank and c.save_enospc_step in (0, step):
+            return c.save_enospc_bytes
+        return None
 
     @torch.no_grad()
     def after_step(self, step: int) -> None:

@@ -29,7 +29,7 @@ from keel.data import GlobalSampleOrder, PackedSamples, parse_skip_ranges, skip_
 from keel.parallel import comm
 from keel.parallel.topology import Topology
 from keel.training.attention_logits import AttentionLogitWarning
-from keel.training.checkpoint import Checkpointer, TrainState, checkpoint_dir
+from keel.training.checkpoint import EXIT_SAVE_FAILED, Checkpointer, SaveOutcome, TrainState, checkpoint_dir
 from keel.training.data_stop import check_step_batch, named_stop, with_data_stop
 from keel.training.ds_config import engine_batch_copies
 from keel.training.engine import Fp32GradClipper, LRScale
@@ -44,6 +44,7 @@ from keel.training.monitor import ModelMonitor
 from keel.training.preemption import EXIT_PREEMPTED, PreemptionHandler
 from keel.training.prefetch import BatchPrefetcher
 from keel.training.progress import run_progress
+from keel.training.save_failures import after_failed_save
 from keel.training.sinks import Sinks
 from keel.training.step_gate import StepGate
 from keel.training.sync_debug import SyncCounter
@@ -102,7 +103,8 @@ def _clock(record: dict, key: str) -> Iterator[None]:
 
 class Trainer:
     def __init__(self, cfg: RunConfig, engine, topology: Topology, train_samples: PackedSamples,
-                 val_samples: PackedSamples, run_dir: Path, lr_scale: LRScale | None = None, order=None):
+                 val_samples: PackedSamples, run_dir: Path, lr_scale: LRScale | None = None, order=None,
+                 checkpointer: Checkpointer | None = None):
         self.cfg = cfg
         self.engine = engine
         self.topology = topology
@@ -110,8 +112,9 @@ class Trainer:
         self.val_samples = val_samples
         # a blend's order (keel/data/blend.py) or the single source's
         self.order = order or GlobalSampleOrder(len(train_samples), cfg.train.seed)
-        self.checkpointer = Checkpointer(checkpoint_dir(run_dir, cfg, topology.rank), cfg.checkpoint.keep_last,
-                                         topology)
+        self.anomalies = AnomalyLog(run_dir, topology.rank)
+        self.checkpointer = checkpointer or Checkpointer(checkpoint_dir(run_dir, cfg, topology.rank),
+                                                         cfg.checkpoint.keep_last, topology, self.anomalies)
         self.run_dir = run_dir
         self.dp_group = topology.device("dp")
         self.is_pipeline = cfg.parallel.pp > 1
@@ -123,7 +126,6 @@ class Trainer:
             lambda start, size: step_batch(self.order, train_samples, start, size, t.micro_batch_size,
                                            topology.dp_rank, topology.dp_size, checked=False),
             pin=torch.device(engine.device).type == "cuda")
-        self.anomalies = AnomalyLog(run_dir, topology.rank)
         self.faults = FaultInjector(cfg.faults, topology.rank, engine, cfg.model.vocab_size, cfg.train.seed)
         self.loss_fn = engine.module.loss_fn
         self.guards = GuardStack(cfg, engine, topology, self.anomalies)
@@ -313,7 +315,7 @@ class Trainer:
     def resume(self) -> TrainState:
         if not self.cfg.checkpoint.resume:
             return TrainState()
-        tag = self.checkpointer.agreed_latest()  # rank 0 chooses, every rank verifies
+        tag = self.checkpointer.agreed_resume()  # rank 0 chooses, every rank verifies (once per run)
         if tag is None:
             return TrainState()
         state = self.checkpointer.load(self.engine, tag, self.cfg.train.seed)
@@ -326,9 +328,10 @@ class Trainer:
             log.info("resumed from %s: step %d, %d samples consumed", tag, state.step, state.consumed_samples)
         return state
 
-    def save(self, state: TrainState) -> None:
-        self.checkpointer.save(self.engine, state, guards=self.guards.state_dict(),
-                               before_commit=self.faults.during_save)
+    def save(self, state: TrainState) -> SaveOutcome:
+        return self.checkpointer.save(self.engine, state, guards=self.guards.state_dict(),
+                                      before_commit=self.faults.during_save,
+                                      disk_room=self.faults.disk_room(state.step))
 
     # -- the loop -------------------------------------------------------------------------------------------
     def fit(self) -> TrainResult:
@@ -384,12 +387,18 @@ class Trainer:
                 continue
             stop_early = t.exit_after and steps_here >= t.exit_after and state.step < t.steps
             preempted = self.gate.preempted and state.step < t.steps
-            if state.step == t.steps or stop_early or preempted or (c.interval and state.step % c.interval == 0):
+            final = state.step == t.steps or stop_early or preempted
+            if final or (c.interval and state.step % c.interval == 0):
                 with watchdog.phase("checkpoint save", s.watchdog_save_timeout):
                     started = time.perf_counter()
-                    self.save(state)
+                    saved = self.save(state)
                     save_time = time.perf_counter() - started
-                if self.topology.rank == 0:
+                failed = "" if saved.ok else after_failed_save(saved, c.on_save_error, final, state.step,
+                                                               self.anomalies, self.topology.rank)
+                if failed:  # on_save_error: stop, or the last save failed (keel/training/save_failures.py)
+                    log.error("stopping at step %d: %s", state.step, failed)
+                    return TrainResult(state, finished=False, exit_code=EXIT_SAVE_FAILED, reason=failed)
+                if saved.ok and self.topology.rank == 0:
                     log.info("step %d: checkpoint saved in %.2f s", state.step, save_time)
             if preempted:
                 self.anomalies.record("preempted", state.step, signal=self.preemption.received)

@@ -12,7 +12,10 @@ Keel's process exit codes (one table, read by the launcher and by whoever reads 
     4  hang: a step overran stability.watchdog_timeout          EXIT_HANG; stacks in <run_dir>/stacks/
        (or a check, evaluation or save its own watchdog_*_timeout)
     5  preempted: checkpoint saved on SIGUSR1/SIGTERM, requeue  keel.training.preemption.EXIT_PREEMPTED
-    6  ranks disagree on the checkpoint to load, stopped        keel.training.checkpoint.EXIT_CHECKPOINT
+    6  no checkpoint to load as agreed: ranks disagree on it,   keel.training.checkpoint.EXIT_CHECKPOINT
+       or every checkpoint is corrupt (set aside as .corrupt)
+    8  a checkpoint save failed and the run stops               keel.training.checkpoint.EXIT_SAVE_FAILED
+       (checkpoint.on_save_error: stop, or the final save)
     9  preflight found bad ranks (named in its table and JSON)  keel.preflight.judge.EXIT_PREFLIGHT
 
 A hang is usually transient (a stuck node, a network flap): restarting from the last checkpoint is the cure.
