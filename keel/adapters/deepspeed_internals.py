@@ -8,9 +8,10 @@ fails at start-up — and in tests/test_adapters.py — with one line naming the
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,6 +89,8 @@ INTERNALS = [
                                ("hp_fragment", "lp_fragment", "optim_fragment")) for p in e.module.parameters())),
     Internal("param.ds_pipe_replicated", "which parameters are pipeline replicas", _is_pipeline,
              lambda e: "ds_pipe_replicated" in inspect.getsource(type(e.module))),
+    Internal("engine.checkpoint_engine.save", "a hook on each file save_checkpoint writes", lambda e: True,
+             lambda e: callable(getattr(getattr(e, "checkpoint_engine", None), "save", None))),
     Internal("accelerator.is_fp16_supported", "an fp16 override for the CPU accelerator", lambda e: True,
              lambda e: _has_path(_accelerator(), "is_fp16_supported")),
 ]
@@ -173,6 +176,31 @@ def pipeline_summed_loss(engine) -> torch.Tensor | None:
     (`PipelineEngine.total_loss`); None on other stages. Missing public API: the batch loss before the step
     (`train_batch` returns it only afterwards)."""
     return engine.total_loss if engine.is_last_stage() else None
+
+
+# -- checkpoint files -------------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def route_checkpoint_writes(engine, route: Callable[[Callable, Any, str], None]) -> Iterator[None]:
+    """Inside: each file `engine.save_checkpoint` writes goes through `route(save, state_dict, path)`, where
+    `save(state_dict, target)` is DeepSpeed's own write (`target`: the path or a file object). DeepSpeed writes
+    every model, optimizer and expert shard through `engine.checkpoint_engine.save(state_dict, path)`.
+    Missing public API: a hook on the files `save_checkpoint` writes (to hash them, and to keep a failed write
+    from skipping the save's closing barrier)."""
+    checkpoint_engine = engine.checkpoint_engine
+    save = checkpoint_engine.save
+    own = vars(checkpoint_engine).get("save")  # an instance attribute already there (else the class's method)
+
+    def routed(state_dict: Any, path: str) -> None:
+        route(save, state_dict, path)
+
+    checkpoint_engine.save = routed
+    try:
+        yield
+    finally:
+        if own is None:
+            del checkpoint_engine.save
+        else:
+            checkpoint_engine.save = own
 
 
 # -- model structure --------------------------------------------------------------------------------------------------

@@ -162,14 +162,10 @@ class Checkpointer:
         """Every rank writes its files, then rank 0 the manifest and `latest`. `before_commit` runs on each rank
         after its own files are written (fault injection: a rank that stalls mid-save)."""
         tag = tag_for(state.step)
-        tag_dir = self.directory / tag
+        tag_dir = self.begin(tag)
         rank = self.topology.rank
-        if rank == 0:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            (tag_dir / COMPLETE).unlink(missing_ok=True)  # re-saving a step: it is incomplete until we finish
-        comm.barrier(self.control)
-        client_state = {"keel": asdict(state), "topology": self.topology.stamp()}
-        engine.save_checkpoint(str(self.directory), tag=tag, client_state=client_state, save_latest=False)
+        engine.save_checkpoint(str(self.directory), tag=tag, client_state=self.client_state(state),
+                               save_latest=False)
         tag_dir.mkdir(parents=True, exist_ok=True)
         rng_path = tag_dir / f"keel_rng_rank{rank}.pt"
         tmp = rng_path.with_name(f".{rng_path.name}.tmp")
@@ -179,15 +175,36 @@ class Checkpointer:
             before_commit()
         comm.barrier(self.control)  # every rank has written its DeepSpeed shards and RNG file
         if rank == 0:
-            topology = {**self.topology.stamp(), "zero_stage": engine.zero_optimization_stage()}
             files = {p.name: p.stat().st_size for p in sorted(tag_dir.iterdir())
                      if p.is_file() and p.name != COMPLETE and not p.name.startswith(".")}
-            manifest = {"tag": tag, **asdict(state), "topology": topology, "guards": guards or {}, "files": files}
-            atomic_write_text(tag_dir / COMPLETE, json.dumps(manifest) + "\n")
-            atomic_write_text(self.directory / LATEST, tag)
-            self._prune(keep=tag)
+            self.publish(tag, asdict(state), guards, engine.zero_optimization_stage(), files)
         comm.barrier(self.control)
         return tag
+
+    def begin(self, tag: str) -> Path:
+        """Every rank, before writing `tag`: rank 0 marks it incomplete (a re-saved step is not loadable until
+        it is whole again), and nobody writes before that."""
+        if self.topology.rank == 0:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            (self.directory / tag / COMPLETE).unlink(missing_ok=True)
+        comm.barrier(self.control)
+        return self.directory / tag
+
+    def client_state(self, state: TrainState) -> dict[str, Any]:
+        return {"keel": asdict(state), "topology": self.topology.stamp()}
+
+    def publish(self, tag: str, state: dict[str, Any], guards: dict[str, Any] | None, zero_stage: int,
+                files: dict[str, int], sha256: dict[str, str] | None = None) -> None:
+        """Rank 0, once every rank's files of `tag` are in place: the manifest (`state`: the TrainState as a dict;
+        `files`: name → size over all ranks; `sha256`: name → digest where known), then `latest`, then pruning —
+        what makes a written checkpoint the one to load, for a synchronous and an asynchronous save alike."""
+        topology = {**self.topology.stamp(), "zero_stage": zero_stage}
+        manifest = {"tag": tag, **state, "topology": topology, "guards": guards or {}, "files": files}
+        if sha256:
+            manifest["sha256"] = sha256
+        atomic_write_text(self.directory / tag / COMPLETE, json.dumps(manifest) + "\n")
+        atomic_write_text(self.directory / LATEST, tag)
+        self._prune(keep=tag)
 
     def _prune(self, keep: str) -> None:
         tags = [t for t in self.complete_tags() if t != keep]
