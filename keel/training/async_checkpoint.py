@@ -1,0 +1,243 @@
+"""Asynchronous checkpoints (`checkpoint.async_save`): `Checkpointer.save` in three parts, so training continues
+while the files are written.
+
+1. Snapshot, on the main thread at the save's step: `engine.save_checkpoint` runs as in a synchronous save (its
+   collectives, ZeRO-3 gathers and tag check included), but each file it hands its checkpoint engine —
+   `save(state_dict, path)`, the seam keel/adapters/deepspeed_internals.py's `route_checkpoint_writes` opens — is
+   deep-copied into reused host buffers (keel/training/host_snapshot.py) instead of written. Plus the rank's RNG
+   file. The host holds one extra copy of the rank's checkpoint shard.
+2. Write, on one writer thread per rank: each file by DeepSpeed's own `save` into `<tag>/.async_rank<R>/` under its
+   final name (torch.save names the zip archive after the file, so the bytes equal a synchronous save's), read
+   back for its size and sha256, fsynced; then every file is renamed into `<tag>/` and the directory fsynced.
+3. Publish, once every rank's writer is done: one 1-int all-reduce per step while a save is pending says when;
+   then one all-gather of the writers' reports (ok or error, {file: {size, sha256}}); rank 0 writes the manifest,
+   `latest` and prunes (`Checkpointer.publish`, shared with the synchronous save). A write error anywhere is a
+   failed save: nothing is published and rank 0 removes the tag's directory. A crash before the publish leaves
+   the directory without its manifest, which is never loaded.
+
+A new save first finishes the previous one; so does the end of the run (the final or preemption save completes
+before the process exits), a rollback, and a stop.
+
+Why not DeepSpeed's own asynchronous engines (checked in DeepSpeed 0.19.8's runtime/checkpoint_engine/):
+`DecoupledCheckpointEngine` hands the live state dict to a subprocess through a torch.multiprocessing queue
+(shared tensors, not a snapshot: the next steps' updates race the write) and commits inside the next
+`engine.step()` (`_commit_decoupled_checkpoint`, before `_take_model_step`), where Keel's manifest and its
+cross-rank verdict cannot run; its `FastCheckpointEngine` writer needs the async_io op, which is not built for the
+CPU accelerator; `DataStatesCheckpointEngine` needs the external `datastates` package.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import logging
+import os
+import shutil
+import threading
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from keel.adapters.deepspeed_internals import route_checkpoint_writes
+from keel.parallel import comm
+from keel.training import rng_state
+from keel.training.checkpoint import Checkpointer, TrainState, tag_for
+from keel.training.host_snapshot import HostSnapshot
+
+EXIT_SAVE_FAILED = 8  # a checkpoint save failed and the run stops (the exit-code table: keel/training/watchdog.py)
+_CHUNK = 8 << 20
+
+log = logging.getLogger("keel")
+
+
+@dataclass
+class WriteReport:
+    """One rank's writer, done: `files` maps each file it wrote (relative to the tag's directory) to
+    {"size": bytes, "sha256": hex digest}; `error` is "" when every file was written."""
+
+    files: dict[str, dict[str, Any]] = field(default_factory=dict)
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.error
+
+
+@dataclass
+class SaveOutcome:
+    """An asynchronous save, concluded on every rank alike."""
+
+    tag: str
+    step: int
+    ok: bool
+    reason: str = ""  # why it failed: the first failing rank's error
+
+
+@dataclass
+class _PlannedFile:
+    name: str  # relative to the tag's directory
+    state: Any  # the host snapshot to serialize
+    save: Callable[[Any, str], None]  # DeepSpeed's checkpoint-engine save, or torch.save for Keel's RNG file
+    # the name torch.save writes to (it names the zip archive inside after it): the synchronous save's
+    staged_as: str = ""
+
+    @property
+    def staged(self) -> str:
+        return os.path.join(os.path.dirname(self.name), self.staged_as) if self.staged_as else self.name
+
+
+@dataclass
+class _Pending:
+    tag: str
+    state: dict[str, Any]  # the TrainState at the save, as a dict
+    guards: dict[str, Any]
+    zero_stage: int
+    writer: threading.Thread
+    report: WriteReport = field(default_factory=WriteReport)
+
+
+def snapshot_files(engine, checkpointer: Checkpointer, tag: str, state: TrainState, snapshot: HostSnapshot
+                   ) -> list[_PlannedFile]:
+    """Every file a synchronous save of `tag` would write on this rank, as host copies (collective: it runs
+    `engine.save_checkpoint`, whose barriers and gathers every rank takes)."""
+    tag_dir = checkpointer.directory / tag
+    planned: list[_PlannedFile] = []
+
+    def capture(save: Callable, state_dict: Any, path: str) -> None:
+        name = os.path.relpath(path, tag_dir)
+        if name.startswith(".."):
+            raise RuntimeError(f"DeepSpeed wrote {path}, outside the checkpoint {tag_dir}")
+        planned.append(_PlannedFile(name, snapshot.copy(state_dict, name), save))
+
+    snapshot.begin()
+    with route_checkpoint_writes(engine, capture):
+        engine.save_checkpoint(str(checkpointer.directory), tag=tag, client_state=checkpointer.client_state(state),
+                               save_latest=False)
+    rng_name = f"keel_rng_rank{checkpointer.topology.rank}.pt"
+    planned.append(_PlannedFile(rng_name, snapshot.copy(rng_state.capture(engine.module), rng_name), torch.save,
+                                staged_as=f".{rng_name}.tmp"))  # as Checkpointer.save writes it aside
+    snapshot.wait()
+    return planned
+
+
+def write_files(tag_dir: Path, rank: int, files: list[_PlannedFile],
+                before_commit: Callable[[], None] | None = None) -> WriteReport:
+    """Write `files` aside, hash and fsync each, then rename them into `tag_dir` (the writer thread's work).
+    Never raises: an error is the report's."""
+    staging = tag_dir / f".async_rank{rank}"
+    records: dict[str, dict[str, Any]] = {}
+    try:
+        shutil.rmtree(staging, ignore_errors=True)  # a crashed attempt at this step
+        for planned in files:
+            path = staging / planned.staged
+            path.parent.mkdir(parents=True, exist_ok=True)
+            planned.save(planned.state, str(path))
+            records[planned.name] = _hash_and_sync(path)
+        if before_commit is not None:
+            before_commit()
+        for planned in files:
+            (tag_dir / planned.name).parent.mkdir(parents=True, exist_ok=True)
+            os.replace(staging / planned.staged, tag_dir / planned.name)
+        _sync_dir(tag_dir)
+        shutil.rmtree(staging)
+        return WriteReport(records)
+    except Exception as exc:  # noqa: BLE001 - every failure is a failed save, reported to every rank
+        shutil.rmtree(staging, ignore_errors=True)
+        return WriteReport(error=f"{type(exc).__name__}: {exc}")
+
+
+def _hash_and_sync(path: Path) -> dict[str, Any]:
+    digest, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+            size += len(chunk)
+        os.fsync(f.fileno())
+    return {"size": size, "sha256": digest.hexdigest()}
+
+
+def _sync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class AsyncCheckpointer:
+    """`save` takes the snapshot and starts the writer; `poll` (every step) publishes a save once every rank has
+    written it and hands over the outcomes of concluded saves; `finish` waits for the pending one. Every rank
+    calls all three at the same steps."""
+
+    def __init__(self, checkpointer: Checkpointer, pin: bool):
+        self.checkpointer = checkpointer
+        self.control = checkpointer.topology.control("world")
+        self.snapshot = HostSnapshot(pin)
+        self.pending: _Pending | None = None
+        self.concluded: list[SaveOutcome] = []  # not yet handed over by `poll`
+
+    def save(self, engine, state: TrainState, guards: dict[str, Any] | None = None,
+             before_commit: Callable[[], None] | None = None) -> str:
+        """Snapshot `state`'s checkpoint and start writing it (the previous save is finished first: its buffers
+        are about to be reused). Returns the tag."""
+        self.finish()
+        tag = tag_for(state.step)
+        tag_dir = self.checkpointer.begin(tag)
+        files = snapshot_files(engine, self.checkpointer, tag, state, self.snapshot)
+        rank = self.checkpointer.topology.rank
+
+        def write() -> None:
+            _lower_priority()
+            pending.report = write_files(tag_dir, rank, files, before_commit)
+
+        pending = _Pending(tag, asdict(state), copy.deepcopy(guards or {}), engine.zero_optimization_stage(),
+                           threading.Thread(target=write, name=f"keel-checkpoint-writer-{tag}", daemon=True))
+        self.pending = pending
+        pending.writer.start()
+        return tag
+
+    def poll(self) -> list[SaveOutcome]:
+        """Saves concluded since the last poll. A pending save concludes here once every rank's writer is done:
+        one 1-int all-reduce per step while a save is pending, no collective otherwise."""
+        if self.pending is not None:
+            done = torch.tensor([int(not self.pending.writer.is_alive())], dtype=torch.int32)
+            if int(comm.all_reduce(done, self.control, op="min").item()) == 1:
+                self._conclude()
+        outcomes, self.concluded = self.concluded, []
+        return outcomes
+
+    def finish(self) -> None:
+        """Wait for the pending save's writers and conclude it (its outcome comes with the next `poll`)."""
+        if self.pending is not None:
+            self.pending.writer.join()
+            self._conclude()
+
+    def _conclude(self) -> None:
+        pending, self.pending = self.pending, None
+        pending.writer.join()
+        reports = comm.all_gather_object(pending.report, self.control)
+        errors = [f"rank {r}: {report.error}" for r, report in zip(self.control.ranks, reports) if not report.ok]
+        tag_dir = self.checkpointer.directory / pending.tag
+        if self.checkpointer.topology.rank == 0:
+            if errors:
+                shutil.rmtree(tag_dir, ignore_errors=True)
+            else:
+                merged = {name: record for report in reports for name, record in report.files.items()}
+                files = {name: merged[name]["size"] for name in sorted(merged)}
+                sha256 = {name: merged[name]["sha256"] for name in sorted(merged)}
+                self.checkpointer.publish(pending.tag, pending.state, pending.guards, pending.zero_stage, files,
+                                          sha256)
+        more = f" (and {len(errors) - 1} more rank(s))" if len(errors) > 1 else ""
+        self.concluded.append(SaveOutcome(pending.tag, pending.state["step"], not errors,
+                                          f"{errors[0]}{more}" if errors else ""))
+
+
+def _lower_priority() -> None:
+    """The writer yields the CPU to the training threads where the OS lets a thread be reniced (Linux)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):
+        pass
