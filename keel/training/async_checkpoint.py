@@ -34,6 +34,7 @@ import logging
 import os
 import shutil
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -60,6 +61,7 @@ class WriteReport:
 
     files: dict[str, dict[str, Any]] = field(default_factory=dict)
     error: str = ""
+    seconds: float = 0.0  # the writer's wall time
 
     @property
     def ok(self) -> bool:
@@ -74,6 +76,8 @@ class SaveOutcome:
     step: int
     ok: bool
     reason: str = ""  # why it failed: the first failing rank's error
+    write_seconds: float = 0.0  # the slowest rank's writer, start to end
+    nbytes: int = 0  # the files' total size, all ranks
 
 
 @dataclass
@@ -191,7 +195,9 @@ class AsyncCheckpointer:
 
         def write() -> None:
             _lower_priority()
+            start = time.perf_counter()
             pending.report = write_files(tag_dir, rank, files, before_commit)
+            pending.report.seconds = time.perf_counter() - start
 
         pending = _Pending(tag, asdict(state), copy.deepcopy(guards or {}), engine.zero_optimization_stage(),
                            threading.Thread(target=write, name=f"keel-checkpoint-writer-{tag}", daemon=True))
@@ -199,9 +205,11 @@ class AsyncCheckpointer:
         pending.writer.start()
         return tag
 
-    def poll(self) -> list[SaveOutcome]:
+    def poll(self, wait: bool = False) -> list[SaveOutcome]:
         """Saves concluded since the last poll. A pending save concludes here once every rank's writer is done:
-        one 1-int all-reduce per step while a save is pending, no collective otherwise."""
+        one 1-int all-reduce per step while a save is pending, no collective otherwise (`wait`: `finish` first)."""
+        if wait:
+            self.finish()
         if self.pending is not None:
             done = torch.tensor([int(not self.pending.writer.is_alive())], dtype=torch.int32)
             if int(comm.all_reduce(done, self.control, op="min").item()) == 1:
@@ -231,8 +239,10 @@ class AsyncCheckpointer:
                 self.checkpointer.publish(pending.tag, pending.state, pending.guards, pending.zero_stage, files,
                                           sha256)
         more = f" (and {len(errors) - 1} more rank(s))" if len(errors) > 1 else ""
-        self.concluded.append(SaveOutcome(pending.tag, pending.state["step"], not errors,
-                                          f"{errors[0]}{more}" if errors else ""))
+        self.concluded.append(SaveOutcome(
+            pending.tag, pending.state["step"], not errors, f"{errors[0]}{more}" if errors else "",
+            write_seconds=max(r.seconds for r in reports),
+            nbytes=sum(f["size"] for r in reports for f in r.files.values())))
 
 
 def _lower_priority() -> None:

@@ -8,7 +8,9 @@ Parameters as Parameters, and object identity (an object referenced twice is pic
 
 The buffers hold raw storage bytes and are kept between saves, keyed by (file, storage index): a run that saves
 the same shapes every time allocates them once — the host memory is one copy of the rank's checkpoint files. On
-CUDA they are pinned and filled with asynchronous copies; `wait` is the one device sync of a snapshot.
+CUDA they are pinned and filled with asynchronous copies; `wait` is the one device sync of a snapshot. (There
+the files record their storages' location as "cpu" where a synchronous save records "cuda:N"; DeepSpeed loads
+every checkpoint file with a CPU map_location, so nothing reads it — the bytes are otherwise the same.)
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ keel/training/step_gate.py; the periodic cross-rank checks decide after it; the 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Iterator
@@ -28,6 +29,7 @@ from keel.config import RunConfig
 from keel.data import GlobalSampleOrder, PackedSamples, parse_skip_ranges, skip_to, step_batch, step_sample_indices
 from keel.parallel import comm
 from keel.parallel.topology import Topology
+from keel.training.async_checkpoint import EXIT_SAVE_FAILED, AsyncCheckpointer
 from keel.training.checkpoint import Checkpointer, TrainState, checkpoint_dir
 from keel.training.engine import Fp32GradClipper, LRScale
 from keel.training.expert_health import ExpertHealth
@@ -107,6 +109,9 @@ class Trainer:
         self.order = order or GlobalSampleOrder(len(train_samples), cfg.train.seed)
         self.checkpointer = Checkpointer(checkpoint_dir(run_dir, cfg, topology.rank), cfg.checkpoint.keep_last,
                                          topology)
+        # checkpoint.async_save: a host snapshot now, the files written in the background (async_checkpoint.py)
+        self.saves = AsyncCheckpointer(self.checkpointer, pin=torch.device(engine.device).type == "cuda") \
+            if cfg.checkpoint.async_save else None
         self.run_dir = run_dir
         self.dp_group = topology.device("dp")
         self.is_pipeline = cfg.parallel.pp > 1
@@ -310,8 +315,17 @@ class Trainer:
         return state
 
     def save(self, state: TrainState) -> None:
-        self.checkpointer.save(self.engine, state, guards=self.guards.state_dict(),
-                               before_commit=self.faults.during_save)
+        (self.saves or self.checkpointer).save(self.engine, state, guards=self.guards.state_dict(),
+                                               before_commit=functools.partial(self.faults.during_save, state.step))
+
+    def _background_saves(self, wait: bool = False) -> Decision:
+        """Publish the background saves every rank has written (`wait`: the pending one first); a failed one
+        (discarded on every rank) stops the run with EXIT_SAVE_FAILED."""
+        failed = [] if self.saves is None else [o for o in self.saves.poll(wait) if not o.ok]
+        for outcome in failed:
+            self.anomalies.record("save_failed", outcome.step, checkpoint=outcome.tag, reason=outcome.reason)
+        return Decision(Action.STOP, f"checkpoint {failed[0].tag} could not be written, nothing was published: "
+                        f"{failed[0].reason}", EXIT_SAVE_FAILED) if failed else Decision()
 
     # -- the loop -------------------------------------------------------------------------------------------
     def fit(self) -> TrainResult:
@@ -325,7 +339,13 @@ class Trainer:
         stragglers = StragglerMonitor(self.topology.control("world"), s.straggler_interval)
         try:
             with watchdog:  # leaving the block within a hang's deadline counts as that hang (see watchdog.py)
-                return self._loop(state, metrics, watchdog, stragglers)
+                result = self._loop(state, metrics, watchdog, stragglers)
+                with watchdog.phase("checkpoint save", s.watchdog_save_timeout):  # the last save completes
+                    stop = self._background_saves(wait=True)
+                if stop.action != Action.STOP or result.exit_code:
+                    return result
+                log.error("stopping at step %d: %s", result.state.step, stop.reason)
+                return TrainResult(result.state, finished=False, exit_code=stop.exit_code, reason=stop.reason)
         finally:
             self.prefetcher.close()
             self.syncs.report()
@@ -348,7 +368,7 @@ class Trainer:
             # periodic checks and evaluation: collectives of their own, each phase with its own deadline
             with watchdog.phase("checks", s.watchdog_check_timeout), _clock(record, "check_time_s"):
                 checks = self.guards.after_step(state.step, record["loss_scale"], self._local_loss)
-                decision = Decision.most_severe([decision, checks])
+                decision = Decision.most_severe([decision, checks, self._background_saves()])
             if t.eval_interval and (state.step % t.eval_interval == 0 or state.step == t.steps):
                 with watchdog.phase("evaluation", s.watchdog_eval_timeout), _clock(record, "eval_time_s"):
                     record["val_loss"] = self.evaluate()
@@ -361,6 +381,7 @@ class Trainer:
                 first = (self.guards.last_event or {}).get("first_spike_step", state.step)
                 factor = 1.0 if decision.restore else self.cfg.stability.rollback_lr_factor
                 with watchdog.phase("rollback", s.watchdog_save_timeout):
+                    self._background_saves(wait=True)  # published (or discarded) before choosing where to return
                     state = self.rollback(state, metrics, first, decision.reason, factor)
                 continue
             stop_early = t.exit_after and steps_here >= t.exit_after and state.step < t.steps
