@@ -62,6 +62,7 @@ class WriteReport:
     files: dict[str, dict[str, Any]] = field(default_factory=dict)
     error: str = ""
     seconds: float = 0.0  # the writer's wall time
+    cpu_seconds: float = 0.0  # the writer thread's CPU time (what it takes from training on a busy host)
 
     @property
     def ok(self) -> bool:
@@ -76,7 +77,9 @@ class SaveOutcome:
     step: int
     ok: bool
     reason: str = ""  # why it failed: the first failing rank's error
+    snapshot_seconds: float = 0.0  # this rank's snapshot: the time the save kept training waiting
     write_seconds: float = 0.0  # the slowest rank's writer, start to end
+    write_cpu_seconds: float = 0.0  # the busiest rank's writer thread, CPU time
     nbytes: int = 0  # the files' total size, all ranks
 
 
@@ -100,6 +103,7 @@ class _Pending:
     guards: dict[str, Any]
     zero_stage: int
     writer: threading.Thread
+    snapshot_seconds: float
     report: WriteReport = field(default_factory=WriteReport)
 
 
@@ -188,6 +192,7 @@ class AsyncCheckpointer:
         """Snapshot `state`'s checkpoint and start writing it (the previous save is finished first: its buffers
         are about to be reused). Returns the tag."""
         self.finish()
+        started = time.perf_counter()
         tag = tag_for(state.step)
         tag_dir = self.checkpointer.begin(tag)
         files = snapshot_files(engine, self.checkpointer, tag, state, self.snapshot)
@@ -195,12 +200,13 @@ class AsyncCheckpointer:
 
         def write() -> None:
             _lower_priority()
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.thread_time()
             pending.report = write_files(tag_dir, rank, files, before_commit)
-            pending.report.seconds = time.perf_counter() - start
+            pending.report.seconds, pending.report.cpu_seconds = time.perf_counter() - start, time.thread_time() - cpu
 
         pending = _Pending(tag, asdict(state), copy.deepcopy(guards or {}), engine.zero_optimization_stage(),
-                           threading.Thread(target=write, name=f"keel-checkpoint-writer-{tag}", daemon=True))
+                           threading.Thread(target=write, name=f"keel-checkpoint-writer-{tag}", daemon=True),
+                           time.perf_counter() - started)
         self.pending = pending
         pending.writer.start()
         return tag
@@ -241,7 +247,8 @@ class AsyncCheckpointer:
         more = f" (and {len(errors) - 1} more rank(s))" if len(errors) > 1 else ""
         self.concluded.append(SaveOutcome(
             pending.tag, pending.state["step"], not errors, f"{errors[0]}{more}" if errors else "",
-            write_seconds=max(r.seconds for r in reports),
+            snapshot_seconds=pending.snapshot_seconds, write_seconds=max(r.seconds for r in reports),
+            write_cpu_seconds=max(r.cpu_seconds for r in reports),
             nbytes=sum(f["size"] for r in reports for f in r.files.values())))
 
 
