@@ -1,23 +1,25 @@
 """What an asynchronous checkpoint (`checkpoint.async_save`) costs, against a synchronous one, in one process.
 
 One rank (world size 1, gloo), a model whose checkpoint is about `--size-mb` (fp32, ZeRO-0: weights plus both
-AdamW moments in `mp_rank_00_model_states.pt`), seq 128, micro-batch 2. Each repeat trains `--steps` steps twice
+AdamW moments in `mp_rank_00_model_states.pt`), seq 32, micro-batch 1 (short steps: the saves are measured, and
+step-time noise on a shared host grows with the step). Each repeat trains `--steps` steps twice
 from the same engine, once saving synchronously (Keel's `Checkpointer.save`) and once asynchronously
 (`AsyncCheckpointer`: the trainer's calls, `poll` after every step), every `--interval` steps; the two modes
 alternate inside each repeat (sync first in even repeats, async first in odd ones), so machine noise hits both.
 
 Prints:
-(a) save throughput: the checkpoint's bytes over the background writer's wall time (write aside, sha256, fsync,
-    rename) for the final save, which the end of the run waits for (the writer alone: a measure of the write
+(a) save throughput: the checkpoint's bytes over the background writer's wall time (write aside and sha256,
+    fsync, rename) for the final save, which the end of the run waits for (the writer alone: a measure of the write
     path), against the disk's write bandwidth measured with fsync in the same run (the same number of bytes
     written in 8 MiB blocks, then fsync), ratio target >= 0.70. Also the throughput of torch.save into the page
     cache (no fsync, no hash: what serialization alone allows on this CPU), and the writer's throughput while
-    training runs (at nice 10 it takes what training leaves).
-(b) the extra wall time over the steps spanning a save: from the save call to the end of the last step before the
-    next save, minus as many ordinary steps (the median step of the
-    steps before the first save in the same mode and repeat); async / sync, target <= 0.25. With it, what bounds
-    it: the save call (sync: the whole save; async: the snapshot) and the writer thread's CPU time. The final save,
-    which the run waits for (async: its whole write, fsync included), is printed apart.
+    training runs.
+(b) the extra wall time over the steps spanning a save: the save call plus, over the steps that follow it while
+    the writer runs (at least the first half of the interval), each step's time minus the median of the later
+    steps before the next save (neighbours, so this host's drifting step time cancels); summed over the saves
+    followed by steps, async / sync, target <= 0.25. With it, what bounds it: the save call (sync: the whole
+    save; async: the snapshot) and the writer's CPU time. The final save, which the run waits for (async: its
+    whole write, fsync included), is printed apart.
 
     python bench/checkpoint.py [--steps 30] [--interval 10] [--repeats 3] [--size-mb 200]
 """
@@ -45,7 +47,7 @@ from keel.parallel.topology import Topology  # noqa: E402
 from keel.training.async_checkpoint import AsyncCheckpointer  # noqa: E402
 from keel.training.checkpoint import Checkpointer, TrainState  # noqa: E402
 
-SEQ, MICRO, VOCAB = 128, 2, 8192
+SEQ, MICRO, VOCAB = 32, 1, 8192  # short steps: the saves, not the model, are measured
 
 
 def build(size_mb: float):
@@ -87,33 +89,35 @@ def run_mode(engine, checkpointer: Checkpointer, saver: AsyncCheckpointer | None
     """One run of `steps` steps saving every `interval` (`saver`: asynchronously, kept across repeats like a run
     keeps it: its host buffers are allocated by the first save only)."""
     generator = torch.Generator().manual_seed(0)
-    step_times, windows, outcomes, save_calls = [], [], [], []
-    window_start, window_steps = None, 0
+    step_times, outcomes, save_calls, concluded_at = [], [], {}, {}
     for step in range(1, steps + 1):
         start = time.perf_counter()
         train_step(engine, generator)
         if saver is not None:
-            outcomes += saver.poll()
-        end = time.perf_counter()
-        if window_start is None:
-            step_times.append(end - start)
-        else:
-            window_steps += 1
+            for outcome in saver.poll():
+                outcomes.append(outcome)
+                concluded_at[outcome.step] = step
+        step_times.append(time.perf_counter() - start)
         if step % interval == 0:
-            if window_start is not None:
-                windows.append((end - window_start, window_steps))
-            window_start, window_steps = time.perf_counter(), 0
+            start = time.perf_counter()
             (saver or checkpointer).save(engine, TrainState(step=step))
-            save_calls.append(time.perf_counter() - window_start)
+            save_calls[step] = time.perf_counter() - start
+    final = time.perf_counter()
     if saver is not None:
         outcomes += saver.poll(wait=True)
         assert all(o.ok for o in outcomes), outcomes
-    windows.append((time.perf_counter() - window_start, window_steps))
-    ordinary = statistics.median(step_times)
-    extra = [seconds - n * ordinary for seconds, n in windows]  # the last: the final save, which the run waits for
+    final = time.perf_counter() - final + save_calls[max(save_calls)]
+    extra, spanned = [], []
+    for step in sorted(save_calls)[:-1]:  # saves followed by steps
+        window = step_times[step: step + interval - 1]  # the steps after the save, up to the next one
+        span = max(interval // 2, concluded_at.get(step, step) - step)  # the writer's steps, or the first half
+        rest = window[span:] or step_times[: interval - 1]
+        extra.append(save_calls[step] + sum(t - statistics.median(rest) for t in window[:span]))
+        spanned.append(span)
     tag = checkpointer.latest_tag()
     size = sum(p.stat().st_size for p in (checkpointer.directory / tag).iterdir() if p.is_file())
-    return {"extra": extra, "ordinary": ordinary, "bytes": size, "save_calls": save_calls,
+    return {"extra": extra, "final": final, "ordinary": statistics.median(step_times[: interval - 1]), "bytes": size,
+            "save_calls": list(save_calls.values()), "spanned": spanned,
             "writes": [o.nbytes / o.write_seconds for o in outcomes],
             "write_cpu": [o.write_cpu_seconds for o in outcomes] if saver is not None else []}
 
@@ -141,6 +145,12 @@ def main() -> None:
         checkpointers = {mode: Checkpointer(directory / mode, keep_last=1, topology=topology)
                          for mode in ("sync", "async")}
         saver = AsyncCheckpointer(checkpointers["async"], pin=False)
+        warmup = torch.Generator().manual_seed(1)
+        for _ in range(3):  # first steps (allocations) and first saves (the snapshot's buffers) are not measured
+            train_step(engine, warmup)
+        checkpointers["sync"].save(engine, TrainState(step=0))
+        saver.save(engine, TrainState(step=0))
+        saver.poll(wait=True)
         for repeat in range(args.repeats):
             for mode in ("sync", "async") if repeat % 2 == 0 else ("async", "sync"):
                 results[mode].append(run_mode(engine, checkpointers[mode], saver if mode == "async" else None,
@@ -183,21 +193,20 @@ def report(args, n_params: int, results: dict, bandwidths: list[float], serializ
           f"{statistics.median(final) / mb:.0f} MiB/s (each: {', '.join(f'{w / mb:.0f}' for w in final)}) "
           f"-> {statistics.median(final) / disk:.2f} of the disk (target >= 0.70)")
     if background:
-        print(f"    while training runs (the writer at nice 10): median {statistics.median(background) / mb:.0f} MiB/s "
+        print(f"    while training runs: median {statistics.median(background) / mb:.0f} MiB/s "
               f"(each: {', '.join(f'{w / mb:.0f}' for w in background)})")
     for mode in ("sync", "async"):
-        extra = [e for r in results[mode] for e in r["extra"][:-1]]
-        final = [r["extra"][-1] for r in results[mode]]
-        ordinary = [r["ordinary"] for r in results[mode]]
+        extra = [e for r in results[mode] for e in r["extra"]]
         calls = [c for r in results[mode] for c in r["save_calls"]]
-        cpu = [c for r in results[mode] for c in r.get("write_cpu", [])]
+        cpu = [c for r in results[mode] for c in r["write_cpu"]]
         writer = f"; the writer thread's CPU time per save {statistics.mean(cpu):.3f} s" if cpu else ""
-        print(f"    {mode:5s}: ordinary step {statistics.median(ordinary):.3f} s; extra wall time per save "
-              f"{statistics.mean(extra):.3f} s (each: {', '.join(f'{e:.2f}' for e in extra)}); the save call "
-              f"{statistics.mean(calls):.3f} s{writer}; the final save (waited for) {statistics.mean(final):.3f} s")
-    ratios = [sum(a["extra"][:-1]) / sum(s["extra"][:-1]) for a, s in zip(results["async"], results["sync"])]
-    total = sum(e for r in results["async"] for e in r["extra"][:-1]) / \
-        sum(e for r in results["sync"] for e in r["extra"][:-1])
+        print(f"    {mode:5s}: ordinary step {statistics.median(r['ordinary'] for r in results[mode]):.3f} s; extra "
+              f"wall time per save {statistics.mean(extra):.3f} s (each: {', '.join(f'{e:.2f}' for e in extra)}; "
+              f"spanning {max(s for r in results[mode] for s in r['spanned'])} steps at most); the save call "
+              f"{statistics.mean(calls):.3f} s{writer}; the final save (waited for) "
+              f"{statistics.mean(r['final'] for r in results[mode]):.3f} s")
+    ratios = [sum(a["extra"]) / sum(s["extra"]) for a, s in zip(results["async"], results["sync"])]
+    total = sum(e for r in results["async"] for e in r["extra"]) / sum(e for r in results["sync"] for e in r["extra"])
     print(f"(b) extra wall time over the steps spanning a save (saves followed by steps), async / sync: {total:.2f} "
           f"(per repeat: {', '.join(f'{r:.2f}' for r in ratios)}; target <= 0.25)")
 

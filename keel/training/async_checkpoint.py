@@ -6,9 +6,11 @@ while the files are written.
    `save(state_dict, path)`, the seam keel/adapters/deepspeed_internals.py's `route_checkpoint_writes` opens — is
    deep-copied into reused host buffers (keel/training/host_snapshot.py) instead of written. Plus the rank's RNG
    file. The host holds one extra copy of the rank's checkpoint shard.
-2. Write, on one writer thread per rank: each file by DeepSpeed's own `save` into `<tag>/.async_rank<R>/` under its
-   final name (torch.save names the zip archive after the file, so the bytes equal a synchronous save's), read
-   back for its size and sha256, fsynced; then every file is renamed into `<tag>/` and the directory fsynced.
+2. Write, on one writer thread per rank: each file by DeepSpeed's own `save` into `<tag>/.async_rank<R>/` under the
+   name a synchronous save gives it (torch.save names the zip archive inside after the file, so the bytes are the
+   same), hashed (sha256, size) by a helper thread reading the file as it grows, fsynced; then every file is
+   renamed into `<tag>/` and the directory fsynced. (Not reniced: a nice writer takes the same CPU time from
+   training, only later, and is starved by other processes on a shared host.)
 3. Publish, once every rank's writer is done: one 1-int all-reduce per step while a save is pending says when;
    then one all-gather of the writers' reports (ok or error, {file: {size, sha256}}); rank 0 writes the manifest,
    `latest` and prunes (`Checkpointer.publish`, shared with the synchronous save). A write error anywhere is a
@@ -62,7 +64,7 @@ class WriteReport:
     files: dict[str, dict[str, Any]] = field(default_factory=dict)
     error: str = ""
     seconds: float = 0.0  # the writer's wall time
-    cpu_seconds: float = 0.0  # the writer thread's CPU time (what it takes from training on a busy host)
+    cpu_seconds: float = 0.0  # the writer's and its hashing threads' CPU time (what they take from a busy host)
 
     @property
     def ok(self) -> bool:
@@ -137,13 +139,16 @@ def write_files(tag_dir: Path, rank: int, files: list[_PlannedFile],
     Never raises: an error is the report's."""
     staging = tag_dir / f".async_rank{rank}"
     records: dict[str, dict[str, Any]] = {}
+    hashing_cpu = 0.0
     try:
         shutil.rmtree(staging, ignore_errors=True)  # a crashed attempt at this step
         for planned in files:
             path = staging / planned.staged
             path.parent.mkdir(parents=True, exist_ok=True)
-            planned.save(planned.state, str(path))
-            records[planned.name] = _hash_and_sync(path)
+            with _FollowingHash(path) as hashed:  # hashes what torch.save has written so far, as it writes
+                planned.save(planned.state, str(path))
+            records[planned.name] = hashed.record()
+            hashing_cpu += hashed.cpu_seconds
         if before_commit is not None:
             before_commit()
         for planned in files:
@@ -151,20 +156,64 @@ def write_files(tag_dir: Path, rank: int, files: list[_PlannedFile],
             os.replace(staging / planned.staged, tag_dir / planned.name)
         _sync_dir(tag_dir)
         shutil.rmtree(staging)
-        return WriteReport(records)
+        return WriteReport(records, cpu_seconds=hashing_cpu)
     except Exception as exc:  # noqa: BLE001 - every failure is a failed save, reported to every rank
         shutil.rmtree(staging, ignore_errors=True)
         return WriteReport(error=f"{type(exc).__name__}: {exc}")
 
 
-def _hash_and_sync(path: Path) -> dict[str, Any]:
-    digest, size = hashlib.sha256(), 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-            size += len(chunk)
-        os.fsync(f.fileno())
-    return {"size": size, "sha256": digest.hexdigest()}
+class _FollowingHash(threading.Thread):
+    """The sha256 and size of a file another thread is writing, read as it grows: torch.save's zip writer writes
+    sequentially (it streams to file objects too), so the hash costs no pass of its own after the write. Then
+    the file is fsynced."""
+
+    def __init__(self, path: Path):
+        super().__init__(name=f"keel-checkpoint-hash-{path.name}", daemon=True)
+        self.path, self.written = path, threading.Event()
+        self.digest, self.size, self.error = hashlib.sha256(), 0, None
+        self.cpu_seconds = 0.0
+
+    def __enter__(self) -> _FollowingHash:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.written.set()
+        self.join()
+
+    def run(self) -> None:
+        cpu = time.thread_time()
+        try:
+            self._follow()
+        finally:
+            self.cpu_seconds = time.thread_time() - cpu
+
+    def _follow(self) -> None:
+        try:
+            while not self.path.exists():
+                if self.written.wait(0.005) and not self.path.exists():
+                    return  # the write failed before creating the file: its own error is reported
+            with open(self.path, "rb", buffering=0) as f:
+                while True:
+                    finished = self.written.is_set()  # read before the read: an empty read then means the end
+                    chunk = f.read(_CHUNK)
+                    if chunk:
+                        self.digest.update(chunk)
+                        self.size += len(chunk)
+                    elif finished:
+                        os.fsync(f.fileno())
+                        return
+                    else:
+                        self.written.wait(0.005)
+        except OSError as exc:
+            self.error = exc
+
+    def record(self) -> dict[str, Any]:
+        if self.error is not None:
+            raise self.error
+        if self.size != self.path.stat().st_size:
+            raise RuntimeError(f"{self.path}: hashed {self.size} bytes of {self.path.stat().st_size}")
+        return {"size": self.size, "sha256": self.digest.hexdigest()}
 
 
 def _sync_dir(path: Path) -> None:
@@ -199,10 +248,10 @@ class AsyncCheckpointer:
         rank = self.checkpointer.topology.rank
 
         def write() -> None:
-            _lower_priority()
             start, cpu = time.perf_counter(), time.thread_time()
             pending.report = write_files(tag_dir, rank, files, before_commit)
-            pending.report.seconds, pending.report.cpu_seconds = time.perf_counter() - start, time.thread_time() - cpu
+            pending.report.seconds = time.perf_counter() - start
+            pending.report.cpu_seconds += time.thread_time() - cpu  # plus its hashing thread's
 
         pending = _Pending(tag, asdict(state), copy.deepcopy(guards or {}), engine.zero_optimization_stage(),
                            threading.Thread(target=write, name=f"keel-checkpoint-writer-{tag}", daemon=True),
@@ -250,11 +299,3 @@ class AsyncCheckpointer:
             snapshot_seconds=pending.snapshot_seconds, write_seconds=max(r.seconds for r in reports),
             write_cpu_seconds=max(r.cpu_seconds for r in reports),
             nbytes=sum(f["size"] for r in reports for f in r.files.values())))
-
-
-def _lower_priority() -> None:
-    """The writer yields the CPU to the training threads where the OS lets a thread be reniced (Linux)."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-    except (AttributeError, OSError):
-        pass
