@@ -18,14 +18,16 @@ while the files are written.
    the directory without its manifest, which is never loaded.
 
 A new save first finishes the previous one; so does the end of the run (the final or preemption save completes
-before the process exits), a rollback, and a stop.
+before the process exits), a rollback, and a stop. The trainer stops a run whose background save failed with
+EXIT_SAVE_FAILED (8); the previous checkpoint stays `latest`.
 
 Why not DeepSpeed's own asynchronous engines (checked in DeepSpeed 0.19.8's runtime/checkpoint_engine/):
 `DecoupledCheckpointEngine` hands the live state dict to a subprocess through a torch.multiprocessing queue
 (shared tensors, not a snapshot: the next steps' updates race the write) and commits inside the next
 `engine.step()` (`_commit_decoupled_checkpoint`, before `_take_model_step`), where Keel's manifest and its
-cross-rank verdict cannot run; its `FastCheckpointEngine` writer needs the async_io op, which is not built for the
-CPU accelerator; `DataStatesCheckpointEngine` needs the external `datastates` package.
+cross-rank verdict cannot run; its `FastCheckpointEngine` writer loads the async_io op (`AsyncIOBuilder`, via
+model_checkpointing/writer_factory.py), which reports itself not compatible on this CPU build (no libaio);
+`DataStatesCheckpointEngine` needs the external `datastates` package.
 """
 
 from __future__ import annotations
