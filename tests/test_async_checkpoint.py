@@ -192,11 +192,10 @@ def _compare_kind(kind: str, root: Path) -> dict:
     got = {"error": report.error, "snapshot_bytes": snapshot.nbytes, "files": {}}
     for name in sorted(set(_tag_files(sync.directory, "step00000001")) | set(report.files)):
         a, b = sync.directory / "step00000001" / name, tag / name
+        size, digest = report.files.get(name, (None, None))
         got["files"][name] = {"equal": a.is_file() and b.is_file() and a.read_bytes() == b.read_bytes(),
-                              "size": a.stat().st_size if a.is_file() else -1,
-                              "reported": report.files.get(name, {}).get("size"),
-                              "sha256": report.files.get(name, {}).get("sha256") ==
-                              (hashlib.sha256(b.read_bytes()).hexdigest() if b.is_file() else None)}
+                              "size": a.stat().st_size if a.is_file() else -1, "reported": size,
+                              "sha256": b.is_file() and digest == hashlib.sha256(b.read_bytes()).hexdigest()}
     return got
 
 

@@ -12,8 +12,8 @@ while the files are written.
    renamed into `<tag>/` and the directory fsynced. (Not reniced: a nice writer takes the same CPU time from
    training, only later, and is starved by other processes on a shared host.)
 3. Publish, once every rank's writer is done: one 1-int all-reduce per step while a save is pending says when;
-   then one all-gather of the writers' reports (ok or error, {file: {size, sha256}}); rank 0 writes the manifest,
-   `latest` and prunes (`Checkpointer.publish`, shared with the synchronous save). A write error anywhere is a
+   then one all-gather of the writers' reports (ok or error, {file: (size, sha256)}); rank 0 writes the manifest,
+   `latest` and prunes (`Checkpointer.commit`, shared with the synchronous save). A write error anywhere is a
    failed save: nothing is published and rank 0 removes the tag's directory. A crash before the publish leaves
    the directory without its manifest, which is never loaded.
 
@@ -33,6 +33,7 @@ model_checkpointing/writer_factory.py), which reports itself not compatible on t
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import logging
 import os
@@ -40,7 +41,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -60,10 +61,10 @@ log = logging.getLogger("keel")
 
 @dataclass
 class WriteReport:
-    """One rank's writer, done: `files` maps each file it wrote (relative to the tag's directory) to
-    {"size": bytes, "sha256": hex digest}; `error` is "" when every file was written."""
+    """One rank's writer, done: `files` maps each file it wrote (relative to the tag's directory) to (size,
+    sha256 hex digest); `error` is "" when every file was written."""
 
-    files: dict[str, dict[str, Any]] = field(default_factory=dict)
+    files: dict[str, tuple[int, str]] = field(default_factory=dict)
     error: str = ""
     seconds: float = 0.0  # the writer's wall time
     cpu_seconds: float = 0.0  # the writer's and its hashing threads' CPU time (what they take from a busy host)
@@ -103,7 +104,7 @@ class _PlannedFile:
 @dataclass
 class _Pending:
     tag: str
-    state: dict[str, Any]  # the TrainState at the save, as a dict
+    state: TrainState  # a copy: the loop's own moves on
     guards: dict[str, Any]
     zero_stage: int
     writer: threading.Thread
@@ -140,7 +141,7 @@ def write_files(tag_dir: Path, rank: int, files: list[_PlannedFile],
     """Write `files` aside, hash and fsync each, then rename them into `tag_dir` (the writer thread's work).
     Never raises: an error is the report's."""
     staging = tag_dir / f".async_rank{rank}"
-    records: dict[str, dict[str, Any]] = {}
+    records: dict[str, tuple[int, str]] = {}
     hashing_cpu = 0.0
     try:
         shutil.rmtree(staging, ignore_errors=True)  # a crashed attempt at this step
@@ -210,12 +211,12 @@ class _FollowingHash(threading.Thread):
         except OSError as exc:
             self.error = exc
 
-    def record(self) -> dict[str, Any]:
+    def record(self) -> tuple[int, str]:
         if self.error is not None:
             raise self.error
         if self.size != self.path.stat().st_size:
             raise RuntimeError(f"{self.path}: hashed {self.size} bytes of {self.path.stat().st_size}")
-        return {"size": self.size, "sha256": self.digest.hexdigest()}
+        return self.size, self.digest.hexdigest()
 
 
 def _sync_dir(path: Path) -> None:
@@ -255,7 +256,8 @@ class AsyncCheckpointer:
             pending.report.seconds = time.perf_counter() - start
             pending.report.cpu_seconds += time.thread_time() - cpu  # plus its hashing thread's
 
-        pending = _Pending(tag, asdict(state), copy.deepcopy(guards or {}), engine.zero_optimization_stage(),
+        pending = _Pending(tag, dataclasses.replace(state), copy.deepcopy(guards or {}),
+                           engine.zero_optimization_stage(),
                            threading.Thread(target=write, name=f"keel-checkpoint-writer-{tag}", daemon=True),
                            time.perf_counter() - started)
         self.pending = pending
@@ -290,14 +292,11 @@ class AsyncCheckpointer:
             if errors:
                 shutil.rmtree(tag_dir, ignore_errors=True)
             else:
-                merged = {name: record for report in reports for name, record in report.files.items()}
-                files = {name: merged[name]["size"] for name in sorted(merged)}
-                sha256 = {name: merged[name]["sha256"] for name in sorted(merged)}
-                self.checkpointer.publish(pending.tag, pending.state, pending.guards, pending.zero_stage, files,
-                                          sha256)
+                files = {name: record for report in reports for name, record in report.files.items()}
+                self.checkpointer.commit(pending.tag, pending.state, files, pending.guards, pending.zero_stage)
         more = f" (and {len(errors) - 1} more rank(s))" if len(errors) > 1 else ""
         self.concluded.append(SaveOutcome(
-            pending.tag, pending.state["step"], not errors, f"{errors[0]}{more}" if errors else "",
+            pending.tag, pending.state.step, not errors, f"{errors[0]}{more}" if errors else "",
             snapshot_seconds=pending.snapshot_seconds, write_seconds=max(r.seconds for r in reports),
             write_cpu_seconds=max(r.cpu_seconds for r in reports),
-            nbytes=sum(f["size"] for r in reports for f in r.files.values())))
+            nbytes=sum(size for r in reports for size, _ in r.files.values())))

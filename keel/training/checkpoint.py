@@ -175,9 +175,9 @@ class Checkpointer:
             before_commit()
         comm.barrier(self.control)  # every rank has written its DeepSpeed shards and RNG file
         if rank == 0:
-            files = {p.name: p.stat().st_size for p in sorted(tag_dir.iterdir())
+            files = {p.name: (p.stat().st_size, None) for p in sorted(tag_dir.iterdir())
                      if p.is_file() and p.name != COMPLETE and not p.name.startswith(".")}
-            self.publish(tag, asdict(state), guards, engine.zero_optimization_stage(), files)
+            self.commit(tag, state, files, guards, engine.zero_optimization_stage())
         comm.barrier(self.control)
         return tag
 
@@ -193,15 +193,17 @@ class Checkpointer:
     def client_state(self, state: TrainState) -> dict[str, Any]:
         return {"keel": asdict(state), "topology": self.topology.stamp()}
 
-    def publish(self, tag: str, state: dict[str, Any], guards: dict[str, Any] | None, zero_stage: int,
-                files: dict[str, int], sha256: dict[str, str] | None = None) -> None:
-        """Rank 0, once every rank's files of `tag` are in place: the manifest (`state`: the TrainState as a dict;
-        `files`: name → size over all ranks; `sha256`: name → digest where known), then `latest`, then pruning —
-        what makes a written checkpoint the one to load, for a synchronous and an asynchronous save alike."""
+    def commit(self, tag: str, state: TrainState, files: dict[str, tuple[int, str | None]],
+               guards: dict[str, Any] | None = None, zero_stage: int = 0) -> None:
+        """Rank 0, once every rank's files of `tag` are in place: the manifest (`files`: name → (size, sha256 or
+        None) over all ranks), then `latest`, then pruning — what makes a written checkpoint the one to load, for a
+        synchronous and an asynchronous save alike."""
         topology = {**self.topology.stamp(), "zero_stage": zero_stage}
-        manifest = {"tag": tag, **state, "topology": topology, "guards": guards or {}, "files": files}
-        if sha256:
-            manifest["sha256"] = sha256
+        names = sorted(files)
+        manifest = {"tag": tag, **asdict(state), "topology": topology, "guards": guards or {},
+                    "files": {n: files[n][0] for n in names}}
+        if any(files[n][1] for n in names):
+            manifest["sha256"] = {n: files[n][1] for n in names if files[n][1]}
         atomic_write_text(self.directory / tag / COMPLETE, json.dumps(manifest) + "\n")
         atomic_write_text(self.directory / LATEST, tag)
         self._prune(keep=tag)
