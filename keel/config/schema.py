@@ -157,6 +157,8 @@ class ParallelConfig:
 class CheckpointConfig:
     interval: int = 100  # 0: only at the end
     keep_last: int = 3
+    # write in the background: a host snapshot now, the files while training continues (async_checkpoint.py)
+    async_save: bool = False
     resume: bool = True  # resume from the latest complete checkpoint in the run dir
     # a save that fails (disk full, I/O error) is discarded on every rank; then: continue (warn, retry at the next
     # interval) | stop (exit 8). A failed final save exits 8 either way.
@@ -238,6 +240,8 @@ class FaultsConfig:
     save_enospc_step: int = 0  # ... in the save at this step (0: every save)
     checkpoint_dir_rank: int = -1  # this rank reads checkpoint_dir instead of <run_dir>/checkpoints (a stale view)
     checkpoint_dir: str = ""
+    save_stall_step: int = 0  # save_stall_rank stalls only in the save at this step (0: every save)
+    crash_step: int = 0  # every rank exits at once (code 1, no cleanup) after this step: the job lost mid-run
     # `keel preflight` (keel/preflight/): each check proven by a fault it must name
     preflight_bad_matmul_rank: int = -1  # this rank's check matmul comes out wrong in one element (silent corruption)
     preflight_bad_matmul_error: float = 0.01  # ...by this relative error (below ~1e-5 only the majority vote sees it)
@@ -325,6 +329,8 @@ def _build_section(section: str, cls: type, values: Any) -> Any:
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
     for key in values:
+        if (section, key) == ("checkpoint", "async"):
+            raise ConfigError("checkpoint.async: `async` is a Python keyword; the key is checkpoint.async_save")
         if key not in known:
             raise ConfigError(f"{section}.{key}: unknown key; valid keys are {', '.join(sorted(known))}")
     kwargs = {k: _coerce(f"{section}.{k}", hints[k], v) for k, v in values.items()}

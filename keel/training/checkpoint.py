@@ -244,22 +244,31 @@ class Checkpointer:
         """Every rank writes its files, then `finish_save`. Fault injection: `before_commit` runs on each rank after
         its own files are written (a rank that stalls mid-save); `disk_room` bytes fill this rank's disk."""
         tag = tag_for(state.step)
-        tag_dir = self.directory / tag
+        tag_dir = self.begin(tag)
         rank = self.topology.rank
-        if rank == 0:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            (tag_dir / COMPLETE).unlink(missing_ok=True)  # re-saving a step: it is incomplete until we finish
-        comm.barrier(self.control)
         written = WrittenFiles(rank, disk_room)
-        client_state = {"keel": asdict(state), "topology": self.topology.stamp()}
         with written.seam(engine):
-            engine.save_checkpoint(str(self.directory), tag=tag, client_state=client_state, save_latest=False)
+            engine.save_checkpoint(str(self.directory), tag=tag, client_state=self.client_state(state),
+                                   save_latest=False)
         tag_dir.mkdir(parents=True, exist_ok=True)
         written.write(tag_dir / f"keel_rng_rank{rank}.pt", lambda to: torch.save(rng_state.capture(engine.module), to))
         if before_commit is not None:
             before_commit()
         error, files = written.result()
         return self.finish_save(tag, state, error, files, guards, engine.zero_optimization_stage())
+
+    def begin(self, tag: str) -> Path:
+        """Every rank, before writing `tag`: rank 0 marks it incomplete (a re-saved step is not loadable until
+        it is whole again), and nobody writes before that."""
+        if self.topology.rank == 0:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            (self.directory / tag / COMPLETE).unlink(missing_ok=True)
+        comm.barrier(self.control)
+        return self.directory / tag
+
+    def client_state(self, state: TrainState) -> dict[str, Any]:
+        """What DeepSpeed stores beside the engine state: Keel's train state and the layout that wrote it."""
+        return {"keel": asdict(state), "topology": self.topology.stamp()}
 
     def finish_save(self, tag: str, state: TrainState, error: str, files: dict[str, tuple[int, str]],
                     guards: dict[str, Any] | None = None, zero_stage: int = 0) -> SaveOutcome:

@@ -8,6 +8,7 @@ bit in one replica's weights, a rank that stalls, a rank whose data is garbage, 
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import torch
@@ -73,10 +74,11 @@ class FaultInjector:
             log.warning("fault injection: rank %d sleeps %.1f s at step %d", self.rank, c.sleep_s, step)
             time.sleep(c.sleep_s)
 
-    def during_save(self) -> None:
-        """Inside every checkpoint save, after this rank wrote its files and before the others wait for it."""
+    def during_save(self, step: int) -> None:
+        """Inside the checkpoint save at `step`, after this rank wrote its files and before the others wait for it
+        (an asynchronous save: in the writer thread, before its files are renamed into place)."""
         c = self.cfg
-        if c.save_stall_rank == self.rank and c.save_stall_s > 0:
+        if c.save_stall_rank == self.rank and c.save_stall_s > 0 and c.save_stall_step in (0, step):
             log.warning("fault injection: rank %d stalls %.1f s inside a checkpoint save", self.rank, c.save_stall_s)
             time.sleep(c.save_stall_s)
 
@@ -91,6 +93,10 @@ class FaultInjector:
     @torch.no_grad()
     def after_step(self, step: int) -> None:
         c = self.cfg
+        if c.crash_step == step:
+            log.error("fault injection: rank %d crashes after step %d", self.rank, step)
+            logging.shutdown()
+            os._exit(1)
         if c.bitflip_step != step or c.bitflip_rank != self.rank:
             return
         named = dict(self.model.named_parameters())

@@ -10,6 +10,7 @@ keel/training/step_gate.py; the periodic cross-rank checks decide after it; the 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Iterator
@@ -28,6 +29,7 @@ from keel.config import RunConfig
 from keel.data import GlobalSampleOrder, PackedSamples, parse_skip_ranges, skip_to, step_batch, step_sample_indices
 from keel.parallel import comm
 from keel.parallel.topology import Topology
+from keel.training.async_checkpoint import AsyncCheckpointer
 from keel.training.attention_logits import AttentionLogitWarning
 from keel.training.checkpoint import EXIT_SAVE_FAILED, Checkpointer, SaveOutcome, TrainState, checkpoint_dir
 from keel.training.data_stop import check_step_batch, named_stop, with_data_stop
@@ -115,6 +117,9 @@ class Trainer:
         self.anomalies = AnomalyLog(run_dir, topology.rank)
         self.checkpointer = checkpointer or Checkpointer(checkpoint_dir(run_dir, cfg, topology.rank),
                                                          cfg.checkpoint.keep_last, topology, self.anomalies)
+        # checkpoint.async_save: a host snapshot now, the files written in the background (async_checkpoint.py)
+        self.saves = AsyncCheckpointer(self.checkpointer, pin=torch.device(engine.device).type == "cuda") \
+            if cfg.checkpoint.async_save else None
         self.run_dir = run_dir
         self.dp_group = topology.device("dp")
         self.is_pipeline = cfg.parallel.pp > 1
@@ -329,9 +334,28 @@ class Trainer:
         return state
 
     def save(self, state: TrainState) -> SaveOutcome:
-        return self.checkpointer.save(self.engine, state, guards=self.guards.state_dict(),
-                                      before_commit=self.faults.during_save,
+        """A checkpoint of `state`; with checkpoint.async_save only its snapshot here — the files are written in
+        the background and their verdict arrives through `_background_saves`."""
+        during_save = functools.partial(self.faults.during_save, state.step)
+        if self.saves is not None:
+            return SaveOutcome(self.saves.save(self.engine, state, guards=self.guards.state_dict(),
+                                               before_commit=during_save))
+        return self.checkpointer.save(self.engine, state, guards=self.guards.state_dict(), before_commit=during_save,
                                       disk_room=self.faults.disk_room(state.step))
+
+    def _background_saves(self, wait: bool = False, final: bool = False) -> Decision:
+        """Publish the background saves every rank has written (`wait`: the pending one first); a failed one was
+        discarded on every rank and follows checkpoint.on_save_error like a synchronous one (`final`: the run's
+        last save, whose failure always stops with EXIT_SAVE_FAILED)."""
+        outcomes = [] if self.saves is None else self.saves.poll(wait)
+        for outcome in outcomes:
+            if outcome.ok:
+                continue
+            reason = after_failed_save(outcome, self.cfg.checkpoint.on_save_error, final, outcome.step,
+                                       self.anomalies, self.topology.rank)
+            if reason:
+                return Decision(Action.STOP, reason, EXIT_SAVE_FAILED)
+        return Decision()
 
     # -- the loop -------------------------------------------------------------------------------------------
     def fit(self) -> TrainResult:
@@ -347,7 +371,13 @@ class Trainer:
         stragglers = StragglerMonitor(self.topology.control("world"), s.straggler_interval)
         try:
             with watchdog:  # leaving the block within a hang's deadline counts as that hang (see watchdog.py)
-                return self._loop(state, metrics, watchdog, stragglers)
+                result = self._loop(state, metrics, watchdog, stragglers)
+                with watchdog.phase("checkpoint save", s.watchdog_save_timeout):  # the last save completes
+                    stop = self._background_saves(wait=True, final=True)
+                if stop.action != Action.STOP or result.exit_code:
+                    return result
+                log.error("stopping at step %d: %s", result.state.step, stop.reason)
+                return TrainResult(result.state, finished=False, exit_code=stop.exit_code, reason=stop.reason)
         finally:
             self.prefetcher.close()
             self.syncs.report()
@@ -370,7 +400,7 @@ class Trainer:
             # periodic checks and evaluation: collectives of their own, each phase with its own deadline
             with watchdog.phase("checks", s.watchdog_check_timeout), _clock(record, "check_time_s"):
                 checks = self.guards.after_step(state.step, record["loss_scale"], self._local_loss)
-                decision = Decision.most_severe([decision, checks])
+                decision = Decision.most_severe([decision, checks, self._background_saves()])
             if t.eval_interval and (state.step % t.eval_interval == 0 or state.step == t.steps):
                 with watchdog.phase("evaluation", s.watchdog_eval_timeout), _clock(record, "eval_time_s"):
                     record["val_loss"] = self.evaluate()
@@ -383,6 +413,7 @@ class Trainer:
                 first = (self.guards.last_event or {}).get("first_spike_step", state.step)
                 factor = 1.0 if decision.restore else self.cfg.stability.rollback_lr_factor
                 with watchdog.phase("rollback", s.watchdog_save_timeout):
+                    self._background_saves(wait=True)  # published (or discarded) before choosing where to return
                     state = self.rollback(state, metrics, first, decision.reason, factor)
                 continue
             stop_early = t.exit_after and steps_here >= t.exit_after and state.step < t.steps
