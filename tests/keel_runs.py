@@ -6,7 +6,8 @@ the first time a test asks for one, every declared run of that world size not ye
 one after another (`keel.training.entry.run_sequence`), and later requests find it done. A run nobody declared
 still works — it just gets a launch of its own. A `Run` with `resume_at` N trains in several invocations in the
 same run dir (`train.exit_after=N`): each stops with a checkpoint after N steps and the next resumes from it, until
-the run reaches `train.steps`.
+the run reaches `train.steps`. A `Run` with `exit_code` N is expected to be stopped by a guard with that code
+(the launch then exits with the highest code of its runs; each run's own code is read from its summary.md).
 """
 
 from __future__ import annotations
@@ -98,13 +99,14 @@ class Run:
     changes: tuple[tuple[str, str], ...] = ()
     resume_at: int = 0  # > 0: stop with a checkpoint every this many steps, and resume, until the end
     ds_patch: str = ""  # JSON merged into the DeepSpeed config's sections (e.g. {"fp16": {...}})
+    exit_code: int = 0  # the code a guard is expected to stop the run with (0: it finishes); not part of the key
 
     @staticmethod
     def of(name: str, nproc: int, ds_config: str = ZERO0, resume_at: int = 0, ds_patch: dict | None = None,
-           **changes: Any) -> Run:
+           exit_code: int = 0, **changes: Any) -> Run:
         text = {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in changes.items()}
         patch = json.dumps(ds_patch, sort_keys=True) if ds_patch else ""
-        return Run(name, nproc, ds_config, tuple(sorted(text.items())), resume_at, patch)
+        return Run(name, nproc, ds_config, tuple(sorted(text.items())), resume_at, patch, exit_code)
 
     @property
     def key(self) -> tuple:
@@ -139,8 +141,8 @@ class RunCache:
             self._declared.setdefault(run.key, run)
 
     def get(self, name: str, nproc: int, ds_config: str = ZERO0, resume_at: int = 0, ds_patch: dict | None = None,
-            **changes: Any) -> Path:
-        return self.run(Run.of(name, nproc, ds_config, resume_at, ds_patch, **changes))
+            exit_code: int = 0, **changes: Any) -> Path:
+        return self.run(Run.of(name, nproc, ds_config, resume_at, ds_patch, exit_code, **changes))
 
     def run(self, wanted: Run) -> Path:
         if wanted.key not in self._done:
@@ -172,7 +174,14 @@ class RunCache:
         start = time.perf_counter()
         proc = subprocess.run([sys.executable, "-c", code, *map(str, dirs)], capture_output=True, text=True,
                               timeout=1200, cwd=REPO)
-        _checked(proc, 0, f"{batch[0].nproc}-rank launch of {[r.name for r in batch]}")
+        what = f"{batch[0].nproc}-rank launch of {[r.name for r in batch]}"
+        _checked(proc, max(r.exit_code for r in batch), what)
         self.launches.append((batch[0].nproc, [r.name for r in batch], time.perf_counter() - start))
         for run, run_dir in zip(batch, dict.fromkeys(dirs)):
+            status = next((line for line in (run_dir / "summary.md").read_text().splitlines()
+                           if line.startswith("- status:")), "")
+            code = int(status.split("(exit code ")[1].split(")")[0]) if "(exit code " in status else 0
+            if code != run.exit_code:
+                raise AssertionError(f"{what}: run {run.name} ended with exit code {code}, expected "
+                                     f"{run.exit_code}: {status}")
             self._done[run.key] = run_dir

@@ -31,6 +31,7 @@ LR_SCHEDULES = ("cosine", "linear", "constant", "inverse_sqrt", "wsd")
 RAMPUP_SCALINGS = ("linear", "sqrt", "none")
 PIPELINE_PARTITIONS = ("parameters", "uniform")  # or "type:<LayerClass>"
 PARALLEL_AXES = ("tp", "pp", "ep", "sp")
+CORRUPT_STATE_TARGETS = ("exp_avg_sq", "master", "param")
 
 
 @dataclass
@@ -217,6 +218,11 @@ class FaultsConfig:
     save_stall_s: float = 0.0
     checkpoint_dir_rank: int = -1  # this rank reads checkpoint_dir instead of <run_dir>/checkpoints (a stale view)
     checkpoint_dir: str = ""
+    # corrupt training state: after this step, once, NaN fills this rank's share of one tensor of the first
+    # parameter it holds: exp_avg_sq (Adam's second moment), master (its fp32 master copy), param (its working copy)
+    corrupt_state_step: int = 0
+    corrupt_state_rank: int = 0
+    corrupt_state_what: str = "exp_avg_sq"  # exp_avg_sq | master | param
 
 
 @dataclass

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from keel.config.corpus_spec import weighted_sources
 from keel.config.schema import (
+    CORRUPT_STATE_TARGETS,
     INITS,
     KERNELS,
     LR_SCHEDULES,
@@ -70,6 +71,8 @@ def validate(cfg: RunConfig, world_size: int) -> None:
              "train.eval_interval must be >= 0 (0 disables) and train.eval_batches positive")
     _require(c.interval >= 0, f"checkpoint.interval: must be >= 0 (0: only at the end), got {c.interval}")
     _require(c.keep_last >= 1, f"checkpoint.keep_last: must keep at least 1, got {c.keep_last}")
+    _require(cfg.faults.corrupt_state_what in CORRUPT_STATE_TARGETS, "faults.corrupt_state_what: expected "
+             f"{_either(CORRUPT_STATE_TARGETS)}, got {cfg.faults.corrupt_state_what!r}")
     _require(cfg.logging.sync_debug in ("", "warn"),
              f"logging.sync_debug: expected '' (off) or 'warn', got {cfg.logging.sync_debug!r}")
     for name in PARALLEL_AXES:

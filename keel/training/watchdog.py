@@ -11,6 +11,8 @@ Keel's process exit codes (one table, read by the launcher and by whoever reads 
        (or a check, evaluation or save its own watchdog_*_timeout)
     5  preempted: checkpoint saved on SIGUSR1/SIGTERM, requeue  keel.training.preemption.EXIT_PREEMPTED
     6  ranks disagree on the checkpoint to load, stopped        keel.training.checkpoint.EXIT_CHECKPOINT
+    7  corrupt training state (non-finite weights or optimizer  keel.training.guards.state.EXIT_CORRUPT_STATE
+       state) with no checkpoint to return to, coming back after a rollback, or at the end of the run
 
 A hang is usually transient (a stuck node, a network flap): restarting from the last checkpoint is the cure.
 

@@ -31,6 +31,8 @@ class Decision:
     reason: str = ""
     exit_code: int = 0  # for STOP
     restore: bool = False  # ROLLBACK to repair state (e.g. a corrupted replica), without the spike LR cut
+    rewind_data: bool = False  # ROLLBACK with the data cursor rewound to the checkpoint's (the samples were innocent)
+    to: str | None = None  # ROLLBACK: the checkpoint every rank already agreed to return to (None: choose it then)
 
     @staticmethod
     def most_severe(decisions: list[Decision]) -> Decision:
