@@ -20,6 +20,7 @@ ZERO1 = "ds_configs/zero1.json"
 GB = 8  # tests/keel_runs.py TINY global batch
 SAVES = dict(checkpoint__interval=3)  # steps 3, 6, 9 and the final 10
 CORRUPT = dict(SAVES, faults__corrupt_state_step=4, faults__corrupt_state_what="exp_avg_sq")
+BEFORE_A_SAVE = dict(SAVES, faults__corrupt_state_step=5, faults__corrupt_state_what="exp_avg_sq")
 AT_THE_END = dict(SAVES, faults__corrupt_state_step=10, faults__corrupt_state_what="exp_avg_sq")
 TOO_EARLY = dict(checkpoint__interval=5, faults__corrupt_state_step=1, faults__corrupt_state_what="master")
 BAD_BATCH = dict(SAVES, faults__nan_step=5, faults__nan_rank=0)
@@ -27,6 +28,7 @@ ON_RANK_1 = dict(CORRUPT, faults__corrupt_state_rank=1)
 KEEL_RUNS = [
     Run.of("state-clean", 1, ZERO1, **SAVES),
     Run.of("state-corrupt", 1, ZERO1, **CORRUPT),
+    Run.of("state-before-a-save", 1, ZERO1, **BEFORE_A_SAVE),
     Run.of("state-too-early", 1, ZERO1, exit_code=EXIT_CORRUPT_STATE, **TOO_EARLY),
     Run.of("state-at-the-end", 1, ZERO1, exit_code=EXIT_CORRUPT_STATE, **AT_THE_END),
     Run.of("state-bad-batch", 1, ZERO1, **BAD_BATCH),
@@ -52,9 +54,9 @@ def assert_same_weights(a, b) -> None:
 
 
 def assert_rolled_back_to_step_3(run) -> None:
-    (found,) = events(run, "corrupt_state")
+    found = events(run, "corrupt_state")[-1]
     assert found["step"] == 6 and found["action"] == "rollback" and found["checkpoint"] == "step00000003"
-    assert found["classification"] == STATE and "samples" not in found  # the samples were innocent
+    assert "samples" not in found  # the samples were innocent
     (rollback,) = events(run, "rollback")
     assert rollback["to_step"] == 3 and rollback["lr_scale"] == 1.0 and rollback["data_cursor"] == 3 * GB
     assert not [e for e in events(run, "nonfinite") if e.get("phase") == "localized"]  # no data verdict
@@ -72,12 +74,26 @@ def test_nan_in_optimizer_state_rolls_back_and_ends_as_if_it_never_happened(runs
     (detected,) = events(run, "nonfinite")
     assert detected["step"] == 6
     (found,) = events(run, "corrupt_state")
-    assert found["fixed_batch_nonfinite"] == [0] and found["replay_reproduced"]
+    assert found["classification"] == STATE and found["fixed_batch_nonfinite"] == [0] and found["replay_reproduced"]
     bad = found["bad_state"]["0"]  # the master copy and the moments, as the optimizer holds them, and the weights
     assert any(t.startswith("master") for t in bad) and any(t.startswith("exp_avg_sq") for t in bad)
     assert any(t.startswith("param") for t in bad)
     assert_rolled_back_to_step_3(run)
     assert tags(run) == ["step00000006", "step00000009", "step00000010"]  # keep_last: nothing corrupt kept
+    assert_same_weights(run, runs.get("state-clean", 1, ZERO1, **SAVES))
+
+
+@pytest.mark.slow
+@pytest.mark.fault("NaN in exp_avg_sq, seen first by a periodic save", "save refused, roll back, data rewound")
+def test_corrupt_state_at_a_periodic_save_refuses_it_and_rolls_back(runs):
+    """NaN in exp_avg_sq after step 5 poisons the weights in step 6's update, before any loss shows it: the save
+    at step 6 is refused (nothing written) and the run returns to step 3, ending as the clean run does."""
+    run = runs.get("state-before-a-save", 1, ZERO1, **BEFORE_A_SAVE)
+    assert not events(run, "nonfinite")
+    refused, found = events(run, "corrupt_state")
+    assert refused["step"] == 6 and refused["action"] == "save refused" and refused["ranks_with_corrupt_state"] == 1
+    assert "checkpoint save" in found["reason"]
+    assert_rolled_back_to_step_3(run)
     assert_same_weights(run, runs.get("state-clean", 1, ZERO1, **SAVES))
 
 
