@@ -1,8 +1,9 @@
 """Corrupt state is not bad data: NaN in a rank's weights or optimizer state rolls back (data rewound, LR kept),
 never blames samples, never saves over a good checkpoint, and stops with exit code 7 when nothing good is left.
 
-The real runs share launches (tests/keel_runs.py): one one-rank launch (the clean reference, recovery, no
-checkpoint yet, corrupt at the end, a bad batch) and one two-rank run that joins test_stability.py's launch.
+The real runs share launches (tests/keel_runs.py): one one-rank launch (the clean reference, recovery from a
+non-finite step and from a refused periodic save, no checkpoint yet, corrupt at the end, a bad batch) and one
+two-rank run that joins test_stability.py's launch. One spawned process checks the check on every engine kind.
 """
 
 from __future__ import annotations
@@ -260,6 +261,7 @@ def probed(tmp_path_factory) -> dict:
     return torch.load(out)
 
 
+@pytest.mark.slow  # one spawned process: DeepSpeed's import and six engines, ~20 s
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.fault("NaN in exp_avg_sq, master or working weights", "the state check names it, on every engine kind")
 def test_the_state_check_finds_nan_in_every_tensor_of_every_engine_kind(probed, kind):
