@@ -33,6 +33,7 @@ RAMPUP_SCALINGS = ("linear", "sqrt", "none")
 SAVE_ERROR_POLICIES = ("continue", "stop")
 PIPELINE_PARTITIONS = ("parameters", "uniform")  # or "type:<LayerClass>"
 PARALLEL_AXES = ("tp", "pp", "ep", "sp")
+CORRUPT_STATE_TARGETS = ("exp_avg_sq", "master", "param")
 
 
 @dataclass
@@ -250,6 +251,11 @@ class FaultsConfig:
     preflight_clock_skew_rank: int = -1  # this rank's clock runs preflight_clock_skew_s ahead
     preflight_clock_skew_s: float = 0.0
     preflight_free_bytes: int = -1  # >= 0: every rank sees this much free space in the checkpoint directory
+    # corrupt training state: after this step, once, NaN fills this rank's share of one tensor of the first
+    # parameter it holds: exp_avg_sq (Adam's second moment), master (its fp32 master copy), param (its working copy)
+    corrupt_state_step: int = 0
+    corrupt_state_rank: int = 0
+    corrupt_state_what: str = "exp_avg_sq"  # exp_avg_sq | master | param
 
 
 @dataclass

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from keel.config.corpus_spec import weighted_sources
 from keel.config.schema import (
+    CORRUPT_STATE_TARGETS,
     INITS,
     KERNELS,
     LR_SCHEDULES,
@@ -87,6 +88,8 @@ def validate(cfg: RunConfig, world_size: int) -> None:
              f"checkpoint.on_save_error: expected {_either(SAVE_ERROR_POLICIES)}, got {c.on_save_error!r}")
     _require(cfg.faults.save_enospc_bytes >= 0 and cfg.faults.save_enospc_step >= 0,
              "faults.save_enospc_bytes and faults.save_enospc_step must be >= 0")
+    _require(cfg.faults.corrupt_state_what in CORRUPT_STATE_TARGETS, "faults.corrupt_state_what: expected "
+             f"{_either(CORRUPT_STATE_TARGETS)}, got {cfg.faults.corrupt_state_what!r}")
     _require(cfg.logging.sync_debug in ("", "warn"),
              f"logging.sync_debug: expected '' (off) or 'warn', got {cfg.logging.sync_debug!r}")
     _require(cfg.logging.peak_tflops >= 0,

@@ -2,7 +2,8 @@
 
 Every fault is applied at one well-defined point of a step so that its effect is exactly the failure it
 imitates: a NaN that comes with a batch (and comes back when that batch is replayed), a loss spike, a flipped
-bit in one replica's weights, a rank that stalls, a rank whose data is garbage, a disk that fills mid-save.
+bit in one replica's weights, NaN in a rank's weights or optimizer state (corrupt state, not bad data), a rank that
+stalls, a rank whose data is garbage, a disk that fills mid-save.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import time
 
 import torch
 
-from keel.adapters.deepspeed_internals import master_state
+from keel.adapters.deepspeed_internals import master_state, zero3_partition
 from keel.config import FaultsConfig
 
 log = logging.getLogger("keel")
@@ -35,6 +36,7 @@ class FaultInjector:
         self.poisoned: set[int] = set()  # fingerprints of micro-batches that carry a NaN
         self.spike_steps = set(cfg.spike_steps) | ({cfg.spike_step} if cfg.spike_step else set())
         self._handle = None
+        self._state_corrupted = False
         embedding = self._embedding()
         if cfg.nan_step and embedding is not None:
             self._handle = embedding.register_forward_hook(self._poison_hook)
@@ -92,6 +94,7 @@ class FaultInjector:
 
     @torch.no_grad()
     def after_step(self, step: int) -> None:
+        self._corrupt_state(step)
         c = self.cfg
         if c.crash_step == step:
             log.error("fault injection: rank %d crashes after step %d", self.rank, step)
@@ -113,4 +116,26 @@ class FaultInjector:
         # ulp, the hard case for a check, yet one the next updates' rounding does not wash out (bit 0 of fp32 can be).
         bits[0] ^= 1 << (4 if target.element_size() == 4 else 0)
         log.warning("fault injection: flipped a low mantissa bit of %s (%s) on rank %d after step %d", name, state,
+                    self.rank, step)
+
+    @torch.no_grad()
+    def _corrupt_state(self, step: int) -> None:
+        """NaN into this rank's share of one state tensor of the first parameter it holds, once per process: a
+        rollback that replays the step finds it sound (an upset, not a defect that comes back)."""
+        c = self.cfg
+        if self._state_corrupted or c.corrupt_state_step != step or c.corrupt_state_rank != self.rank:
+            return
+        self._state_corrupted = True
+        name, param = next((n, p) for n, p in self.model.named_parameters() if master_state(self.engine, p))
+        held = master_state(self.engine, param)
+        # written through the per-parameter views (DeepSpeed's fragment mapping, or the parameter itself), not
+        # through the optimizer's flat tensors the state check reads
+        targets = {"exp_avg_sq": held.get("exp_avg_sq"), "master": held.get("fp32", held.get("param")),
+                   "param": zero3_partition(param).data}
+        target = targets[c.corrupt_state_what]
+        if target is None:
+            raise ValueError(f"faults.corrupt_state_what={c.corrupt_state_what}: rank {self.rank}'s optimizer "
+                             f"holds no such state for {name}")
+        target.fill_(float("nan"))
+        log.warning("fault injection: NaN in %s of %s on rank %d after step %d", c.corrupt_state_what, name,
                     self.rank, step)

@@ -38,8 +38,9 @@ from keel.training.engine import Fp32GradClipper, LRScale
 from keel.training.expert_health import ExpertHealth
 from keel.training.faults import FaultInjector
 from keel.training.guards.base import Action, AnomalyLog, Decision, StepStats
-from keel.training.guards.localize import localize_on_all_ranks
+from keel.training.guards.localize import STATE, localize_on_all_ranks
 from keel.training.guards.stack import GuardStack
+from keel.training.guards.state import CorruptStateGuard
 from keel.training.lr_schedule import rampup_batch_size, refresh_lr
 from keel.training.metrics import MetricsWriter
 from keel.training.monitor import ModelMonitor
@@ -134,6 +135,7 @@ class Trainer:
         self.faults = FaultInjector(cfg.faults, topology.rank, engine, cfg.model.vocab_size, cfg.train.seed)
         self.loss_fn = engine.module.loss_fn
         self.guards = GuardStack(cfg, engine, topology, self.anomalies)
+        self.corrupt_state = CorruptStateGuard(engine, self.checkpointer, topology, self.anomalies)
         self.preemption = PreemptionHandler()
         self.gate = StepGate(engine, topology.control("world"), self.preemption.signalled)
         self.monitor = ModelMonitor(engine, topology, cfg.stability.monitor_interval)
@@ -171,7 +173,7 @@ class Trainer:
         state.step, state.consumed_samples = batch.step, batch.end
         state.skipped_steps += int(not applied)
         if not applied and self.guards.nonfinite_at(batch.step):
-            self._localize(batch)
+            decision = self._classify_nonfinite(batch) or decision
         record = {"loss": loss, "lr": lr, "grad_norm": batch.grad_norm, "skipped": not applied,
                   "batch_size": batch.size, "loss_scale": loss_scale(self.engine),
                   **self.monitor.after_step(batch.step), **self.experts.after_step(batch.step, applied=applied)}
@@ -259,33 +261,44 @@ class Trainer:
         total = comm.all_reduce(local, self.topology.device("world"))
         return mine, total / self.topology.dp_size
 
-    def _localize(self, batch: StepBatch) -> None:
-        """Replay the skipped batch on every rank to name the first bad module and classify the cause."""
+    def _classify_nonfinite(self, batch: StepBatch) -> Decision | None:
+        """The skipped non-finite step: bad data or a transient fault (skipped: None), or corrupt weights or
+        optimizer state (guards/state.py: the rollback or stop that calls for). Every rank checks its own state;
+        where localization runs, every rank also replays its batch to name the first bad module."""
+        bad_state = self.corrupt_state.check_here()
+        reason = "non-finite weights or optimizer state"
         if not self.cfg.stability.localize_nonfinite or self.is_pipeline:
-            return
+            bad_ranks = self.corrupt_state.ranks_with_it(bad_state)
+            return self.corrupt_state.decide(batch.step, reason, ranks_with_corrupt_state=bad_ranks) \
+                if bad_ranks else None
         samples = step_sample_indices(batch.start, batch.size, self.cfg.train.micro_batch_size,
                                       self.topology.dp_rank, self.topology.dp_size)
         on_device = [mb.to(self.engine.device) for mb in batch.micro_batches]
         summary = localize_on_all_ranks(self.engine.module, on_device, samples, self._local_loss,
-                                        self.topology.control("world"))
+                                        self.topology.control("world"), self._val_batch(0), bad_state)
         if self.engine.zero_optimization_stage() == 3:
             self.engine.empty_partition_cache()  # the replay leaves gathered parameters behind
+        if summary["classification"] == STATE:  # the same summary on every rank: the same decision
+            return self.corrupt_state.decide(batch.step, reason, **summary)
         self.anomalies.record("nonfinite", batch.step, phase="localized", **summary)
         data = summary["classification"] == "data"
         log.warning("step %d: non-finite values localized: %s", batch.step,
                     f"{summary.get('first_bad_module')} on rank {summary['bad_rank']} (data; samples recorded)"
                     if data else f"transient on rank(s) {summary['bad_ranks']}")
+        return None
+
+    def _val_batch(self, index: int) -> torch.Tensor:
+        """This data-parallel rank's validation micro-batch `index`, on the device (fixed for the whole run)."""
+        mbs, n = self.cfg.train.micro_batch_size, len(self.val_samples)
+        first = (index * self.topology.dp_size + self.topology.dp_rank) * mbs
+        rows = [torch.from_numpy(self.val_samples[(first + j) % n]) for j in range(mbs)]
+        return torch.stack(rows).to(self.engine.device)
 
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean loss over `eval_batches` fixed validation micro-batches per data-parallel rank."""
         t = self.cfg.train
-        n = len(self.val_samples)
-        batches = []
-        for b in range(t.eval_batches):
-            first = (b * self.topology.dp_size + self.topology.dp_rank) * t.micro_batch_size
-            rows = [torch.from_numpy(self.val_samples[(first + j) % n]) for j in range(t.micro_batch_size)]
-            batches.append(torch.stack(rows).to(self.engine.device))
+        batches = [self._val_batch(b) for b in range(t.eval_batches)]
         if self.is_pipeline:
             pairs = iter([(batch[:, :-1], batch[:, 1:]) for batch in batches])
             return self.engine.eval_batch(pairs, num_micro_batches=t.eval_batches).item()
@@ -296,9 +309,10 @@ class Trainer:
 
     # -- acting on decisions --------------------------------------------------------------------------------
     def rollback(self, state: TrainState, metrics: MetricsWriter, first_bad_step: int, reason: str,
-                 lr_factor: float) -> TrainState:
-        """Reload the last checkpoint written before `first_bad_step`, scale the LR, keep the data cursor."""
-        tag = self.checkpointer.agreed_at_or_before(first_bad_step - 1)  # rank 0 chooses, every rank verifies
+                 lr_factor: float, to: str | None = None, rewind_data: bool = False) -> TrainState:
+        """Reload the last checkpoint written before `first_bad_step` (or `to`, already agreed), scale the LR, keep
+        the data cursor (or, `rewind_data`, continue from the checkpoint's: its samples were innocent)."""
+        tag = to or self.checkpointer.agreed_at_or_before(first_bad_step - 1)  # rank 0 chooses, every rank verifies
         if tag is None:
             self.anomalies.record("rollback", state.step, done=False, reason=f"{reason}; no checkpoint to return to")
             log.warning("step %d: %s, but no checkpoint precedes step %d: continuing", state.step, reason,
@@ -306,6 +320,7 @@ class Trainer:
             return state
         cursor, scale, rollbacks = state.consumed_samples, state.lr_scale * lr_factor, state.rollbacks
         restored = self.checkpointer.load(self.engine, tag, self.cfg.train.seed)
+        cursor = restored.consumed_samples if rewind_data else cursor
         restored.consumed_samples, restored.lr_scale, restored.rollbacks = cursor, scale, rollbacks + 1
         self.lr_scale.value = scale
         refresh_lr(self.engine.lr_scheduler)
@@ -333,9 +348,12 @@ class Trainer:
             log.info("resumed from %s: step %d, %d samples consumed", tag, state.step, state.consumed_samples)
         return state
 
-    def save(self, state: TrainState) -> SaveOutcome:
+    def save(self, state: TrainState) -> SaveOutcome | None:
         """A checkpoint of `state`; with checkpoint.async_save only its snapshot here — the files are written in
-        the background and their verdict arrives through `_background_saves`."""
+        the background and their verdict arrives through `_background_saves`. None: some rank's state is
+        non-finite, nothing is written."""
+        if not self.corrupt_state.allows_save(state.step):
+            return None
         during_save = functools.partial(self.faults.during_save, state.step)
         if self.saves is not None:
             return SaveOutcome(self.saves.save(self.engine, state, guards=self.guards.state_dict(),
@@ -406,37 +424,47 @@ class Trainer:
                     record["val_loss"] = self.evaluate()
             metrics.log(record)
             self.sinks.log(state.step, record)
-            if decision.action == Action.STOP:
-                log.error("stopping at step %d: %s", state.step, decision.reason)
-                return TrainResult(state, finished=False, exit_code=decision.exit_code, reason=decision.reason)
-            if decision.action == Action.ROLLBACK:
-                first = (self.guards.last_event or {}).get("first_spike_step", state.step)
-                factor = 1.0 if decision.restore else self.cfg.stability.rollback_lr_factor
-                with watchdog.phase("rollback", s.watchdog_save_timeout):
-                    self._background_saves(wait=True)  # published (or discarded) before choosing where to return
-                    state = self.rollback(state, metrics, first, decision.reason, factor)
-                continue
             stop_early = t.exit_after and steps_here >= t.exit_after and state.step < t.steps
             preempted = self.gate.preempted and state.step < t.steps
-            final = state.step == t.steps or stop_early or preempted
-            if final or (c.interval and state.step % c.interval == 0):
+            ending = state.step == t.steps or stop_early or preempted
+            if decision.action < Action.ROLLBACK and (ending or (c.interval and state.step % c.interval == 0)):
                 with watchdog.phase("checkpoint save", s.watchdog_save_timeout):
                     started = time.perf_counter()
                     saved = self.save(state)
                     save_time = time.perf_counter() - started
-                failed = "" if saved.ok else after_failed_save(saved, c.on_save_error, final, state.step,
-                                                               self.anomalies, self.topology.rank)
-                if failed:  # on_save_error: stop, or the last save failed (keel/training/save_failures.py)
-                    log.error("stopping at step %d: %s", state.step, failed)
-                    return TrainResult(state, finished=False, exit_code=EXIT_SAVE_FAILED, reason=failed)
-                if saved.ok and self.topology.rank == 0:
+                if saved is None:  # corrupt state: a run that ends so stops; else it returns to a good checkpoint
+                    decision = self.corrupt_state.refused_save(state.step, ending)
+                elif not saved.ok:  # discarded on every rank (keel/training/save_failures.py)
+                    failed = after_failed_save(saved, c.on_save_error, ending, state.step, self.anomalies,
+                                               self.topology.rank)
+                    if failed:
+                        decision = Decision(Action.STOP, failed, EXIT_SAVE_FAILED)
+                elif self.topology.rank == 0:
                     log.info("step %d: checkpoint saved in %.2f s", state.step, save_time)
+            if decision.action in (Action.STOP, Action.ROLLBACK):
+                outcome = self._act(decision, state, metrics, watchdog)
+                if isinstance(outcome, TrainResult):
+                    return outcome
+                state = outcome
+                continue
             if preempted:
                 self.anomalies.record("preempted", state.step, signal=self.preemption.received)
                 return TrainResult(state, finished=False, exit_code=EXIT_PREEMPTED, reason="preempted")
             if stop_early:
                 return TrainResult(state, finished=False)
         return TrainResult(state, finished=True)
+
+    def _act(self, decision: Decision, state: TrainState, metrics: MetricsWriter,
+             watchdog: Watchdog) -> TrainResult | TrainState:
+        """A STOP ends the run (the result to return); a ROLLBACK returns the state rolled back to."""
+        if decision.action == Action.STOP:
+            log.error("stopping at step %d: %s", state.step, decision.reason)
+            return TrainResult(state, finished=False, exit_code=decision.exit_code, reason=decision.reason)
+        first = (self.guards.last_event or {}).get("first_spike_step", state.step)
+        factor = 1.0 if decision.restore else self.cfg.stability.rollback_lr_factor
+        with watchdog.phase("rollback", self.cfg.stability.watchdog_save_timeout):
+            self._background_saves(wait=True)  # published (or discarded) before choosing where to return
+            return self.rollback(state, metrics, first, decision.reason, factor, decision.to, decision.rewind_data)
 
     def _timed(self, record: dict, state: TrainState, elapsed: float, stragglers: StragglerMonitor) -> dict:
         """The step's record with its position, throughput and (every straggler interval) the slowest rank."""

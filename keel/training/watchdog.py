@@ -14,6 +14,8 @@ Keel's process exit codes (one table, read by the launcher and by whoever reads 
     5  preempted: checkpoint saved on SIGUSR1/SIGTERM, requeue  keel.training.preemption.EXIT_PREEMPTED
     6  no checkpoint to load as agreed: ranks disagree on it,   keel.training.checkpoint.EXIT_CHECKPOINT
        or every checkpoint is corrupt (set aside as .corrupt)
+    7  corrupt training state (non-finite weights or optimizer  keel.training.guards.state.EXIT_CORRUPT_STATE
+       state) with no checkpoint to return to, coming back after a rollback, or at the end of the run
     8  a checkpoint save failed and the run stops               keel.training.checkpoint.EXIT_SAVE_FAILED
        (checkpoint.on_save_error: stop, or the final save)
     9  preflight found bad ranks (named in its table and JSON)  keel.preflight.judge.EXIT_PREFLIGHT

@@ -33,6 +33,8 @@ class Decision:
     restore: bool = False  # ROLLBACK to repair state (e.g. a corrupted replica), without the spike LR cut
     # STOP on bad data: the global sample index holding ids outside the vocabulary (every rank names it the same)
     sample: int | None = None
+    rewind_data: bool = False  # ROLLBACK with the data cursor rewound to the checkpoint's (the samples were innocent)
+    to: str | None = None  # ROLLBACK: the checkpoint every rank already agreed to return to (None: choose it then)
 
     @staticmethod
     def most_severe(decisions: list[Decision]) -> Decision:

@@ -5,7 +5,8 @@ micro-batch forward with hooks on every module and backward with `torch.autograd
 micro-batch that turned non-finite, the first module whose output was non-finite (where the value was first
 seen), the first module whose inputs were finite but output was not (where it was made), and the first
 parameters whose gradients were non-finite. A second replay decides the class: the same finding twice is
-"data" (the batch and the weights reproduce it; the samples are named), anything else is "transient".
+"data" (the batch and the weights reproduce it; the samples are named), anything else is "transient" — unless
+the weights or optimizer state are corrupt ("state", see `localize_on_all_ranks`): then no sample is to blame.
 
 What the replay leaves alone, and why:
 - DeepSpeed's state. It runs the plain model (`engine.module`), never the engine, and takes gradients with
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import socket
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -47,7 +49,7 @@ from keel.adapters.deepspeed_internals import zero3_partition
 from keel.parallel import comm
 
 ROOT = "<model>"  # the name reported for the model itself (named_modules calls it "")
-DATA, TRANSIENT = "data", "transient"
+DATA, TRANSIENT, STATE = "data", "transient", "state"
 MAX_BAD_GRADS = 5
 
 
@@ -307,16 +309,33 @@ def _samples(findings: list[Finding], micro_batches: Sequence[torch.Tensor],
 
 
 def localize_on_all_ranks(model: nn.Module, micro_batches: Sequence[torch.Tensor], samples: Sequence[int],
-                          local_loss: float | None, control: comm.Group) -> dict[str, Any]:
+                          local_loss: float | None, control: comm.Group, fixed_batch: torch.Tensor | None = None,
+                          bad_state: tuple[int, list[str]] = (0, [])) -> dict[str, Any]:
     """Every rank replays its own micro-batches of the skipped step; the findings are gathered (over the world's
-    control channel) and combined into one summary all ranks hold (a collective: call on every rank)."""
+    control channel) and combined into one summary all ranks hold (a collective: call on every rank).
+
+    Telling corrupt state from data: every rank also replays `fixed_batch` (a validation micro-batch, innocent by
+    construction), and brings `bad_state`, its own check of its weights and optimizer state (guards/state.py:
+    the count of non-finite tensors, some of their names). Either one non-finite on any rank makes the step
+    "state". The fixed batch is replayed whatever the step's replays found: every rank must run the same replays
+    (their collectives), and deciding first would take a second gather for a one-micro-batch saving."""
     event = localize(model, micro_batches, samples).event()
-    return combine_rank_findings(comm.all_gather_object({**event, "local_loss": local_loss}, control))
+    fixed = bool(replay(model, [fixed_batch])) if fixed_batch is not None else False
+    return combine_rank_findings(comm.all_gather_object(
+        {**event, "local_loss": local_loss, "host": socket.gethostname(), "fixed_batch_nonfinite": fixed,
+         "bad_state": bad_state[0], "bad_state_tensors": bad_state[1]}, control))
 
 
 def combine_rank_findings(found: list[dict[str, Any]]) -> dict[str, Any]:
-    """The first rank whose batch reproduces the fault names it ("data"); otherwise it was transient, on the ranks
-    whose replays or own loss saw a non-finite value."""
+    """Corrupt state on any rank (its own check, or the fixed batch non-finite) makes the step "state", no samples
+    blamed; otherwise the first rank whose batch reproduces the fault names it ("data"); otherwise it was
+    transient, on the ranks whose replays or own loss saw a non-finite value."""
+    state = [rank for rank, e in enumerate(found) if e.get("bad_state") or e.get("fixed_batch_nonfinite")]
+    if state:
+        return {"classification": STATE, "bad_ranks": state, "hosts": [found[r].get("host") for r in state],
+                "fixed_batch_nonfinite": [r for r in state if found[r].get("fixed_batch_nonfinite")],
+                "bad_state": {str(r): found[r]["bad_state_tensors"] for r in state if found[r].get("bad_state")},
+                "replay_reproduced": any(e["classification"] == DATA for e in found)}
     data = [(rank, e) for rank, e in enumerate(found) if e["classification"] == DATA]
     if data:
         rank, event = data[0]
