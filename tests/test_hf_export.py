@@ -216,7 +216,10 @@ def test_export_of_real_runs_matches_keel(runs, tmp_path, run, reference):
     export_hf(ref_dir, tmp_path / "ref")
     torch.testing.assert_close(hf_logits(tmp_path / "ref", x), expected, atol=1e-5, rtol=1e-5)
     export_hf(runs.run(run), tmp_path / "hf")
-    torch.testing.assert_close(hf_logits(tmp_path / "hf", x), expected, atol=1e-5, rtol=1e-5)
+    # another layout trains to fp32 rounding of the single process, which Adam's g/sqrt(v) amplifies on near-zero
+    # gradients: tp2 x pp2 after 3 steps measured 1.95e-5 at worst (AMD EPYC, AVX-512; below 1e-5 on other CPUs).
+    # A wrong export (a shard missed, a tensor transposed or mis-ordered) moves the logits by > 1e-2.
+    torch.testing.assert_close(hf_logits(tmp_path / "hf", x), expected, atol=1e-4, rtol=1e-4)
     provenance = json.loads((tmp_path / "hf" / "keel_export.json").read_text())
     assert "fp32" in provenance["weights"] and provenance["step"] == STEPS
     ours = load_tokenizer(read_run_dir(ref_dir)[2]["tokenizer"])
