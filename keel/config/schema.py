@@ -16,6 +16,8 @@ from typing import Any
 
 import yaml
 
+from keel.config.yaml_text import parse_yaml
+
 
 class ConfigError(ValueError):
     """A user-facing configuration mistake; the message is one line naming the field."""
@@ -31,6 +33,26 @@ LR_SCHEDULES = ("cosine", "linear", "constant", "inverse_sqrt", "wsd")
 RAMPUP_SCALINGS = ("linear", "sqrt", "none")
 PIPELINE_PARTITIONS = ("parameters", "uniform")  # or "type:<LayerClass>"
 PARALLEL_AXES = ("tp", "pp", "ep", "sp")
+SPIKE_MODES = ("window", "ema")
+CHECKSUM_ACTIONS = ("stop", "restore", "warn")
+WANDB_MODES = ("offline", "online", "disabled")
+SYNC_DEBUG_MODES = ("", "warn")
+
+# every choice field and the names it admits ("section.key"; model.compile and parallel.pipeline_partition also take
+# aliases and type:<LayerClass>, so their own rules check them)
+CHOICES: dict[str, tuple[str, ...]] = {
+    "model.norm": NORMS,
+    "model.init": INITS,
+    "model.kernels": KERNELS,
+    "model.moe_scoring": MOE_SCORINGS,
+    "model.moe_drop_policy": MOE_DROP_POLICIES,
+    "train.lr_schedule": LR_SCHEDULES,
+    "train.rampup_lr_scaling": RAMPUP_SCALINGS,
+    "logging.sync_debug": SYNC_DEBUG_MODES,
+    "stability.spike_mode": SPIKE_MODES,
+    "stability.checksum_action": CHECKSUM_ACTIONS,
+    "stability.wandb_mode": WANDB_MODES,
+}
 
 
 @dataclass
@@ -275,7 +297,7 @@ def _coerce(name: str, hint: Any, value: Any) -> Any:
         return str(value)
     if origin in (list, tuple):
         if isinstance(value, str):
-            parsed = yaml.safe_load(value) if value.strip().startswith("[") else value.split(",")
+            parsed = parse_yaml(value) if value.strip().startswith("[") else value.split(",")
             value = parsed
         if not isinstance(value, (list, tuple)):
             value = [value]
@@ -325,7 +347,7 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
             raise ConfigError(f"--set {item}: expected section.key=value (e.g. train.steps=100)")
         section, key = path.split(".")
         raw.setdefault(section, {})
-        raw[section][key] = yaml.safe_load(value) if value != "" else ""
+        raw[section][key] = parse_yaml(value) if value != "" else ""
     return raw
 
 
@@ -337,7 +359,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         if not path.is_file():
             raise ConfigError(f"config: file {path} does not exist")
         try:
-            raw = yaml.safe_load(path.read_text()) or {}
+            raw = parse_yaml(path.read_text()) or {}
         except yaml.YAMLError as exc:
             raise ConfigError(f"config: {path} is not valid YAML ({str(exc).splitlines()[0]})") from None
         if not isinstance(raw, dict):

@@ -13,10 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 import keel
 from keel.config import ConfigError, RunConfig, build_config, load_config, validate
+from keel.config.yaml_text import dump_yaml, parse_yaml
 from keel.training.ds_config import load_ds_config, resolve_ds_config, zero_stage
 
 CONFIG_FILE, DS_FILE, DATA_FILE = "config.yaml", "ds_config.json", "data.json"
@@ -86,7 +85,7 @@ def _check_same_run(run_dir: Path, cfg: RunConfig) -> None:
     saved = run_dir / CONFIG_FILE
     if not saved.is_file() or not cfg.checkpoint.resume:
         return
-    old = build_config(yaml.safe_load(saved.read_text()))
+    old = build_config(parse_yaml(saved.read_text()))
     for key, value in vars(cfg.model).items():
         if (key == "vocab_size" and value == 0) or (key in ("bos_id", "eos_id", "pad_id") and value == -1):
             continue  # resolved from the tokenizer later (prepare_data)
@@ -172,13 +171,13 @@ def _prepare_blend(spec: RunSpec, sources: list[tuple[list[str], float]], tokeni
 
 def write_run_dir(spec: RunSpec) -> None:
     spec.run_dir.mkdir(parents=True, exist_ok=True)
-    _atomic_write(spec.run_dir / CONFIG_FILE, yaml.safe_dump(spec.cfg.to_dict(), sort_keys=False))
+    _atomic_write(spec.run_dir / CONFIG_FILE, dump_yaml(spec.cfg.to_dict()))
     _atomic_write(spec.run_dir / DS_FILE, json.dumps(spec.ds_raw, indent=2) + "\n")
     _atomic_write(spec.run_dir / DATA_FILE, json.dumps(spec.data, indent=2) + "\n")
 
 
 def read_run_dir(run_dir: Path) -> tuple[RunConfig, dict[str, Any], dict[str, Any]]:
-    cfg = build_config(yaml.safe_load((run_dir / CONFIG_FILE).read_text()))
+    cfg = build_config(parse_yaml((run_dir / CONFIG_FILE).read_text()))
     ds_raw = json.loads((run_dir / DS_FILE).read_text())
     data = json.loads((run_dir / DATA_FILE).read_text())
     return cfg, ds_raw, data
