@@ -32,9 +32,12 @@ from keel.config.schema import (
     load_config,
 )
 from keel.config.validate import (
+    parse_skip_range,
     validate,
     validate_batch_split,
     validate_expert_and_sequence_parallel,
+    validate_faults,
+    validate_fields,
     validate_layout,
     validate_model,
     validate_moe,
@@ -70,7 +73,10 @@ __all__ = [
     "load_config",
     "validate",
     "validate_batch_split",
+    "parse_skip_range",
     "validate_expert_and_sequence_parallel",
+    "validate_faults",
+    "validate_fields",
     "validate_layout",
     "validate_model",
     "validate_moe",

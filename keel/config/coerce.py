@@ -75,8 +75,8 @@ def coerce(name: str, hint: Any, value: Any) -> Any:
     if hint is float:
         return _number(name, value)
     if hint is str:
-        if isinstance(value, bool):  # YAML's `compile: false`; the text as written
-            return str(value).lower()
+        if isinstance(value, bool):  # YAML's `compile: false` (model.compile reads it as a setting)
+            return str(value)
         if value is None or not isinstance(value, (str, int, float)):
             raise ConfigError(f"{name}: expected a string, got {'null' if value is None else repr(value)}")
         return str(value)
