@@ -16,7 +16,7 @@ from typing import Any
 import keel
 from keel.config import ConfigError, RunConfig, build_config, load_config, validate
 from keel.config.yaml_text import dump_yaml, parse_yaml
-from keel.training.ds_config import load_ds_config, resolve_ds_config, zero_stage
+from keel.training.ds_config import check_with_deepspeed, load_ds_config, resolve_ds_config, zero_stage
 
 CONFIG_FILE, DS_FILE, DATA_FILE = "config.yaml", "ds_config.json", "data.json"
 
@@ -73,7 +73,8 @@ def build_run(config_path: str | None, overrides: list[str], ds_config: str | No
             f"parallel.pp={cfg.parallel.pp} with ZeRO stage {zero_stage(ds_raw)}: DeepSpeed's pipeline engine "
             "supports ZeRO 0 and 1 only; use ds_configs/zero1.json or parallel.pp=1"
         )
-    resolve_ds_config(ds_raw, cfg, world_size // (cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.sp))
+    check_with_deepspeed(resolve_ds_config(ds_raw, cfg, world_size // (cfg.parallel.tp * cfg.parallel.pp *
+                                                                       cfg.parallel.sp)))
     default_name = Path(config_path).stem if config_path else "default"
     directory = Path(run_dir or Path("runs") / default_name).expanduser().resolve()
     _check_same_run(directory, cfg)
