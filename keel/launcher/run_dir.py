@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 import keel
 from keel.config import ConfigError, RunConfig, build_config, load_config, validate
 from keel.config.yaml_text import dump_yaml, parse_yaml
@@ -86,7 +88,12 @@ def _check_same_run(run_dir: Path, cfg: RunConfig) -> None:
     saved = run_dir / CONFIG_FILE
     if not saved.is_file() or not cfg.checkpoint.resume:
         return
-    old = build_config(parse_yaml(saved.read_text()))
+    try:
+        old = build_config(parse_yaml(saved.read_text()))
+    except (yaml.YAMLError, ConfigError) as exc:
+        problem = exc if isinstance(exc, ConfigError) else str(exc).splitlines()[0]
+        raise ConfigError(f"{saved}: the existing run's config.yaml is unreadable ({problem}); use a new --run-dir "
+                          "or checkpoint.resume=false") from None
     for key, value in vars(cfg.model).items():
         if (key == "vocab_size" and value == 0) or (key in ("bos_id", "eos_id", "pad_id") and value == -1):
             continue  # resolved from the tokenizer later (prepare_data)
