@@ -25,11 +25,14 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from keel.config import ConfigError, RunConfig
 from keel.config.bounds import BOUNDS
 from keel.launcher.cli import _external_world_size, build_parser, main
 from keel.launcher.run_dir import build_run, read_run_dir, write_run_dir
+from keel.training.ds_config import check_with_deepspeed, load_ds_config, resolve_ds_config
 from tests.faults.bad_cases import invalid_cases
 from tests.faults.config_cases import HINTS, Case, valid_cases
+from tests.keel_runs import REPO
 
 VALID_CASES, INVALID_CASES, WORLD_SIZE_CASES = 400, 1500, 100
 PER_EXAMPLE = 3  # invalid cases per hypothesis example: its per-example bookkeeping costs as much as a small case
@@ -168,3 +171,12 @@ def test_every_numeric_field_has_a_bound() -> None:
         return hint in (int, float) or bool(args) and all(a in (int, float) for a in args)
 
     assert {name for name, hint in HINTS.items() if numeric(hint)} == set(BOUNDS)
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "ds_configs").glob("*.json")), ids=lambda p: p.name)
+def test_shipped_ds_configs_pass_deepspeeds_prelaunch_check(path: Path) -> None:
+    """Every key of a shipped DeepSpeed JSON is one DeepSpeed reads (so the near-miss check has no false alarm)."""
+    check_with_deepspeed(resolve_ds_config(load_ds_config(path), RunConfig(), dp_size=2))
+    with pytest.raises(ConfigError, match=r"^ds_config\.zero_optimisation: .* did you mean zero_optimization\?$"):
+        check_with_deepspeed(resolve_ds_config({**load_ds_config(path), "zero_optimisation": {"stage": 3}},
+                                               RunConfig(), dp_size=2))
