@@ -19,11 +19,11 @@ _TRUE, _FALSE = ("true", "yes", "1", "on"), ("false", "no", "0", "off")
 
 
 class ConfigError(ValueError):
-    """A user-facing configuration mistake; the message is one line naming the field (line breaks in a quoted
-    value or a parser's message are folded, so the CLI's error stays one line)."""
+    """A user-facing configuration mistake; the message is one line naming the field (a message of several lines,
+    such as a parser's or a list of mismatches, is joined with "; ", so the CLI's error stays one line)."""
 
     def __init__(self, message: str):
-        super().__init__(" ".join(str(message).splitlines()))
+        super().__init__("; ".join(line.strip() for line in str(message).splitlines() if line.strip()))
 
 
 def _integer(name: str, value: Any) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import difflib
 import json
+import logging
 from collections.abc import KeysView
 from pathlib import Path
 from typing import Any
@@ -187,14 +188,12 @@ def check_with_deepspeed(ds: dict[str, Any]) -> None:
     (a string where it wants a number, a typo inside zero_optimization) is one line here instead of a traceback on
     every rank after start-up. A top-level key it never reads is ignored by DeepSpeed; one an edit away from a key
     it reads (zero_optimisation) is a typo, refused here."""
-    from deepspeed.runtime.config import DeepSpeedConfig
-
     parsed = _ReadKeys(copy.deepcopy(ds))
     # with no process group DeepSpeed takes a world of 1: give it one data-parallel rank's share of the batch,
     # whose split over the ranks resolve_ds_config has checked
     parsed["train_batch_size"] = ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"]
     try:
-        DeepSpeedConfig(parsed)
+        _deepspeed_config_class()(parsed)
     except Exception as exc:  # its parser raises ValueError, AssertionError, pydantic's ValidationError ...
         raise ConfigError(f"train.ds_config: DeepSpeed refuses it: {type(exc).__name__}: {exc}") from None
     known = sorted(str(k) for k in parsed.read | set(READ_WITH_A_PROCESS_GROUP))
@@ -203,3 +202,20 @@ def check_with_deepspeed(ds: dict[str, Any]) -> None:
         if close:
             raise ConfigError(f"ds_config.{key}: not a key DeepSpeed reads, so it would be ignored; "
                               f"did you mean {close[0]}?")
+
+
+def _deepspeed_config_class() -> type:
+    """DeepSpeedConfig, imported with the notice DeepSpeed logs on stdout when it finds no GPU ("Setting accelerator
+    to CPU") held back: the pre-launch check runs in commands whose stdout is their output (keel slurm --dry-run
+    prints the sbatch script)."""
+    notices = logging.getLogger("DeepSpeed")  # DeepSpeed's logger (deepspeed.utils.logging), created at its import
+
+    def hold(record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Setting accelerator to CPU")
+
+    notices.addFilter(hold)
+    try:
+        from deepspeed.runtime.config import DeepSpeedConfig
+    finally:
+        notices.removeFilter(hold)
+    return DeepSpeedConfig
