@@ -34,9 +34,12 @@ from keel.config.schema import (
 )
 from keel.config.validate import (
     clamp_warmup,
+    parse_skip_range,
     validate,
     validate_batch_split,
     validate_expert_and_sequence_parallel,
+    validate_faults,
+    validate_fields,
     validate_layout,
     validate_model,
     validate_moe,
@@ -74,7 +77,10 @@ __all__ = [
     "load_config",
     "validate",
     "validate_batch_split",
+    "parse_skip_range",
     "validate_expert_and_sequence_parallel",
+    "validate_faults",
+    "validate_fields",
     "validate_layout",
     "validate_model",
     "validate_moe",

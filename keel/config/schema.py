@@ -16,10 +16,8 @@ from typing import Any
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A user-facing configuration mistake; the message is one line naming the field."""
-
+from keel.config.coerce import ConfigError, coerce, yaml_problem
+from keel.config.yaml_text import parse_yaml
 
 # -- the values each choice field admits ------------------------------------------------------------------------
 NORMS = ("rmsnorm", "layernorm")
@@ -34,6 +32,29 @@ SAVE_ERROR_POLICIES = ("continue", "stop")
 PIPELINE_PARTITIONS = ("parameters", "uniform")  # or "type:<LayerClass>"
 PARALLEL_AXES = ("tp", "pp", "ep", "sp")
 CORRUPT_STATE_TARGETS = ("exp_avg_sq", "master", "param")
+SPIKE_MODES = ("window", "ema")
+CHECKSUM_ACTIONS = ("stop", "restore", "warn")
+WANDB_MODES = ("offline", "online", "disabled")
+SYNC_DEBUG_MODES = ("", "warn")
+
+# every choice field and the names it admits ("section.key"; model.compile and parallel.pipeline_partition also take
+# aliases and type:<LayerClass>, so their own rules check them)
+CHOICES: dict[str, tuple[str, ...]] = {
+    "model.norm": NORMS,
+    "model.init": INITS,
+    "model.norm_placement": NORM_PLACEMENTS,
+    "model.kernels": KERNELS,
+    "model.moe_scoring": MOE_SCORINGS,
+    "model.moe_drop_policy": MOE_DROP_POLICIES,
+    "train.lr_schedule": LR_SCHEDULES,
+    "train.rampup_lr_scaling": RAMPUP_SCALINGS,
+    "checkpoint.on_save_error": SAVE_ERROR_POLICIES,
+    "logging.sync_debug": SYNC_DEBUG_MODES,
+    "stability.spike_mode": SPIKE_MODES,
+    "stability.checksum_action": CHECKSUM_ACTIONS,
+    "stability.wandb_mode": WANDB_MODES,
+    "faults.corrupt_state_what": CORRUPT_STATE_TARGETS,
+}
 
 
 @dataclass
@@ -282,49 +303,7 @@ def _plain(value: Any) -> Any:
 
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(RunConfig)}
-
-
-def _coerce(name: str, hint: Any, value: Any) -> Any:
-    """Convert a YAML/CLI value to the field's declared type, or say which field is wrong."""
-    origin = typing.get_origin(hint)
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0", "on", "off"):
-            return value.lower() in ("true", "yes", "1", "on")
-        raise ConfigError(f"{name}: expected true or false, got {value!r}")
-    if hint is int:
-        if isinstance(value, bool) or not isinstance(value, (int, str, float)):
-            raise ConfigError(f"{name}: expected an integer, got {value!r}")
-        try:
-            as_float = float(value)
-        except ValueError:
-            raise ConfigError(f"{name}: expected an integer, got {value!r}") from None
-        if as_float != int(as_float):
-            raise ConfigError(f"{name}: expected an integer, got {value!r}")
-        return int(as_float)
-    if hint is float:
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{name}: expected a number, got {value!r}") from None
-    if hint is str:
-        if isinstance(value, (dict, list)):
-            raise ConfigError(f"{name}: expected a string, got {value!r}")
-        return str(value)
-    if origin in (list, tuple):
-        if isinstance(value, str):
-            parsed = yaml.safe_load(value) if value.strip().startswith("[") else value.split(",")
-            value = parsed
-        if not isinstance(value, (list, tuple)):
-            value = [value]
-        args = typing.get_args(hint)
-        if origin is tuple:
-            if len(value) != len(args):
-                raise ConfigError(f"{name}: expected {len(args)} values, got {value!r}")
-            return tuple(_coerce(name, a, v) for a, v in zip(args, value))
-        return [_coerce(name, args[0], v) for v in value]
-    return value
+_HINTS = {name: typing.get_type_hints(cls) for name, cls in typing.get_type_hints(RunConfig).items()}
 
 
 def _build_section(section: str, cls: type, values: Any) -> Any:
@@ -332,20 +311,20 @@ def _build_section(section: str, cls: type, values: Any) -> Any:
         values = {}
     if not isinstance(values, dict):
         raise ConfigError(f"{section}: expected a mapping of keys, got {values!r}")
-    hints = typing.get_type_hints(cls)
-    known = {f.name for f in dataclasses.fields(cls)}
+    hints = _HINTS[section]
     for key in values:
         if (section, key) == ("checkpoint", "async"):
             raise ConfigError("checkpoint.async: `async` is a Python keyword; the key is checkpoint.async_save")
-        if key not in known:
-            raise ConfigError(f"{section}.{key}: unknown key; valid keys are {', '.join(sorted(known))}")
-    kwargs = {k: _coerce(f"{section}.{k}", hints[k], v) for k, v in values.items()}
+        if key not in hints:
+            raise ConfigError(f"{section}.{key}: unknown key; valid keys are {', '.join(sorted(hints))}")
+    kwargs = {k: coerce(f"{section}.{k}", hints[k], v) for k, v in values.items()}
     return cls(**kwargs)
 
 
 def build_config(raw: dict[str, Any] | None) -> RunConfig:
     """A RunConfig from a parsed YAML mapping; unknown sections/keys and mistyped values are ConfigErrors."""
-    raw = raw or {}
+    if raw is None:
+        raw = {}
     if not isinstance(raw, dict):
         raise ConfigError("config: the YAML file must be a mapping of sections (model, data, train, ...)")
     hints = typing.get_type_hints(RunConfig)
@@ -356,18 +335,32 @@ def build_config(raw: dict[str, Any] | None) -> RunConfig:
 
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply `section.key=value` strings; values are parsed as YAML scalars and typed later by the dataclass."""
-    raw = {k: dict(v or {}) for k, v in (raw or {}).items()}
+    """Apply `section.key=value` strings; values are parsed as YAML and typed later by the dataclass, except
+    that a text field takes the text as typed (`--set data.text_field=yes` is "yes", not true)."""
+    raw = {k: dict(v) if isinstance(v, dict) else v for k, v in (raw or {}).items()}
     for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"--set {item}: expected section.key=value")
-        path, value = item.split("=", 1)
-        if path.count(".") != 1:
+        path, equals, text = item.partition("=")
+        section, dot, key = path.partition(".")
+        if not equals or not dot or not section or not key or "." in key:
             raise ConfigError(f"--set {item}: expected section.key=value (e.g. train.steps=100)")
-        section, key = path.split(".")
-        raw.setdefault(section, {})
-        raw[section][key] = yaml.safe_load(value) if value != "" else ""
+        if raw.get(section) is None:
+            raw[section] = {}
+        if not isinstance(raw[section], dict):
+            raise ConfigError(f"{section}: expected a mapping of keys, got {raw[section]!r}")
+        raw[section][key] = _override_value(f"{section}.{key}", _HINTS.get(section, {}).get(key), text)
     return raw
+
+
+def _override_value(name: str, hint: Any, text: str) -> Any:
+    if text == "":
+        return ""
+    try:
+        value = parse_yaml(text)
+    except yaml.YAMLError as exc:
+        if hint is str:
+            return text
+        raise ConfigError(f"{name}: {text!r} is not a YAML value ({yaml_problem(exc)})") from None
+    return text if hint is str and not isinstance(value, str) else value
 
 
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
@@ -378,9 +371,11 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         if not path.is_file():
             raise ConfigError(f"config: file {path} does not exist")
         try:
-            raw = yaml.safe_load(path.read_text()) or {}
+            raw = parse_yaml(path.read_text())
         except yaml.YAMLError as exc:
             raise ConfigError(f"config: {path} is not valid YAML ({str(exc).splitlines()[0]})") from None
+        if raw is None:
+            raw = {}
         if not isinstance(raw, dict):
             raise ConfigError(f"config: {path} must be a mapping of sections (model, data, train, ...)")
     return build_config(apply_overrides(raw, list(overrides)))

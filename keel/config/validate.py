@@ -9,21 +9,16 @@ dataclass) calls the rule function here rather than restating it.
 
 from __future__ import annotations
 
+from keel.config.bounds import BOUNDS
 from keel.config.corpus_spec import weighted_sources
 from keel.config.schema import (
-    CORRUPT_STATE_TARGETS,
-    INITS,
-    KERNELS,
+    CHOICES,
     LR_SCHEDULES,
-    MOE_DROP_POLICIES,
-    MOE_SCORINGS,
-    NORM_PLACEMENTS,
-    NORMS,
-    PARALLEL_AXES,
     PIPELINE_PARTITIONS,
     RAMPUP_SCALINGS,
-    SAVE_ERROR_POLICIES,
+    SECTIONS,
     ConfigError,
+    FaultsConfig,
     ModelConfig,
     RunConfig,
     StabilityConfig,
@@ -41,6 +36,35 @@ def _either(names: tuple[str, ...]) -> str:
     return f"{', '.join(names[:-1])} or {names[-1]}"
 
 
+# -- each field on its own: its range (keel/config/bounds.py) or its names (schema.CHOICES) -----------------------
+def _by_section(table: dict) -> dict[str, list[tuple[str, str, object]]]:
+    return {section: [(name, name.split(".")[1], rule) for name, rule in table.items()
+                      if name.startswith(section + ".")] for section in SECTIONS}
+
+
+_BOUNDS_BY_SECTION, _CHOICES_BY_SECTION = _by_section(BOUNDS), _by_section(CHOICES)
+
+
+def validate_fields(section: str, values: object, keys: tuple[str, ...] | None = None) -> None:
+    """Every numeric field of `section` (or its `keys`) within its bound (each item of a list), every choice one of
+    its names."""
+    for name, key, bound in _BOUNDS_BY_SECTION[section]:
+        if keys is not None and key not in keys:
+            continue
+        value = getattr(values, key)
+        items = enumerate(value) if isinstance(value, (list, tuple)) else [(None, value)]
+        for i, item in items:
+            label = name if i is None else f"{name}[{i}]"
+            _require(isinstance(item, (int, float)) and not isinstance(item, bool) and bound.admits(item),
+                     f"{label}: must be {bound.describe()}, got {item!r}")
+    for name, key, choices in _CHOICES_BY_SECTION[section]:
+        if keys is not None and key not in keys:
+            continue
+        value = getattr(values, key)
+        _require(value in choices, f"{name}: expected {_either(tuple(repr(c) if not c else c for c in choices))}, "
+                                   f"got {value!r}")
+
+
 # -- the whole run ---------------------------------------------------------------------------------------------
 def clamp_warmup(t: TrainConfig) -> str | None:
     """A warmup longer than the run (the default 30 steps in a quick `--set train.steps=20`) ends with the run:
@@ -56,50 +80,22 @@ def clamp_warmup(t: TrainConfig) -> str | None:
 def validate(cfg: RunConfig, world_size: int) -> None:
     """Everything that can be checked without data or DeepSpeed; the DeepSpeed JSON is checked against it later."""
     validate_model(cfg.model)
-    d, t, p, c = cfg.data, cfg.train, cfg.parallel, cfg.checkpoint
-    _require(d.seq_len > 0, f"data.seq_len: must be positive, got {d.seq_len}")
-    _require(0.0 < d.val_fraction < 0.5, f"data.val_fraction: expected a fraction in (0, 0.5), got {d.val_fraction}")
+    for section in SECTIONS:
+        if section != "model":
+            validate_fields(section, getattr(cfg, section))
+    d, t, p = cfg.data, cfg.train, cfg.parallel
     _require(d.tokenizer.strip() != "", "data.tokenizer: empty; use train, or the path of a sentencepiece .model, "
              "an HF tokenizer.json or an HF tokenizer directory")
     _require(d.tokenizer != "train" or d.tokenizer_vocab_size >= 300,
              f"data.tokenizer_vocab_size: {d.tokenizer_vocab_size} is too small (byte fallback needs >= 300)")
     weighted_sources(d.corpus)
+    for i, item in enumerate(d.skip_ranges):
+        parse_skip_range(item, f"data.skip_ranges[{i}]")
     _require(not d.document_mask or (p.pp == 1 and p.sp == 1),
              f"data.document_mask with parallel.pp={p.pp}, sp={p.sp}: the mask is built from the tokens in the "
              "model's forward, which pipeline stages and Ulysses shards do not see whole; use pp=1 and sp=1")
-    _require(t.steps > 0, f"train.steps: must be positive, got {t.steps}")
-    _require(t.exit_after >= 0, f"train.exit_after: must be >= 0 (0 disables), got {t.exit_after}")
-    _require(t.micro_batch_size > 0, f"train.micro_batch_size: must be positive, got {t.micro_batch_size}")
-    _require(t.global_batch_size > 0, f"train.global_batch_size: must be positive, got {t.global_batch_size}")
-    _require(t.lr > 0, f"train.lr: must be positive, got {t.lr}")
-    _require(0.0 <= t.label_smoothing < 1.0 and t.z_loss >= 0,
-             "train.label_smoothing must lie in [0, 1) and train.z_loss be >= 0")
-    _require(0.0 <= t.min_lr_ratio <= 1.0, f"train.min_lr_ratio: expected a ratio in [0, 1], got {t.min_lr_ratio}")
-    _require(0 <= t.warmup_steps <= t.steps,
-             f"train.warmup_steps: {t.warmup_steps} must lie in [0, train.steps={t.steps}]")
-    _require(all(0.0 <= b < 1.0 for b in t.betas), f"train.betas: each must lie in [0, 1), got {list(t.betas)}")
-    _require(t.eps > 0 and t.weight_decay >= 0 and t.grad_clip >= 0,
-             "train.eps must be positive; train.weight_decay and train.grad_clip must be >= 0")
-    _require(t.eval_interval >= 0 and t.eval_batches > 0,
-             "train.eval_interval must be >= 0 (0 disables) and train.eval_batches positive")
-    _require(c.interval >= 0, f"checkpoint.interval: must be >= 0 (0: only at the end), got {c.interval}")
-    _require(c.keep_last >= 1, f"checkpoint.keep_last: must keep at least 1, got {c.keep_last}")
-    _require(c.on_save_error in SAVE_ERROR_POLICIES,
-             f"checkpoint.on_save_error: expected {_either(SAVE_ERROR_POLICIES)}, got {c.on_save_error!r}")
-    _require(cfg.faults.save_enospc_bytes >= 0 and cfg.faults.save_enospc_step >= 0,
-             "faults.save_enospc_bytes and faults.save_enospc_step must be >= 0")
-    _require(cfg.faults.corrupt_state_what in CORRUPT_STATE_TARGETS, "faults.corrupt_state_what: expected "
-             f"{_either(CORRUPT_STATE_TARGETS)}, got {cfg.faults.corrupt_state_what!r}")
-    _require(cfg.logging.sync_debug in ("", "warn"),
-             f"logging.sync_debug: expected '' (off) or 'warn', got {cfg.logging.sync_debug!r}")
-    _require(cfg.logging.peak_tflops >= 0,
-             f"logging.peak_tflops: must be >= 0 (0: by device name), got {cfg.logging.peak_tflops}")
-    for name in PARALLEL_AXES:
-        size = getattr(p, name)
-        _require(size >= 1, f"parallel.{name}: must be >= 1, got {size}")
+    _require(t.warmup_steps <= t.steps, f"train.warmup_steps: {t.warmup_steps} must lie in [0, train.steps={t.steps}]")
     validate_layout(cfg)
-    _require(t.activation_checkpoint_interval >= 0,
-             f"train.activation_checkpoint_interval: must be >= 0 (0 disables), got {t.activation_checkpoint_interval}")
     _require(p.pipeline_partition in PIPELINE_PARTITIONS or p.pipeline_partition.startswith("type:"),
              f"parallel.pipeline_partition: expected {', '.join(PIPELINE_PARTITIONS)} or type:<LayerClass>, "
              f"got {p.pipeline_partition!r}")
@@ -108,76 +104,63 @@ def validate(cfg: RunConfig, world_size: int) -> None:
     dp = validate_world_size(world_size, tp=p.tp, pp=p.pp, sp=p.sp, ep=p.ep)
     validate_batch_split(t, dp)
     validate_schedule(t, dp)
-    validate_watchdog(cfg.stability)
+    validate_stability(cfg.stability)
+    validate_faults(cfg.faults, world_size, cfg.model.moe_experts)
 
 
-def validate_watchdog(s: StabilityConfig) -> None:
-    """Each watched phase's deadline is a number of seconds, 0 meaning unwatched."""
-    for name in ("watchdog_timeout", "watchdog_check_timeout", "watchdog_eval_timeout", "watchdog_save_timeout"):
-        value = getattr(s, name)
-        _require(value >= 0, f"stability.{name}: must be >= 0 seconds (0: off), got {value}")
-    _require(s.attn_logit_warn >= 0, f"stability.attn_logit_warn: must be >= 0 (0: off), got {s.attn_logit_warn}")
+def validate_stability(s: StabilityConfig) -> None:
+    """A growth factor at or below 1 would flag every step."""
     _require(s.attn_logit_growth == 0 or s.attn_logit_growth > 1,
              f"stability.attn_logit_growth: a factor > 1 (0: off), got {s.attn_logit_growth}")
+
+
+def parse_skip_range(item: object, name: str = "data.skip_ranges") -> tuple[int, int]:
+    """A `data.skip_ranges` entry "start:end" (global sample indices, 0 <= start < end) as (start, end)."""
+    parts = str(item).split(":") if isinstance(item, str) else []
+    try:
+        start, end = (int(x) for x in parts) if len(parts) == 2 else (-1, -1)
+    except ValueError:
+        start, end = -1, -1
+    _require(0 <= start < end, f"{name}: expected 'start:end' with 0 <= start < end, got {item!r}")
+    return start, end
+
+
+def validate_faults(f: FaultsConfig, world_size: int, experts: int) -> None:
+    """A fault aimed at a rank or an expert that does not exist would silently never fire."""
+    for key in ("nan_rank", "bitflip_rank", "sleep_rank", "noise_rank", "save_stall_rank", "checkpoint_dir_rank",
+                "save_enospc_rank", "corrupt_state_rank", "preflight_bad_matmul_rank", "preflight_slow_rank",
+                "preflight_slow_link_rank", "preflight_clock_skew_rank"):
+        rank = getattr(f, key)
+        _require(rank < world_size, f"faults.{key}={rank}: the run has ranks 0..{world_size - 1}")
+    _require(f.starve_expert < experts, f"faults.starve_expert={f.starve_expert}: "
+             + (f"the model has experts 0..{experts - 1}" if experts else "needs an MoE model (model.moe_experts)"))
 
 
 # -- the model -------------------------------------------------------------------------------------------------
 def validate_model(m: ModelConfig) -> None:
     """Shapes and choices of the model alone; also called by `build_layers` for models built without `validate`."""
-    _require(m.vocab_size >= 0, f"model.vocab_size: must be >= 0 (0 takes the tokenizer's), got {m.vocab_size}")
-    for role in ("bos_id", "eos_id", "pad_id"):
-        value = getattr(m, role)
-        _require(value >= -1, f"model.{role}: must be >= -1 (-1: the tokenizer's), got {value}")
-    _require(m.dim > 0 and m.n_layers > 0, "model.dim and model.n_layers must be positive")
-    _require(m.n_heads > 0 and m.dim % m.n_heads == 0, f"model.n_heads: {m.n_heads} does not divide model.dim {m.dim}")
-    _require(m.n_kv_heads > 0 and m.n_heads % m.n_kv_heads == 0,
-             f"model.n_kv_heads: {m.n_kv_heads} must divide model.n_heads {m.n_heads}")
+    validate_fields("model", m)
+    _require(m.dim % m.n_heads == 0, f"model.n_heads: {m.n_heads} does not divide model.dim {m.dim}")
+    _require(m.n_heads % m.n_kv_heads == 0, f"model.n_kv_heads: {m.n_kv_heads} must divide model.n_heads {m.n_heads}")
     _require(m.head_dim % 2 == 0, f"model.dim: head_dim = dim / n_heads = {m.head_dim} must be even for RoPE")
-    _require(m.norm in NORMS, f"model.norm: expected {_either(NORMS)}, got {m.norm!r}")
-    _require(m.init in INITS, f"model.init: expected {_either(INITS)}, got {m.init!r}")
-    _require(m.kernels in KERNELS, f"model.kernels: expected {_either(KERNELS)}, got {m.kernels!r}")
-    _require(0.0 <= m.dropout < 1.0, f"model.dropout: expected a probability in [0, 1), got {m.dropout}")
-    _require(m.vocab_pad_multiple >= 1, f"model.vocab_pad_multiple: must be >= 1, got {m.vocab_pad_multiple}")
-    _require(m.init_std > 0, f"model.init_std: must be positive, got {m.init_std}")
-    _require(m.embedding_init_std >= 0,
-             f"model.embedding_init_std: must be >= 0 (0: the matrices' std), got {m.embedding_init_std}")
-    _require(m.norm_placement in NORM_PLACEMENTS,
-             f"model.norm_placement: expected {_either(NORM_PLACEMENTS)}, got {m.norm_placement!r}")
     _require(not m.deepnorm or m.norm_placement == "post",
              f"model.deepnorm: DeepNet is post-norm; set model.norm_placement: post (got {m.norm_placement!r})")
-    _require(m.norm_eps > 0 and m.rope_theta > 0, "model.norm_eps and model.rope_theta must be positive")
     validate_moe(m)
 
 
 def validate_moe(m: ModelConfig) -> None:
-    """The mixture-of-experts settings (nothing to check for a dense model)."""
+    """The mixture-of-experts settings that relate to the model (each field's range is checked on its own)."""
     if m.moe_experts == 0:
         return
     _require(m.moe_experts >= 2, f"model.moe_experts: an MoE layer needs >= 2 experts, got {m.moe_experts}")
-    _require(1 <= m.moe_top_k <= min(2, m.moe_experts), f"model.moe_top_k: expected 1 or 2, got {m.moe_top_k}")
-    _require(1 <= m.moe_every <= m.n_layers, f"model.moe_every: expected 1..n_layers={m.n_layers}, got {m.moe_every}")
-    _require(m.moe_ffn_hidden >= 0,
-             f"model.moe_ffn_hidden: must be >= 0 (0: the dense width), got {m.moe_ffn_hidden}")
-    _require(m.moe_scoring in MOE_SCORINGS, f"model.moe_scoring: expected {_either(MOE_SCORINGS)}, got "
-                                            f"{m.moe_scoring!r}")
-    _require(0.0 <= m.moe_jitter < 1.0, f"model.moe_jitter: expected a fraction in [0, 1), got {m.moe_jitter}")
-    _require(m.moe_aux_loss >= 0 and m.moe_z_loss >= 0, "model.moe_aux_loss and model.moe_z_loss must be >= 0")
-    _require(m.moe_capacity_factor >= 0,
-             f"model.moe_capacity_factor: must be >= 0 (0: dropless), got {m.moe_capacity_factor}")
-    _require(m.moe_drop_policy in MOE_DROP_POLICIES,
-             f"model.moe_drop_policy: expected {_either(MOE_DROP_POLICIES)}, got {m.moe_drop_policy!r}")
-    _require(m.moe_bias_update >= 0, f"model.moe_bias_update: must be >= 0 (0: off), got {m.moe_bias_update}")
+    _require(m.moe_every <= m.n_layers, f"model.moe_every: expected 1..n_layers={m.n_layers}, got {m.moe_every}")
 
 
 # -- the LR schedule and batch-size ramp-up --------------------------------------------------------------------
 def validate_schedule(t: TrainConfig, dp: int) -> None:
     """Schedule and ramp-up fields for `dp` data-parallel ranks."""
     validate_schedule_choices(t)
-    _require(0.0 < t.decay_fraction <= 1.0,
-             f"train.decay_fraction: expected a fraction in (0, 1], got {t.decay_fraction}")
-    _require(t.rampup_start_batch >= 0, f"train.rampup_start_batch: must be >= 0 (0: no ramp-up), got "
-             f"{t.rampup_start_batch}")
-    _require(t.rampup_steps >= 0, f"train.rampup_steps: must be >= 0, got {t.rampup_steps}")
+    validate_fields("train", t, ("decay_fraction", "rampup_start_batch", "rampup_steps"))
     if t.rampup_start_batch == 0:  # no ramp-up
         return
     unit = t.micro_batch_size * dp

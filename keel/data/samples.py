@@ -13,6 +13,7 @@ import math
 import numpy as np
 import torch
 
+from keel.config.validate import parse_skip_range
 from keel.data.errors import DataError
 from keel.data.indexed import IndexedDataset
 
@@ -208,8 +209,4 @@ def skip_to(start: int, skip_ranges: list[tuple[int, int]]) -> int:
 
 def parse_skip_ranges(ranges: list[str]) -> list[tuple[int, int]]:
     """data.skip_ranges ("start:end" global sample indices) as sorted (start, end) spans."""
-    spans = []
-    for item in ranges:
-        start, end = (int(x) for x in str(item).split(":"))
-        spans.append((start, end))
-    return sorted(spans)
+    return sorted(parse_skip_range(item) for item in ranges)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import re
 import sys
 import traceback
 
@@ -26,9 +27,13 @@ def _default_nproc() -> int:
 
 def _external_world_size() -> int | None:
     """WORLD_SIZE when an external launcher (torchrun, deepspeed, srun wrapper) already started this rank."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return int(os.environ["WORLD_SIZE"])
-    return None
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return None
+    text = os.environ["WORLD_SIZE"]
+    if not re.fullmatch(r"\s*[0-9]+\s*", text) or int(text) < 1:
+        raise ConfigError(f"WORLD_SIZE={text!r}: expected a positive integer (the number of ranks its launcher "
+                          "started)")
+    return int(text)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -325,8 +330,9 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     from keel.data import DataError
 
-    in_place = _external_world_size() is not None  # a rank of an external launcher (torchrun, deepspeed, srun)
+    in_place = False
     try:
+        in_place = _external_world_size() is not None  # a rank of an external launcher (torchrun, deepspeed, srun)
         code = args.func(args)
     except (ConfigError, DataError) as exc:
         print(f"keel: error: {exc}", file=sys.stderr)

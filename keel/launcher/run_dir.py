@@ -18,7 +18,8 @@ import yaml
 
 import keel
 from keel.config import ConfigError, RunConfig, build_config, clamp_warmup, load_config, validate
-from keel.training.ds_config import load_ds_config, resolve_ds_config, zero_stage
+from keel.config.yaml_text import dump_yaml, parse_yaml
+from keel.training.ds_config import check_with_deepspeed, load_ds_config, resolve_ds_config, zero_stage
 
 CONFIG_FILE, DS_FILE, DATA_FILE = "config.yaml", "ds_config.json", "data.json"
 
@@ -79,7 +80,8 @@ def build_run(config_path: str | None, overrides: list[str], ds_config: str | No
             f"parallel.pp={cfg.parallel.pp} with ZeRO stage {zero_stage(ds_raw)}: DeepSpeed's pipeline engine "
             "supports ZeRO 0 and 1 only; use ds_configs/zero1.json or parallel.pp=1"
         )
-    resolve_ds_config(ds_raw, cfg, world_size // (cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.sp))
+    check_with_deepspeed(resolve_ds_config(ds_raw, cfg, world_size // (cfg.parallel.tp * cfg.parallel.pp *
+                                                                       cfg.parallel.sp)))
     default_name = Path(config_path).stem if config_path else "default"
     directory = Path(run_dir or Path("runs") / default_name).expanduser().resolve()
     _check_same_run(directory, cfg)
@@ -91,7 +93,12 @@ def _check_same_run(run_dir: Path, cfg: RunConfig) -> None:
     saved = run_dir / CONFIG_FILE
     if not saved.is_file() or not cfg.checkpoint.resume:
         return
-    old = build_config(yaml.safe_load(saved.read_text()))
+    try:
+        old = build_config(parse_yaml(saved.read_text()))
+    except (yaml.YAMLError, ConfigError) as exc:
+        problem = exc if isinstance(exc, ConfigError) else str(exc).splitlines()[0]
+        raise ConfigError(f"{saved}: the existing run's config.yaml is unreadable ({problem}); use a new --run-dir "
+                          "or checkpoint.resume=false") from None
     for key, value in vars(cfg.model).items():
         if (key == "vocab_size" and value == 0) or (key in ("bos_id", "eos_id", "pad_id") and value == -1):
             continue  # resolved from the tokenizer later (prepare_data)
@@ -194,13 +201,13 @@ def _prepare_blend(spec: RunSpec, sources: list[tuple[list[str], float]], tokeni
 
 def write_run_dir(spec: RunSpec) -> None:
     spec.run_dir.mkdir(parents=True, exist_ok=True)
-    _atomic_write(spec.run_dir / CONFIG_FILE, yaml.safe_dump(spec.cfg.to_dict(), sort_keys=False))
+    _atomic_write(spec.run_dir / CONFIG_FILE, dump_yaml(spec.cfg.to_dict()))
     _atomic_write(spec.run_dir / DS_FILE, json.dumps(spec.ds_raw, indent=2) + "\n")
     _atomic_write(spec.run_dir / DATA_FILE, json.dumps(spec.data, indent=2) + "\n")
 
 
 def read_run_dir(run_dir: Path) -> tuple[RunConfig, dict[str, Any], dict[str, Any]]:
-    cfg = build_config(yaml.safe_load((run_dir / CONFIG_FILE).read_text()))
+    cfg = build_config(parse_yaml((run_dir / CONFIG_FILE).read_text()))
     ds_raw = json.loads((run_dir / DS_FILE).read_text())
     data = json.loads((run_dir / DATA_FILE).read_text())
     return cfg, ds_raw, data
