@@ -10,7 +10,6 @@ keel/training/step_gate.py; the periodic cross-rank checks decide after it; the 
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import time
 from collections.abc import Iterator
@@ -29,9 +28,8 @@ from keel.config import RunConfig
 from keel.data import GlobalSampleOrder, PackedSamples, parse_skip_ranges, skip_to, step_batch, step_sample_indices
 from keel.parallel import comm
 from keel.parallel.topology import Topology
-from keel.training.async_checkpoint import AsyncCheckpointer
 from keel.training.attention_logits import AttentionLogitWarning
-from keel.training.checkpoint import EXIT_SAVE_FAILED, Checkpointer, SaveOutcome, TrainState, checkpoint_dir
+from keel.training.checkpoint import Checkpointer, TrainState, checkpoint_dir
 from keel.training.data_stop import check_step_batch, named_stop, with_data_stop
 from keel.training.ds_config import engine_batch_copies
 from keel.training.engine import Fp32GradClipper, LRScale
@@ -41,13 +39,13 @@ from keel.training.guards.base import Action, AnomalyLog, Decision, StepStats
 from keel.training.guards.localize import STATE, localize_on_all_ranks
 from keel.training.guards.stack import GuardStack
 from keel.training.guards.state import CorruptStateGuard
-from keel.training.lr_schedule import rampup_batch_size, refresh_lr
+from keel.training.lr_schedule import rampup_batch_size
 from keel.training.metrics import MetricsWriter
 from keel.training.monitor import ModelMonitor
 from keel.training.preemption import EXIT_PREEMPTED, PreemptionHandler
 from keel.training.prefetch import BatchPrefetcher
 from keel.training.progress import run_progress
-from keel.training.save_failures import after_failed_save
+from keel.training.run_checkpoints import RunCheckpoints
 from keel.training.sinks import Sinks
 from keel.training.step_gate import StepGate
 from keel.training.sync_debug import SyncCounter
@@ -118,9 +116,6 @@ class Trainer:
         self.anomalies = AnomalyLog(run_dir, topology.rank)
         self.checkpointer = checkpointer or Checkpointer(checkpoint_dir(run_dir, cfg, topology.rank),
                                                          cfg.checkpoint.keep_last, topology, self.anomalies)
-        # checkpoint.async_save: a host snapshot now, the files written in the background (async_checkpoint.py)
-        self.saves = AsyncCheckpointer(self.checkpointer, pin=torch.device(engine.device).type == "cuda") \
-            if cfg.checkpoint.async_save else None
         self.run_dir = run_dir
         self.dp_group = topology.device("dp")
         self.is_pipeline = cfg.parallel.pp > 1
@@ -136,6 +131,8 @@ class Trainer:
         self.loss_fn = engine.module.loss_fn
         self.guards = GuardStack(cfg, engine, topology, self.anomalies)
         self.corrupt_state = CorruptStateGuard(engine, self.checkpointer, topology, self.anomalies)
+        self.checkpoints = RunCheckpoints(cfg, engine, self.checkpointer, self.anomalies, self.guards,
+                                          self.corrupt_state, self.faults, self.lr_scale)
         self.preemption = PreemptionHandler()
         self.gate = StepGate(engine, topology.control("world"), self.preemption.signalled)
         self.monitor = ModelMonitor(engine, topology, cfg.stability.monitor_interval)
@@ -307,78 +304,10 @@ class Trainer:
         self.engine.train()
         return _device_mean(total / t.eval_batches, self.dp_group).item()
 
-    # -- acting on decisions --------------------------------------------------------------------------------
-    def rollback(self, state: TrainState, metrics: MetricsWriter, first_bad_step: int, reason: str,
-                 lr_factor: float, to: str | None = None, rewind_data: bool = False) -> TrainState:
-        """Reload the last checkpoint written before `first_bad_step` (or `to`, already agreed), scale the LR, keep
-        the data cursor (or, `rewind_data`, continue from the checkpoint's: its samples were innocent)."""
-        tag = to or self.checkpointer.agreed_at_or_before(first_bad_step - 1)  # rank 0 chooses, every rank verifies
-        if tag is None:
-            self.anomalies.record("rollback", state.step, done=False, reason=f"{reason}; no checkpoint to return to")
-            log.warning("step %d: %s, but no checkpoint precedes step %d: continuing", state.step, reason,
-                        first_bad_step)
-            return state
-        cursor, scale, rollbacks = state.consumed_samples, state.lr_scale * lr_factor, state.rollbacks
-        restored = self.checkpointer.load(self.engine, tag, self.cfg.train.seed)
-        cursor = restored.consumed_samples if rewind_data else cursor
-        restored.consumed_samples, restored.lr_scale, restored.rollbacks = cursor, scale, rollbacks + 1
-        self.lr_scale.value = scale
-        refresh_lr(self.engine.lr_scheduler)
-        metrics.rewind(restored.step)
-        self.sinks.rewind(restored.step)
-        self.anomalies.record("rollback", state.step, done=True, reason=reason, to_step=restored.step,
-                              checkpoint=tag, lr_scale=scale, data_cursor=cursor)
-        log.warning("step %d: %s — rolled back to %s, LR × %.3g, data continues at sample %d", state.step, reason,
-                    tag, scale, cursor)
-        return restored
-
-    def resume(self) -> TrainState:
-        if not self.cfg.checkpoint.resume:
-            return TrainState()
-        tag = self.checkpointer.agreed_resume()  # rank 0 chooses, every rank verifies (once per run)
-        if tag is None:
-            return TrainState()
-        state = self.checkpointer.load(self.engine, tag, self.cfg.train.seed)
-        self.guards.load_state_dict(self.checkpointer.read_manifest(tag).get("guards", {}))
-        self.lr_scale.value = state.lr_scale
-        refresh_lr(self.engine.lr_scheduler)
-        # the run's history: where a restart, requeue or continuation picked up (`keel report` marks it)
-        self.anomalies.record("resume", state.step, checkpoint=tag, consumed_samples=state.consumed_samples)
-        if self.topology.rank == 0:
-            log.info("resumed from %s: step %d, %d samples consumed", tag, state.step, state.consumed_samples)
-        return state
-
-    def save(self, state: TrainState) -> SaveOutcome | None:
-        """A checkpoint of `state`; with checkpoint.async_save only its snapshot here — the files are written in
-        the background and their verdict arrives through `_background_saves`. None: some rank's state is
-        non-finite, nothing is written."""
-        if not self.corrupt_state.allows_save(state.step):
-            return None
-        during_save = functools.partial(self.faults.during_save, state.step)
-        if self.saves is not None:
-            return SaveOutcome(self.saves.save(self.engine, state, guards=self.guards.state_dict(),
-                                               before_commit=during_save))
-        return self.checkpointer.save(self.engine, state, guards=self.guards.state_dict(), before_commit=during_save,
-                                      disk_room=self.faults.disk_room(state.step))
-
-    def _background_saves(self, wait: bool = False, final: bool = False) -> Decision:
-        """Publish the background saves every rank has written (`wait`: the pending one first); a failed one was
-        discarded on every rank and follows checkpoint.on_save_error like a synchronous one (`final`: the run's
-        last save, whose failure always stops with EXIT_SAVE_FAILED)."""
-        outcomes = [] if self.saves is None else self.saves.poll(wait)
-        for outcome in outcomes:
-            if outcome.ok:
-                continue
-            reason = after_failed_save(outcome, self.cfg.checkpoint.on_save_error, final, outcome.step,
-                                       self.anomalies, self.topology.rank)
-            if reason:
-                return Decision(Action.STOP, reason, EXIT_SAVE_FAILED)
-        return Decision()
-
     # -- the loop -------------------------------------------------------------------------------------------
     def fit(self) -> TrainResult:
         t, s = self.cfg.train, self.cfg.stability
-        state = self.resume()
+        state = self.checkpoints.resume()
         metrics = MetricsWriter(self.run_dir, self.topology.rank == 0, state.step, self.cfg.logging.log_interval,
                                 t.steps,
                                 run_progress(self.cfg, self.topology.shape.world_size, self.engine.device)
@@ -391,7 +320,7 @@ class Trainer:
             with watchdog:  # leaving the block within a hang's deadline counts as that hang (see watchdog.py)
                 result = self._loop(state, metrics, watchdog, stragglers)
                 with watchdog.phase("checkpoint save", s.watchdog_save_timeout):  # the last save completes
-                    stop = self._background_saves(wait=True, final=True)
+                    stop = self.checkpoints.background(wait=True, final=True)
                 if stop.action != Action.STOP or result.exit_code:
                     return result
                 log.error("stopping at step %d: %s", result.state.step, stop.reason)
@@ -418,7 +347,7 @@ class Trainer:
             # periodic checks and evaluation: collectives of their own, each phase with its own deadline
             with watchdog.phase("checks", s.watchdog_check_timeout), _clock(record, "check_time_s"):
                 checks = self.guards.after_step(state.step, record["loss_scale"], self._local_loss)
-                decision = Decision.most_severe([decision, checks, self._background_saves()])
+                decision = Decision.most_severe([decision, checks, self.checkpoints.background()])
             if t.eval_interval and (state.step % t.eval_interval == 0 or state.step == t.steps):
                 with watchdog.phase("evaluation", s.watchdog_eval_timeout), _clock(record, "eval_time_s"):
                     record["val_loss"] = self.evaluate()
@@ -429,18 +358,8 @@ class Trainer:
             ending = state.step == t.steps or stop_early or preempted
             if decision.action < Action.ROLLBACK and (ending or (c.interval and state.step % c.interval == 0)):
                 with watchdog.phase("checkpoint save", s.watchdog_save_timeout):
-                    started = time.perf_counter()
-                    saved = self.save(state)
-                    save_time = time.perf_counter() - started
-                if saved is None:  # corrupt state: a run that ends so stops; else it returns to a good checkpoint
-                    decision = self.corrupt_state.refused_save(state.step, ending)
-                elif not saved.ok:  # discarded on every rank (keel/training/save_failures.py)
-                    failed = after_failed_save(saved, c.on_save_error, ending, state.step, self.anomalies,
-                                               self.topology.rank)
-                    if failed:
-                        decision = Decision(Action.STOP, failed, EXIT_SAVE_FAILED)
-                elif self.topology.rank == 0:
-                    log.info("step %d: checkpoint saved in %.2f s", state.step, save_time)
+                    save_time, after_save = self.checkpoints.save(state, ending)
+                decision = Decision.most_severe([decision, after_save])
             if decision.action in (Action.STOP, Action.ROLLBACK):
                 outcome = self._act(decision, state, metrics, watchdog)
                 if isinstance(outcome, TrainResult):
@@ -463,8 +382,8 @@ class Trainer:
         first = (self.guards.last_event or {}).get("first_spike_step", state.step)
         factor = 1.0 if decision.restore else self.cfg.stability.rollback_lr_factor
         with watchdog.phase("rollback", self.cfg.stability.watchdog_save_timeout):
-            self._background_saves(wait=True)  # published (or discarded) before choosing where to return
-            return self.rollback(state, metrics, first, decision.reason, factor, decision.to, decision.rewind_data)
+            return self.checkpoints.rollback(state, lambda step: (metrics.rewind(step), self.sinks.rewind(step)),
+                                             first, decision.reason, factor, decision.to, decision.rewind_data)
 
     def _timed(self, record: dict, state: TrainState, elapsed: float, stragglers: StragglerMonitor) -> dict:
         """The step's record with its position, throughput and (every straggler interval) the slowest rank."""
