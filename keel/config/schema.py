@@ -312,13 +312,29 @@ def _build_section(section: str, cls: type, values: Any) -> Any:
     if not isinstance(values, dict):
         raise ConfigError(f"{section}: expected a mapping of keys, got {values!r}")
     hints = _HINTS[section]
+    values = _unalias(section, values)
     for key in values:
-        if (section, key) == ("checkpoint", "async"):
-            raise ConfigError("checkpoint.async: `async` is a Python keyword; the key is checkpoint.async_save")
         if key not in hints:
             raise ConfigError(f"{section}.{key}: unknown key; valid keys are {', '.join(sorted(hints))}")
     kwargs = {k: coerce(f"{section}.{k}", hints[k], v) for k, v in values.items()}
     return cls(**kwargs)
+
+
+# another spelling of a key: `checkpoint.async` (as issue 15 and DeepSpeed users write it) is a Python keyword, so
+# the field is named async_save
+KEY_ALIASES = {("checkpoint", "async"): "async_save"}
+
+
+def _unalias(section: str, values: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    given: dict[str, str] = {}
+    for key, value in values.items():
+        name = KEY_ALIASES.get((section, key), key)
+        if name in out:
+            raise ConfigError(f"{section}.{name}: given twice, as {section}.{given[name]} and {section}.{key}; "
+                              "keep one")
+        out[name], given[name] = value, key
+    return out
 
 
 def build_config(raw: dict[str, Any] | None) -> RunConfig:
@@ -347,6 +363,7 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
             raw[section] = {}
         if not isinstance(raw[section], dict):
             raise ConfigError(f"{section}: expected a mapping of keys, got {raw[section]!r}")
+        key = KEY_ALIASES.get((section, key), key)
         raw[section][key] = _override_value(f"{section}.{key}", _HINTS.get(section, {}).get(key), text)
     return raw
 
