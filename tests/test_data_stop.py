@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from keel.data import DataError, GlobalSampleOrder, IndexedDataset, IndexedDatasetWriter, PackedSamples, step_batch
+from keel.data.token_check import first_bad_row
 from keel.parallel import comm
 from keel.training import step_gate
 from keel.training.data_stop import EXIT_BAD_DATA, check_step_batch, named_stop, with_data_stop
@@ -38,7 +39,7 @@ def test_the_batch_check_names_the_global_sample_and_stands_in(corrupt) -> None:
     samples, order, token, sample = corrupt
     for rank in range(DP):
         raw = step_batch(order, samples, GLOBAL, GLOBAL, MICRO, rank, DP, checked=False)
-        batch, stop = check_step_batch(raw, 1000, GLOBAL, GLOBAL, MICRO, rank, DP)
+        batch, stop = check_step_batch(raw, first_bad_row(raw, 1000), 1000, GLOBAL, GLOBAL, MICRO, rank, DP)
         if rank == 0:
             assert stop is None and batch is raw
             continue

@@ -8,8 +8,9 @@ checks cover it without reading every id before training:
   pointers as the running sum of lengths × itemsize, the `.bin` length, the document index), plus a bounded id
   sample (SAMPLE_CHUNKS evenly spaced spans, SAMPLE_BYTES in all) against the vocabulary. Cost grows with the
   number of sequences (about 0.3 s for 20M: bench/token_check.py) and not with the number of tokens.
-- **At the sample** (`first_bad_row`): every step's batch, one vectorised min/max on the host (about 0.1 ms;
-  keel/training/data_stop.py turns a hit into an agreed stop), so an id the sample missed stops the run with the
+- **At the sample** (`first_bad_row`): every step's batch, one vectorised min/max on the host, run by the prefetch
+  worker thread while the previous step computes (about 0.1 ms; keel/training/data_stop.py turns a hit into an
+  agreed stop), so an id the sample missed stops the run with the
   same kind of line instead of an `IndexError` deep in the embedding. `check_windows` reads the evaluation's few
   fixed windows in full before launch.
 

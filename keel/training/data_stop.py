@@ -15,18 +15,18 @@ import numpy as np
 import torch
 
 from keel.data.samples import step_sample_indices
-from keel.data.token_check import bad_id_line, first_bad_row, stand_in
+from keel.data.token_check import bad_id_line, stand_in
 from keel.training.guards.base import Action, Decision
 
 EXIT_BAD_DATA = 2  # bad input, as before launch (see the exit-code table in keel/training/watchdog.py)
 _ADVICE = "the file changed or is corrupt where the pre-launch sample did not look; fix or regenerate it"
 
 
-def check_step_batch(micro_batches: list[torch.Tensor], vocab_size: int, start: int, size: int, micro_batch: int,
-                     dp_rank: int, dp_size: int) -> tuple[list[torch.Tensor], Decision | None]:
-    """This rank's batch for samples [start, start + size) checked in one vectorised min/max: unchanged and None
-    when clean, else the batch on stand-in ids and the data stop naming the first bad global sample."""
-    row = first_bad_row(micro_batches, vocab_size)
+def check_step_batch(micro_batches: list[torch.Tensor], row: int | None, vocab_size: int, start: int, size: int,
+                     micro_batch: int, dp_rank: int, dp_size: int) -> tuple[list[torch.Tensor], Decision | None]:
+    """This rank's batch for samples [start, start + size), whose first row holding an id outside the vocabulary is
+    `row` (`first_bad_row`, run by the prefetch worker): unchanged and None when clean, else the batch on stand-in
+    ids and the data stop naming that row's global sample."""
     if row is None:
         return micro_batches, None
     sample = step_sample_indices(start, size, micro_batch, dp_rank, dp_size)[row]

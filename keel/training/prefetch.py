@@ -11,28 +11,36 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import torch
 
 Read = Callable[[int, int], list[torch.Tensor]]
+Check = Callable[[list[torch.Tensor]], Any]
 
 
 class BatchPrefetcher:
     """One read in flight at most: a miss waits for it before reading itself, so the sample order's caches are
     never used by two threads at once."""
 
-    def __init__(self, read: Read, pin: bool) -> None:
+    def __init__(self, read: Read, pin: bool, check: Check | None = None) -> None:
         self._read = read
         self._pin = pin
+        self._check = check  # run on the read batch in the worker too, off the step's path (its verdict: get_checked)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="keel-prefetch")
         self._pending: tuple[tuple[int, int], Future] | None = None
 
-    def _load(self, start: int, size: int) -> list[torch.Tensor]:
+    def _load(self, start: int, size: int) -> tuple[list[torch.Tensor], Any]:
         batches = self._read(start, size)
-        return [b.pin_memory() for b in batches] if self._pin else batches
+        verdict = self._check(batches) if self._check is not None else None
+        return ([b.pin_memory() for b in batches] if self._pin else batches), verdict
 
     def get(self, start: int, size: int) -> list[torch.Tensor]:
         """The micro-batches of samples [start, start + size): the prefetched ones if they were guessed right."""
+        return self.get_checked(start, size)[0]
+
+    def get_checked(self, start: int, size: int) -> tuple[list[torch.Tensor], Any]:
+        """`get`'s micro-batches and what `check` said of them (None without a check)."""
         pending, self._pending = self._pending, None
         if pending is not None:
             key, future = pending

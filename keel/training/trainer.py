@@ -26,6 +26,7 @@ from keel.adapters.deepspeed_internals import (
 )
 from keel.config import RunConfig
 from keel.data import GlobalSampleOrder, PackedSamples, parse_skip_ranges, skip_to, step_batch, step_sample_indices
+from keel.data.token_check import first_bad_row
 from keel.parallel import comm
 from keel.parallel.topology import Topology
 from keel.training.attention_logits import AttentionLogitWarning
@@ -126,7 +127,9 @@ class Trainer:
         self.prefetcher = BatchPrefetcher(
             lambda start, size: step_batch(self.order, train_samples, start, size, t.micro_batch_size,
                                            topology.dp_rank, topology.dp_size, checked=False),
-            pin=torch.device(engine.device).type == "cuda")
+            pin=torch.device(engine.device).type == "cuda",
+            # every id within the vocabulary: a min/max of the host batch on the prefetch worker (data_stop.py)
+            check=lambda batches: first_bad_row(batches, train_samples.vocab_size))
         self.faults = FaultInjector(cfg.faults, topology.rank, engine, cfg.model.vocab_size, cfg.train.seed)
         self.loss_fn = engine.module.loss_fn
         self.guards = GuardStack(cfg, engine, topology, self.anomalies)
@@ -187,12 +190,13 @@ class Trainer:
         if engine_size != self.engine.train_batch_size():  # batch-size ramp-up: DeepSpeed adjusts accumulation
             self.engine.set_train_batch_size(engine_size)
         self.experts.before_step(loss_scale(self.engine) or 1.0, self.engine.gradient_accumulation_steps())
-        micro_batches = self.prefetcher.get(start, size)
+        micro_batches, bad_row = self.prefetcher.get_checked(start, size)
         self.prefetcher.prefetch(skip_to(start + size, self.skip_ranges), rampup_batch_size(step, t, dp))
         self.faults.before_forward(step)
         self.loss_fn.scale = self.faults.loss_scale(start, size)
-        micro_batches, stop = check_step_batch(self.faults.batches(step, micro_batches), self.train_samples.vocab_size,
-                                               start, size, t.micro_batch_size, self.topology.dp_rank, dp)
+        micro_batches, stop = check_step_batch(self.faults.batches(step, micro_batches), bad_row,
+                                               self.train_samples.vocab_size, start, size, t.micro_batch_size,
+                                               self.topology.dp_rank, dp)
         return StepBatch(step, start, size, micro_batches, data_stop=stop)
 
     def _forward_backward(self, batch: StepBatch) -> float:
