@@ -162,7 +162,7 @@ def test_old_manifest_without_hashes_loads_by_size(tmp_path):
     assert ckpt.agreed_latest() == "step00000010"
 
 
-@pytest.mark.fault("every checkpoint corrupt", f"stop with one line, exit {EXIT_CHECKPOINT}, none deleted")
+@pytest.mark.fault("every checkpoint corrupt", "stop with one line, exit 6, none deleted")
 def test_every_checkpoint_corrupt_stops_instead_of_starting_over(tmp_path):
     ckpt = saved(tmp_path)
     for tag in ("step00000010", "step00000020"):
@@ -361,7 +361,7 @@ def test_disk_full_during_a_save_continues_by_default(faulted):
 
 @pytest.mark.slow
 @pytest.mark.fault("disk full inside DeepSpeed's shard write, on_save_error: stop",
-                   f"one line, exit {EXIT_SAVE_FAILED}; previous checkpoint intact and latest")
+                   "one line, exit 8; previous checkpoint intact and latest")
 def test_disk_full_during_a_save_stops_cleanly_when_asked(faulted):
     run, out = faulted["stop"], faulted["proc"].stdout
     assert faulted["proc"].returncode == EXIT_SAVE_FAILED, out[-3000:] + faulted["proc"].stderr[-3000:]

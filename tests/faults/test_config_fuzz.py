@@ -45,10 +45,6 @@ def fuzz(examples: int) -> settings:
                     suppress_health_check=list(HealthCheck))
 
 
-FAULT = pytest.mark.fault("fuzzed invalid config/--set/DeepSpeed JSON", "one line naming the field, exit 2, "
-                                                                        "before any rank")
-
-
 class Accepted(Exception):
     """`keel train` went past its checks (to data preparation) with an invalid case."""
 
@@ -137,7 +133,7 @@ def test_valid_configs_pass_and_read_back_unchanged(case: Case, workspace: Works
     check_valid(case, workspace)
 
 
-@FAULT
+@pytest.mark.fault("fuzzed invalid config/--set/DeepSpeed JSON", "one line naming the field, exit 2, before any rank")
 @fuzz(INVALID_CASES // PER_EXAMPLE)
 @given(cases=st.lists(invalid_cases(), min_size=PER_EXAMPLE, max_size=PER_EXAMPLE))
 def test_invalid_configs_give_one_line_naming_the_field(cases: list[Case], workspace: Workspace) -> None:
@@ -150,7 +146,7 @@ WORLD_SIZES = st.one_of(st.text(st.characters(exclude_characters="\x00", exclude
                         st.sampled_from(["2.5", "1e3", " 2 ", "0", "-1", "", "\u0663", "1_0", "+2", "0x10", "nan"]))
 
 
-@FAULT
+@pytest.mark.fault("fuzzed WORLD_SIZE from an external launcher", "one line naming WORLD_SIZE, exit 2")
 @fuzz(WORLD_SIZE_CASES)
 @given(value=WORLD_SIZES)
 def test_world_size_from_the_environment(value: str, workspace: Workspace) -> None:
