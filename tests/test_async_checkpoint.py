@@ -254,7 +254,7 @@ def test_a_crash_during_a_background_write_resumes_bitwise(runs, tmp_path):
     assert (ckpt / "latest").read_text() == "step00000003"
     assert (ckpt / "step00000003" / COMPLETE).is_file() and not (ckpt / "step00000006" / COMPLETE).exists()
     # rank 1's writer had written its file aside and was paused before renaming it into place
-    assert (ckpt / "step00000006" / ".async_rank1" / ".keel_rng_rank1.pt.tmp").is_file()
+    assert (ckpt / "step00000006" / ".async_rank1" / "keel_rng_rank1.pt").is_file()
     assert not (ckpt / "step00000006" / "keel_rng_rank1.pt").exists()
     keel_train(run_dir, 2, runs.overrides(**common))  # resumes from step 3, saves 6 (again), 9 and 10
     assert json.loads((ckpt / "step00000010" / COMPLETE).read_text())["step"] == 10

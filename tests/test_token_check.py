@@ -9,12 +9,12 @@ import torch
 
 import keel.data.token_check as token_check
 from keel.data import DataError, IndexedDataset, IndexedDatasetWriter
+from keel.data.bad_ids import locate
 from keel.data.megatron_index import CODE_OF_DTYPE, HEADER, MAGIC
 from keel.data.token_check import (
     check_index,
     check_token_file,
     first_bad_row,
-    locate,
     sample_spans,
     stand_in,
 )

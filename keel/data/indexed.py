@@ -21,6 +21,7 @@ import numpy as np
 
 from keel.data import megatron_index as layout
 from keel.data.atomic import temp_sibling
+from keel.data.bad_ids import bad_id_line
 from keel.data.errors import DataError
 
 _WRITE_BUFFER = 1 << 20
@@ -273,8 +274,6 @@ class IndexedDataset:
             chunk = self.tokens[first : first + _SCAN_TOKENS]
             low, high = int(chunk.min()), int(chunk.max())
             if low < 0 or high >= vocab:
-                from keel.data.token_check import bad_id_line  # it builds on this module
-
                 at = first + int(np.flatnonzero((chunk < 0) | (chunk >= vocab))[0])
                 raise DataError(bad_id_line(self, at, vocab, "use the tokenizer that made this file (data.tokenizer)"))
 

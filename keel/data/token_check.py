@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from keel.data import megatron_index as layout
+from keel.data.bad_ids import bad_id_line
 from keel.data.errors import DataError
 from keel.data.indexed import IndexedDataset, token_file_prefix
 
@@ -124,22 +125,6 @@ def check_id_sample(dataset: IndexedDataset, vocab_size: int) -> None:
             token = start + int(np.argmax((span < 0) | (span >= vocab_size)))
             raise DataError(bad_id_line(dataset, token, vocab_size,
                                         "use the tokenizer that made this file (data.tokenizer)"))
-
-
-def locate(dataset: IndexedDataset, token: int) -> tuple[int, int]:
-    """(sequence, document) holding token index `token`: two binary searches in the index maps."""
-    pointer = np.int64(token * dataset.dtype.itemsize)
-    sequence = int(np.searchsorted(dataset.sequence_pointers, pointer, side="right")) - 1
-    document = int(np.searchsorted(dataset.document_indices, np.int64(sequence), side="right")) - 1
-    return sequence, document
-
-
-def bad_id_line(dataset: IndexedDataset, token: int, vocab_size: int, advice: str, where: str = "") -> str:
-    """The one line for an id outside the vocabulary at token index `token` of `dataset`."""
-    sequence, document = locate(dataset, token)
-    value = int(dataset.tokens[token])
-    return (f"{dataset.prefix}.bin: token {token} is id {value}, outside the tokenizer's vocabulary [0, {vocab_size}) "
-            f"(byte {token * dataset.dtype.itemsize}, sequence {sequence}, document {document}{where}); {advice}")
 
 
 def check_windows(samples, sample_ids: range, vocab_size: int, label: str) -> None:

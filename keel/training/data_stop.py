@@ -14,8 +14,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from keel.data.bad_ids import bad_id_line
 from keel.data.samples import step_sample_indices
-from keel.data.token_check import bad_id_line, stand_in
+from keel.data.token_check import stand_in
 from keel.training.guards.base import Action, Decision
 
 EXIT_BAD_DATA = 2  # bad input, as before launch (see the exit-code table in keel/training/watchdog.py)
