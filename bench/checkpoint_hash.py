@@ -26,6 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from page_cache import drop_cache  # noqa: E402  (bench/, the script's own directory)
+
 from keel.training.checkpoint_verify import describe, verify  # noqa: E402
 from keel.training.checkpoint_writes import WrittenFiles  # noqa: E402
 
@@ -41,19 +43,6 @@ def sha256_rate(buffer: bytes, threads: int, repeats: int) -> float:
             list(pool.map(lambda _: hashlib.sha256(buffer).digest(), range(threads)))
             best = max(best, threads * len(buffer) / (time.perf_counter() - start) / 1e9)
     return best
-
-
-def drop_cache(paths: list[Path]) -> bool:
-    if not hasattr(os, "posix_fadvise"):
-        return False
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-    return True
 
 
 def save_files(directory: Path, tensors: list[torch.Tensor], hashed: bool) -> float:
@@ -107,7 +96,7 @@ def main() -> None:
         files = {p.name: describe(p) for p in paths}
         warm = min(_timed(lambda: verify(directory, files, list(files))) for _ in range(args.repeats))
         print(f"verify (4 threads, page cache): {total_gb / warm:.2f} GB/s ({warm:.2f} s for {total_gb:.2f} GB)")
-        if drop_cache(paths):
+        if drop_cache(*paths):
             cold = _timed(lambda: verify(directory, files, list(files)))
             print(f"verify (4 threads, pages dropped): {total_gb / cold:.2f} GB/s ({cold:.2f} s)")
 

@@ -27,6 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from page_cache import drop_cache  # noqa: E402  (bench/, the script's own directory)
+
 from keel.data import megatron_index as layout  # noqa: E402
 from keel.data.indexed import IndexedDataset  # noqa: E402
 from keel.data.token_check import check_id_sample, check_index, first_bad_row  # noqa: E402
@@ -52,17 +54,6 @@ def build(prefix: Path, sequences: int, mean_tokens: int, seed: int = 0) -> int:
         layout.fsync_close(tokens)
     lengths_path.unlink()
     return total
-
-
-def drop_cache(*paths: Path) -> None:
-    """Evict the files' pages (clean after the fsync), so the next read comes from the disk."""
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def timed(fn, cold: tuple[Path, ...] = ()) -> float:
