@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 
 from keel.config import ConfigError, FaultsConfig, load_config, validate
 from keel.launcher.run_dir import build_run, prepare_data, write_run_dir
@@ -40,22 +39,15 @@ from keel.training.guards.base import AnomalyLog, read_anomalies
 from keel.training.metrics import read_metrics
 from keel.training.save_failures import after_failed_save
 from tests.keel_runs import REPO, Run, copy_run, final_weights
+from tests.test_checkpoint import FakeEngine as OneFileEngine
 from tests.test_recovery import RESTART
 
 SHARD = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
 MODEL = "mp_rank_00_model_states.pt"
 
 
-class FakeEngine:
+class FakeEngine(OneFileEngine):
     """Writes a model file and an optimizer shard where DeepSpeed would, through DeepSpeed's checkpoint engine."""
-
-    module = torch.nn.Linear(2, 2)
-
-    def __init__(self):
-        self.checkpoint_engine = TorchCheckpointEngine()
-
-    def zero_optimization_stage(self) -> int:
-        return 1
 
     def save_checkpoint(self, save_dir, tag, client_state, save_latest):
         path = Path(save_dir) / tag
