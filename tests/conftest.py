@@ -114,3 +114,17 @@ def runs(request, tmp_path_factory, small_corpus) -> RunCache:
     cache.declare(request.config.stash.get(DECLARED_RUNS, []))
     request.config.stash[RUN_CACHE] = cache
     return cache
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory):
+    """One real SLURM cluster (Debian's slurm 22.05, 2 nodes on this host) for every module that submits jobs."""
+    from tests.slurm_cluster import SlurmCluster, ensure_installed
+
+    reason = ensure_installed()
+    if reason is not None:
+        pytest.skip(reason)
+    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm")).start()
+    print(f"\nslurm cluster up in {cluster.start_seconds:.1f} s")
+    yield cluster
+    cluster.stop()

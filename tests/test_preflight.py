@@ -29,7 +29,6 @@ from keel.preflight.report import REPORT_FILE, table, verdict_line, write_report
 from keel.preflight.storage import StorageResult, directory_bytes, free_bytes, measure_storage
 from keel.training.ds_config import load_ds_config
 from tests.keel_runs import REPO, Run
-from tests.slurm_cluster import SlurmCluster, ensure_installed
 
 KEEL_RUNS = [Run.of("zero0", 2)]  # shared with tests/test_keel_train.py: its checkpoint sizes the disk check
 GIB = 2**30
@@ -369,14 +368,6 @@ def test_a_healthy_allocation_exits_0_under_the_deepspeed_launcher(runs, tmp_pat
     assert names[:2] == ["clock skew", "dp=world (1x2)"] and "matmul check" in names and "disk space" in names
 
 
-@pytest.fixture(scope="module")
-def slurm_cluster(tmp_path_factory):
-    reason = ensure_installed()
-    if reason is not None:
-        pytest.skip(reason)
-    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm")).start()
-    yield cluster
-    cluster.stop()
 
 
 @pytest.mark.slow

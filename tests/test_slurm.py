@@ -22,7 +22,7 @@ from keel.launcher.slurm import SbatchOptions, parse_time_limit, render
 from keel.training.metrics import read_metrics
 from keel.training.preemption import EXIT_PREEMPTED
 from tests.keel_runs import REPO, Run, final_weights, losses
-from tests.slurm_cluster import SlurmCluster, ensure_installed
+from tests.slurm_cluster import SlurmCluster
 
 DS = "ds_configs/zero1.json"
 STEPS = 16  # both cluster runs and the local reference: the same config, so the same losses
@@ -140,15 +140,6 @@ def test_parse_time_limit():
 
 
 # -- a real cluster --------------------------------------------------------------------------------------------
-@pytest.fixture(scope="session")
-def slurm_cluster(tmp_path_factory):
-    reason = ensure_installed()
-    if reason is not None:
-        pytest.skip(reason)
-    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm")).start()
-    print(f"\nslurm cluster up in {cluster.start_seconds:.1f} s")
-    yield cluster
-    cluster.stop()
 
 
 @pytest.fixture(scope="module")
