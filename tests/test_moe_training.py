@@ -32,6 +32,7 @@ def _routing(top_k: int, capacity: float, policy: str) -> dict:
 
 KEEL_RUNS = [Run.of("moe-single", 1, **MOE), Run.of("dense-single", 1), Run.of("sp2", 2, parallel__sp=2),
              Run.of("ep2pp2", 4, "ds_configs/zero1.json", parallel__ep=2, parallel__pp=2, **MOE),
+             Run.of("ep2pp2sp2", 8, "ds_configs/zero1.json", parallel__ep=2, parallel__pp=2, parallel__sp=2, **MOE),
              Run.of("tp2sp2ep2", 8, "ds_configs/zero2.json", **TP_SP_EP),
              Run.of("4d", 8, "ds_configs/zero1.json", **FOUR_D),
              Run.of("4d-resumed", 8, "ds_configs/zero1.json", resume_at=5, **FOUR_D),
@@ -99,6 +100,15 @@ def test_ep2_pp2_matches_single_process(runs):
     piped = runs.get("ep2pp2", 4, "ds_configs/zero1.json", parallel__ep=2, parallel__pp=2, **MOE)
     assert_close(column(piped, "loss"), column(reference, "loss"), 1e-5)
     assert_grad_norms_close(column(piped, "grad_norm"), column(reference, "grad_norm"))
+
+
+def test_ep2_inside_pipeline_stages_with_ulysses_matches_single_process(runs):
+    """pp2 x sp2 x dp2 with the experts over the two data-parallel ranks (8 ranks): Ulysses sp inside the
+    pipeline stages, with ep."""
+    reference = runs.get("moe-single", 1, **MOE)
+    got = runs.get("ep2pp2sp2", 8, "ds_configs/zero1.json", parallel__ep=2, parallel__pp=2, parallel__sp=2, **MOE)
+    assert_close(column(got, "loss"), column(reference, "loss"), 1e-5)
+    assert_grad_norms_close(column(got, "grad_norm"), column(reference, "grad_norm"))
 
 
 def test_ulysses_sp2_matches_single_process(runs):

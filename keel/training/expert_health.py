@@ -22,6 +22,7 @@ from keel.model.moe import moe_layers
 from keel.model.router import is_moe_block
 from keel.parallel import comm
 from keel.parallel.topology import Topology
+from keel.training.ds_config import engine_batch_copies
 from keel.training.guards.base import AnomalyLog
 
 log = logging.getLogger("keel")
@@ -38,6 +39,9 @@ class ExpertHealth:
         self.collapse_share, self.collapse_checks = s.expert_collapse_share, s.expert_collapse_checks
         self.bias_update = m.moe_bias_update
         self.top_k = m.moe_top_k
+        # the pipeline engine averages gradients over its data axis, which holds the Ulysses sp ranks: their aux
+        # losses (shares of the sequence's, summed over sp elsewhere) get sp times the main loss's scale
+        self.engine_copies = engine_batch_copies(cfg)
         self.contributes = topology.rank_in("tp") == 0
         # the counts live where the model runs: the device channel. Each step's bias update needs only this
         # stage's layers (the stage group); the periodic health record reports every stage's (the world).
@@ -57,9 +61,10 @@ class ExpertHealth:
         return self.num_experts > 0
 
     def before_step(self, loss_scale: float, accumulation_steps: int) -> None:
-        """The aux losses' gradient is the main loss's: DeepSpeed scales the loss by loss_scale / accumulation."""
+        """The aux losses' gradient is the main loss's: DeepSpeed scales the loss by loss_scale / accumulation (and
+        the pipeline engine's average over sp, undone as keel/parallel/ulysses.py's sequence mean undoes it)."""
         for layer in self.layers:
-            layer.aux_grad_scale = loss_scale / accumulation_steps
+            layer.aux_grad_scale = loss_scale / accumulation_steps * self.engine_copies
 
     def _all_layers(self, rows: int, fill, group: comm.Group) -> torch.Tensor:
         """Sum over `group` of a [MoE blocks, rows] table each rank fills for its own layers (tp rank 0 only)."""
