@@ -11,10 +11,12 @@ resumed run ends at the uninterrupted run's weights bitwise.
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import json
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -261,3 +263,32 @@ def test_a_crash_during_a_background_write_resumes_bitwise(runs, tmp_path):
     assert not (ckpt / "step00000006" / ".async_rank1").exists()
     want, got = final_weights(reference), final_weights(run_dir)
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
+@pytest.mark.parametrize("failed", [True, False])
+def test_a_rollback_first_concludes_the_pending_background_save(failed):
+    """A rollback waits for the pending background save; one that failed under `on_save_error: stop` stops the
+    run there (exit 8) rather than being rolled past, and a good one is published before choosing where to go."""
+    from keel.training.guards.base import Action, Decision
+    from keel.training.trainer import Trainer, TrainResult
+
+    calls = []
+
+    class Checkpoints:
+        def background(self, wait=False, final=False):
+            calls.append(("background", wait))
+            return Decision(Action.STOP, "checkpoint step00000006 could not be saved", 8) if failed else Decision()
+
+        def rollback(self, state, rewind, *args):
+            calls.append("rollback")
+            return TrainState(step=3)
+
+    trainer = object.__new__(Trainer)  # the decision logic alone: no engine
+    trainer.cfg, trainer.guards, trainer.checkpoints = build_config({}), SimpleNamespace(last_event=None), Checkpoints()
+    watchdog = SimpleNamespace(phase=lambda name, timeout: contextlib.nullcontext())
+    got = trainer._act(Decision(Action.ROLLBACK, "loss spikes"), TrainState(step=7), None, watchdog)
+    if failed:
+        assert isinstance(got, TrainResult) and got.exit_code == 8 and not got.finished
+        assert calls == [("background", True)]
+    else:
+        assert got == TrainState(step=3) and calls == [("background", True), "rollback"]

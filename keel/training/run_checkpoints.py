@@ -105,8 +105,8 @@ class RunCheckpoints:
                  lr_factor: float, to: str | None = None, rewind_data: bool = False) -> TrainState:
         """Reload the last checkpoint written before `first_bad_step` (or `to`, already agreed), scale the LR, keep
         the data cursor (or, `rewind_data`, continue from the checkpoint's: its samples were innocent);
-        `rewind(step)` truncates the run's logs to the restored step."""
-        self.background(wait=True)  # a pending save is published (or discarded) before choosing where to return
+        `rewind(step)` truncates the run's logs to the restored step. A pending background save must have
+        concluded (`background(wait=True)`): the choice of where to return counts it."""
         tag = to or self.checkpointer.agreed_at_or_before(first_bad_step - 1)  # rank 0 chooses, every rank verifies
         if tag is None:
             self.anomalies.record("rollback", state.step, done=False, reason=f"{reason}; no checkpoint to return to")

@@ -386,6 +386,11 @@ class Trainer:
         first = (self.guards.last_event or {}).get("first_spike_step", state.step)
         factor = 1.0 if decision.restore else self.cfg.stability.rollback_lr_factor
         with watchdog.phase("rollback", self.cfg.stability.watchdog_save_timeout):
+            # a pending background save concludes first (published or discarded): its failure may stop the run
+            pending = self.checkpoints.background(wait=True)
+            if pending.action == Action.STOP:
+                log.error("stopping at step %d: %s", state.step, pending.reason)
+                return TrainResult(state, finished=False, exit_code=pending.exit_code, reason=pending.reason)
             return self.checkpoints.rollback(state, lambda step: (metrics.rewind(step), self.sinks.rewind(step)),
                                              first, decision.reason, factor, decision.to, decision.rewind_data)
 
