@@ -22,7 +22,8 @@ import torch
 
 from keel.config import ModelConfig, RunConfig
 from keel.data import GlobalSampleOrder, IndexedDataset, PackedSamples, ensure_prepared, step_batch
-from keel.model.llama import CausalLM, weight_decay_groups
+from keel.model.llama import CausalLM
+from keel.model.param_groups import weight_decay_groups
 
 CFG = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512, tie_embeddings=True)
 MOE_CFG = dataclasses.replace(CFG, moe_experts=4)  # tests/test_moe_training.py MOE

@@ -47,6 +47,12 @@ def _is_pipeline(engine) -> bool:
     return hasattr(engine, "train_batch") and hasattr(engine.module, "forward_funcs")
 
 
+def _is_dualpipev(engine) -> bool:
+    from deepspeed.pipe import DualPipeVModule
+
+    return isinstance(engine.module, DualPipeVModule)
+
+
 def _plain_fp32(engine) -> bool:
     return engine.zero_optimization_stage() == 0 and not engine.fp16_enabled() and not engine.bfloat16_enabled()
 
@@ -72,9 +78,11 @@ INTERNALS = [
              lambda e: e.fp16_enabled(), lambda e: hasattr(_fp16_scale_holder(e), "cur_scale")),
     Internal("PipelineEngine.total_loss", "the last stage's summed micro-batch losses inside train_batch",
              _is_pipeline, lambda e: hasattr(e, "total_loss")),
-    Internal("PipelineModule._layer_specs / _local_start / _local_stop", "the stage's slice of the layer list",
-             _is_pipeline, lambda e: all(hasattr(e.module, a) for a in ("_layer_specs", "_local_start",
-                                                                        "_local_stop"))),
+    Internal("PipelineModule._layer_specs / _local_start (DualPipeVModule: phase_bounds / phase_funcs)",
+             "a rank's stages of the layer list", _is_pipeline,
+             lambda e: hasattr(e.module, "_layer_specs") and (
+                 all(hasattr(e.module, a) for a in ("phase_bounds", "phase_funcs")) if _is_dualpipev(e)
+                 else hasattr(e.module, "_local_start"))),
     Internal("deepspeed.utils.groups._EXPERT_PARALLEL_GROUP (+ _RANKS, _EXPERT_DATA_PARALLEL_GROUP, _RANKS) and "
              "_clone_world_group", "registering caller-built expert groups", lambda e: True,
              lambda e: _expert_group_tables() is not None),
@@ -88,7 +96,8 @@ INTERNALS = [
              lambda e: any(all(hasattr(getattr(p, "_hp_mapping", None), a) for a in
                                ("hp_fragment", "lp_fragment", "optim_fragment")) for p in e.module.parameters())),
     Internal("param.ds_pipe_replicated", "which parameters are pipeline replicas", _is_pipeline,
-             lambda e: "ds_pipe_replicated" in inspect.getsource(type(e.module))),
+             lambda e: any("ds_pipe_replicated" in inspect.getsource(cls) for cls in type(e.module).__mro__
+                           if cls.__module__.startswith("deepspeed."))),
     Internal("engine.checkpoint_engine.save", "a hook on each file save_checkpoint writes", lambda e: True,
              lambda e: callable(getattr(getattr(e, "checkpoint_engine", None), "save", None))),
     Internal("accelerator.is_fp16_supported", "an fp16 override for the CPU accelerator", lambda e: True,
@@ -204,15 +213,19 @@ def route_checkpoint_writes(engine, route: Callable[[Callable, Any, str], None])
 
 
 # -- model structure --------------------------------------------------------------------------------------------------
-def pipeline_local_specs(module) -> tuple[int, list]:
-    """(index of this stage's first layer, the full layer-spec list) of a `PipelineModule` (`_local_start`,
-    `_layer_specs`). Missing public API: the stage's slice of the layer list."""
-    return int(module._local_start), list(module._layer_specs)
+def pipeline_layer_specs(module) -> list:
+    """The full layer-spec list of a `PipelineModule` (`_layer_specs`). Missing public API: the layer list a
+    stage was cut from."""
+    return list(module._layer_specs)
 
 
-def pipeline_local_stop(module) -> int:
-    """One past this stage's last layer (`_local_stop`); see `pipeline_local_specs`."""
-    return int(module._local_stop)
+def pipeline_local_chunks(module) -> list[tuple[int, list]]:
+    """(index of the first layer, the layer callables) of each stage this rank holds, in schedule order: one for a
+    `PipelineModule` (`_local_start`, `forward_funcs`), phase 0 then phase 1 for a `DualPipeVModule`
+    (`phase_bounds`, `phase_funcs`). Missing public API: a rank's stages of the layer list."""
+    if hasattr(module, "phase_bounds"):
+        return [(int(start), list(funcs)) for (start, _), funcs in zip(module.phase_bounds, module.phase_funcs)]
+    return [(int(module._local_start), list(module.forward_funcs))]
 
 
 def is_pipe_replicated(param: torch.nn.Parameter) -> bool:

@@ -30,6 +30,8 @@ LR_SCHEDULES = ("cosine", "linear", "constant", "inverse_sqrt", "wsd")
 RAMPUP_SCALINGS = ("linear", "sqrt", "none")
 SAVE_ERROR_POLICIES = ("continue", "stop")
 PIPELINE_PARTITIONS = ("parameters", "uniform")  # or "type:<LayerClass>"
+# 1f1b: DeepSpeed's PipelineEngine; dualpipev: its DualPipeVEngine (two stages per rank, keel/parallel/pipeline.py)
+PIPELINE_SCHEDULES = ("1f1b", "dualpipev")
 PARALLEL_AXES = ("tp", "pp", "ep", "sp")
 CORRUPT_STATE_TARGETS = ("exp_avg_sq", "master", "param")
 SPIKE_MODES = ("window", "ema")
@@ -48,6 +50,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "model.moe_drop_policy": MOE_DROP_POLICIES,
     "train.lr_schedule": LR_SCHEDULES,
     "train.rampup_lr_scaling": RAMPUP_SCALINGS,
+    "parallel.pipeline_schedule": PIPELINE_SCHEDULES,
     "checkpoint.on_save_error": SAVE_ERROR_POLICIES,
     "logging.sync_debug": SYNC_DEBUG_MODES,
     "stability.spike_mode": SPIKE_MODES,
@@ -173,6 +176,7 @@ class ParallelConfig:
     sp: int = 1
     sequence_parallel: bool = False  # Megatron sequence parallel over the tp group (needs tp > 1 to matter)
     pipeline_partition: str = "parameters"  # parameters | uniform | type:Block (DeepSpeed's partition methods)
+    pipeline_schedule: str = "1f1b"  # 1f1b | dualpipev (PIPELINE_SCHEDULES)
 
 
 @dataclass

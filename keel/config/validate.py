@@ -99,10 +99,24 @@ def validate(cfg: RunConfig, world_size: int) -> None:
     _require(p.pipeline_partition in PIPELINE_PARTITIONS or p.pipeline_partition.startswith("type:"),
              f"parallel.pipeline_partition: expected {', '.join(PIPELINE_PARTITIONS)} or type:<LayerClass>, "
              f"got {p.pipeline_partition!r}")
+    if p.pipeline_schedule != "1f1b":
+        _require(p.pp > 1, f"parallel.pipeline_schedule={p.pipeline_schedule} needs parallel.pp >= 2 (got {p.pp})")
+        _require(not cfg.model.moe_experts, f"parallel.pipeline_schedule={p.pipeline_schedule} with model.moe_experts:"
+                 " MoE runs in pipeline stages under 1f1b only; use parallel.pipeline_schedule=1f1b")
+        _require(2 * p.pp <= cfg.model.n_layers + 3,
+                 f"parallel.pp={p.pp}: dualpipev cuts 2×pp = {2 * p.pp} stages, more than the "
+                 f"{cfg.model.n_layers + 3} layers to split")
     _require(p.pp <= cfg.model.n_layers + 3,
              f"parallel.pp={p.pp}: more pipeline stages than the {cfg.model.n_layers + 3} layers to split")
     dp = validate_world_size(world_size, tp=p.tp, pp=p.pp, sp=p.sp, ep=p.ep)
     validate_batch_split(t, dp)
+    first_batch = min(t.rampup_start_batch or t.global_batch_size, t.global_batch_size)
+    micro_batches = first_batch // (t.micro_batch_size * dp)
+    _require(p.pipeline_schedule != "dualpipev" or micro_batches >= 2 * p.pp,
+             f"parallel.pipeline_schedule=dualpipev needs at least 2×pp = {2 * p.pp} micro-batches per step on each "
+             f"data-parallel rank; a batch of {first_batch} gives {micro_batches} (batch / (train.micro_batch_size×dp"
+             f" = {t.micro_batch_size}×{dp})): raise train.global_batch_size"
+             f"{' and train.rampup_start_batch' if t.rampup_start_batch else ''} or lower train.micro_batch_size")
     validate_schedule(t, dp)
     validate_stability(cfg.stability)
     validate_faults(cfg.faults, world_size, cfg.model.moe_experts)

@@ -20,6 +20,7 @@ import keel
 from keel.config import ConfigError, RunConfig, build_config, clamp_warmup, load_config, validate
 from keel.config.yaml_text import dump_yaml, parse_yaml
 from keel.training.ds_config import check_with_deepspeed, load_ds_config, resolve_ds_config, zero_stage
+from keel.training.pipeline_plan import check_pipeline_plan
 
 CONFIG_FILE, DS_FILE, DATA_FILE = "config.yaml", "ds_config.json", "data.json"
 
@@ -157,6 +158,7 @@ def prepare_data(spec: RunSpec) -> None:
                           f"set it to >= {need} or 0")
     resolve_special_ids(cfg.model, tokenizer)
     _check_init_from(cfg)  # again, now that model.vocab_size is known
+    check_pipeline_plan(cfg, zero_stage(spec.ds_raw))  # the partition weighs the embedding by the vocabulary
     record = tokenizer_record(tokenizer, source, None if source is None else source_sha256(source))
     check_same_tokenizer(spec.run_dir, cfg, record, DATA_FILE)
     spec.data = {**data, "tokenizer_info": record, "vocab_size": data_vocab, "eos_id": tokenizer.eos_id}

@@ -16,8 +16,8 @@ from keel.model.llama import (
     flops_per_token,
     init_weights,
     num_params,
-    weight_decay_groups,
 )
+from keel.model.param_groups import weight_decay_groups
 
 __all__ = [
     "Attention",

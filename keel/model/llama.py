@@ -358,21 +358,6 @@ class VocabParallelLoss:
         return loss * self.scale if self.scale != 1.0 else loss
 
 
-def weight_decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Optimizer param groups: decay matrices, not norms or biases (ndim < 2); shared Parameters appear once.
-
-    Shapes are the logical ones: a model built under `deepspeed.zero.Init` is already partitioned (every
-    parameter a flat, empty tensor) when the groups are made."""
-    decay: list[nn.Parameter] = []
-    no_decay: list[nn.Parameter] = []
-    for param in model.parameters():  # parameters() already yields each shared Parameter once
-        if param.requires_grad:
-            (decay if len(logical_shape(param)) >= 2 else no_decay).append(param)
-    groups = [{"name": "decay", "params": decay, "weight_decay": weight_decay},
-              {"name": "no_decay", "params": no_decay, "weight_decay": 0.0}]
-    return [group for group in groups if group["params"]]
-
-
 def num_params(model: nn.Module, exclude_embeddings: bool = False) -> int:
     """Unique parameter count; `exclude_embeddings` drops the token table (and so a head tied to it)."""
     excluded: set[int] = set()

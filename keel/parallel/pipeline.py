@@ -24,7 +24,7 @@ import logging
 import torch
 import torch.utils.checkpoint
 
-from keel.adapters.deepspeed_internals import pipeline_local_specs, pipeline_local_stop
+from keel.adapters.deepspeed_internals import pipeline_layer_specs, pipeline_local_chunks
 from keel.config import RunConfig
 from keel.model import Block, EmbeddingLayer, FinalNorm, OutputLayer, VocabParallelLoss, init_weights
 from keel.model.materialize import Placement
@@ -79,28 +79,34 @@ def layer_specs(cfg: RunConfig, tp: TPContext, ep: EPContext, placement: Placeme
 
 
 def local_layers(module) -> list[tuple[int, torch.nn.Module]]:
-    """(index in the full list, module) for every layer this stage holds, tied copies included."""
+    """(index in the full list, module) for every layer this rank holds, tied copies included, stage by stage
+    (DualPipeV: two stages per rank, and a layer tied between them appears once)."""
     from deepspeed.pipe import TiedLayerSpec
 
-    first, specs = pipeline_local_specs(module)
-    layers = []
-    for offset, func in enumerate(module.forward_funcs):
-        index = first + offset
-        spec = specs[index]
-        layers.append((index, module.tied_modules[spec.key] if isinstance(spec, TiedLayerSpec) else func))
+    specs = pipeline_layer_specs(module)
+    layers, seen = [], set()
+    for first, funcs in pipeline_local_chunks(module):
+        for offset, func in enumerate(funcs):
+            index = first + offset
+            spec = specs[index]
+            layer = module.tied_modules[spec.key] if isinstance(spec, TiedLayerSpec) else func
+            if id(layer) not in seen:
+                seen.add(id(layer))
+                layers.append((index, layer))
     return layers
 
 
 def build_pipeline(cfg: RunConfig, topology: Topology, tp: TPContext, ep: EPContext,
                    placement: Placement | None = None):
     """A `PipelineModule` over this rank's stage, initialised as the single-process model would be."""
-    from deepspeed.pipe import PipelineModule
+    from deepspeed.pipe import DualPipeVModule, PipelineModule
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
     shape = topology.shape
     sp = SPContext.from_topology(topology)
     checkpoint = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
-    module = PipelineModule(
+    module_class = DualPipeVModule if cfg.parallel.pipeline_schedule == "dualpipev" else PipelineModule
+    module = module_class(
         layers=layer_specs(cfg, tp, ep, placement, sp),
         # sp folded into DeepSpeed's data axis (see the module docstring)
         topology=PipeModelDataParallelTopology(num_pp=shape.pp, num_mp=shape.tp, num_dp=shape.dp * shape.sp),
@@ -118,15 +124,18 @@ def build_pipeline(cfg: RunConfig, topology: Topology, tp: TPContext, ep: EPCont
 
 
 def describe_stages(module, topology: Topology, method: str) -> None:
-    """Print each stage's layers and parameter count from rank 0 (the partition users tune)."""
-    names = [type(layer).__name__ for _, layer in local_layers(module)]
+    """Print each rank's stages (layers and parameter count) from rank 0 (the partition users tune)."""
+    specs = pipeline_layer_specs(module)
+    chunks = []
+    for first, funcs in pipeline_local_chunks(module):
+        names = [specs[first + offset].typename.__name__ for offset in range(len(funcs))]
+        chunks.append(f"layers {first}-{first + len(funcs) - 1} ({_compact(names)})")
     params = sum(p.numel() for p in module.parameters())
-    first, last = pipeline_local_specs(module)[0], pipeline_local_stop(module) - 1
-    summary = f"layers {first}-{last} ({_compact(names)}) {params / 1e6:.2f}M params"
+    summary = f"{' + '.join(chunks)} {params / 1e6:.2f}M params"
     gathered = comm.all_gather_object(summary, topology.control("pp"))
     if topology.rank == 0:
         log.info("pipeline partition (%s): %s", method,
-                 " | ".join(f"stage {i}: {s}" for i, s in enumerate(gathered)))
+                 " | ".join(f"rank {i}: {s}" for i, s in enumerate(gathered)))
 
 
 def _compact(names: list[str]) -> str:

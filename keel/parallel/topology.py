@@ -97,6 +97,7 @@ GROUP_AXES = {
     "sp_dp": ("edp", "ep", "sp"),  # ranks holding the same dense parameters: ZeRO's and gradient reduction's group
     "expert_dp": ("edp", "sp"),  # ranks holding the same experts (Ulysses sp ranks replicate them too)
 }
+STAMP_DEFAULTS = {"ep": 1, "sp": 1, "pipeline_schedule": "1f1b"}  # Topology.stamp() keys older checkpoints lack
 WORLD = "world"  # every rank: the default process group (no group of its own is created)
 
 
@@ -107,10 +108,11 @@ class Topology:
     initialized process group, all groups are None and all sizes are 1, so layers can run unparallelized.
     """
 
-    def __init__(self, shape: GridShape, rank: int):
+    def __init__(self, shape: GridShape, rank: int, pipeline_schedule: str = "1f1b"):
         shape.check()
         self.shape = shape
         self.rank = rank
+        self.pipeline_schedule = pipeline_schedule  # which stages a pipeline rank holds (one, or DualPipeV's two)
         self.coords = shape.coords(rank)
         self._groups: dict[str, object] = {WORLD: None}
         self._ranks: dict[str, list[int]] = {WORLD: list(range(shape.world_size))}
@@ -129,12 +131,13 @@ class Topology:
                     self._ranks[name] = ranks
 
     @classmethod
-    def from_env(cls, tp: int = 1, pp: int = 1, ep: int = 1, sp: int = 1) -> Topology:
+    def from_env(cls, tp: int = 1, pp: int = 1, ep: int = 1, sp: int = 1,
+                 pipeline_schedule: str = "1f1b") -> Topology:
         if dist.is_available() and dist.is_initialized():
             world, rank = dist.get_world_size(), dist.get_rank()
         else:
             world, rank = 1, 0
-        return cls(GridShape(world, tp=tp, pp=pp, ep=ep, sp=sp), rank)
+        return cls(GridShape(world, tp=tp, pp=pp, ep=ep, sp=sp), rank, pipeline_schedule)
 
     # -- generic access -------------------------------------------------------------------------------------
     def group(self, name: str):
@@ -184,9 +187,10 @@ class Topology:
         return f"world={s.world_size} tp={s.tp} pp={s.pp} dp={s.dp} (ep={s.ep} edp={s.edp}) sp={s.sp}"
 
     def stamp(self) -> dict[str, int]:
-        """What a checkpoint records of the layout that wrote it."""
+        """What a checkpoint records of the layout that wrote it (`STAMP_DEFAULTS`: what an older one lacks)."""
         return {"world_size": self.shape.world_size, "tp": self.shape.tp, "pp": self.shape.pp,
-                "dp": self.shape.dp, "ep": self.shape.ep, "sp": self.shape.sp}
+                "dp": self.shape.dp, "ep": self.shape.ep, "sp": self.shape.sp,
+                "pipeline_schedule": self.pipeline_schedule if self.shape.pp > 1 else "1f1b"}
 
     # -- the mpu interface DeepSpeed queries --------------------------------------------------------------
     # DeepSpeed's "model parallel" is tensor (and Ulysses) parallel within a pipeline stage; its pipeline engine

@@ -45,7 +45,7 @@ import torch
 
 from keel.config import RunConfig
 from keel.parallel import comm
-from keel.parallel.topology import Topology
+from keel.parallel.topology import STAMP_DEFAULTS, Topology
 from keel.training import checkpoint_verify, rng_state
 from keel.training.checkpoint_writes import WrittenFiles, failure_text
 from keel.training.moe_reshard import MOE_UNIVERSAL, moe_universal_tag
@@ -314,10 +314,12 @@ class Checkpointer:
 
     # -- resharding ---------------------------------------------------------------------------------------------
     def needs_universal(self, tag: str, zero_stage: int) -> bool:
-        """True when `tag` was written on a layout this run cannot load directly: another tp/pp split, or
-        another data-parallel size while ZeRO partitions the optimizer state."""
+        """True when `tag` was written on a layout this run cannot load directly: another tp/pp split or pipeline
+        schedule, or another data-parallel size while ZeRO partitions the optimizer state."""
         saved, now = self.read_manifest(tag)["topology"], self.topology.stamp()
         if (saved["tp"], saved["pp"]) != (now["tp"], now["pp"]):
+            return True
+        if saved.get("pipeline_schedule", "1f1b") != now["pipeline_schedule"]:  # DualPipeV: two stages per rank
             return True
         # ZeRO partitions over data × Ulysses-sequence parallel ranks
         partitions = saved["dp"] * saved.get("sp", 1), now["dp"] * now["sp"]
@@ -363,7 +365,7 @@ class Checkpointer:
             raise RuntimeError(f"DeepSpeed could not load checkpoint {self.directory / tag}")
         state = TrainState(**{k: manifest[k] for k in asdict(TrainState()) if k in manifest})
         rng_path = self.directory / tag / f"keel_rng_rank{self.topology.rank}.pt"
-        same_layout = {k: saved[k] for k in now} == now
+        same_layout = {k: saved.get(k, STAMP_DEFAULTS.get(k)) for k in now} == now
         if rng_path.is_file() and same_layout:
             missing = rng_state.restore(torch.load(rng_path, weights_only=False), engine.module)
             if missing and self.topology.rank == 0:

@@ -67,7 +67,7 @@ def run_rank(run_dir: Path) -> int:
     setup_logging(rank)
     log = logging.getLogger("keel")
     p = cfg.parallel
-    topology = Topology.from_env(tp=p.tp, pp=p.pp, ep=p.ep, sp=p.sp)
+    topology = Topology.from_env(tp=p.tp, pp=p.pp, ep=p.ep, sp=p.sp, pipeline_schedule=p.pipeline_schedule)
     if cfg.logging.collective_trace:
         topology.trace_into(run_dir / "collectives")
     seed_everything(data_parallel_seed(cfg.train.seed, topology))
@@ -139,6 +139,7 @@ def reshard_if_needed(cfg, ds_raw: dict, topology, checkpointer) -> dict:
     accumulation is derived from the new data-parallel size. The checkpoint is verified here, before converting
     (the trainer's resume then finds it verified)."""
     from keel.parallel import comm
+    from keel.parallel.topology import STAMP_DEFAULTS
     from keel.training.ds_config import zero_stage
     from keel.training.moe_reshard import check_moe_reshard, convert_moe_universal
 
@@ -151,7 +152,9 @@ def reshard_if_needed(cfg, ds_raw: dict, topology, checkpointer) -> dict:
         check_moe_reshard(saved, topology.stamp(), zero_stage(ds_raw), cfg.model.moe_experts)
     if topology.rank == 0:
         log.warning("checkpoint %s was written at %s; this run is %s: converting to a universal checkpoint", tag,
-                    {k: saved.get(k, 1) for k in ("world_size", "dp", "ep", "tp", "pp")}, topology.describe())
+                    {k: saved.get(k, STAMP_DEFAULTS.get(k, 1)) for k in ("world_size", "dp", "ep", "tp", "pp",
+                                                                          "pipeline_schedule")},
+                    topology.describe())
         if cfg.model.moe_experts:
             convert_moe_universal(checkpointer.directory / tag, saved, topology.stamp(), cfg.model.moe_experts)
         else:

@@ -72,7 +72,7 @@ class RankMemory:
         return self.params + self.grads + self.optimizer + self.buckets
 
 
-def _layer_list(cfg: ModelConfig, tp: TPContext, ep: EPContext, pp: int) -> list[torch.nn.Module]:
+def layer_list(cfg: ModelConfig, tp: TPContext, ep: EPContext, pp: int) -> list[torch.nn.Module]:
     """The layer list a pipeline lays out (a tied head is a second embedding on the last stage); on meta."""
     def construct() -> list[torch.nn.Module]:
         first = EmbeddingLayer(cfg, tp)
@@ -87,7 +87,7 @@ def _layer_list(cfg: ModelConfig, tp: TPContext, ep: EPContext, pp: int) -> list
         return construct()
 
 
-def _stage_parts(counts: list[int], layers: list[torch.nn.Module], pp: int, method: str) -> list[int]:
+def stage_parts(counts: list[int], layers: list[torch.nn.Module], pp: int, method: str) -> list[int]:
     """Stage boundaries exactly as DeepSpeed's PipelineModule draws them for `pipeline_partition`."""
     from deepspeed.runtime import utils as ds_utils
 
@@ -102,12 +102,30 @@ def _stage_parts(counts: list[int], layers: list[torch.nn.Module], pp: int, meth
     return ds_utils.partition_balanced(weights=counts, num_parts=pp)
 
 
-def param_share(cfg: ModelConfig, layout: Layout, method: str = "parameters", stage: int | None = None) -> ParamShare:
-    """A rank's parameters at `layout` on pipeline `stage` (default: the largest stage), counted from the real
-    layer classes built on meta; `method` is `parallel.pipeline_partition`."""
+def rank_stages(pp: int, schedule: str = "1f1b") -> list[tuple[int, ...]]:
+    """The pipeline stages each pipeline rank runs: one each under 1F1B; under DualPipeV the layer list is cut
+    into 2·pp stages and rank r runs stage r and stage 2·pp − 1 − r (DeepSpeed's `DualPipeVModule`)."""
+    if schedule == "dualpipev":
+        return [(r, 2 * pp - 1 - r) for r in range(pp)]
+    return [(r,) for r in range(pp)]
+
+
+def rank_layer_indices(layers: list[torch.nn.Module], counts: list[int], pp: int, method: str,
+                       schedule: str = "1f1b") -> list[list[int]]:
+    """The indices into the flat layer list each pipeline rank holds, cut as DeepSpeed cuts them."""
+    stages = rank_stages(pp, schedule)
+    parts = stage_parts(counts, layers, sum(len(s) for s in stages), method)
+    return [[i for s in ranks for i in range(parts[s], parts[s + 1])] for ranks in stages]
+
+
+def param_share(cfg: ModelConfig, layout: Layout, method: str = "parameters", stage: int | None = None,
+                schedule: str = "1f1b") -> ParamShare:
+    """A rank's parameters at `layout` on pipeline rank `stage` (default: the largest), counted from the real
+    layer classes built on meta; `method` is `parallel.pipeline_partition`, `schedule` `parallel.pipeline_schedule`
+    (a DualPipeV rank holds two stages, and the tied head is the embedding itself)."""
     tp = TPContext(rank=0, size=layout.tp)
     ep = EPContext(rank=0, size=layout.ep, ranks=tuple(range(layout.ep)))
-    layers = _layer_list(cfg, tp, ep, layout.pp)
+    layers = layer_list(cfg, tp, ep, layout.pp)
     per_layer = []
     seen: set[int] = set()
     for layer in layers:
@@ -122,9 +140,11 @@ def param_share(cfg: ModelConfig, layout: Layout, method: str = "parameters", st
             else:
                 dense += param.numel()
         per_layer.append((dense, expert, largest))
-    parts = _stage_parts([d + e for d, e, _ in per_layer], layers, layout.pp, method)
-    stages = [per_layer[parts[s]:parts[s + 1]] for s in range(layout.pp)]
-    best = stages[stage] if stage is not None else max(stages, key=lambda s: sum(d + e for d, e, _ in s))
+    held = rank_layer_indices(layers, [d + e for d, e, _ in per_layer], layout.pp, method, schedule)
+    if schedule == "dualpipev" and cfg.tie_embeddings and layout.pp > 1:
+        per_layer[-1] = (0, 0, 0)  # DeepSpeed counts the tied head when cutting; on rank 0 it is the embedding
+    ranks = [[per_layer[i] for i in indices] for indices in held]
+    best = ranks[stage] if stage is not None else max(ranks, key=lambda s: sum(d + e for d, e, _ in s))
     return ParamShare(sum(d for d, _, _ in best), sum(e for _, e, _ in best), max(m for _, _, m in best))
 
 
@@ -132,7 +152,8 @@ def estimate(cfg: RunConfig, ds: dict[str, Any], layout: Layout) -> RankMemory:
     """Per-rank bytes for `cfg`'s model under the DeepSpeed JSON `ds` (precision, ZeRO stage, buckets)."""
     from keel.training.ds_config import precision, zero_stage
 
-    share = param_share(cfg.model, layout, cfg.parallel.pipeline_partition)
+    share = param_share(cfg.model, layout, cfg.parallel.pipeline_partition,
+                        schedule=cfg.parallel.pipeline_schedule)
     prec, stage = precision(ds), zero_stage(ds)
     b = BYTES[prec]
     zero = {**DS_DEFAULTS, **ds.get("zero_optimization", {})}

@@ -25,7 +25,7 @@ from keel.adapters.deepspeed_internals import (
     local_grad,
     loss_scale,
     master_state,
-    pipeline_local_specs,
+    pipeline_layer_specs,
     update_pair,
     wrap_model_step,
 )
@@ -51,7 +51,7 @@ def layer_name(index: int, n_layers_total: int) -> str:
 def _local_layers(module: nn.Module) -> tuple[int, list[tuple[int, nn.Module]]]:
     """(length of the full layer list, [(index, layer)] for the layers this rank holds)."""
     if hasattr(module, "forward_funcs"):  # one pipeline stage (DeepSpeed PipelineModule)
-        return len(pipeline_local_specs(module)[1]), local_layers(module)
+        return len(pipeline_layer_specs(module)), local_layers(module)
     return len(module.layers), list(enumerate(module.layers))
 
 
