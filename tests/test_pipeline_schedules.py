@@ -1,5 +1,6 @@
 """`parallel.pipeline_schedule: dualpipev` (DeepSpeed's DualPipeV: two stages per pipeline rank) reproduces the
-single-process run, alone and with tensor parallelism, resumes exactly, and takes over a 1F1B checkpoint."""
+single-process run, alone and with tensor or Ulysses sequence parallelism, resumes exactly, and takes over a 1F1B
+checkpoint."""
 
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ TP2 = dict(parallel__tp=2, parallel__sequence_parallel="true")
 DUALPIPEV_20 = {**PP2_20, **DUALPIPEV}
 KEEL_RUNS = [Run.of(f"dualpipev-tied{tied}", 2, ZERO1, model__tie_embeddings=tied, **DUALPIPEV)
              for tied in ("true", "false")]
-KEEL_RUNS += [Run.of("dualpipev-tp2", 4, ZERO1, **DUALPIPEV, **TP2),
+LAYOUTS = {"tp2": TP2, "sp2": dict(parallel__sp=2)}  # 4 ranks each; Ulysses sp folds into DeepSpeed's data axis
+KEEL_RUNS += [Run.of(f"dualpipev-{name}", 4, ZERO1, **DUALPIPEV, **layout) for name, layout in LAYOUTS.items()]
+KEEL_RUNS += [
               Run.of("dualpipev-20", 2, ZERO1, **DUALPIPEV_20),
               Run.of("dualpipev-20-resumed", 2, ZERO1, resume_at=10, **DUALPIPEV_20),
               Run.of("pp2-20-first-half", 2, ZERO1, **{**PP2_20, "train__exit_after": 10})]
@@ -33,9 +36,10 @@ def test_dualpipev_matches_pp1(runs, tied):
     assert_grad_norms_close(column(piped, "grad_norm"), column(reference, "grad_norm"))
 
 
-def test_dualpipev_with_tensor_parallel_matches_pp1(runs):
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_dualpipev_with_tp_or_sp_matches_pp1(runs, layout):
     reference = runs.get("pp1-tiedtrue", 1, model__tie_embeddings="true")
-    got = runs.get("dualpipev-tp2", 4, ZERO1, **DUALPIPEV, **TP2)
+    got = runs.get(f"dualpipev-{layout}", 4, ZERO1, **DUALPIPEV, **LAYOUTS[layout])
     assert_close(column(got, "loss"), column(reference, "loss"), 1e-5)
     assert_grad_norms_close(column(got, "grad_norm"), column(reference, "grad_norm"))
 

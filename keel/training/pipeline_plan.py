@@ -33,8 +33,10 @@ def check_pipeline_plan(cfg: RunConfig, zero_stage: int) -> None:
         groups = layer_groups_of([layers[i] for i in indices])
         if groups != wanted:
             names = ", ".join(type(layers[i]).__name__ for i in indices) or "no layers"
+            fix = ("parallel.pipeline_partition=type:Block (or fewer pipeline stages)"
+                   if p.pipeline_partition != "type:Block" else
+                   f"fewer pipeline stages (parallel.pp={p.pp}) or more blocks (model.n_layers={cfg.model.n_layers})")
             raise ConfigError(
                 f"parallel.pipeline_partition={p.pipeline_partition}: pipeline rank {rank} would hold only "
                 f"{names}, without {' and '.join(sorted(wanted - groups))} parameters, and DeepSpeed's ZeRO "
-                "optimizer hangs when pipeline ranks hold different parameter groups; use "
-                "parallel.pipeline_partition=type:Block (or fewer pipeline stages)")
+                f"optimizer hangs when pipeline ranks hold different parameter groups; use {fix}")

@@ -193,6 +193,9 @@ def layouts(draw) -> tuple[dict[str, Any], int, dict[str, Any]]:
     if ga > 1 and pick.coin():
         values["train.rampup_start_batch"] = micro * dp * pick.int(1, ga - 1)
         values["train.rampup_steps"] = pick.int(1, 1000)
+    first_micro_batches = values.get("train.rampup_start_batch", micro * dp * ga) // (micro * dp)
+    dualpipev = pp > 1 and not moe and first_micro_batches >= 2 * pp and 2 * pp <= n_layers + 3
+    values["parallel.pipeline_schedule"] = "dualpipev" if dualpipev and pick.coin() else "1f1b"
     world = tp * pp * sp * dp
     for name, lowest in FAULT_RANKS.items():
         values[name] = pick.int(lowest, world - 1)
