@@ -4,7 +4,8 @@ hanging), checked on the collectives real runs recorded (`logging.collective_tra
 Per process group, each member rank's ordered list of (op, channel, dtype, numel) must be identical. On gloo a
 mixed-device collective cannot hang, so the channel each call took is part of what is compared; the lint in
 tests/test_comm_rule.py keeps calls from bypassing the recording. Runs: 8 ranks pp2 × tp2 × dp2 (ep2, Megatron SP);
-8 ranks tp2 × Ulysses sp2 × ep2; 4 ranks with every guard, the monitor, evaluation and checkpoints every step or two.
+8 ranks tp2 × Ulysses sp2 × ep2; 4 ranks with every guard, the monitor, evaluation and checkpoints every step or two,
+once plain (tp2 × dp2) and once as tp2 × pp2 under DualPipeV.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import pytest
 
 from tests.keel_runs import Run
 from tests.test_moe_training import FOUR_D, TP_SP_EP
+from tests.test_pipeline_schedules import DUALPIPEV
 
 pytestmark = pytest.mark.slow
 
@@ -25,7 +27,9 @@ ALL_GUARDS = dict(parallel__tp=2, logging__collective_trace="true", train__eval_
                   stability__straggler_interval=2, stability__monitor_interval=2)
 TRACED = {"4d": Run.of("4d", 8, "ds_configs/zero1.json", **FOUR_D),
           "tp2sp2ep2": Run.of("tp2sp2ep2", 8, "ds_configs/zero2.json", **TP_SP_EP),
-          "all-guards": Run.of("all-guards", 4, "ds_configs/zero1.json", **ALL_GUARDS)}
+          "all-guards": Run.of("all-guards", 4, "ds_configs/zero1.json", **ALL_GUARDS),
+          "dualpipev-all-guards": Run.of("dualpipev-all-guards", 4, "ds_configs/zero1.json",
+                                         **ALL_GUARDS, **DUALPIPEV)}
 KEEL_RUNS = list(TRACED.values())
 
 Call = tuple[str, str, str, int]  # op, channel, dtype, numel

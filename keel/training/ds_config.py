@@ -135,13 +135,16 @@ def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, dp_size: int) -> dict
     _fill(ds, "gradient_accumulation_steps", ga, "train.global_batch_size/(micro_batch_size×dp)")
     _fill(ds, "gradient_clipping", cfg.train.grad_clip, "train.grad_clip")
     ds["train_batch_size"] *= engine_batch_copies(cfg)  # checked against Keel's global batch above
-    if cfg.parallel.pp > 1 and cfg.parallel.tp > 1 and cfg.parallel.sequence_parallel:
+    p = cfg.parallel
+    if p.pp > 1 and p.tp > 1 and (p.sequence_parallel or p.pipeline_schedule == "dualpipev"):
         # DeepSpeed splits stage-to-stage activations across the TP group assuming every TP rank holds the same
         # tensor; under sequence parallelism each holds a different sequence shard, so each must send its own.
+        # DualPipeV's engine does not split them at all (it asserts both are off).
+        why = "parallel.sequence_parallel" if p.sequence_parallel else "parallel.pipeline_schedule=dualpipev"
         pipe = ds.setdefault("pipeline", {})
         for key in ("pipe_partitioned", "grad_partitioned"):
             if pipe.get(key, False) is not False:
-                raise ConfigError(f"ds_config.pipeline.{key} must be false with parallel.sequence_parallel")
+                raise ConfigError(f"ds_config.pipeline.{key} must be false with {why}")
             pipe[key] = False
     if "optimizer" in ds:
         opt = ds["optimizer"]
