@@ -32,7 +32,10 @@ TP2_ZERO3 = Run.of("hf-tp2-zero3", 2, "ds_configs/zero3.json", train__steps=STEP
 HALF = {precision: Run.of(precision, 2, f"ds_configs/{precision}.json") for precision in ("bf16", "fp16")}  # shared
 MOE_REF = Run.of("hf-moe-ref", 1, train__steps=STEPS, model__moe_experts=4)
 MOE_EP2 = Run.of("hf-moe-ep2", 2, train__steps=STEPS, model__moe_experts=4, parallel__ep=2)
-KEEL_RUNS = [REF_UNTIED, TP2PP2, REF_TIED, ZERO3, TP2_ZERO2, TP2_ZERO3, *HALF.values(), MOE_REF, MOE_EP2]
+# DualPipeV: two stages per rank, and the tied head is the embedding itself on rank 0 (one layer file)
+DUALPIPEV = Run.of("hf-dualpipev", 2, "ds_configs/zero1.json", train__steps=STEPS, parallel__pp=2,
+                   parallel__pipeline_schedule="dualpipev", parallel__pipeline_partition="type:Block")
+KEEL_RUNS = [REF_UNTIED, TP2PP2, REF_TIED, ZERO3, TP2_ZERO2, TP2_ZERO3, *HALF.values(), MOE_REF, MOE_EP2, DUALPIPEV]
 
 
 def hf_logits(out_dir, tokens: torch.Tensor) -> torch.Tensor:
@@ -199,8 +202,8 @@ def trained_keel_model(run_dir) -> CausalLM:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("run, reference", [(TP2PP2, REF_UNTIED), (ZERO3, REF_TIED), (TP2_ZERO2, REF_TIED),
-                                            (TP2_ZERO3, REF_TIED), (MOE_EP2, MOE_REF)],
-                         ids=["tp2pp2", "zero3", "tp2-zero2", "tp2-zero3", "moe-ep2"])
+                                            (TP2_ZERO3, REF_TIED), (MOE_EP2, MOE_REF), (DUALPIPEV, REF_TIED)],
+                         ids=["tp2pp2", "zero3", "tp2-zero2", "tp2-zero3", "moe-ep2", "dualpipev"])
 def test_export_of_real_runs_matches_keel(runs, tmp_path, run, reference):
     from transformers import AutoTokenizer
 
