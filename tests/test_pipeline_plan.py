@@ -31,8 +31,8 @@ def test_a_rank_without_norms_is_refused_under_zero():
 
 
 def test_1f1b_is_checked_too():
-    """A table as large as several blocks makes the `parameters` cut give a 1F1B stage the embedding or the head
-    alone (Llama-3-70B: a 1.05B-entry table against 0.86B per block)."""
+    """A stage's share no larger than the table makes the `parameters` cut give a 1F1B stage the embedding or the
+    head alone (Llama-3-8B cut into 16 stages: a 0.53B-entry table, 0.5B per stage; refused as computed here)."""
     with pytest.raises(ConfigError, match="pipeline rank 0 would hold only EmbeddingLayer, without no_decay"):
         check_pipeline_plan(tiny(pp=4, schedule="1f1b", partition="parameters", vocab=32000), zero_stage=1)
     blocks = tiny(pp=4, schedule="1f1b", vocab=32000)
