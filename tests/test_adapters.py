@@ -26,7 +26,8 @@ from keel.launcher.local import free_port
 
 DS_CONFIGS = Path(__file__).resolve().parents[1] / "ds_configs"
 MODEL = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_pad_multiple=1)
-KINDS = ["zero0", "zero1", "zero2", "zero3", "fp16", "bf16", "moe", "pipeline"]
+KINDS = ["zero0", "zero1", "zero2", "zero3", "fp16", "bf16", "moe", "pipeline", "dualpipev"]
+PIPELINES = ("pipeline", "dualpipev")  # DeepSpeed's PipelineEngine, and its DualPipeVEngine (two stages on one rank)
 
 
 def _batches(n: int = 2) -> list[torch.Tensor]:
@@ -42,17 +43,18 @@ def _engine(kind: str):
     from keel.training.engine import build_engine
 
     moe = dict(moe_experts=4, moe_top_k=2) if kind == "moe" else {}
-    cfg = RunConfig(model=ModelConfig(**MODEL, **moe), parallel=ParallelConfig(),
+    schedule = "dualpipev" if kind == "dualpipev" else "1f1b"
+    cfg = RunConfig(model=ModelConfig(**MODEL, **moe), parallel=ParallelConfig(pipeline_schedule=schedule),
                     train=TrainConfig(global_batch_size=4, micro_batch_size=2, lr=1e-2, warmup_steps=0, grad_clip=1.0))
     ds_name = {"zero0": "zero0", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3", "fp16": "fp16",
-               "bf16": "bf16", "moe": "zero1", "pipeline": "zero1"}[kind]
+               "bf16": "bf16", "moe": "zero1", "pipeline": "zero1", "dualpipev": "zero1"}[kind]
     ds = json.loads((DS_CONFIGS / f"{ds_name}.json").read_text())
     if kind == "fp16":  # a scale the first steps cannot overflow, so the gate is asked on both
         ds["fp16"]["initial_scale_power"] = 8
     topology = Topology.from_env()
     torch.manual_seed(0)
     model = None
-    if kind == "pipeline":  # one stage: DeepSpeed's PipelineEngine all the same
+    if kind in PIPELINES:  # one pipeline rank: DeepSpeed's pipeline engines all the same
         model = build_pipeline(cfg, topology, TPContext.from_topology(topology), EPContext.from_topology(topology))
     return build_engine(cfg, ds, topology, model=model)
 
@@ -188,7 +190,7 @@ def test_internals_are_present_and_do_what_keel_needs(probed, kind):
     assert (seen["scale"] is not None) == (kind == "fp16")
     if kind == "fp16":
         assert seen["scale"] == 2.0 ** 8
-    if kind == "pipeline":
+    if kind in PIPELINES:
         assert seen["pipeline_loss"] is not None and math.isfinite(seen["pipeline_loss"])
     assert got["model_step_wrapped"] == 2  # the hook ran inside both steps
     assert seen["adamw"] == {"foreach": None, "fused": True}  # torch's fused AdamW, not its per-parameter loop
@@ -220,8 +222,9 @@ def test_a_missing_internal_fails_in_one_line_naming_it(probed, kind):
     needed = {"engine._take_model_step", "optimizer.overflow"}
     needed |= {"engine.clip_fp32_gradients"} if kind == "zero0" else {"optimizer._global_grad_norm"}
     assert needed <= set(missing)
-    if kind == "pipeline":
-        assert {"PipelineEngine.total_loss", "PipelineModule._layer_specs / _local_start / _local_stop"} <= set(missing)
+    if kind in PIPELINES:
+        stages = "PipelineModule._layer_specs / _local_start (DualPipeVModule: phase_bounds / phase_funcs)"
+        assert {"PipelineEngine.total_loss", stages} <= set(missing)
     for name, message in missing.items():
         assert message is not None, f"check_engine did not notice {name} missing"
         assert "\n" not in message and f"`{name}`" in message and "setup.py" in message

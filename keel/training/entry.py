@@ -150,11 +150,11 @@ def reshard_if_needed(cfg, ds_raw: dict, topology, checkpointer) -> dict:
     saved = checkpointer.read_manifest(tag)["topology"]
     if cfg.model.moe_experts:  # DeepSpeed's converter cannot place experts: Keel's own (moe_reshard.py)
         check_moe_reshard(saved, topology.stamp(), zero_stage(ds_raw), cfg.model.moe_experts)
+    pipelined = max(saved["pp"], topology.shape.pp) > 1  # the schedule matters (and is shown) only then
+    shown = ("world_size", "dp", "ep", "tp", "pp") + (("pipeline_schedule",) if pipelined else ())
     if topology.rank == 0:
         log.warning("checkpoint %s was written at %s; this run is %s: converting to a universal checkpoint", tag,
-                    {k: saved.get(k, STAMP_DEFAULTS.get(k, 1)) for k in ("world_size", "dp", "ep", "tp", "pp",
-                                                                          "pipeline_schedule")},
-                    topology.describe())
+                    {k: saved.get(k, STAMP_DEFAULTS.get(k, 1)) for k in shown}, topology.describe())
         if cfg.model.moe_experts:
             convert_moe_universal(checkpointer.directory / tag, saved, topology.stamp(), cfg.model.moe_experts)
         else:
