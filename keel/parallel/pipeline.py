@@ -1,12 +1,14 @@
 """Pipeline parallelism: Keel's layer list as DeepSpeed `PipelineModule` layer specs.
 
-DeepSpeed owns the schedule (1F1B `train_batch`), the p2p transfers and the tied-weight synchronisation; Keel
-supplies the same layer classes the plain model uses, with tensor-parallel shards inside each stage, and
+DeepSpeed owns the schedule (`parallel.pipeline_schedule`: 1F1B's `PipelineModule`, or `DualPipeVModule`, which
+cuts 2·pp stages and gives rank r stages r and 2·pp−1−r), the p2p transfers and the tied-weight synchronisation;
+Keel supplies the same layer classes the plain model uses, with tensor-parallel shards inside each stage, and
 initialises every stage's layers exactly as the single-process model would (init is keyed by the layer's index
 in the full list, so a stage needs nothing from the others).
 
 With tied embeddings the last stage holds a second `EmbeddingLayer` whose `project` is the head; DeepSpeed's
-`TiedLayerSpec` broadcasts it from the first stage at start and sums the two copies' gradients every step.
+`TiedLayerSpec` broadcasts it from the first stage at start and sums the two copies' gradients every step. Under
+DualPipeV both stages are on rank 0 and share one module: one tensor, nothing to sum.
 
 Ulysses sequence parallelism inside the stages: DeepSpeed's pipeline topology has pipe, data and model axes only,
 so the sp ranks are folded into its data axis (Keel's grid orders edp, ep, sp inside pp, so its data axis is
@@ -98,7 +100,8 @@ def local_layers(module) -> list[tuple[int, torch.nn.Module]]:
 
 def build_pipeline(cfg: RunConfig, topology: Topology, tp: TPContext, ep: EPContext,
                    placement: Placement | None = None):
-    """A `PipelineModule` over this rank's stage, initialised as the single-process model would be."""
+    """A `PipelineModule` over this rank's stage (DualPipeV: its two stages), initialised as the single-process
+    model would be."""
     from deepspeed.pipe import DualPipeVModule, PipelineModule
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
