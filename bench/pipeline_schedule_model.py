@@ -25,9 +25,13 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from keel.config.schema import PIPELINE_SCHEDULES
+from keel.training.memory_model import rank_stages
+
 FORWARD_COST, BACKWARD_COST = 1.0, 2.0
-SCHEDULES = ("1f1b", "dualpipev")
-STAGES_PER_RANK = {"1f1b": 1, "dualpipev": 2}  # DualPipeV: rank r holds stage r (phase 0) and 2p-1-r (phase 1)
+SCHEDULES = PIPELINE_SCHEDULES  # a schedule Keel gains needs a replay here too (`instruction_streams`)
+# DualPipeV: rank r holds stage r (phase 0) and 2p-1-r (phase 1); Keel's memory model says how many
+STAGES_PER_RANK = {schedule: len(rank_stages(1, schedule)[0]) for schedule in SCHEDULES}
 
 
 def min_micro_batches(schedule: str, p: int) -> int:
