@@ -1,4 +1,4 @@
-"""Every torch internal Keel reads or patches, in one place (see deepspeed_internals.py for why this exists).
+"""Every torch internal Keel reads or patches, in one place (see deepspeed_internals/ for why this exists).
 
 `check_torch` probes each one, so an upgrade that removes one fails with one line naming it.
 """

@@ -3,7 +3,7 @@ while the files are written.
 
 1. Snapshot, on the main thread at the save's step: `engine.save_checkpoint` runs as in a synchronous save (its
    collectives, ZeRO-3 gathers and tag check included), but each file it hands its checkpoint engine —
-   `save(state_dict, path)`, the seam keel/adapters/deepspeed_internals.py's `route_checkpoint_writes` opens — is
+   `save(state_dict, path)`, the seam `route_checkpoint_writes` in keel/adapters/deepspeed_internals/ opens — is
    deep-copied into reused host buffers (keel/training/host_snapshot.py) instead of written. Plus the rank's RNG
    file. The host holds one extra copy of the rank's checkpoint shard.
 2. Write, on one writer thread per rank: each file by DeepSpeed's own `save` into `<tag>/.async_rank<R>/` under the

@@ -1,8 +1,8 @@
 """One rank's side of a checkpoint save: every file it writes, hashed as it closes, and a write failure kept.
 
 DeepSpeed writes each shard through its checkpoint engine's `save(state_dict, path)`; `WrittenFiles.seam` routes
-those calls through `write` (keel/adapters/deepspeed_internals.py `route_checkpoint_writes`), and Keel's own files
-go through `write` too. So this rank knows exactly which files it wrote, and:
+those calls through `write` (`route_checkpoint_writes` in keel/adapters/deepspeed_internals/), and Keel's own
+files go through `write` too. So this rank knows exactly which files it wrote, and:
 
 - each is hashed (size + sha256) on a small thread pool as soon as it is closed, overlapping the next write
   while its bytes are still in the page cache; the hashes reach rank 0's manifest in the save's one all-gather

@@ -10,7 +10,7 @@ stop's exit code, a data stop's sample (keel/training/data_stop.py) and the pree
 DeepSpeed dropped before asking (fp16 overflow) is agreed by `agree_unconsulted`. A veto leaves parameters, Adam
 moments, the LR schedule and the loss scaler untouched: DeepSpeed treats it as it treats an fp16 overflow
 (gradients dropped, `skipped_steps` counted, scheduler held). The DeepSpeed internals this needs live in
-keel/adapters/deepspeed_internals.py.
+keel/adapters/deepspeed_internals/.
 """
 
 from __future__ import annotations
