@@ -25,6 +25,7 @@ from keel.config import RunConfig
 from keel.config.bounds import BOUNDS, INT64_MAX, Bound
 from keel.config.schema import CHOICES
 from keel.config.validate import COMPILE_SETTINGS
+from keel.config.yaml_text import FLOAT, INT
 
 SECTION_TYPES = typing.get_type_hints(RunConfig)
 HINTS: dict[str, Any] = {f"{section}.{f.name}": typing.get_type_hints(cls)[f.name]
@@ -98,7 +99,10 @@ def numbers(name: str, hint: Any) -> st.SearchStrategy:
                      allow_nan=False, allow_infinity=False)
 
 
-TEXT = st.text(st.characters(codec="utf-8", exclude_categories=("Cs", "Cc", "Cn", "Zl", "Zp")), min_size=1, max_size=6)
+# a user's PyYAML writes "0E0" unquoted (a YAML 1.1 string) and Keel reads config as YAML 1.2, where it is the float
+# 0.0 (keel/config/yaml_text.py): such a path is refused in one line, so it is not a valid value
+TEXT = st.text(st.characters(codec="utf-8", exclude_categories=("Cs", "Cc", "Cn", "Zl", "Zp")), min_size=1,
+               max_size=6).filter(lambda text: not (INT.match(text) or FLOAT.match(text)))
 GLOBS = st.lists(TEXT, min_size=1, max_size=2)
 WEIGHTED = st.lists(st.fixed_dictionaries({"path": st.one_of(TEXT, GLOBS),
                                            "weight": st.one_of(st.floats(1e-9, 1e9),
@@ -194,8 +198,14 @@ def layouts(draw) -> tuple[dict[str, Any], int, dict[str, Any]]:
         values["train.rampup_start_batch"] = micro * dp * pick.int(1, ga - 1)
         values["train.rampup_steps"] = pick.int(1, 1000)
     first_micro_batches = values.get("train.rampup_start_batch", micro * dp * ga) // (micro * dp)
-    dualpipev = pp > 1 and not moe and first_micro_batches >= 2 * pp and 2 * pp <= n_layers + 3
-    values["parallel.pipeline_schedule"] = "dualpipev" if dualpipev and pick.coin() else "1f1b"
+    schedules, chunks = ["1f1b"], pick.int(2, 4)
+    if pp > 1 and not moe and first_micro_batches >= 2 * pp:  # both run on DeepSpeed's DualPipeVEngine
+        schedules += ["dualpipev"] if 2 * pp <= n_layers + 3 else []
+        grouped = ga % pp == 0 and "train.rampup_start_batch" not in values  # interleaved: groups of pp
+        schedules += ["interleaved"] if grouped and chunks * pp <= n_layers + 3 else []
+    values["parallel.pipeline_schedule"] = schedule = pick.one(schedules)
+    values["parallel.virtual_stages"] = chunks
+    values["train.eval_batches"] = pp * pick.int(2, 3) if schedule != "1f1b" else pick.int(1, 8)
     world = tp * pp * sp * dp
     for name, lowest in FAULT_RANKS.items():
         values[name] = pick.int(lowest, world - 1)
