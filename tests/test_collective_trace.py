@@ -18,7 +18,7 @@ import pytest
 
 from tests.keel_runs import Run
 from tests.test_moe_training import FOUR_D, TP_SP_EP
-from tests.test_pipeline_schedules import DUALPIPEV
+from tests.test_pipeline_schedules import SCHEDULES
 
 pytestmark = pytest.mark.slow
 
@@ -28,8 +28,8 @@ ALL_GUARDS = dict(parallel__tp=2, logging__collective_trace="true", train__eval_
 TRACED = {"4d": Run.of("4d", 8, "ds_configs/zero1.json", **FOUR_D),
           "tp2sp2ep2": Run.of("tp2sp2ep2", 8, "ds_configs/zero2.json", **TP_SP_EP),
           "all-guards": Run.of("all-guards", 4, "ds_configs/zero1.json", **ALL_GUARDS),
-          "dualpipev-all-guards": Run.of("dualpipev-all-guards", 4, "ds_configs/zero1.json",
-                                         **ALL_GUARDS, **DUALPIPEV)}
+          **{f"{name}-all-guards": Run.of(f"{name}-all-guards", 4, "ds_configs/zero1.json", **ALL_GUARDS, **schedule)
+             for name, schedule in SCHEDULES.items()}}
 KEEL_RUNS = list(TRACED.values())
 
 Call = tuple[str, str, str, int]  # op, channel, dtype, numel

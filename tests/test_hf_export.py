@@ -35,7 +35,11 @@ MOE_EP2 = Run.of("hf-moe-ep2", 2, train__steps=STEPS, model__moe_experts=4, para
 # DualPipeV: two stages per rank, and the tied head is the embedding itself on rank 0 (one layer file)
 DUALPIPEV = Run.of("hf-dualpipev", 2, "ds_configs/zero1.json", train__steps=STEPS, parallel__pp=2,
                    parallel__pipeline_schedule="dualpipev", parallel__pipeline_partition="type:Block")
-KEEL_RUNS = [REF_UNTIED, TP2PP2, REF_TIED, ZERO3, TP2_ZERO2, TP2_ZERO3, *HALF.values(), MOE_REF, MOE_EP2, DUALPIPEV]
+# interleaved: rank r holds stages r and r+2; the tied head is rank 1's copy of the embedding (not exported)
+INTERLEAVED = Run.of("hf-interleaved", 2, "ds_configs/zero1.json", train__steps=STEPS, parallel__pp=2,
+                     parallel__pipeline_schedule="interleaved", parallel__pipeline_partition="type:Block")
+KEEL_RUNS = [REF_UNTIED, TP2PP2, REF_TIED, ZERO3, TP2_ZERO2, TP2_ZERO3, *HALF.values(), MOE_REF, MOE_EP2, DUALPIPEV,
+             INTERLEAVED]
 
 
 def hf_logits(out_dir, tokens: torch.Tensor) -> torch.Tensor:
@@ -202,8 +206,9 @@ def trained_keel_model(run_dir) -> CausalLM:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("run, reference", [(TP2PP2, REF_UNTIED), (ZERO3, REF_TIED), (TP2_ZERO2, REF_TIED),
-                                            (TP2_ZERO3, REF_TIED), (MOE_EP2, MOE_REF), (DUALPIPEV, REF_TIED)],
-                         ids=["tp2pp2", "zero3", "tp2-zero2", "tp2-zero3", "moe-ep2", "dualpipev"])
+                                            (TP2_ZERO3, REF_TIED), (MOE_EP2, MOE_REF), (DUALPIPEV, REF_TIED),
+                                            (INTERLEAVED, REF_TIED)],
+                         ids=["tp2pp2", "zero3", "tp2-zero2", "tp2-zero3", "moe-ep2", "dualpipev", "interleaved"])
 def test_export_of_real_runs_matches_keel(runs, tmp_path, run, reference):
     from transformers import AutoTokenizer
 

@@ -116,6 +116,7 @@ BOUNDS: dict[str, Bound] = {
     # parallel
     "parallel.tp": at_least(1),
     "parallel.pp": at_least(1),
+    "parallel.virtual_stages": at_least(2),
     "parallel.ep": at_least(1),
     "parallel.sp": at_least(1),
     # checkpoint

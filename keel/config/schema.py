@@ -30,8 +30,9 @@ LR_SCHEDULES = ("cosine", "linear", "constant", "inverse_sqrt", "wsd")
 RAMPUP_SCALINGS = ("linear", "sqrt", "none")
 SAVE_ERROR_POLICIES = ("continue", "stop")
 PIPELINE_PARTITIONS = ("parameters", "uniform")  # or "type:<LayerClass>"
-# 1f1b: DeepSpeed's PipelineEngine; dualpipev: its DualPipeVEngine (two stages per rank, keel/parallel/pipeline.py)
-PIPELINE_SCHEDULES = ("1f1b", "dualpipev")
+# 1f1b: DeepSpeed's PipelineEngine; dualpipev: its DualPipeVEngine (two stages per rank); interleaved: Megatron's
+# interleaved 1F1B (parallel.virtual_stages per rank, keel/parallel/interleaved_schedule.py)
+PIPELINE_SCHEDULES = ("1f1b", "dualpipev", "interleaved")
 PARALLEL_AXES = ("tp", "pp", "ep", "sp")
 CORRUPT_STATE_TARGETS = ("exp_avg_sq", "master", "param")
 SPIKE_MODES = ("window", "ema")
@@ -176,7 +177,12 @@ class ParallelConfig:
     sp: int = 1
     sequence_parallel: bool = False  # Megatron sequence parallel over the tp group (needs tp > 1 to matter)
     pipeline_partition: str = "parameters"  # parameters | uniform | type:Block (DeepSpeed's partition methods)
-    pipeline_schedule: str = "1f1b"  # 1f1b | dualpipev (PIPELINE_SCHEDULES)
+    pipeline_schedule: str = "1f1b"  # 1f1b | dualpipev | interleaved (PIPELINE_SCHEDULES)
+    virtual_stages: int = 2  # interleaved: stages (chunks) per pipeline rank, Megatron's v
+
+    def stages_per_rank(self) -> int:
+        """How many pipeline stages each pipeline rank runs under `pipeline_schedule`."""
+        return {"dualpipev": 2, "interleaved": self.virtual_stages}.get(self.pipeline_schedule, 1)
 
 
 @dataclass

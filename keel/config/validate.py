@@ -103,23 +103,49 @@ def validate(cfg: RunConfig, world_size: int) -> None:
         _require(p.pp > 1, f"parallel.pipeline_schedule={p.pipeline_schedule} needs parallel.pp >= 2 (got {p.pp})")
         _require(not cfg.model.moe_experts, f"parallel.pipeline_schedule={p.pipeline_schedule} with model.moe_experts:"
                  " MoE runs in pipeline stages under 1f1b only; use parallel.pipeline_schedule=1f1b")
-        _require(2 * p.pp <= cfg.model.n_layers + 3,
-                 f"parallel.pp={p.pp}: dualpipev cuts 2×pp = {2 * p.pp} stages, more than the "
-                 f"{cfg.model.n_layers + 3} layers to split")
+        stages = p.stages_per_rank() * p.pp
+        _require(stages <= cfg.model.n_layers + 3,
+                 f"parallel.pp={p.pp}: {p.pipeline_schedule} cuts {p.stages_per_rank()}×pp = {stages} stages, more "
+                 f"than the {cfg.model.n_layers + 3} layers to split"
+                 f"{'; lower parallel.virtual_stages' if p.pipeline_schedule == 'interleaved' else ''}")
     _require(p.pp <= cfg.model.n_layers + 3,
              f"parallel.pp={p.pp}: more pipeline stages than the {cfg.model.n_layers + 3} layers to split")
     dp = validate_world_size(world_size, tp=p.tp, pp=p.pp, sp=p.sp, ep=p.ep)
     validate_batch_split(t, dp)
     first_batch = min(t.rampup_start_batch or t.global_batch_size, t.global_batch_size)
     micro_batches = first_batch // (t.micro_batch_size * dp)
-    _require(p.pipeline_schedule != "dualpipev" or micro_batches >= 2 * p.pp,
-             f"parallel.pipeline_schedule=dualpipev needs at least 2×pp = {2 * p.pp} micro-batches per step on each "
-             f"data-parallel rank; a batch of {first_batch} gives {micro_batches} (batch / (train.micro_batch_size×dp"
-             f" = {t.micro_batch_size}×{dp})): raise train.global_batch_size"
-             f"{' and train.rampup_start_batch' if t.rampup_start_batch else ''} or lower train.micro_batch_size")
+    validate_schedule_batches(cfg, micro_batches, first_batch, dp)
     validate_schedule(t, dp)
     validate_stability(cfg.stability)
     validate_faults(cfg.faults, world_size, cfg.model.moe_experts)
+
+
+def validate_schedule_batches(cfg: RunConfig, micro_batches: int, first_batch: int, dp: int) -> None:
+    """The micro-batch counts a multi-stage pipeline schedule runs with: both schedules run on DeepSpeed's
+    `DualPipeVEngine`, which asserts at least 2×pp per step; interleaved 1F1B takes them in groups of pp (for the
+    validation batches too)."""
+    p, t = cfg.parallel, cfg.train
+    if p.pipeline_schedule == "1f1b":
+        return
+    fix = (f"raise train.global_batch_size{' and train.rampup_start_batch' if t.rampup_start_batch else ''} or "
+           "lower train.micro_batch_size")
+    _require(micro_batches >= 2 * p.pp,
+             f"parallel.pipeline_schedule={p.pipeline_schedule} needs at least 2×pp = {2 * p.pp} micro-batches per "
+             f"step on each data-parallel rank; a batch of {first_batch} gives {micro_batches} (batch / "
+             f"(train.micro_batch_size×dp = {t.micro_batch_size}×{dp})): {fix}")
+    if p.pipeline_schedule == "dualpipev":
+        _require(t.eval_batches >= 2 * p.pp, f"train.eval_batches: {t.eval_batches} validation micro-batches; "
+                 f"parallel.pipeline_schedule=dualpipev needs at least 2×pp = {2 * p.pp}")
+        return
+    _require(not t.rampup_start_batch, f"train.rampup_start_batch={t.rampup_start_batch} with parallel."
+             "pipeline_schedule=interleaved: the ramp steps through every micro-batch count and interleaved 1F1B "
+             f"takes them in groups of pp={p.pp}; ramp under 1f1b or dualpipev, or set train.rampup_start_batch=0")
+    _require(micro_batches % p.pp == 0,
+             f"parallel.pipeline_schedule=interleaved takes micro-batches in groups of pp={p.pp}; a batch of "
+             f"{first_batch} gives {micro_batches} per step: make it a multiple of {p.pp} (train.global_batch_size "
+             f"= micro-batches × train.micro_batch_size × dp)")
+    _require(t.eval_batches % p.pp == 0, f"train.eval_batches: {t.eval_batches}; parallel.pipeline_schedule="
+             f"interleaved takes micro-batches in groups of pp={p.pp}: use a multiple of {p.pp}")
 
 
 def validate_stability(s: StabilityConfig) -> None:

@@ -1,7 +1,9 @@
 """Pipeline parallelism: Keel's layer list as DeepSpeed `PipelineModule` layer specs.
 
-DeepSpeed owns the schedule (`parallel.pipeline_schedule`: 1F1B's `PipelineModule`, or `DualPipeVModule`, which
-cuts 2·pp stages and gives rank r stages r and 2·pp−1−r), the p2p transfers and the tied-weight synchronisation;
+DeepSpeed owns the schedule (`parallel.pipeline_schedule`: 1F1B's `PipelineModule`; `DualPipeVModule`, which
+cuts 2·pp stages and gives rank r stages r and 2·pp−1−r; or, for Megatron's interleaved 1F1B, Keel's
+`InterleavedModule` on DualPipeV's machinery, which cuts v·pp and gives rank r stages r, r+pp, …), the p2p
+transfers and the tied-weight synchronisation;
 Keel supplies the same layer classes the plain model uses, with tensor-parallel shards inside each stage, and
 initialises every stage's layers exactly as the single-process model would (init is keyed by the layer's index
 in the full list, so a stage needs nothing from the others).
@@ -100,15 +102,21 @@ def local_layers(module) -> list[tuple[int, torch.nn.Module]]:
 
 def build_pipeline(cfg: RunConfig, topology: Topology, tp: TPContext, ep: EPContext,
                    placement: Placement | None = None):
-    """A `PipelineModule` over this rank's stage (DualPipeV: its two stages), initialised as the single-process
-    model would be."""
+    """A `PipelineModule` over this rank's stage (DualPipeV: its two stages; interleaved: its v chunks), initialised
+    as the single-process model would be."""
     from deepspeed.pipe import DualPipeVModule, PipelineModule
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
     shape = topology.shape
     sp = SPContext.from_topology(topology)
     checkpoint = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
-    module_class = DualPipeVModule if cfg.parallel.pipeline_schedule == "dualpipev" else PipelineModule
+    schedule = cfg.parallel.pipeline_schedule
+    if schedule == "interleaved":
+        from keel.adapters.deepspeed_internals.interleaved import InterleavedModule
+
+        module_class = functools.partial(InterleavedModule, chunks=cfg.parallel.virtual_stages)
+    else:
+        module_class = DualPipeVModule if schedule == "dualpipev" else PipelineModule
     module = module_class(
         layers=layer_specs(cfg, tp, ep, placement, sp),
         # sp folded into DeepSpeed's data axis (see the module docstring)

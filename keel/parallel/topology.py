@@ -97,7 +97,8 @@ GROUP_AXES = {
     "sp_dp": ("edp", "ep", "sp"),  # ranks holding the same dense parameters: ZeRO's and gradient reduction's group
     "expert_dp": ("edp", "sp"),  # ranks holding the same experts (Ulysses sp ranks replicate them too)
 }
-STAMP_DEFAULTS = {"ep": 1, "sp": 1, "pipeline_schedule": "1f1b"}  # Topology.stamp() keys older checkpoints lack
+# Topology.stamp() keys older checkpoints lack
+STAMP_DEFAULTS = {"ep": 1, "sp": 1, "pipeline_schedule": "1f1b", "virtual_stages": 1}
 WORLD = "world"  # every rank: the default process group (no group of its own is created)
 
 
@@ -108,11 +109,12 @@ class Topology:
     initialized process group, all groups are None and all sizes are 1, so layers can run unparallelized.
     """
 
-    def __init__(self, shape: GridShape, rank: int, pipeline_schedule: str = "1f1b"):
+    def __init__(self, shape: GridShape, rank: int, pipeline_schedule: str = "1f1b", virtual_stages: int = 1):
         shape.check()
         self.shape = shape
         self.rank = rank
         self.pipeline_schedule = pipeline_schedule  # which stages a pipeline rank holds (one, or DualPipeV's two)
+        self.virtual_stages = virtual_stages  # interleaved: v stages per pipeline rank
         self.coords = shape.coords(rank)
         self._groups: dict[str, object] = {WORLD: None}
         self._ranks: dict[str, list[int]] = {WORLD: list(range(shape.world_size))}
@@ -132,12 +134,12 @@ class Topology:
 
     @classmethod
     def from_env(cls, tp: int = 1, pp: int = 1, ep: int = 1, sp: int = 1,
-                 pipeline_schedule: str = "1f1b") -> Topology:
+                 pipeline_schedule: str = "1f1b", virtual_stages: int = 1) -> Topology:
         if dist.is_available() and dist.is_initialized():
             world, rank = dist.get_world_size(), dist.get_rank()
         else:
             world, rank = 1, 0
-        return cls(GridShape(world, tp=tp, pp=pp, ep=ep, sp=sp), rank, pipeline_schedule)
+        return cls(GridShape(world, tp=tp, pp=pp, ep=ep, sp=sp), rank, pipeline_schedule, virtual_stages)
 
     # -- generic access -------------------------------------------------------------------------------------
     def group(self, name: str):
@@ -186,11 +188,13 @@ class Topology:
         s = self.shape
         return f"world={s.world_size} tp={s.tp} pp={s.pp} dp={s.dp} (ep={s.ep} edp={s.edp}) sp={s.sp}"
 
-    def stamp(self) -> dict[str, int]:
+    def stamp(self) -> dict[str, int | str]:
         """What a checkpoint records of the layout that wrote it (`STAMP_DEFAULTS`: what an older one lacks)."""
+        pipelined = self.shape.pp > 1
         return {"world_size": self.shape.world_size, "tp": self.shape.tp, "pp": self.shape.pp,
                 "dp": self.shape.dp, "ep": self.shape.ep, "sp": self.shape.sp,
-                "pipeline_schedule": self.pipeline_schedule if self.shape.pp > 1 else "1f1b"}
+                "pipeline_schedule": self.pipeline_schedule if pipelined else "1f1b",
+                "virtual_stages": self.virtual_stages if pipelined and self.pipeline_schedule == "interleaved" else 1}
 
     # -- the mpu interface DeepSpeed queries --------------------------------------------------------------
     # DeepSpeed's "model parallel" is tensor (and Ulysses) parallel within a pipeline stage; its pipeline engine

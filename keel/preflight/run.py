@@ -62,7 +62,8 @@ def run_preflight(spec: RunSpec) -> int:
     setup_logging(rank)
     cfg, f = spec.cfg, spec.cfg.faults
     p = cfg.parallel
-    topology = Topology.from_env(tp=p.tp, pp=p.pp, ep=p.ep, sp=p.sp, pipeline_schedule=p.pipeline_schedule)
+    topology = Topology.from_env(tp=p.tp, pp=p.pp, ep=p.ep, sp=p.sp, pipeline_schedule=p.pipeline_schedule,
+                                virtual_stages=p.virtual_stages)
     world = topology.control(WORLD)
     device = topology.device_type
     clock = injected_clock(cfg, rank)

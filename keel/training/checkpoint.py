@@ -319,7 +319,8 @@ class Checkpointer:
         saved, now = self.read_manifest(tag)["topology"], self.topology.stamp()
         if (saved["tp"], saved["pp"]) != (now["tp"], now["pp"]):
             return True
-        if saved.get("pipeline_schedule", "1f1b") != now["pipeline_schedule"]:  # DualPipeV: two stages per rank
+        schedule = ("pipeline_schedule", "virtual_stages")  # another set of stages per rank (DualPipeV, interleaved)
+        if any(saved.get(key, STAMP_DEFAULTS[key]) != now[key] for key in schedule):
             return True
         # ZeRO partitions over data × Ulysses-sequence parallel ranks
         partitions = saved["dp"] * saved.get("sp", 1), now["dp"] * now["sp"]

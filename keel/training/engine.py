@@ -156,6 +156,10 @@ def build_engine(cfg: RunConfig, ds_raw: dict[str, Any], topology: Topology, mod
         # the pipeline engine builds its groups from the PipelineModule's topology (same grid order as ours)
         mpu=topology if topology.shape.world_size > 1 and cfg.parallel.pp == 1 else None,
     )
+    if cfg.parallel.pp > 1 and cfg.parallel.pipeline_schedule == "interleaved":
+        from keel.adapters.deepspeed_internals.interleaved import as_interleaved
+
+        engine = as_interleaved(engine, cfg.parallel.virtual_stages)  # initialize has no engine-class hook
     check_engine(engine)  # an upgrade that removed an internal Keel needs fails here, naming it
     check_torch()
     return engine

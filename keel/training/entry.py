@@ -67,7 +67,8 @@ def run_rank(run_dir: Path) -> int:
     setup_logging(rank)
     log = logging.getLogger("keel")
     p = cfg.parallel
-    topology = Topology.from_env(tp=p.tp, pp=p.pp, ep=p.ep, sp=p.sp, pipeline_schedule=p.pipeline_schedule)
+    topology = Topology.from_env(tp=p.tp, pp=p.pp, ep=p.ep, sp=p.sp, pipeline_schedule=p.pipeline_schedule,
+                                virtual_stages=p.virtual_stages)
     if cfg.logging.collective_trace:
         topology.trace_into(run_dir / "collectives")
     seed_everything(data_parallel_seed(cfg.train.seed, topology))
@@ -151,7 +152,7 @@ def reshard_if_needed(cfg, ds_raw: dict, topology, checkpointer) -> dict:
     if cfg.model.moe_experts:  # DeepSpeed's converter cannot place experts: Keel's own (moe_reshard.py)
         check_moe_reshard(saved, topology.stamp(), zero_stage(ds_raw), cfg.model.moe_experts)
     pipelined = max(saved["pp"], topology.shape.pp) > 1  # the schedule matters (and is shown) only then
-    shown = ("world_size", "dp", "ep", "tp", "pp") + (("pipeline_schedule",) if pipelined else ())
+    shown = ("world_size", "dp", "ep", "tp", "pp") + (("pipeline_schedule", "virtual_stages") if pipelined else ())
     if topology.rank == 0:
         log.warning("checkpoint %s was written at %s; this run is %s: converting to a universal checkpoint", tag,
                     {k: saved.get(k, STAMP_DEFAULTS.get(k, 1)) for k in shown}, topology.describe())

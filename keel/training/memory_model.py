@@ -102,24 +102,27 @@ def stage_parts(counts: list[int], layers: list[torch.nn.Module], pp: int, metho
     return ds_utils.partition_balanced(weights=counts, num_parts=pp)
 
 
-def rank_stages(pp: int, schedule: str = "1f1b") -> list[tuple[int, ...]]:
+def rank_stages(pp: int, schedule: str = "1f1b", chunks: int = 2) -> list[tuple[int, ...]]:
     """The pipeline stages each pipeline rank runs: one each under 1F1B; under DualPipeV the layer list is cut
-    into 2·pp stages and rank r runs stage r and stage 2·pp − 1 − r (DeepSpeed's `DualPipeVModule`)."""
+    into 2·pp stages and rank r runs stage r and stage 2·pp − 1 − r (DeepSpeed's `DualPipeVModule`); interleaved
+    cuts `chunks`·pp and rank r runs stages r, r + pp, … (Keel's `InterleavedModule`)."""
     if schedule == "dualpipev":
         return [(r, 2 * pp - 1 - r) for r in range(pp)]
+    if schedule == "interleaved":
+        return [tuple(c * pp + r for c in range(chunks)) for r in range(pp)]
     return [(r,) for r in range(pp)]
 
 
 def rank_layer_indices(layers: list[torch.nn.Module], counts: list[int], pp: int, method: str,
-                       schedule: str = "1f1b") -> list[list[int]]:
+                       schedule: str = "1f1b", chunks: int = 2) -> list[list[int]]:
     """The indices into the flat layer list each pipeline rank holds, cut as DeepSpeed cuts them."""
-    stages = rank_stages(pp, schedule)
+    stages = rank_stages(pp, schedule, chunks)
     parts = stage_parts(counts, layers, sum(len(s) for s in stages), method)
     return [[i for s in ranks for i in range(parts[s], parts[s + 1])] for ranks in stages]
 
 
 def param_share(cfg: ModelConfig, layout: Layout, method: str = "parameters", stage: int | None = None,
-                schedule: str = "1f1b") -> ParamShare:
+                schedule: str = "1f1b", chunks: int = 2) -> ParamShare:
     """A rank's parameters at `layout` on pipeline rank `stage` (default: the largest), counted from the real
     layer classes built on meta; `method` is `parallel.pipeline_partition`, `schedule` `parallel.pipeline_schedule`
     (a DualPipeV rank holds two stages, and the tied head is the embedding itself)."""
@@ -140,7 +143,7 @@ def param_share(cfg: ModelConfig, layout: Layout, method: str = "parameters", st
             else:
                 dense += param.numel()
         per_layer.append((dense, expert, largest))
-    held = rank_layer_indices(layers, [d + e for d, e, _ in per_layer], layout.pp, method, schedule)
+    held = rank_layer_indices(layers, [d + e for d, e, _ in per_layer], layout.pp, method, schedule, chunks)
     if schedule == "dualpipev" and cfg.tie_embeddings and layout.pp > 1:
         per_layer[-1] = (0, 0, 0)  # DeepSpeed counts the tied head when cutting; on rank 0 it is the embedding
     ranks = [[per_layer[i] for i in indices] for indices in held]
@@ -153,7 +156,7 @@ def estimate(cfg: RunConfig, ds: dict[str, Any], layout: Layout) -> RankMemory:
     from keel.training.ds_config import precision, zero_stage
 
     share = param_share(cfg.model, layout, cfg.parallel.pipeline_partition,
-                        schedule=cfg.parallel.pipeline_schedule)
+                        schedule=cfg.parallel.pipeline_schedule, chunks=cfg.parallel.virtual_stages)
     prec, stage = precision(ds), zero_stage(ds)
     b = BYTES[prec]
     zero = {**DS_DEFAULTS, **ds.get("zero_optimization", {})}

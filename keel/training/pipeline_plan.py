@@ -27,7 +27,7 @@ def check_pipeline_plan(cfg: RunConfig, zero_stage: int) -> None:
     ep = EPContext(rank=0, size=p.ep, ranks=tuple(range(p.ep)))
     layers = layer_list(cfg.model, tp, ep, p.pp)
     counts = [sum(q.numel() for q in layer.parameters()) for layer in layers]
-    held = rank_layer_indices(layers, counts, p.pp, p.pipeline_partition, p.pipeline_schedule)
+    held = rank_layer_indices(layers, counts, p.pp, p.pipeline_partition, p.pipeline_schedule, p.virtual_stages)
     wanted = layer_groups_of(layers)
     for rank, indices in enumerate(held):
         groups = layer_groups_of([layers[i] for i in indices])

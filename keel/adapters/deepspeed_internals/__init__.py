@@ -1,9 +1,11 @@
 """Every DeepSpeed internal Keel reads or patches, in one place.
 
-Keel uses DeepSpeed's public API wherever one exists. What is left below has no public equivalent in DeepSpeed
-0.19 (each function says which public API is missing); nothing else in `keel/` touches a private DeepSpeed
-attribute. `check_engine` probes every internal an engine of that kind needs, so an upgrade that removes one
-fails at start-up — and in tests/test_adapters.py — with one line naming the attribute, not mid-run.
+Keel uses DeepSpeed's public API wherever one exists. What is left below has no public equivalent in DeepSpeed 0.19
+(each function says which public API is missing); nothing else in `keel/` touches a private DeepSpeed attribute,
+except interleaved.py beside this file: Keel's interleaved 1F1B, built on DeepSpeed's DualPipeV module and engine
+(its docstring says what it overrides and why). `check_engine` probes every internal an engine of that kind needs,
+so an upgrade that removes one fails at start-up — and in tests/test_adapters.py — with one line naming the
+attribute, not mid-run.
 """
 
 from __future__ import annotations
@@ -53,6 +55,16 @@ def _is_dualpipev(engine) -> bool:
     return isinstance(engine.module, DualPipeVModule)
 
 
+def _is_interleaved(engine) -> bool:
+    return type(engine).__name__ == "InterleavedEngine"  # interleaved.py, which imports DeepSpeed's pipe engine
+
+
+# what Keel's interleaved 1F1B (interleaved.py) overrides or relies on in DeepSpeed's DualPipeV classes
+DUALPIPEV_MACHINERY = ("_phase", "_first_send", "_recv_specs", "_queue_p2p", "_downstream_stage", "_upstream_stage",
+                       "_is_loss_stage", "_is_last_rank", "_loss_stage_global_rank", "_INSTRUCTION_MAP")
+DUALPIPEV_MODULE_MACHINERY = ("phase_bounds", "phase_funcs", "phase_checkpointable", "activate_phase", "_set_bounds")
+
+
 def _plain_fp32(engine) -> bool:
     return engine.zero_optimization_stage() == 0 and not engine.fp16_enabled() and not engine.bfloat16_enabled()
 
@@ -83,6 +95,11 @@ INTERNALS = [
              lambda e: hasattr(e.module, "_layer_specs") and (
                  all(hasattr(e.module, a) for a in ("phase_bounds", "phase_funcs")) if _is_dualpipev(e)
                  else hasattr(e.module, "_local_start"))),
+    Internal(f"DualPipeVEngine {', '.join(DUALPIPEV_MACHINERY)}; DualPipeVModule "
+             f"{', '.join(DUALPIPEV_MODULE_MACHINERY)}", "an engine and a module that run more than two stages per "
+             "rank (interleaved 1F1B)", _is_interleaved,
+             lambda e: all(hasattr(e, a) for a in DUALPIPEV_MACHINERY)
+             and all(hasattr(e.module, a) for a in DUALPIPEV_MODULE_MACHINERY)),
     Internal("deepspeed.utils.groups._EXPERT_PARALLEL_GROUP (+ _RANKS, _EXPERT_DATA_PARALLEL_GROUP, _RANKS) and "
              "_clone_world_group", "registering caller-built expert groups", lambda e: True,
              lambda e: _expert_group_tables() is not None),
@@ -221,8 +238,8 @@ def pipeline_layer_specs(module) -> list:
 
 def pipeline_local_chunks(module) -> list[tuple[int, list]]:
     """(index of the first layer, the layer callables) of each stage this rank holds, in schedule order: one for a
-    `PipelineModule` (`_local_start`, `forward_funcs`), phase 0 then phase 1 for a `DualPipeVModule`
-    (`phase_bounds`, `phase_funcs`). Missing public API: a rank's stages of the layer list."""
+    `PipelineModule` (`_local_start`, `forward_funcs`), phase by phase for a `DualPipeVModule` and Keel's
+    `InterleavedModule` (`phase_bounds`, `phase_funcs`). Missing public API: a rank's stages of the layer list."""
     if hasattr(module, "phase_bounds"):
         return [(int(start), list(funcs)) for (start, _), funcs in zip(module.phase_bounds, module.phase_funcs)]
     return [(int(module._local_start), list(module.forward_funcs))]
