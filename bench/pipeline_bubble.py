@@ -4,19 +4,23 @@ Why: with p stages and m micro-batches per step, a flushing pipeline schedule (G
 DeepSpeed runs) leaves every stage idle for (p-1) micro-batch slots out of m+p-1 (Narayanan et al. 2021,
 "Efficient Large-Scale Language Model Training on GPU Clusters", §2.2.1). Raising gradient accumulation is how a
 user shrinks that bubble, and `parallel.pipeline_schedule: dualpipev` (DeepSpeed's DualPipeV: each pipeline rank
-holds two stages, r and 2p-1-r, and interleaves their forwards and backwards) is how a user shrinks it further, so
-Keel's pipeline must really behave that way: this bench measures the bubble of Keel's pipeline (DeepSpeed's engine
-over Keel's layers) under each schedule (`--schedules`, default both) and prints it beside the analytic figure.
+holds two stages, r and 2p-1-r, and interleaves their forwards and backwards) and `interleaved` (Megatron's
+interleaved 1F1B: each rank holds v stages r, r+p, ..., keel/parallel/interleaved_schedule.py) are how a user
+shrinks it further, so Keel's pipeline must really behave that way: this bench measures the bubble of Keel's
+pipeline (DeepSpeed's engine over Keel's layers) under each schedule (`--schedules`, default all) and prints it
+beside the analytic figure.
 Nothing is hard-coded; every number printed is measured or computed in this run.
 
 Analytic. 1F1B: (p-1)/(m+p-1). DualPipeV has no closed form for the variant DeepSpeed runs (weight gradients stay
 inside BackwardPass, no zero-bubble W split), so `bench/pipeline_schedule_model.py` replays DeepSpeed's own
 instruction streams (`DualPipeVSchedule.steps()` on every rank) on one device per rank, forward 1 and backward 2
 per stage, p2p free, and reports the mean over ranks of 1 - busy / makespan. Before measuring, the bench checks that
-the same replay of 1F1B's `TrainSchedule` gives exactly (p-1)/(m+p-1) at every (p, m) asked for. DualPipeV needs
-m >= 2p: smaller m are skipped for it, and the output says so. Both columns are per pipeline rank, and a rank does
-the same work per micro-batch under both schedules (the same layers over the same p ranks), so the phase times of
-the two schedules at equal m compare directly; a line per p prints both.
+the same replay of 1F1B's `TrainSchedule` gives exactly (p-1)/(m+p-1) at every (p, m) asked for. Interleaved
+(v=2 here) is replayed the same way, from Keel's `InterleavedSchedule`; its replay equals Megatron's
+(p-1)/(v*m+p-1) (tests/test_pipeline_bubble.py). DualPipeV and interleaved need m >= 2p (both run on DeepSpeed's
+DualPipeVEngine), interleaved also m a multiple of p: other m are skipped for them, and the output says so. Both
+columns are per pipeline rank, and a rank does the same work per micro-batch under every schedule (the same layers
+over the same p ranks), so the phase times of the schedules at equal m compare directly; a line per p prints them.
 
 How. For each schedule and p, p real processes (torchrun, gloo, one thread each) build Keel's engine with pp=p,
 tp=dp=1, fp32 ZeRO-0, `parallel.pipeline_schedule` set, and train random tokens with m micro-batches per step.
@@ -24,12 +28,13 @@ Every rank wraps the engine's compute instructions (ForwardPass and BackwardPass
 `_INSTRUCTION_MAP`, which holds the class's functions, so patching the bound methods would miss them; DualPipeV's
 take a `phase` keyword, passed through) and sums their time per step twice: wall time (perf_counter) and this
 thread's CPU time (thread_time; torch runs CPU forward and autograd on the calling thread). Each step must run one
-forward and one backward per micro-batch on each stage a rank holds (2m instructions under 1F1B, 4m under
-DualPipeV), or the bench fails. A barrier starts each step on all ranks at once; the step's pipeline phase ends
-when the last rank to compute finishes (rank 0's last backward, under both schedules). For each rank: idle = phase
-- busy, idle fraction = idle / phase, the median over the measured steps (a warmup step per m is dropped); the
-table's mean is over ranks. The optimizer step, the tied-embedding gradient all-reduce and the loss broadcast
-come after the phase and are not in the formula: they are excluded, and their share of the step is printed.
+forward and one backward per micro-batch on each stage a rank holds (2m instructions under 1F1B, 4m under DualPipeV
+and interleaved with v=2), or the bench fails. A barrier starts each step on all ranks at once; the step's pipeline
+phase ends when the last rank to compute finishes (rank 0's last backward, under every schedule). For each rank:
+idle = phase - busy, idle fraction = idle / phase, the median over the measured steps (a warmup step per m is
+dropped); the table's mean is over ranks. The optimizer step, the tied-embedding gradient all-reduce and the loss
+broadcast come after the phase and are not in the formula: they are excluded, and their share of the step is
+printed.
 
 Stages are balanced: the same number of blocks each (`type:Block` partition; n_layers a multiple of the number of
 stages, p or 2p). The embedding sits on the first stage and the norm, tied head and loss on the last, so those
@@ -63,20 +68,22 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from statistics import median
 
-from pipeline_schedule_model import SCHEDULES, STAGES_PER_RANK, analytic_idle, check_1f1b, min_micro_batches
+from pipeline_schedule_model import SCHEDULES, STAGES_PER_RANK, analytic_idle, check_1f1b, min_micro_batches, runs_with
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = "worker"
 ON_CPU_QUIET = 0.9  # below this, with a core per rank, other processes were taking the cores
 ANALYTIC_LABEL = {"1f1b": "(p-1)/(m+p-1)",
                   "dualpipev": "replay of DeepSpeed's DualPipeVSchedule, fwd 1 / bwd 2 per stage, p2p free "
-                               "(bench/pipeline_schedule_model.py)"}
+                               "(bench/pipeline_schedule_model.py)",
+                  "interleaved": "replay of Keel's InterleavedSchedule, v=2, fwd 1 / bwd 2 per stage, p2p free; "
+                                 "equals (p-1)/(v*m+p-1)"}
 
 
 @dataclass(frozen=True)
 class Shape:
     dim: int = 256
-    n_layers: int = 8  # a multiple of every stage count (p; 2p under DualPipeV): equal numbers of blocks
+    n_layers: int = 8  # a multiple of every stage count (p; 2p under DualPipeV and interleaved): equal blocks
     vocab: int = 512
     seq_len: int = 128
     micro_batch: int = 4
@@ -130,8 +137,9 @@ def run_rank(schedule: str, p: int, ms: list[int], shape: Shape, out: Path) -> N
     cfg = RunConfig()
     cfg.model = ModelConfig(vocab_size=shape.vocab, dim=shape.dim, n_layers=shape.n_layers)
     cfg.parallel.pp, cfg.parallel.pipeline_partition, cfg.parallel.pipeline_schedule = p, "type:Block", schedule
+    cfg.parallel.virtual_stages = STAGES_PER_RANK["interleaved"]
     cfg.train.micro_batch_size, cfg.train.global_batch_size = shape.micro_batch, shape.micro_batch * ms[0]
-    topology = Topology.from_env(pp=p, pipeline_schedule=schedule)
+    topology = Topology.from_env(pp=p, pipeline_schedule=schedule, virtual_stages=cfg.parallel.virtual_stages)
     engine = build_engine(cfg, load_ds_config(REPO / "ds_configs" / "zero0.json"), topology)
     clock = StageClock(engine)
     tokens = torch.Generator().manual_seed(0)
@@ -256,15 +264,17 @@ def report(rows: list[Row], cores: int, skipped: dict[str, list[str]] | None = N
 
 
 def compare(rows: list[Row]) -> None:
-    """One line per p: DualPipeV against 1F1B at each m both measured (same model, same ranks, same work)."""
+    """One line per p and multi-stage schedule: it against 1F1B at each m both measured (same model, same ranks,
+    same work)."""
     by_key = {(r.schedule, r.p, r.m): r for r in rows}
-    for p in sorted({r.p for r in rows}):
-        pairs = [(by_key[("1f1b", p, m)], r) for (schedule, q, m), r in by_key.items()
-                 if schedule == "dualpipev" and q == p and ("1f1b", p, m) in by_key]
-        if pairs:
-            print(f"p={p} dualpipev vs 1f1b, wall idle (analytic) and phase ms: " + "; ".join(
-                f"m={d.m}: {d.mean_wall:.3f} ({d.analytic:.3f}) vs {o.mean_wall:.3f} ({o.analytic:.3f}), "
-                f"{d.phase_ms:.0f} vs {o.phase_ms:.0f} ms" for o, d in pairs))
+    for other in (s for s in SCHEDULES if s != "1f1b"):
+        for p in sorted({r.p for r in rows}):
+            pairs = [(by_key[("1f1b", p, m)], r) for (schedule, q, m), r in by_key.items()
+                     if schedule == other and q == p and ("1f1b", p, m) in by_key]
+            if pairs:
+                print(f"p={p} {other} vs 1f1b, wall idle (analytic) and phase ms: " + "; ".join(
+                    f"m={d.m}: {d.mean_wall:.3f} ({d.analytic:.3f}) vs {o.mean_wall:.3f} ({o.analytic:.3f}), "
+                    f"{d.phase_ms:.0f} vs {o.phase_ms:.0f} ms" for o, d in pairs))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -272,8 +282,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--schedules", default=",".join(SCHEDULES),
                     help=f"parallel.pipeline_schedule values, comma-separated (of {', '.join(SCHEDULES)})")
     ap.add_argument("--p", default="2,4", help="pipeline ranks, comma-separated")
-    ap.add_argument("--m", default="1,2,4,8", help="micro-batches per step, comma-separated (DualPipeV runs only "
-                    "those >= 2p)")
+    ap.add_argument("--m", default="1,2,4,8", help="micro-batches per step, comma-separated (DualPipeV and "
+                    "interleaved run only those >= 2p, interleaved only multiples of p)")
     defaults = Shape()
     for name in ("dim", "n_layers", "vocab", "seq_len", "micro_batch", "steps", "warmup"):
         ap.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
@@ -287,11 +297,12 @@ def plan(schedules: list[str], ps: list[int], ms: list[int]) -> tuple[list[tuple
     for schedule in schedules:
         for p in ps:
             least = min_micro_batches(schedule, p)
-            kept = [m for m in ms if m >= least]
+            kept = [m for m in ms if runs_with(schedule, p, m)]
+            need = f"m >= {least}" + (f", a multiple of {p}" if schedule == "interleaved" else "")
             if len(kept) < len(ms):
                 skipped.setdefault(schedule, []).append(
-                    f"p={p} m={','.join(str(m) for m in ms if m < least)}: {schedule} needs m >= {least}"
-                    + ("" if kept else f"; nothing left to run at p={p} (pass --m with a value >= {least})"))
+                    f"p={p} m={','.join(str(m) for m in ms if m not in kept)}: {schedule} needs {need}"
+                    + ("" if kept else f"; nothing left to run at p={p} (pass --m with {need})"))
             if kept:
                 runs.append((schedule, p, kept))
     return runs, skipped
@@ -311,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     counts = sorted({STAGES_PER_RANK[schedule] * p for schedule in schedules for p in ps})
     if any(shape.n_layers % count for count in counts):
         raise SystemExit(f"--n-layers {shape.n_layers} must be a multiple of every stage count {counts} (p, and 2p "
-                         "under DualPipeV: balanced stages)")
+                         "under DualPipeV and interleaved: balanced stages)")
     check_1f1b([(p, m) for p in ps for m in ms])  # the replay behind the DualPipeV column reproduces the formula
     runs, skipped = plan(schedules, ps, ms)
     cores = len(os.sched_getaffinity(0))

@@ -4,7 +4,8 @@ Why: `bench/pipeline_bubble.py` prints each schedule's measured idle beside an a
 (p-1)/(m+p-1); for DualPipeV (two stages per pipeline rank) there is no such closed form for the variant DeepSpeed
 runs (weight gradients stay inside BackwardPass, no zero-bubble W split), and a figure copied from a paper would
 describe another schedule. So the analytic column is computed from the instructions DeepSpeed itself would execute:
-every pipeline rank's `steps()` of `TrainSchedule` (1F1B) or `DualPipeVSchedule`, replayed on one device per
+every pipeline rank's `steps()` of `TrainSchedule` (1F1B), `DualPipeVSchedule` or Keel's `InterleavedSchedule`
+(keel/parallel/interleaved_schedule.py), replayed on one device per
 pipeline rank with ForwardPass costing 1 and BackwardPass 2 per stage (all stages equal) and p2p free. The 1F1B
 replay must give exactly (p-1)/(m+p-1) (checked by `check_1f1b` and the tests), which is what makes the DualPipeV
 figure believable.
@@ -30,31 +31,49 @@ from keel.training.memory_model import rank_stages
 
 FORWARD_COST, BACKWARD_COST = 1.0, 2.0
 SCHEDULES = PIPELINE_SCHEDULES  # a schedule Keel gains needs a replay here too (`instruction_streams`)
-# DualPipeV: rank r holds stage r (phase 0) and 2p-1-r (phase 1); Keel's memory model says how many
+# DualPipeV: rank r holds stage r (phase 0) and 2p-1-r (phase 1); interleaved: v = 2 (parallel.virtual_stages
+# default) stages r and r+p; Keel's memory model says how many
 STAGES_PER_RANK = {schedule: len(rank_stages(1, schedule)[0]) for schedule in SCHEDULES}
 
 
 def min_micro_batches(schedule: str, p: int) -> int:
-    """The fewest micro-batches per step the schedule runs with on p pipeline ranks (DualPipeVSchedule: 2p)."""
-    return 2 * p if schedule == "dualpipev" else 1
+    """The fewest micro-batches per step the schedule runs with on p pipeline ranks (both multi-stage schedules run
+    on DeepSpeed's DualPipeVEngine, which asserts 2p)."""
+    return 2 * p if schedule != "1f1b" else 1
 
 
-def instruction_streams(schedule: str, p: int, m: int) -> list[list]:
-    """Per pipeline rank, the flat list of instructions DeepSpeed's schedule yields for one training step."""
+def runs_with(schedule: str, p: int, m: int) -> bool:
+    """Whether the schedule runs m micro-batches on p ranks (interleaved also takes them in groups of p)."""
+    return m >= min_micro_batches(schedule, p) and (schedule != "interleaved" or m % p == 0)
+
+
+def instruction_streams(schedule: str, p: int, m: int, chunks: int = 2) -> list[list]:
+    """Per pipeline rank, the flat list of instructions the schedule yields for one training step (DeepSpeed's
+    own classes for 1F1B and DualPipeV, Keel's `InterleavedSchedule` with v = `chunks`)."""
     from deepspeed.runtime.pipe.schedule import DualPipeVSchedule, TrainSchedule
 
-    kind = {"1f1b": TrainSchedule, "dualpipev": DualPipeVSchedule}[schedule]
+    from keel.parallel.interleaved_schedule import interleaved_schedule_class
+
+    def interleaved(micro_batches: int, stages: int, stage_id: int):
+        return interleaved_schedule_class()(micro_batches, stages, stage_id, chunks)
+
+    kind = {"1f1b": TrainSchedule, "dualpipev": DualPipeVSchedule, "interleaved": interleaved}[schedule]
     return [[cmd for step in kind(micro_batches=m, stages=p, stage_id=rank).steps() for cmd in step]
             for rank in range(p)]
 
 
-def _channel(cmd, rank: int) -> tuple[str, int, int, int]:
-    """(kind, phase, sender, receiver) of a p2p instruction executed by `rank`."""
+def _channel(cmd, rank: int, schedule: str, p: int) -> tuple[str, int, int, int]:
+    """(kind, phase, sender, receiver) of a p2p instruction executed by `rank`. Interleaved sends round the ring
+    (`InterleavedEngine._downstream_stage`) and a chunk's output can arrive as the next chunk's input, so its
+    channel is keyed by the ranks alone (phase -1): one transfer of a kind per pair per batch keeps them in order."""
     from deepspeed.runtime.pipe.schedule import RecvActivation, RecvGrad, SendActivation
 
     phase = getattr(cmd, "phase", 0)
-    downstream = rank + 1 if phase == 0 else rank - 1  # DualPipeVEngine._downstream_stage; 1F1B is phase 0
-    upstream = rank - 1 if phase == 0 else rank + 1
+    if schedule == "interleaved":
+        phase, downstream, upstream = -1, (rank + 1) % p, (rank - 1) % p
+    else:
+        downstream = rank + 1 if phase == 0 else rank - 1  # DualPipeVEngine._downstream_stage; 1F1B is phase 0
+        upstream = rank - 1 if phase == 0 else rank + 1
     if isinstance(cmd, (SendActivation, RecvActivation)):
         sender, receiver = (rank, downstream) if isinstance(cmd, SendActivation) else (upstream, rank)
         return "act", phase, sender, receiver
@@ -62,7 +81,8 @@ def _channel(cmd, rank: int) -> tuple[str, int, int, int]:
     return "grad", phase, sender, receiver
 
 
-def _ops(stream: list, rank: int, forward: float, backward: float, deferred: bool) -> list[tuple]:
+def _ops(stream: list, rank: int, forward: float, backward: float, deferred: bool, schedule: str,
+         p: int) -> list[tuple]:
     """("compute", cost) | ("send", channel) | ("recv", channel, index) | ("commit",); without CommitP2P in the
     schedule, every send and receive is committed at once."""
     from deepspeed.runtime.pipe import schedule as ds
@@ -74,7 +94,7 @@ def _ops(stream: list, rank: int, forward: float, backward: float, deferred: boo
         elif isinstance(cmd, ds.CommitP2P):
             ops.append(("commit",))
         elif isinstance(cmd, (ds.SendActivation, ds.SendGrad, ds.RecvActivation, ds.RecvGrad)):
-            channel = _channel(cmd, rank)
+            channel = _channel(cmd, rank, schedule, p)
             if isinstance(cmd, (ds.RecvActivation, ds.RecvGrad)):
                 ops.append(("recv", channel, received[channel]))  # the n-th receive takes the n-th send
                 received[channel] += 1
@@ -86,13 +106,13 @@ def _ops(stream: list, rank: int, forward: float, backward: float, deferred: boo
 
 
 def simulate(schedule: str, p: int, m: int, forward: float = FORWARD_COST,
-             backward: float = BACKWARD_COST) -> list[float]:
+             backward: float = BACKWARD_COST, chunks: int = 2) -> list[float]:
     """Per pipeline rank, the idle fraction of the compute phase of one step (see the module docstring)."""
     from deepspeed.runtime.pipe.schedule import CommitP2P
 
-    streams = instruction_streams(schedule, p, m)
+    streams = instruction_streams(schedule, p, m, chunks)
     deferred = any(isinstance(cmd, CommitP2P) for stream in streams for cmd in stream)
-    ops = [_ops(stream, rank, forward, backward, deferred) for rank, stream in enumerate(streams)]
+    ops = [_ops(stream, rank, forward, backward, deferred, schedule, p) for rank, stream in enumerate(streams)]
     sent: dict[tuple, list[float]] = defaultdict(list)  # channel -> issue time of each send, in order
     clock, busy, compute_end, pc = [0.0] * p, [0.0] * p, [0.0] * p, [0] * p
     sends: list[list[tuple]] = [[] for _ in range(p)]  # queued, not yet issued
@@ -133,12 +153,17 @@ def simulate(schedule: str, p: int, m: int, forward: float = FORWARD_COST,
 
 
 def analytic_idle(schedule: str, p: int, m: int) -> float:
-    """Mean idle fraction over pipeline ranks: (p-1)/(m+p-1) for 1F1B, the replay of DeepSpeed's schedule for
-    DualPipeV."""
+    """Mean idle fraction over pipeline ranks: (p-1)/(m+p-1) for 1F1B, the replay of the schedule's instructions
+    for DualPipeV and interleaved (whose textbook (p-1)/(v·m+p-1) assumes backward = forward; `interleaved_formula`)."""
     if schedule == "1f1b":
         return (p - 1) / (m + p - 1)
     idle = simulate(schedule, p, m)
     return sum(idle) / p
+
+
+def interleaved_formula(p: int, m: int, v: int) -> float:
+    """Megatron's interleaved bubble (Narayanan et al., 2021), exact for Keel's timetable with unit work."""
+    return (p - 1) / (v * m + p - 1)
 
 
 def check_1f1b(cases: list[tuple[int, int]]) -> None:
