@@ -96,17 +96,30 @@ class StageClock:
     """Time this rank spends in forward/backward instructions (of both its stages under DualPipeV) during one
     `train_batch`."""
 
+    P2P = ("SendActivation", "RecvActivation", "SendGrad", "RecvGrad", "CommitP2P", "AwaitTransfer", "WaitP2P")
+
     def __init__(self, engine) -> None:
         from deepspeed.runtime.pipe.schedule import BackwardPass, ForwardPass
 
         self.reset()
-        compute = {kind: self._timed(engine._INSTRUCTION_MAP[kind]) for kind in (ForwardPass, BackwardPass)}
-        engine._INSTRUCTION_MAP = {**engine._INSTRUCTION_MAP, **compute}  # instance copy; the class is untouched
+        table = engine._INSTRUCTION_MAP
+        compute = {kind: self._timed(table[kind]) for kind in (ForwardPass, BackwardPass)}
+        p2p = {kind: self._p2p_timed(function) for kind, function in table.items() if kind.__name__ in self.P2P}
+        engine._INSTRUCTION_MAP = {**table, **compute, **p2p}  # instance copy; the class is untouched
 
     def reset(self) -> None:
-        self.busy_wall = self.busy_cpu = 0.0
+        self.busy_wall = self.busy_cpu = self.p2p_wall = 0.0
         self.last_end = 0.0  # perf_counter when the latest compute instruction returned
         self.instructions = 0
+
+    def _p2p_timed(self, instruction):
+        """Time in p2p instructions (posting, sending, waiting): part of a rank's idle, shown on its own."""
+        def run(engine, **kwargs):
+            wall = time.perf_counter()
+            instruction(engine, **kwargs)
+            self.p2p_wall += time.perf_counter() - wall
+
+        return run
 
     def _timed(self, instruction):
         def run(engine, **kwargs):
@@ -155,6 +168,7 @@ def run_rank(schedule: str, p: int, ms: list[int], shape: Shape, out: Path) -> N
             engine.train_batch(data_iter=iter([(b[:, :-1], b[:, 1:]) for b in batches]))
             if step >= shape.warmup:
                 records.append({"m": m, "busy_wall": clock.busy_wall, "busy_cpu": clock.busy_cpu,
+                                "p2p_wall": clock.p2p_wall,
                                 "compute_end": clock.last_end - start, "step": time.perf_counter() - start,
                                 "instructions": clock.instructions})
     gathered = [None] * dist.get_world_size()
@@ -196,6 +210,7 @@ class Row:
     phase_ms: float  # pipeline phase per step
     on_cpu: float  # CPU busy / wall busy, all ranks and steps: 1.0 when every rank has a core to itself
     tail_share: float  # (step - phase) / step: optimizer, grad sync and loss broadcast, excluded
+    p2p_share: list[float]  # per rank: time in p2p instructions (sends, receives, waits) / phase, inside the idle
 
     @property
     def mean_wall(self) -> float:
@@ -224,7 +239,8 @@ def summarize(p: int, m: int, stages: list[list[dict]], schedule: str = "1f1b") 
                per_rank(lambda r, phase: 1 - r["busy_cpu"] / phase),
                per_rank(lambda r, phase: 1e3 * r["busy_wall"] / m), 1e3 * median(phases),
                sum(r["busy_cpu"] for step in steps for r in step) / sum(r["busy_wall"] for step in steps for r in step),
-               median(1 - phase / max(r["step"] for r in step) for step, phase in zip(steps, phases)))
+               median(1 - phase / max(r["step"] for r in step) for step, phase in zip(steps, phases)),
+               per_rank(lambda r, phase: r.get("p2p_wall", 0.0) / phase))
 
 
 def measure(p: int, ms: list[int], shape: Shape, schedule: str = "1f1b") -> list[Row]:
@@ -239,17 +255,19 @@ def report(rows: list[Row], cores: int, skipped: dict[str, list[str]] | None = N
         label = ANALYTIC_LABEL[schedule]
         print(f"\n{schedule}: analytic = {label}")
         print(f"{'p':>2} {'m':>3} {'idle/rank (wall busy)':>24} {'wall':>6} {'cpu':>6} {'analytic':>9} "
-              f"{'wall/an':>8} {'cpu/an':>7} {'on-cpu':>7} {'phase ms':>9} {'tail':>5}  fwd+bwd ms/mb per rank")
+              f"{'wall/an':>8} {'cpu/an':>7} {'on-cpu':>7} {'phase ms':>9} {'tail':>5}  fwd+bwd ms/mb per rank"
+              "  p2p share per rank")
         for r in (r for r in rows if r.schedule == schedule):
             print(f"{r.p:>2} {r.m:>3} {fmt(f'{x:.3f}' for x in r.idle_wall):>24} {r.mean_wall:>6.3f} "
                   f"{r.mean_cpu:>6.3f} {r.analytic:>9.3f} {r.mean_wall / r.analytic:>8.2f} "
                   f"{r.mean_cpu / r.analytic:>7.2f} {r.on_cpu:>7.2f} {r.phase_ms:>9.0f} {r.tail_share:>5.0%}  "
-                  f"{fmt(f'{x:.0f}' for x in r.slot_ms)}")
+                  f"{fmt(f'{x:.0f}' for x in r.slot_ms):>22}  {fmt(f'{x:.3f}' for x in r.p2p_share)}")
         for line in skipped.get(schedule, []):
             print(f"skipped: {line}")
     print("\nwall / cpu: mean over pipeline ranks of 1 - busy/phase, busy = time in forward+backward instructions "
           "by perf_counter / by thread CPU time; on-cpu: CPU busy / wall busy; tail: share of the step after the "
-          "phase (grad sync, optimizer, loss broadcast), excluded from the phase.")
+          "phase (grad sync, optimizer, loss broadcast), excluded from the phase; p2p share: time in p2p instructions "
+          "(posting, transfer, waiting for a neighbour) / phase, part of the idle.")
     compare(rows)
     disturbed = [f"{r.schedule} p={r.p} m={r.m}" for r in rows if r.p <= cores and r.on_cpu < ON_CPU_QUIET]
     if disturbed:

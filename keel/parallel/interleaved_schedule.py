@@ -8,21 +8,22 @@ The order of work on each rank is Megatron-LM's (`forward_backward_pipelining_wi
 the chunks in groups of p micro-batches, backwards walk them in reverse, and rank r runs (p−r−1)·2 + (v−1)·p
 warm-up forwards before iterations of one forward then one backward, and cool-down backwards.
 
-Why a timetable and not Megatron's p2p calls: every transfer must be posted by both of its ranks in the same
-batch, or a blocking send waits on a receive its peer has queued behind its own send (NCCL's one stream per
-communicator makes that a hang). The generator runs all ranks' iterations in lock-step rounds, each iteration as
-soon as the inputs it takes from other ranks were made in earlier rounds. A tensor made in round t is sent and
-received in round t's `CommitP2P` on both ranks. Every round's transfers depend only on work done in that round,
-which depends only on earlier rounds, so no rank can wait on a peer that waits on it; and every rank derives the
-same timetable, so both ends of each transfer agree without talking. A round holds a whole iteration (forward and
-backward, as Megatron exchanges once per iteration): with one pass per round, a rank whose forward needs nothing
-from a neighbour still waited at the round's batch for that neighbour's longer backward, and the replay of
-bench/pipeline_schedule_model.py (backward = 2 forward) gave p=2, m=8 an idle of 0.172 against 1F1B's 0.111;
-by iterations it is 0.059, the formula above.
-"""
+Why a timetable and not Megatron's p2p calls: every transfer must be posted by both of its ranks in the same batch,
+or a blocking send waits on a receive its peer has queued behind its own send (NCCL's one stream per communicator
+makes that a hang). The generator runs all ranks' iterations in lock-step rounds, each iteration as soon as the
+inputs it takes from other ranks were made in earlier rounds. A tensor made in round t is sent and posted for
+receipt in round t's `CommitP2P` on both ranks, and waited for only when the work that needs it starts
+(`InterleavedEngine`; Megatron's overlapped p2p does the same), so a rank runs on while its neighbours finish.
+Every round's transfers depend only on work done in that round, which depends only on earlier rounds, so no rank
+can wait on a peer that waits on it; and every rank derives the same timetable, so both ends of each transfer agree
+without talking. A round holds a whole iteration (forward and backward, as Megatron exchanges once per iteration):
+with one pass per round, a rank whose forward needs nothing from a neighbour still waited at the round's batch for
+that neighbour's longer backward, and the replay of bench/pipeline_schedule_model.py (backward = 2 forward) gave
+p=2, m=8 an idle of 0.172 against 1F1B's 0.111; by iterations it is 0.059, the formula above. """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 
@@ -99,9 +100,17 @@ def timetable(p: int, m: int, v: int, forward_only: bool = False) -> list[list[t
     return rounds
 
 
+@functools.cache
 def interleaved_schedule_class():
     """`InterleavedSchedule`, built on first use so importing Keel does not import DeepSpeed."""
     from deepspeed.runtime.pipe import schedule as ds
+
+    class WaitP2P(ds.PipeInstruction):
+        """Wait for every transfer still in flight (the step's end: the last sends before the optimizer step)."""
+
+    class AwaitTransfer(ds.BufferOpInstruction):
+        """Wait for the batch that fills buffer `buffer_id`'s `what` ("inputs" or "grads") before the pass that
+        reads it (an instruction of its own, so a pass's time is compute only)."""
 
     class InterleavedSchedule(ds.PipeSchedule):
         """The timetable as DeepSpeed pipeline instructions for one rank. Buffer `chunk·m + micro_batch` holds a
@@ -134,10 +143,14 @@ def interleaved_schedule_class():
                     if work.kind == "F":
                         if stage in (0, self._last()):  # rank 0 loads the tokens, rank p−1 the labels
                             cmds.append(ds.LoadMicroBatch(buffer))
+                        if stage != 0:
+                            cmds.append(AwaitTransfer(buffer, what="inputs"))
                         cmds.append(ds.ForwardPass(buffer, phase=work.chunk))
                         if stage != self._last():
                             sends.append(ds.SendActivation(buffer, phase=work.chunk))
                     else:
+                        if stage != self._last():
+                            cmds.append(AwaitTransfer(buffer, what="grads"))
                         cmds.append(ds.BackwardPass(buffer, phase=work.chunk))
                         if stage != 0:
                             sends.append(ds.SendGrad(buffer, phase=work.chunk))
@@ -159,9 +172,10 @@ def interleaved_schedule_class():
                     cmds.append(ds.CommitP2P())
                 if cmds:
                     yield cmds
-            tail = [ds.CommitP2P()]
+            tail = [ds.CommitP2P(), WaitP2P()]
             if not self.forward_only:
                 tail += [ds.ReduceTiedGrads(), ds.ReduceGrads(), ds.OptimizerStep()]
             yield tail
 
+    InterleavedSchedule.WaitP2P, InterleavedSchedule.AwaitTransfer = WaitP2P, AwaitTransfer
     return InterleavedSchedule

@@ -9,7 +9,9 @@ which stage an instruction runs on, but no public hook lets a module hold or an 
 - `InterleavedModule`: v·p stages, rank r holds stages r, r+p, … (phase c is stage c·p + r), and a layer's owner
   is its stage modulo p, so tied embeddings sit on ranks 0 and p−1 as under 1F1B (DeepSpeed sums their gradients).
 - `InterleavedEngine`: activations go to the next rank round the ring, gradients to the previous one; rank 0 loads
-  the tokens and rank p−1 the labels and computes the loss, as under 1F1B.
+  the tokens and rank p−1 the labels and computes the loss, as under 1F1B. A round's batch of transfers is posted
+  without waiting; `AwaitTransfer` before a forward or backward waits for the batch that fills its buffer, and
+  `WaitP2P` at the step's end for all.
 
 DeepSpeed's `initialize` picks the engine class from the module class with no hook (`DualPipeVEngine` for any
 `DualPipeVModule`), so `as_interleaved` retypes the engine it built; the subclass adds methods and resizes the
@@ -18,6 +20,7 @@ per-phase state `DualPipeVEngine.__init__` made for two phases, nothing else.
 
 from __future__ import annotations
 
+from deepspeed import comm as dist
 from deepspeed.runtime.pipe import schedule
 from deepspeed.runtime.pipe.dualpipev import DualPipeVEngine, DualPipeVModule
 from deepspeed.runtime.pipe.engine import PipelineEngine
@@ -75,6 +78,22 @@ class InterleavedModule(DualPipeVModule):
             PipelineModule.compile(self, *args, **kwargs)
 
 
+class _Batch:
+    """One round's posted transfers. Waited for once: gloo's send and receive works wait on their buffer again at
+    every `wait()`, so a second wait on a finished work blocks for good (measured: the first step hung)."""
+
+    def __init__(self, works: list, ops: list) -> None:
+        self.works = works  # one per op, or one for the whole batch (NCCL)
+        self.ops = ops  # keep the sent tensors alive until the batch is waited for
+        self.done = False
+
+    def wait(self) -> None:
+        if not self.done:
+            for work in self.works:
+                work.wait()
+            self.done, self.ops = True, []
+
+
 class InterleavedEngine(DualPipeVEngine):
     """`DualPipeVEngine`'s phase machinery with interleaved routing; phase c is this rank's chunk c."""
 
@@ -82,6 +101,10 @@ class InterleavedEngine(DualPipeVEngine):
         self.chunks = chunks
         self._first_send = [True] * chunks
         self._recv_specs = [None] * chunks
+        self._queued_for: list[tuple[str, int] | None] = []  # per queued p2p op: the buffer a receive fills
+        self._arriving: dict[tuple[str, int], _Batch] = {}  # buffer -> the batch that fills it
+        self._in_flight: list[_Batch] = []  # every batch posted this step
+        self._receiving: tuple[str, int] | None = None
 
     def reset_activation_shape(self) -> None:
         super().reset_activation_shape()
@@ -114,11 +137,54 @@ class InterleavedEngine(DualPipeVEngine):
     def _upstream_stage(self, phase: int) -> int:
         return (self.stage_id - 1) % self.num_stages
 
+    # -- p2p: posted in pairs per round (the schedule), waited for when the data is needed -------------------
+    def _queue_p2p(self, op, tensors, stage) -> None:
+        queued = len(self._p2p_ops)
+        super()._queue_p2p(op, tensors, stage)
+        self._queued_for += [self._receiving] * (len(self._p2p_ops) - queued)
+
+    def _exec_recv_activations(self, buffer_id: int, phase: int) -> None:
+        self._receiving = ("inputs", buffer_id)
+        super()._exec_recv_activations(buffer_id, phase)
+        self._receiving = None
+
+    def _exec_recv_grads(self, buffer_id: int, phase: int) -> None:
+        self._receiving = ("grads", buffer_id)
+        super()._exec_recv_grads(buffer_id, phase)
+        self._receiving = None
+
+    def _exec_commit_p2p(self) -> None:
+        """Post the round's batch without waiting (DualPipeV waits for all of it here)."""
+        if not self._p2p_ops:
+            return
+        batch = _Batch(list(dist.batch_isend_irecv(self._p2p_ops)), self._p2p_ops)
+        for buffer in set(self._queued_for) - {None}:
+            self._arriving[buffer] = batch
+        self._in_flight.append(batch)
+        self._p2p_ops, self._queued_for = [], []
+
+    def _exec_await_transfer(self, buffer_id: int, what: str) -> None:
+        if (what, buffer_id) in self._arriving:
+            self._arriving.pop((what, buffer_id)).wait()
+
+    def _exec_wait_p2p(self) -> None:
+        for batch in self._in_flight:
+            batch.wait()
+        self._in_flight, self._arriving = [], {}
+
     def _exec_load_micro_batch(self, buffer_id: int) -> None:
         # 1F1B's load: rank 0 keeps the tokens, rank p−1 the labels, each in the buffer the schedule names
         PipelineEngine._exec_load_micro_batch(self, buffer_id)
 
-    _INSTRUCTION_MAP = {**DualPipeVEngine._INSTRUCTION_MAP, schedule.LoadMicroBatch: _exec_load_micro_batch}
+    _INSTRUCTION_MAP = {
+        **DualPipeVEngine._INSTRUCTION_MAP,
+        schedule.LoadMicroBatch: _exec_load_micro_batch,
+        schedule.RecvActivation: _exec_recv_activations,
+        schedule.RecvGrad: _exec_recv_grads,
+        schedule.CommitP2P: _exec_commit_p2p,
+        interleaved_schedule_class().WaitP2P: _exec_wait_p2p,
+        interleaved_schedule_class().AwaitTransfer: _exec_await_transfer,
+    }
 
 
 def as_interleaved(engine, chunks: int):
