@@ -174,7 +174,8 @@ def test_a_missing_zero_to_fp32_reader_is_named(monkeypatch):
     fails in one line naming it."""
     from deepspeed.utils import zero_to_fp32
 
-    from keel.adapters.deepspeed_internals import ZERO3_READERS, DeepSpeedInternalsError, zero3_fp32_state
+    from keel.adapters.deepspeed_internals import DeepSpeedInternalsError
+    from keel.adapters.deepspeed_internals.zero3_reader import ZERO3_READERS, zero3_fp32_state
 
     for name in ZERO3_READERS:
         assert callable(getattr(zero_to_fp32, name)), name

@@ -53,6 +53,25 @@ def test_dualpipev_cuts_two_stages_per_rank_as_deepspeed_does():
     assert rank_layer_indices(layers, counts, 2, "type:Block", "1f1b") == [[0, 1], [2, 3, 4]]
 
 
+def test_interleaved_cuts_v_stages_per_rank_as_deepspeed_does():
+    cfg = tiny(partition="type:Block")
+    layers = layer_list(cfg.model, TPContext(rank=0, size=1), EPContext(rank=0, size=1, ranks=(0,)), 2)
+    counts = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+    # what Keel's InterleavedModule printed for this model: stages [0, 1], [2], [3], [4]; rank r holds r and r+2
+    assert rank_layer_indices(layers, counts, 2, "type:Block", "interleaved", 2) == [[0, 1, 3], [2, 4]]
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_interleaved_shares_add_up_to_the_model(tied):
+    """As under 1F1B, the tied head is a replica of the embedding on the last rank (counted there too)."""
+    cfg = tiny()
+    cfg.model.tie_embeddings = tied
+    whole = num_params(CausalLM(cfg.model))
+    shares = [param_share(cfg.model, Layout(pp=2), "type:Block", stage=r, schedule="interleaved", chunks=2).total
+              for r in range(2)]
+    assert sum(shares) == whole + (cfg.model.vocab_size * cfg.model.dim if tied else 0)
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_dualpipev_shares_add_up_to_the_model(tied):
     cfg = tiny()

@@ -235,7 +235,7 @@ class CheckpointReader:
             yield name, value.view(shape)
 
     def _zero3_shards(self, names: list[str], tp_rank: int):
-        from keel.adapters.deepspeed_internals import zero3_fp32_state
+        from keel.adapters.deepspeed_internals.zero3_reader import zero3_fp32_state
 
         files = [self.ckpt.tag_dir / f"zero_pp_rank_{dp}_mp_rank_{tp_rank:02d}_{kind}_states.pt"
                  for kind in ("model", "optim") for dp in range(self.ckpt.dp)]

@@ -182,3 +182,20 @@ def barrier(group: Group) -> None:
     if group.active:
         _enter("barrier", group, None)
         dist.barrier(group=group.handle)
+
+
+# -- pipeline point-to-point (pairs of ranks, not collectives) ----------------------------------------------------
+def post_p2p(ops: list) -> list:
+    """Post DeepSpeed `P2POp`s (`deepspeed.comm`) as one batch and return its works, without waiting.
+
+    For the interleaved pipeline engine (keel/adapters/deepspeed_internals/interleaved.py). Not traced: a rank's
+    sends and receives differ from its peers' by design, so the same-collectives comparison does not apply; the
+    pairing that keeps them hang-free (both ends post a transfer in the same batch) is proven by
+    tests/test_interleaved_schedule.py. Activations and gradients only: every tensor must be on one device type.
+    """
+    from deepspeed import comm as ds_comm
+
+    devices = {op.tensor.device.type for op in ops}
+    if len(devices) > 1:
+        raise RuntimeError(f"pipeline p2p batch mixes devices {sorted(devices)}: one batch goes to one backend")
+    return list(ds_comm.batch_isend_irecv(ops))

@@ -20,12 +20,12 @@ per-phase state `DualPipeVEngine.__init__` made for two phases, nothing else.
 
 from __future__ import annotations
 
-from deepspeed import comm as dist
 from deepspeed.runtime.pipe import schedule
 from deepspeed.runtime.pipe.dualpipev import DualPipeVEngine, DualPipeVModule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.module import PipelineModule
 
+from keel.parallel import comm
 from keel.parallel.interleaved_schedule import interleaved_schedule_class
 
 
@@ -157,7 +157,7 @@ class InterleavedEngine(DualPipeVEngine):
         """Post the round's batch without waiting (DualPipeV waits for all of it here)."""
         if not self._p2p_ops:
             return
-        batch = _Batch(list(dist.batch_isend_irecv(self._p2p_ops)), self._p2p_ops)
+        batch = _Batch(comm.post_p2p(self._p2p_ops), self._p2p_ops)
         for buffer in set(self._queued_for) - {None}:
             self._arriving[buffer] = batch
         self._in_flight.append(batch)
