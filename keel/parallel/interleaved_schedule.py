@@ -72,7 +72,8 @@ def _needs(work: Work, rank: int, p: int, v: int) -> tuple[int, str, int, int] |
     return (stage + 1) % p, "B", (stage + 1) // p, work.micro_batch
 
 
-def timetable(p: int, m: int, v: int, forward_only: bool = False) -> list[list[tuple[Work, ...]]]:
+@functools.cache  # every rank asks for it at every step and evaluation: built once per (p, m, v)
+def timetable(p: int, m: int, v: int, forward_only: bool = False) -> tuple[tuple[tuple[Work, ...], ...], ...]:
     """Every rank's iteration per round (() when it waits), as described in the module docstring: a rank runs
     its next iteration once the inputs it takes from other ranks were made in earlier rounds."""
     check_interleaved(p, m, v)
@@ -97,7 +98,7 @@ def timetable(p: int, m: int, v: int, forward_only: bool = False) -> list[list[t
         for rank, step in ran:
             for work in step:
                 made[rank, work.kind, work.chunk, work.micro_batch] = now
-    return rounds
+    return tuple(tuple(row) for row in rounds)
 
 
 @functools.cache
