@@ -44,14 +44,14 @@ sys.path.insert(0, str(REPO))
 from keel.config import ModelConfig, RunConfig, TrainConfig  # noqa: E402
 from keel.launcher.local import free_port  # noqa: E402
 from keel.parallel.topology import Topology  # noqa: E402
-from keel.training.async_checkpoint import AsyncCheckpointer  # noqa: E402
-from keel.training.checkpoint import Checkpointer, TrainState  # noqa: E402
+from keel.training.checkpoint.async_save import AsyncCheckpointer  # noqa: E402
+from keel.training.checkpoint.store import Checkpointer, TrainState  # noqa: E402
 
 SEQ, MICRO, VOCAB = 32, 1, 8192  # short steps: the saves, not the model, are measured
 
 
 def build(size_mb: float):
-    from keel.training.engine import build_engine
+    from keel.engine.build import build_engine
 
     dim, layers = 512, 1
     per_layer, embed = 12 * dim * dim, VOCAB * dim  # attention (GQA ~ 3d²) + SwiGLU (~8d²) + norms, roughly
@@ -132,7 +132,7 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
                       LOCAL_RANK="0")
-    from keel.training.entry import init_distributed
+    from keel.engine.distributed import init_distributed
 
     init_distributed()
     directory = Path(tempfile.mkdtemp(prefix="keel-bench-ckpt-", dir=args.dir or None))

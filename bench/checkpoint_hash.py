@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from page_cache import drop_cache  # noqa: E402  (bench/, the script's own directory)
 
-from keel.training.checkpoint_verify import describe, verify  # noqa: E402
-from keel.training.checkpoint_writes import WrittenFiles  # noqa: E402
+from keel.training.checkpoint.verify import describe, verify  # noqa: E402
+from keel.training.checkpoint.writes import WrittenFiles  # noqa: E402
 
 BYTES_PER_PARAM = 2 + 4 + 4 + 4  # bf16 weights, fp32 master, Adam exp_avg and exp_avg_sq
 

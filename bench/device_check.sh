@@ -90,7 +90,7 @@ train() {
   python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(sys.argv[2], 'syncs/step', \
 round(r['syncs'] / max(r['steps'], 1), 2), list(r['sites'].items())[:4])" "$run/sync_debug_rank0.json" "$name" \
     2>&1 | tee -a "$out/syncs.txt"
-  # peak GPU memory next to the memory model, once keel/training/memory_model.py exists (branch `memory`)
+  # peak GPU memory next to the memory model, once keel/engine/memory_model.py exists (branch `memory`)
   if [ -f bench/memory_vs_model.py ]; then
     python3 bench/memory_vs_model.py "$run" 2>&1 | tee -a "$out/memory.txt"
   else

@@ -34,7 +34,8 @@ def write_checkpoint(run_dir: Path, dim: int, layers: int, vocab: int, tp: int) 
     from keel.data.tokenizer import train_tokenizer
     from keel.model import CausalLM
     from keel.parallel.tensor import TPContext
-    from keel.training.checkpoint import COMPLETE, LATEST, TrainState, tag_for
+    from keel.run_dir import COMPLETE, LATEST, tag_for
+    from keel.training.checkpoint.store import TrainState
 
     model = {"dim": dim, "n_layers": layers, "n_heads": 8, "n_kv_heads": 4, "vocab_size": vocab,
              "tie_embeddings": False}
@@ -66,7 +67,7 @@ def write_checkpoint(run_dir: Path, dim: int, layers: int, vocab: int, tp: int) 
 _MEASURE = """
 import json, sys
 from pathlib import Path
-from keel.export.hf_export import export_hf
+from keel.tools.export.hf_export import export_hf
 import safetensors.torch, transformers, sentencepiece  # every import before the baseline
 def rss(key):
     for line in open('/proc/self/status'):

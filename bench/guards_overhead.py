@@ -36,7 +36,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from keel.training.metrics import read_metrics  # noqa: E402
+from keel.training.observe.metrics import read_metrics  # noqa: E402
 
 WIDTHS = ["model.dim=2048", "model.n_heads=32", "model.n_kv_heads=8", "model.ffn_multiple_of=256",
           "model.tie_embeddings=true", "data.tokenizer_vocab_size=32000", "data.seq_len=128",

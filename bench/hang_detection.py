@@ -23,8 +23,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.recovery import MODEL, corpus  # noqa: E402
-
-EXIT_HANG = 4  # keel.training.watchdog.EXIT_HANG
+from keel.run_dir import ExitCode  # noqa: E402
 
 
 def measure(timeout: float, stall_step: int) -> float:
@@ -40,8 +39,8 @@ def measure(timeout: float, stall_step: int) -> float:
             if stalled_at is None and f"step {stall_step - 1:6d}/" in line:
                 stalled_at = time.perf_counter()
         proc.wait()
-        if proc.returncode != EXIT_HANG or stalled_at is None:
-            raise RuntimeError(f"expected the hang exit code {EXIT_HANG} after step {stall_step - 1}, "
+        if proc.returncode != ExitCode.HANG or stalled_at is None:
+            raise RuntimeError(f"expected the hang exit code {ExitCode.HANG} after step {stall_step - 1}, "
                                f"got {proc.returncode}")
         return time.perf_counter() - stalled_at
 

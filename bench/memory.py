@@ -10,7 +10,7 @@ tp=2 (ZeRO-0), and ZeRO-1, ZeRO-2, ZeRO-3 at dp=2. Each rank reports
 - live / rss: after the first optimizer step, the sum of unique live tensor storages (gc over tensors and the
   optimizer state, deduplicated by storage) and RSS minus the import overhead,
 
-next to keel.training.memory_model's prediction. Targets: build peak ≤ import + the rank's parameter bytes in
+next to keel.engine.memory_model's prediction. Targets: build peak ≤ import + the rank's parameter bytes in
 the engine's dtype + the largest parameter in fp32; live and rss ≤ 1.1 × the model's total.
 
     python bench/memory.py [--layers 4] [--cases tp2,zero1,zero2,zero3]
@@ -94,10 +94,10 @@ def _rank(rank: int, case: Case, layers: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
     from keel.config import DataConfig, ModelConfig, RunConfig, TrainConfig, validate
+    from keel.engine.build import build_engine, build_model
+    from keel.engine.ds_config import load_ds_config, resolve_ds_config
+    from keel.engine.memory_model import Layout, estimate
     from keel.parallel.topology import Topology
-    from keel.training.ds_config import load_ds_config, resolve_ds_config
-    from keel.training.engine import build_engine, build_model
-    from keel.training.memory_model import Layout, estimate
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)

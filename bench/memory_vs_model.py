@@ -10,9 +10,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from keel.launcher.run_dir import read_run_dir
-from keel.training.memory_model import Layout, estimate
-from keel.training.metrics import read_metrics
+from keel.engine.memory_model import Layout, estimate
+from keel.run_dir import read_run_dir
+from keel.training.observe.metrics import read_metrics
 
 GIB = 2**30
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from keel.config.validate import compile_setting
+from keel.config.rules import compile_setting
 from keel.training.trainer import Trainer
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -135,7 +135,8 @@ class PairedTrainer(Trainer):
     def save(self, state):
         """No checkpoint: the bench needs none, and the final save (after the last timed step) would only cost
         the wall time and disk of a full model and optimizer state."""
-        from keel.training.checkpoint import SaveOutcome, tag_for
+        from keel.run_dir import tag_for
+        from keel.training.checkpoint.store import SaveOutcome
 
         return SaveOutcome(tag_for(state.step))
 
@@ -143,11 +144,10 @@ class PairedTrainer(Trainer):
 def build_keel(run_dir: Path):
     """This rank's trainer and an fp32 CPU copy of its initial model, built as keel/training/entry.py builds them."""
     from keel.data import IndexedDataset, PackedSamples
-    from keel.launcher.run_dir import read_run_dir
-    from keel.parallel.random import data_parallel_seed
+    from keel.engine.build import LRScale, build_engine, build_model
+    from keel.parallel.random import data_parallel_seed, seed_everything
     from keel.parallel.topology import Topology
-    from keel.training.checkpoint import seed_everything
-    from keel.training.engine import LRScale, build_engine, build_model
+    from keel.run_dir import read_run_dir
 
     cfg, ds_raw, data = read_run_dir(run_dir)
     topology = Topology.from_env()

@@ -5,7 +5,7 @@ DeepSpeed runs) leaves every stage idle for (p-1) micro-batch slots out of m+p-1
 "Efficient Large-Scale Language Model Training on GPU Clusters", §2.2.1). Raising gradient accumulation is how a
 user shrinks that bubble, and `parallel.pipeline_schedule: dualpipev` (DeepSpeed's DualPipeV: each pipeline rank
 holds two stages, r and 2p-1-r, and interleaves their forwards and backwards) and `interleaved` (Megatron's
-interleaved 1F1B: each rank holds v stages r, r+p, ..., keel/parallel/interleaved_schedule.py) are how a user
+interleaved 1F1B: each rank holds v stages r, r+p, ..., keel/engine/interleaved_schedule.py) are how a user
 shrinks it further, so Keel's pipeline must really behave that way: this bench measures the bubble of Keel's
 pipeline (DeepSpeed's engine over Keel's layers) under each schedule (`--schedules`, default all) and prints it
 beside the analytic figure.
@@ -139,10 +139,11 @@ def run_rank(schedule: str, p: int, ms: list[int], shape: Shape, out: Path) -> N
     import torch.distributed as dist
 
     from keel.config import ModelConfig, RunConfig
+    from keel.engine.build import build_engine
+    from keel.engine.distributed import init_distributed, setup_logging
+    from keel.engine.ds_config import load_ds_config
     from keel.parallel.topology import Topology
-    from keel.training.ds_config import load_ds_config
-    from keel.training.engine import build_engine
-    from keel.training.entry import exit_now, init_distributed, setup_logging
+    from keel.training.entry import exit_now
 
     torch.set_num_threads(1)
     init_distributed()

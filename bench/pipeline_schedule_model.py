@@ -5,7 +5,7 @@ Why: `bench/pipeline_bubble.py` prints each schedule's measured idle beside an a
 runs (weight gradients stay inside BackwardPass, no zero-bubble W split), and a figure copied from a paper would
 describe another schedule. So the analytic column is computed from the instructions DeepSpeed itself would execute:
 every pipeline rank's `steps()` of `TrainSchedule` (1F1B), `DualPipeVSchedule` or Keel's `InterleavedSchedule`
-(keel/parallel/interleaved_schedule.py), replayed on one device per
+(keel/engine/interleaved_schedule.py), replayed on one device per
 pipeline rank with ForwardPass costing 1 and BackwardPass 2 per stage (all stages equal) and p2p free. The 1F1B
 replay must give exactly (p-1)/(m+p-1) (checked by `check_1f1b` and the tests), which is what makes the DualPipeV
 figure believable.
@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from keel.config.schema import PIPELINE_SCHEDULES
-from keel.training.memory_model import rank_stages
+from keel.engine.memory_model import rank_stages
 
 FORWARD_COST, BACKWARD_COST = 1.0, 2.0
 SCHEDULES = PIPELINE_SCHEDULES  # a schedule Keel gains needs a replay here too (`instruction_streams`)
@@ -52,7 +52,7 @@ def instruction_streams(schedule: str, p: int, m: int, chunks: int = 2) -> list[
     own classes for 1F1B and DualPipeV, Keel's `InterleavedSchedule` with v = `chunks`)."""
     from deepspeed.runtime.pipe.schedule import DualPipeVSchedule, TrainSchedule
 
-    from keel.parallel.interleaved_schedule import interleaved_schedule_class
+    from keel.engine.interleaved_schedule import interleaved_schedule_class
 
     def interleaved(micro_batches: int, stages: int, stage_id: int):
         return interleaved_schedule_class()(micro_batches, stages, stage_id, chunks)

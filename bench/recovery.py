@@ -53,7 +53,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from keel.training.metrics import read_metrics  # noqa: E402
+from keel.training.observe.metrics import read_metrics  # noqa: E402
 from tests.netns import RDZV_PORT, TwoNodes, cmdline, node_env, torchrun_cmd  # noqa: E402
 
 MODEL = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "data.seq_len=64",

@@ -115,7 +115,7 @@ def patched_ds(raw: dict, args: argparse.Namespace) -> dict:
 
 def write_run(args: argparse.Namespace, run_dir: Path) -> Path:
     """A `keel train` run dir (config, DeepSpeed JSON, prepared data) made by Keel's own launcher code."""
-    from keel.launcher.run_dir import build_run, prepare_data, write_run_dir
+    from keel.launcher.run_spec import build_run, prepare_data, write_run_dir
 
     sets = {"model.dim": args.dim, "model.n_layers": args.layers, "model.n_heads": args.heads,
             "model.n_kv_heads": args.kv_heads, "model.vocab_size": args.vocab, "model.compile": str(args.compile),
@@ -135,8 +135,8 @@ def write_run(args: argparse.Namespace, run_dir: Path) -> Path:
 
 def hf_step(trainer: PairedTrainer, hf, dtype: torch.dtype) -> Callable[[int], float]:
     """The plain loop: forward, fp32 cross-entropy, backward, clip, AdamW (on fp32 masters when `dtype` is bf16)."""
+    from keel.engine.lr_schedule import build_scheduler
     from keel.model import causal_lm_loss
-    from keel.training.lr_schedule import build_scheduler
 
     t = trainer.cfg.train
     with torch.no_grad():  # parameters only: HF's RoPE inv_freq stays fp32, as Keel's tables are computed in fp32
@@ -187,8 +187,8 @@ def single_process_env() -> None:
 def run_single(args: argparse.Namespace, run_dir: Path) -> None:
     """Keel's trainer and the plain HF loop in this process, a world of one."""
     single_process_env()
+    from keel.engine.distributed import init_distributed, setup_logging
     from keel.model import num_params
-    from keel.training.entry import init_distributed, setup_logging
 
     init_distributed()
     setup_logging(0)

@@ -28,10 +28,10 @@ def ds_step(trainer, hf) -> tuple[Callable[[int], float], object]:
     """The HF model under its own DeepSpeed engine, on the run's resolved JSON; one optimizer step per call."""
     import deepspeed
 
-    from keel.launcher.run_dir import read_run_dir
+    from keel.engine.ds_config import resolve_ds_config
+    from keel.engine.lr_schedule import build_scheduler
     from keel.model import causal_lm_loss
-    from keel.training.ds_config import resolve_ds_config
-    from keel.training.lr_schedule import build_scheduler
+    from keel.run_dir import read_run_dir
 
     cfg, topo, t = trainer.cfg, trainer.topology, trainer.cfg.train
     ds = resolve_ds_config(read_run_dir(trainer.run_dir)[1], cfg, topo.dp_size)
@@ -61,8 +61,9 @@ def _rank(rank: int, run_dir: str, args: argparse.Namespace, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(args.ranks),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.ranks))
+    from keel.engine.distributed import init_distributed, setup_logging
     from keel.model import num_params
-    from keel.training.entry import exit_now, init_distributed, setup_logging
+    from keel.training.entry import exit_now
 
     init_distributed()
     setup_logging(rank)

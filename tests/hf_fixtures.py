@@ -21,7 +21,8 @@ from keel.config import RunConfig, build_config
 from keel.data.tokenizer import train_tokenizer
 from keel.model import CausalLM
 from keel.parallel.tensor import TPContext
-from keel.training.checkpoint import COMPLETE, LATEST, TrainState, tag_for
+from keel.run_dir import COMPLETE, LATEST, tag_for
+from keel.training.checkpoint.store import TrainState
 
 EXPERT_KEY = "deepspeed_moe.experts.deepspeed_experts"
 TINY_MODEL = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=300, vocab_pad_multiple=64)

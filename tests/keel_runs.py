@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from keel.training.metrics import read_metrics
+from keel.training.observe.metrics import read_metrics
 
 TINY = {
     "model.dim": 32,
@@ -164,7 +164,7 @@ class RunCache:
         return tiny_overrides(self.corpus, self.cache_dir, **changes)
 
     def _launch(self, batch: list[Run]) -> None:
-        from keel.launcher.run_dir import build_run, prepare_data, write_run_dir
+        from keel.launcher.run_spec import build_run, prepare_data, write_run_dir
 
         dirs = []
         for run in batch:

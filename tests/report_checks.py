@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from keel.report.plots import DPI, SIZE
+from keel.tools.report.plots import DPI, SIZE
 
 
 def assert_png_drawn(path: Path) -> None:

@@ -19,6 +19,7 @@ import torch
 import torch.multiprocessing as mp
 
 from keel.adapters import deepspeed_internals as dsi
+from keel.adapters.deepspeed_internals import probes
 from keel.adapters.torch_internals import INTERNALS as TORCH_INTERNALS
 from keel.adapters.torch_internals import check_torch, set_last_lr
 from keel.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
@@ -36,11 +37,11 @@ def _batches(n: int = 2) -> list[torch.Tensor]:
 
 
 def _engine(kind: str):
+    from keel.engine.build import build_engine
+    from keel.engine.pipeline import build_pipeline
     from keel.parallel.experts import EPContext
-    from keel.parallel.pipeline import build_pipeline
     from keel.parallel.tensor import TPContext
     from keel.parallel.topology import Topology
-    from keel.training.engine import build_engine
 
     moe = dict(moe_experts=4, moe_top_k=2) if kind == "moe" else {}
     schedule = "dualpipev" if kind == "dualpipev" else "1f1b"
@@ -129,7 +130,7 @@ def _probe_kind(kind: str) -> dict:
               "applied": engine.was_step_applied(), "lr_steps": engine.lr_scheduler.last_epoch,
               "consulted": gate.consulted}
     missing = {}
-    for internal in dsi.INTERNALS:  # take each needed internal away: check_engine must name it
+    for internal in probes.INTERNALS:  # take each needed internal away: check_engine must name it
         if not internal.applies(engine):
             continue
         original = internal.probe
@@ -142,7 +143,7 @@ def _probe_kind(kind: str) -> dict:
         finally:
             object.__setattr__(internal, "probe", original)
     return {"seen": seen, "vetoed": vetoed, "stepped": stepped, "missing": missing,
-            "model_step_wrapped": len(wrapped_calls), "wraps": dsi._wraps_optimizer(engine),
+            "model_step_wrapped": len(wrapped_calls), "wraps": probes.wraps_optimizer(engine),
             "seam": _checkpoint_seam(engine)}
 
 
@@ -165,7 +166,7 @@ def _checkpoint_seam(engine) -> dict:
 
 def _worker(_rank: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    from keel.training.entry import init_distributed
+    from keel.engine.distributed import init_distributed
 
     init_distributed()
     torch.save({kind: _probe_kind(kind) for kind in KINDS}, out)

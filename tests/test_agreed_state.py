@@ -16,11 +16,9 @@ import time
 
 import pytest
 
-from keel.launcher.run_dir import build_run, prepare_data, write_run_dir
-from keel.training.checkpoint import EXIT_CHECKPOINT
-from keel.training.guards.base import read_anomalies
-from keel.training.metrics import read_metrics
-from keel.training.watchdog import EXIT_HANG
+from keel.launcher.run_spec import build_run, prepare_data, write_run_dir
+from keel.run_dir import ExitCode, read_anomalies
+from keel.training.observe.metrics import read_metrics
 from tests.keel_runs import REPO, ZERO0, Run, copy_run
 from tests.test_recovery import RESTART
 
@@ -66,7 +64,7 @@ def test_rank_with_a_stale_checkpoint_view_stops_every_rank_with_one_line(stoppe
                      f"rank 1: {stale}/step00000030/keel_complete.json does not exist; every rank must see the same "
                      "checkpoint directory (a stale or different shared-filesystem view?)"], proc.stdout[-3000:]
     assert [e["kind"] for e in read_anomalies(run)] == ["checkpoint_disagreement"]
-    assert f"exit code {EXIT_CHECKPOINT}" in (run / "summary.md").read_text()
+    assert f"exit code {ExitCode.CHECKPOINT}" in (run / "summary.md").read_text()
     records = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(1, 31))  # nothing trained
     # the phases between steps are costs in the metrics: checks every step, each save in the next step's record
@@ -80,7 +78,7 @@ def test_rank_stalled_inside_a_save_is_reported_within_the_save_timeout(stopped)
     stacks and exit with the hang code after stability.watchdog_save_timeout, not at the stall's end (paused, the
     watchdog would have left rank 0 waiting for the process group's 30-minute timeout)."""
     proc, run = stopped["proc"], stopped["stall_run"]
-    assert proc.returncode == EXIT_HANG, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == ExitCode.HANG, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert stopped["seconds"] < STALL_S - 20  # both runs' start-up and steps, and the save's deadline
     hangs = {e["rank"]: e for e in read_anomalies(run) if e["kind"] == "hang"}
     assert sorted(hangs) == [0, 1]

@@ -1,4 +1,4 @@
-"""Asynchronous checkpoints (keel/training/async_checkpoint.py, host_snapshot.py).
+"""Asynchronous checkpoints (keel/training/checkpoint/async_save.py, host_snapshot.py).
 
 One process: the host snapshot serializes to the bytes the original would, however the original changes after it
 is taken; the whole save → publish on a stand-in engine; a failed background write publishes nothing. One spawned
@@ -27,9 +27,10 @@ from keel.config import ConfigError
 from keel.config.schema import build_config, load_config
 from keel.launcher.local import free_port
 from keel.parallel.topology import Topology
-from keel.training.async_checkpoint import AsyncCheckpointer, snapshot_files, write_files
-from keel.training.checkpoint import COMPLETE, Checkpointer, TrainState
-from keel.training.host_snapshot import HostSnapshot
+from keel.run_dir import COMPLETE
+from keel.training.checkpoint.async_save import AsyncCheckpointer, snapshot_files, write_files
+from keel.training.checkpoint.host_snapshot import HostSnapshot
+from keel.training.checkpoint.store import Checkpointer, TrainState
 from tests.keel_runs import Run, final_weights, keel_train
 
 KINDS = ["zero0", "zero1", "zero2", "zero3", "fp16", "bf16", "moe", "pipeline"]
@@ -208,7 +209,7 @@ def _compare_kind(kind: str, root: Path) -> dict:
 
 def _worker(_rank: int, port: int, root: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    from keel.training.entry import init_distributed
+    from keel.engine.distributed import init_distributed
 
     init_distributed()
     results = {kind: _compare_kind(kind, Path(root)) for kind in KINDS}

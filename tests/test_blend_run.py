@@ -13,7 +13,7 @@ import pytest
 from keel.config import ConfigError
 from keel.data import DataError
 from keel.data.blend_prepare import open_splits
-from keel.launcher.run_dir import build_run, prepare_data
+from keel.launcher.run_spec import build_run, prepare_data
 from tests.keel_runs import Run, final_weights, losses, tiny_overrides
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])

@@ -27,7 +27,7 @@ from keel.data import (
     source_sha256,
 )
 from keel.launcher.cli import main as keel_main
-from keel.launcher.run_dir import build_run, prepare_data
+from keel.launcher.run_spec import build_run, prepare_data
 from tests.keel_runs import keel_train, tiny_overrides
 from tests.test_data_prepare import write_corpus
 from tests.test_data_tokenizer import synthetic_docs
@@ -211,7 +211,7 @@ def test_special_ids_and_vocab_reach_the_model_and_the_record(made: dict[str, Pa
 
 @pytest.mark.fault("resume with another tokenizer", "refused in one line before any rank")
 def test_resume_with_another_tokenizer_is_refused(made: dict[str, Path], tmp_path: Path) -> None:
-    from keel.launcher.run_dir import write_run_dir
+    from keel.launcher.run_spec import write_run_dir
 
     write_corpus(tmp_path / "corpus", n_files=4)
     base = [f"data.corpus=[{tmp_path / 'corpus'}]", f"data.cache_dir={tmp_path / 'cache'}"]

@@ -12,9 +12,10 @@ from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 from keel.parallel.random import ShardedRNG
 from keel.parallel.tensor import TPContext
 from keel.parallel.topology import Topology
-from keel.training import rng_state
-from keel.training.checkpoint import COMPLETE, Checkpointer, NoIntactCheckpoint, TrainState
-from keel.training.metrics import MetricsWriter, read_metrics
+from keel.run_dir import COMPLETE
+from keel.training.checkpoint import rng_state
+from keel.training.checkpoint.store import Checkpointer, NoIntactCheckpoint, TrainState
+from keel.training.observe.metrics import MetricsWriter, read_metrics
 
 
 class FakeEngine:

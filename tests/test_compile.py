@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from keel.config import ConfigError, ModelConfig, ParallelConfig, RunConfig, validate
+from keel.engine.ds_config import resolve_ds_config
 from keel.model import CausalLM, compile_blocks
-from keel.training.ds_config import resolve_ds_config
 
 CFG = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512, dropout=0.0)
 
@@ -59,9 +59,9 @@ def test_compile_refuses_zero3():
 
 
 def test_build_model_compiles_the_blocks_when_asked():
-    """The run's model (keel/training/engine.py build_model) runs its blocks through dynamo when model.compile is
+    """The run's model (keel/engine/build.py build_model) runs its blocks through dynamo when model.compile is
     set, and eagerly otherwise: a hook inside a block sees `torch.compiler.is_compiling()` only in the former."""
-    from keel.training.engine import build_model
+    from keel.engine.build import build_model
 
     for compiled in (True, False):
         model = build_model(RunConfig(model=dataclasses.replace(CFG, compile=compiled)))
@@ -76,7 +76,7 @@ def test_auto_compiles_only_where_it_was_measured_to_win(monkeypatch):
     """model.compile=auto: on the CPU, fp32, dense tp = pp = sp = 1 at ZeRO 0-2, dim >= 256, >= 1000 steps;
     eager elsewhere, naming why; explicit true/false win over the policy; a bad value is one line."""
     from keel.config import TrainConfig, build_config
-    from keel.training.compile_policy import should_compile
+    from keel.engine.compile_policy import should_compile
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     big = dataclasses.replace(CFG, dim=256, compile="auto")

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from keel.config import ConfigError, RunConfig, load_config, validate
+from keel.engine.ds_config import load_ds_config, resolve_ds_config
 from keel.launcher.cli import main
-from keel.launcher.run_dir import build_run, prepare_data
+from keel.launcher.run_spec import build_run, prepare_data
 from keel.parallel.topology import GridShape
-from keel.training.ds_config import load_ds_config, resolve_ds_config
 from tests.keel_runs import REPO, tiny_overrides
 
 DS_CONFIGS = sorted((REPO / "ds_configs").glob("*.json"))

@@ -11,8 +11,9 @@ import torch
 from keel.data import DataError, GlobalSampleOrder, IndexedDataset, IndexedDatasetWriter, PackedSamples, step_batch
 from keel.data.token_check import first_bad_row
 from keel.parallel import comm
+from keel.run_dir import ExitCode
 from keel.training import step_gate
-from keel.training.data_stop import EXIT_BAD_DATA, check_step_batch, named_stop, with_data_stop
+from keel.training.data_stop import check_step_batch, named_stop, with_data_stop
 from keel.training.guards.base import Action, Decision
 
 SEQ, GLOBAL, MICRO, DP = 16, 8, 2, 2
@@ -43,7 +44,7 @@ def test_the_batch_check_names_the_global_sample_and_stands_in(corrupt) -> None:
         if rank == 0:
             assert stop is None and batch is raw
             continue
-        assert (stop.action, stop.exit_code, stop.sample) == (Action.STOP, EXIT_BAD_DATA, sample)
+        assert (stop.action, stop.exit_code, stop.sample) == (Action.STOP, ExitCode.BAD_DATA, sample)
         assert int(batch[0][1, 7]) == 0 and int(raw[0][1, 7]) == 1000  # stand-in id where the bad one was
         assert all(torch.equal(a, b) for a, b in zip(batch[1:], raw[1:]))
     with pytest.raises(DataError, match=r"holds token id 1000"):  # the checked read still refuses it on its own
@@ -54,9 +55,9 @@ def test_the_agreement_carries_the_stop_and_every_rank_names_it_the_same(corrupt
     samples, order, token, sample = corrupt
     guard_says = [Decision(), Decision(Action.SKIP, reason="spike")]  # rank 0's guards see nothing wrong
     own = [with_data_stop(guard_says[0], None),
-           with_data_stop(guard_says[1], Decision(Action.STOP, "bad", EXIT_BAD_DATA, sample=sample))]
+           with_data_stop(guard_says[1], Decision(Action.STOP, "bad", ExitCode.BAD_DATA, sample=sample))]
     # a second bad sample on another rank, later in the step: the lowest one is named
-    other = Decision(Action.STOP, "bad", EXIT_BAD_DATA, sample=sample + 1)
+    other = Decision(Action.STOP, "bad", ExitCode.BAD_DATA, sample=sample + 1)
 
     def codes(d: Decision) -> torch.Tensor:  # what agree() sends for `d`
         return torch.tensor([int(d.action), 0, d.exit_code, 0 if d.sample is None else step_gate._NO_SAMPLE - d.sample])
@@ -69,7 +70,7 @@ def test_the_agreement_carries_the_stop_and_every_rank_names_it_the_same(corrupt
     lines = []
     for mine in own + [other]:
         agreed, preempted = step_gate.agree(mine, False, comm.single("world", comm.CONTROL))
-        assert (agreed.action, agreed.exit_code, agreed.sample, preempted) == (Action.STOP, EXIT_BAD_DATA, sample,
+        assert (agreed.action, agreed.exit_code, agreed.sample, preempted) == (Action.STOP, ExitCode.BAD_DATA, sample,
                                                                                False)
         lines.append(named_stop(agreed, samples, order, step=2).reason)
     assert len(set(lines)) == 1

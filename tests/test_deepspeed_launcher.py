@@ -9,7 +9,7 @@ import pytest
 
 from keel.config import ConfigError
 from keel.launcher.deepspeed_launcher import deepspeed_command, hostfile_slots
-from keel.training.metrics import read_metrics
+from keel.training.observe.metrics import read_metrics
 from tests.keel_runs import REPO, Run
 from tests.test_train_equivalence import assert_close
 

@@ -18,7 +18,7 @@ import uuid
 import pytest
 import torch
 
-from keel.training.metrics import read_metrics
+from keel.training.observe.metrics import read_metrics
 from tests.keel_runs import REPO, Run
 from tests.netns import RDZV_PORT, NetnsUnavailable, TwoNodes, node_env, torchrun_cmd
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from keel.training.guards.base import read_anomalies
-from keel.training.metrics import read_metrics
+from keel.run_dir import read_anomalies
+from keel.training.observe.metrics import read_metrics
 from tests.keel_runs import Run
 
 GB = 8  # tests/keel_runs.py TINY global batch

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from keel.config import ConfigError
-from keel.export.hf_export import export_hf
-from keel.launcher.run_dir import read_run_dir
 from keel.model import CausalLM
-from keel.training.metrics import read_metrics
+from keel.run_dir import read_run_dir
+from keel.tools.export.hf_export import export_hf
+from keel.training.observe.metrics import read_metrics
 from tests.hf_fixtures import sample_docs, write_run
 from tests.keel_runs import REPO, Run, final_weights
 
@@ -132,7 +132,7 @@ def test_an_hf_tokenizer_the_run_used_is_saved_as_it_is(tmp_path):
     from transformers import AutoTokenizer
 
     from keel.data.tokenizer import train_tokenizer
-    from keel.export.hf_tokenizer import sentencepiece_as_llama
+    from keel.tools.export.hf_tokenizer import sentencepiece_as_llama
 
     model_file = train_tokenizer(sample_docs(), 300, tmp_path / "sp").model_path
     sentencepiece_as_llama(model_file).save_pretrained(str(tmp_path / "hf_tok"))
@@ -271,7 +271,7 @@ def test_half_precision_runs_export_their_fp32_masters(runs, precision):
     half-precision weights."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    from keel.export.checkpoint_reader import CheckpointReader, open_checkpoint
+    from keel.tools.export.checkpoint_reader import CheckpointReader, open_checkpoint
 
     run_dir = runs.run(HALF[precision])
     ckpt = open_checkpoint(run_dir)

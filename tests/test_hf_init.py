@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from keel.config import ConfigError, ModelConfig, build_config
-from keel.export.checkpoint_reader import param_layouts
 from keel.model import CausalLM
 from keel.model.hf import hf_sources
 from keel.model.hf_init import HFWeights, _writer, check_hf_dir, load_hf_weights
 from keel.parallel.tensor import TPContext
+from keel.tools.export.checkpoint_reader import param_layouts
 from tests.keel_runs import TINY, Run
 
 SEQ = 12
@@ -191,8 +191,8 @@ def init_runs(runs, tmp_path_factory):
 def test_first_step_loss_is_hf_loss(runs, init_runs, layout):
     from keel.data import IndexedDataset
     from keel.data.samples import GlobalSampleOrder, PackedSamples, step_batch
-    from keel.launcher.run_dir import read_run_dir
-    from keel.training.metrics import read_metrics
+    from keel.run_dir import read_run_dir
+    from keel.training.observe.metrics import read_metrics
 
     hf_dir, wanted = init_runs
     run_dir = runs.run(wanted[layout])

@@ -95,7 +95,7 @@ def _worker(_rank: int, port: int, run_dirs: list[str], out: str) -> None:
 
 @pytest.fixture(scope="module")
 def reads(runs, tmp_path_factory) -> dict[str, dict[str, int]]:
-    from keel.launcher.run_dir import build_run, prepare_data, write_run_dir
+    from keel.launcher.run_spec import build_run, prepare_data, write_run_dir
 
     root = tmp_path_factory.mktemp("host_syncs")
     run_dirs = {}

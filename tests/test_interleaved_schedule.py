@@ -1,4 +1,4 @@
-"""Megatron's interleaved 1F1B as Keel generates it (keel/parallel/interleaved_schedule.py): the order, the
+"""Megatron's interleaved 1F1B as Keel generates it (keel/engine/interleaved_schedule.py): the order, the
 timetable, and the transfers every rank must post in the same batch as its peer. The runs themselves are in
 tests/test_pipeline_schedules.py, the bubble in tests/test_pipeline_bubble.py."""
 
@@ -9,9 +9,9 @@ from collections import Counter
 import pytest
 
 from keel.config import ConfigError, RunConfig
-from keel.config.validate import validate
-from keel.parallel.interleaved_schedule import Work, interleaved_schedule_class, megatron_order, timetable
-from keel.training.memory_model import rank_stages
+from keel.config.rules import validate
+from keel.engine.interleaved_schedule import Work, interleaved_schedule_class, megatron_order, timetable
+from keel.engine.memory_model import rank_stages
 
 GRID = [(p, k * p, v) for p in (2, 3, 4, 8) for v in (2, 3, 4) for k in (1, 2, 3)]
 

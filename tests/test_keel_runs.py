@@ -3,7 +3,7 @@ tied here to `write_summary`'s own format, so a change there cannot make a stopp
 
 from __future__ import annotations
 
-from keel.training.summary import write_summary
+from keel.training.observe.summary import write_summary
 from tests.keel_runs import summary_exit_code
 
 

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from keel.report import write_report
-from keel.training.metrics import FIELDS, read_metrics
+from keel.tools.report import write_report
+from keel.training.observe.metrics import FIELDS, read_metrics
 from tests.keel_runs import REPO, Run
 
 pytestmark = pytest.mark.slow

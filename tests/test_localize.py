@@ -212,9 +212,9 @@ def test_classify_needs_the_same_place_twice():
 
 def _engine(stage: int, tp: int = 1):
     from keel.config import ParallelConfig, RunConfig, TrainConfig
+    from keel.engine.build import build_engine
+    from keel.engine.distributed import init_distributed
     from keel.parallel.topology import Topology
-    from keel.training.engine import build_engine
-    from keel.training.entry import init_distributed
 
     init_distributed()
     ds_raw = json.loads((Path(__file__).parents[1] / "ds_configs" / f"zero{stage}.json").read_text())

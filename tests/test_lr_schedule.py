@@ -5,7 +5,7 @@ import math
 import pytest
 
 from keel.config import TrainConfig
-from keel.training.lr_schedule import lr_multiplier
+from keel.engine.lr_schedule import lr_multiplier
 
 
 def test_warmup_then_cosine_to_min_ratio():

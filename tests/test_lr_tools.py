@@ -13,9 +13,7 @@ import pytest
 import torch
 
 from keel.config import LR_SCHEDULES, RAMPUP_SCALINGS, ConfigError, TrainConfig, validate_schedule
-from keel.launcher.cli import build_parser, cmd_lr_find
-from keel.training.lr_find import range_test, steepest_descent_index, sweep_lrs, write_csv, write_plot
-from keel.training.lr_schedule import (
+from keel.engine.lr_schedule import (
     AFTER_WARMUP,
     RAMPUP_LR_FACTORS,
     build_scheduler,
@@ -25,6 +23,8 @@ from keel.training.lr_schedule import (
     refresh_lr,
     samples_before_step,
 )
+from keel.launcher.cli import build_parser, cmd_lr_find
+from keel.tools.lr_find import range_test, steepest_descent_index, sweep_lrs, write_csv, write_plot
 from tests.keel_runs import REPO
 
 

@@ -10,11 +10,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from keel.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
+from keel.engine.memory_model import Layout, estimate, param_share
 from keel.launcher.local import free_port
 from keel.model import CausalLM
 from keel.parallel.experts import EPContext
 from keel.parallel.tensor import TPContext
-from keel.training.memory_model import Layout, estimate, param_share
 
 MODEL = dict(vocab_size=200, dim=64, n_layers=3, n_heads=8, n_kv_heads=2, vocab_pad_multiple=16)
 
@@ -73,8 +73,8 @@ def _pipeline_rank(rank: int, port: int) -> None:
         import deepspeed
 
         deepspeed.init_distributed("gloo", auto_mpi_discovery=False, verbose=False)
+        from keel.engine.build import build_model
         from keel.parallel.topology import Topology
-        from keel.training.engine import build_model
 
         cfg = RunConfig(model=ModelConfig(**MODEL), parallel=ParallelConfig(tp=2, pp=2),
                         train=TrainConfig(global_batch_size=1, micro_batch_size=1))

@@ -1,5 +1,5 @@
 """An MoE run resumes on another data/expert-parallel layout: experts and their Adam state move to the ranks that
-hold them now (keel/training/moe_reshard.py), and training continues as if uninterrupted."""
+hold them now (keel/training/checkpoint/moe_reshard.py), and training continues as if uninterrupted."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from keel.training.metrics import read_metrics
+from keel.training.observe.metrics import read_metrics
 from tests.keel_runs import Run, copy_run, keel_train
 from tests.test_train_equivalence import assert_close
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from keel.training.guards.base import read_anomalies
-from keel.training.metrics import read_metrics
+from keel.run_dir import read_anomalies
+from keel.training.observe.metrics import read_metrics
 from tests.keel_runs import Run
 from tests.test_train_equivalence import assert_close, assert_grad_norms_close
 

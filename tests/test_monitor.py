@@ -13,12 +13,12 @@ import torch
 import torch.multiprocessing as mp
 
 from keel.config import ConfigError, ModelConfig, StabilityConfig
+from keel.engine.ds_config import load_ds_config
 from keel.launcher.local import free_port
 from keel.model import Block, CausalLM
 from keel.parallel.topology import Topology
-from keel.training.ds_config import load_ds_config
-from keel.training.monitor import ModelMonitor
-from keel.training.sinks import Sinks, check_sinks, dashboard_scalars
+from keel.training.observe.monitor import ModelMonitor
+from keel.training.observe.sinks import Sinks, check_sinks, dashboard_scalars
 
 TINY = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_pad_multiple=1)
 
@@ -235,7 +235,7 @@ def _deepspeed_worker(_rank: int, port: int, configs: list[tuple[str, str, bool]
     import deepspeed
 
     from keel.config import RunConfig, TrainConfig
-    from keel.training.engine import build_engine
+    from keel.engine.build import build_engine
 
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
     topology = Topology.from_env()

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from keel.config import ConfigError, RunConfig, validate
+from keel.engine.memory_model import Layout, layer_list, param_share, rank_layer_indices
+from keel.engine.pipeline_plan import check_pipeline_plan
 from keel.model.llama import CausalLM, num_params
 from keel.parallel.experts import EPContext
 from keel.parallel.tensor import TPContext
-from keel.training.memory_model import Layout, layer_list, param_share, rank_layer_indices
-from keel.training.pipeline_plan import check_pipeline_plan
 
 
 def tiny(pp: int = 2, schedule: str = "dualpipev", partition: str = "type:Block", vocab: int = 512) -> RunConfig:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from keel.training.metrics import read_metrics
+from keel.training.observe.metrics import read_metrics
 from tests.keel_runs import Run, copy_run, keel_train
 from tests.test_pipeline import PP2_20, column
 from tests.test_train_equivalence import assert_close, assert_grad_norms_close
@@ -15,7 +15,7 @@ from tests.test_train_equivalence import assert_close, assert_grad_norms_close
 pytestmark = pytest.mark.slow
 ZERO1 = "ds_configs/zero1.json"
 # type:Block: the `parameters` partition leaves rank 0 only the embedding and the tied head on this tiny model,
-# which keel/training/pipeline_plan.py refuses (DeepSpeed's ZeRO optimizer would hang)
+# which keel/engine/pipeline_plan.py refuses (DeepSpeed's ZeRO optimizer would hang)
 SCHEDULES = {name: dict(parallel__pp=2, parallel__pipeline_schedule=name, parallel__pipeline_partition="type:Block")
              for name in ("dualpipev", "interleaved")}
 DUALPIPEV = SCHEDULES["dualpipev"]

@@ -1,4 +1,4 @@
-"""`keel preflight` (keel/preflight/): the judging logic on synthetic measurements in one process, the measuring
+"""`keel preflight` (keel/tools/preflight/): the judging logic on synthetic measurements in one process, the measuring
 pieces that need no peers, the `keel slurm --preflight` step, and real launches (--slow): three ranks with every
 injected fault at once (each named), a healthy run under the deepspeed launcher that exits 0, and a job on a real
 SLURM cluster (tests/slurm_cluster.py) whose preflight step finds a bad node and stops it before training.
@@ -18,16 +18,17 @@ from pathlib import Path
 import pytest
 
 from keel.config import load_config
+from keel.engine.ds_config import load_ds_config
 from keel.launcher.cli import main
 from keel.parallel.topology import GridShape
-from keel.preflight.clock import ClockOffset
-from keel.preflight.collectives import PAIR_SIZES, SIZES, Timing, group_kinds, pipeline_pairs, ring_pairs
-from keel.preflight.compute import ComputeResult, check_matmul
-from keel.preflight.judge import EXIT_PREFLIGHT, RankRecord, Thresholds, judge
-from keel.preflight.memory import MemoryResult, RunNeeds, checkpoint_bytes
-from keel.preflight.report import REPORT_FILE, table, verdict_line, write_report
-from keel.preflight.storage import StorageResult, directory_bytes, free_bytes, measure_storage
-from keel.training.ds_config import load_ds_config
+from keel.run_dir import ExitCode, RunDir
+from keel.tools.preflight.clock import ClockOffset
+from keel.tools.preflight.collectives import PAIR_SIZES, SIZES, Timing, group_kinds, pipeline_pairs, ring_pairs
+from keel.tools.preflight.compute import ComputeResult, check_matmul
+from keel.tools.preflight.judge import RankRecord, Thresholds, judge
+from keel.tools.preflight.memory import MemoryResult, RunNeeds, checkpoint_bytes
+from keel.tools.preflight.report import table, verdict_line, write_report
+from keel.tools.preflight.storage import StorageResult, directory_bytes, free_bytes, measure_storage
 from tests.keel_runs import REPO, Run
 
 KEEL_RUNS = [Run.of("zero0", 2)]  # shared with tests/test_keel_train.py: its checkpoint sizes the disk check
@@ -241,10 +242,10 @@ def test_report_table_and_json_name_the_bad_ranks_and_hosts(tmp_path):
     hosts = {r.rank: r.host for r in records}
     text = table(verdict, "header", hosts)
     assert text.splitlines()[-1] == verdict_line(verdict, hosts)
-    assert verdict_line(verdict, hosts).startswith(f"keel preflight: exit {EXIT_PREFLIGHT}, bad ranks 1 (node1): ")
+    assert verdict_line(verdict, hosts).startswith(f"keel preflight: exit {ExitCode.PREFLIGHT}, bad ranks 1 (node1): ")
     path = write_report(tmp_path, verdict, records, offsets(3), {"world_size": 3}, 1.5, dataclasses.asdict(NEEDS))
     report = json.loads(path.read_text())
-    assert path.name == REPORT_FILE and report["exit_code"] == EXIT_PREFLIGHT and not report["healthy"]
+    assert path == RunDir(path.parent).preflight and report["exit_code"] == ExitCode.PREFLIGHT and not report["healthy"]
     assert list(report["bad_ranks"]) == ["1"] and report["ranks"][1]["compute"]["digest"] == "bad"
 
 
@@ -295,7 +296,7 @@ def test_slurm_preflight_is_the_first_step_and_a_bad_node_stops_the_job(runs, tm
     lines = script.splitlines()
     steps = [i for i, line in enumerate(lines) if line.startswith("srun ")]
     assert len(steps) == 2 and "KEEL_PREFLIGHT[@]" in lines[steps[0] + 3] and "KEEL_TRAIN[@]" in lines[steps[1] + 3]
-    assert "keel.launcher.cli preflight --run-dir" in script and f'-eq {EXIT_PREFLIGHT} ]' in script
+    assert "keel.launcher.cli preflight --run-dir" in script and f'-eq {ExitCode.PREFLIGHT} ]' in script
     script_path = tmp_path / "keel.sbatch"
     assert subprocess.run(["bash", "-n", str(script_path)]).returncode == 0
     # the rendered script itself, with srun and scontrol stood in for: exit 9 stops it before training
@@ -306,9 +307,9 @@ def test_slurm_preflight_is_the_first_step_and_a_bad_node_stops_the_job(runs, tm
         (bin_dir / name).chmod(stat.S_IRWXU)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7", "SLURM_NNODES": "2",
            "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_JOB_NUM_NODES": "2", "MARK_DIR": str(tmp_path)}
-    bad = subprocess.run(["bash", str(script_path)], env={**env, "PREFLIGHT_RC": str(EXIT_PREFLIGHT)},
+    bad = subprocess.run(["bash", str(script_path)], env={**env, "PREFLIGHT_RC": str(ExitCode.PREFLIGHT)},
                          capture_output=True, text=True, timeout=60)
-    assert bad.returncode == EXIT_PREFLIGHT and not (tmp_path / "trained").exists()
+    assert bad.returncode == ExitCode.PREFLIGHT and not (tmp_path / "trained").exists()
     assert "keel-slurm: preflight found bad node(s) in node[1-2]: not training" in bad.stderr
     healthy = subprocess.run(["bash", str(script_path)], env={**env, "PREFLIGHT_RC": "0"}, capture_output=True,
                              text=True, timeout=60)
@@ -340,8 +341,8 @@ def test_every_injected_fault_is_named_in_one_three_rank_launch(runs, tmp_path):
               "preflight_clock_skew_rank": 2, "preflight_clock_skew_s": 2.0, "preflight_free_bytes": 1000}
     overrides = runs.overrides(train__global_batch_size=6, **{f"faults__{k}": v for k, v in faults.items()})
     proc = keel_preflight(tmp_path, overrides, "--nproc", "3")
-    assert proc.returncode == EXIT_PREFLIGHT, proc.stdout[-4000:] + proc.stderr[-4000:]
-    report = json.loads((tmp_path / REPORT_FILE).read_text())
+    assert proc.returncode == ExitCode.PREFLIGHT, proc.stdout[-4000:] + proc.stderr[-4000:]
+    report = json.loads(RunDir(tmp_path).preflight.read_text())
     bad = report["bad_ranks"]
     assert set(bad) == {"0", "1", "2"}
     assert any("late to collectives" in m for m in bad["0"]) and any("straggler" in m for m in bad["0"])
@@ -361,7 +362,7 @@ def test_a_healthy_allocation_exits_0_under_the_deepspeed_launcher(runs, tmp_pat
     proc = keel_preflight(tmp_path / "run", runs.overrides(), "--launcher", "deepspeed", "--hostfile", str(hostfile),
                           "--no-ssh", "--master-addr", "127.0.0.1", "--master-port", "29531")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    report = json.loads((tmp_path / "run" / REPORT_FILE).read_text())
+    report = json.loads(RunDir(tmp_path / "run").preflight.read_text())
     assert report["healthy"] and report["exit_code"] == 0 and report["topology"]["world_size"] == 2
     assert report["elapsed_s"] < 60 and "keel preflight: healthy" in proc.stdout
     names = [c["name"] for c in report["checks"]]
@@ -384,8 +385,8 @@ def test_a_slurm_job_with_a_bad_node_stops_at_its_preflight_step(slurm_cluster, 
     job_id = re.search(r"submitted job (\d+)", proc.stdout).group(1)
     job = slurm_cluster.wait_job(job_id, timeout=300)
     log = (tmp_path / f"slurm-{job_id}.out").read_text(errors="replace")
-    assert job["JobState"] == "FAILED" and job["ExitCode"] == f"{EXIT_PREFLIGHT}:0", log[-3000:]
+    assert job["JobState"] == "FAILED" and job["ExitCode"] == f"{ExitCode.PREFLIGHT}:0", log[-3000:]
     assert "bad ranks 1 (node2)" in log  # under srun each rank names its SLURM node
     assert "keel-slurm: preflight found bad node(s) in node[1-2]: not training" in log
     assert not (tmp_path / "metrics.jsonl").exists() and "keel-slurm: ranks exited" not in log  # never trained
-    assert json.loads((tmp_path / REPORT_FILE).read_text())["bad_ranks"].keys() == {"1"}
+    assert json.loads(RunDir(tmp_path).preflight.read_text())["bad_ranks"].keys() == {"1"}

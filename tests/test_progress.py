@@ -1,13 +1,13 @@
-"""The step line's ETA and MFU (keel/training/progress.py), and the line MetricsWriter prints with them."""
+"""The step line's ETA and MFU (keel/training/observe/progress.py), and the line MetricsWriter prints with them."""
 
 from __future__ import annotations
 
 import pytest
 
 from keel.config import load_config
-from keel.training.memory_model import Layout, param_share
-from keel.training.metrics import MetricsWriter
-from keel.training.progress import Progress, flops_per_token, format_eta, peak_tflops, run_progress
+from keel.engine.memory_model import Layout, param_share
+from keel.training.observe.metrics import MetricsWriter
+from keel.training.observe.progress import Progress, flops_per_token, format_eta, peak_tflops, run_progress
 
 
 def test_peak_comes_from_the_config_or_the_device_table():

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from keel.training.metrics import read_metrics
+from keel.training.observe.metrics import read_metrics
 from tests.keel_runs import REPO, Run, copy_run, final_weights, keel_train
 from tests.test_train_equivalence import assert_close
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 
-from keel.report import write_report
-from keel.training.guards.base import read_anomalies
-from keel.training.metrics import read_metrics
+from keel.run_dir import read_anomalies
+from keel.tools.report import write_report
+from keel.training.observe.metrics import read_metrics
 from tests.report_checks import assert_png_drawn
 from tests.test_guards_one_rank import KEEL_RUNS as GUARD_RUNS
 from tests.test_guards_one_rank import SPIKES, STORM

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from keel.report import write_report
-from keel.training.guards.base import read_anomalies
-from keel.training.metrics import read_metrics
+from keel.run_dir import read_anomalies
+from keel.tools.report import write_report
+from keel.training.observe.metrics import read_metrics
 from tests.keel_runs import Run
 from tests.report_checks import assert_png_drawn
 from tests.test_blend_run import CHANGES as BLEND

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from keel.launcher.cli import main
-from keel.report import INSTALL_HINT, write_report
+from keel.tools.report import INSTALL_HINT, write_report
 from tests.report_checks import assert_png_drawn
 
 STEPS = 12

@@ -17,7 +17,7 @@ import pytest
 
 from keel.config import ConfigError
 from keel.launcher.cli import main
-from keel.launcher.run_dir import build_run, prepare_data, write_run_dir
+from keel.launcher.run_spec import build_run, prepare_data, write_run_dir
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 

@@ -19,8 +19,8 @@ import torch
 
 from keel.launcher.cli import main
 from keel.launcher.slurm import SbatchOptions, parse_time_limit, render
-from keel.training.metrics import read_metrics
-from keel.training.preemption import EXIT_PREEMPTED
+from keel.run_dir import ExitCode
+from keel.training.observe.metrics import read_metrics
 from tests.keel_runs import REPO, Run, final_weights, losses
 from tests.slurm_cluster import SlurmCluster
 
@@ -95,7 +95,7 @@ def test_dry_run_renders_a_requeueable_script(runs, tmp_path, capsys):
     assert "--ntasks-per-node=2" in srun
     assert "RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=$SLURM_LOCALID" in script
     assert 'scontrol show hostnames "${SLURM_JOB_NODELIST}"' in script and "NodeAddr" in script
-    assert 'scontrol requeue "${SLURM_JOB_ID}"' in script and f"EXIT_PREEMPTED={EXIT_PREEMPTED}" in script
+    assert 'scontrol requeue "${SLURM_JOB_ID}"' in script and f"ExitCode.PREEMPTED={ExitCode.PREEMPTED}" in script
     assert not any(re.search(r"\bssh\b", line) for line in lines if not line.startswith("#"))
     assert f"--run-dir {tmp_path}" in script and "keel.launcher.cli train" in script
     assert subprocess.run(["bash", "-n", str(tmp_path / "keel.sbatch")]).returncode == 0
@@ -191,14 +191,14 @@ def test_usr1_checkpoints_requeues_and_resumes(slurm_cluster, runs, reference, t
 
     # The first run stopped after the signalled step with a checkpoint and exit code 5; the second resumed there.
     assert "received SIGUSR1: stopping after this step with a checkpoint" in log, log[-5000:]
-    assert f"ranks exited with {EXIT_PREEMPTED}" in log and "requeueing job" in log
+    assert f"ranks exited with {ExitCode.PREEMPTED}" in log and "requeueing job" in log
     assert f"job {job_id} restart 1 " in log, log[-5000:]
     assert f"resumed from step{SLEEP_STEP:08d}" in log, log[-5000:]
     assert "ranks exited with 0" in log
 
     stamps = dict(re.findall(r"keel-slurm: (ranks exited with \d+|job \d+ restart \d+) .*?at (\S+)", log))
     gap = (datetime.fromisoformat(stamps[f"job {job_id} restart 1"]) -
-           datetime.fromisoformat(stamps[f"ranks exited with {EXIT_PREEMPTED}"])).total_seconds()
+           datetime.fromisoformat(stamps[f"ranks exited with {ExitCode.PREEMPTED}"])).total_seconds()
     print(f"\npreempted job {job_id}: signal after {signalled - t0:.1f} s, requeued {requeued - signalled:.1f} s "
           f"later, restarted {gap:.0f} s after the ranks exited, finished {done - t0:.1f} s after submission")
 

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from keel.training.guards.base import read_anomalies
-from keel.training.metrics import read_metrics
+from keel.run_dir import read_anomalies
+from keel.training.observe.metrics import read_metrics
 from tests.keel_runs import REPO, Run, final_weights
 
 pytestmark = pytest.mark.slow
@@ -155,7 +155,7 @@ def test_sleeping_rank_trips_the_watchdog(runs, tmp_path):
         time.sleep(0.05)
     stalled_at = time.time()
     proc.communicate(timeout=120)
-    assert proc.returncode == 4  # keel.training.watchdog.EXIT_HANG
+    assert proc.returncode == 4  # keel.run_dir.ExitCode.HANG
     print(f"watchdog: ranks exited {time.time() - stalled_at:.1f} s after step 3 (timeout {timeout} s)")
     dump = (tmp_path / "stacks" / "rank1-step4.txt").read_text()
     assert "faults.py" in dump and "in before_forward" in dump  # the stalled frame: the injected sleep

@@ -14,10 +14,10 @@ from keel.model.hf import llama_cannot_express
 from keel.model.init import deepnorm_alpha, deepnorm_beta
 from keel.model.layers import record_max_logit
 from keel.parallel.topology import Topology
-from keel.training.attention_logits import AttentionLogitWarning
-from keel.training.guards.base import AnomalyLog, read_anomalies
-from keel.training.metrics import read_metrics
-from keel.training.monitor import ModelMonitor
+from keel.run_dir import AnomalyLog, read_anomalies
+from keel.training.observe.attention_logits import AttentionLogitWarning
+from keel.training.observe.metrics import read_metrics
+from keel.training.observe.monitor import ModelMonitor
 from tests.keel_runs import Run
 from tests.test_train_equivalence import assert_close, assert_grad_norms_close
 

@@ -8,7 +8,7 @@ import warnings
 import pytest
 
 from keel.config import ConfigError, build_config, validate
-from keel.training.sync_debug import SyncCounter
+from keel.training.observe.sync_debug import SyncCounter
 
 
 def test_counts_sync_warnings_by_site_and_passes_others_on(tmp_path):

@@ -214,8 +214,8 @@ def megatron_file_with_a_late_bad_id(root: Path, vocab: int, seq_len: int = 32, 
                    "same line")
 def test_a_bad_id_at_the_sample_stops_every_rank_with_one_line(tmp_path: Path) -> None:
     from keel.data.tokenizer import train_tokenizer
-    from keel.training.guards.base import read_anomalies
-    from keel.training.metrics import read_metrics
+    from keel.run_dir import read_anomalies
+    from keel.training.observe.metrics import read_metrics
     from tests.keel_runs import keel_train, tiny_overrides
     from tests.test_data_prepare import write_corpus
 

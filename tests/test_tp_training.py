@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from keel.training.metrics import read_metrics
+from keel.training.observe.metrics import read_metrics
 from tests.keel_runs import Run
 from tests.test_train_equivalence import assert_close, assert_grad_norms_close
 

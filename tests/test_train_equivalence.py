@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from keel.training.metrics import read_metrics
+from keel.training.observe.metrics import read_metrics
 from tests.keel_runs import Run, copy_run, final_weights, keel_train, losses
 
 pytestmark = pytest.mark.slow

@@ -17,8 +17,8 @@ import torch.multiprocessing as mp
 
 from keel.launcher.local import free_port
 from keel.parallel.topology import Topology
-from keel.training.guards.base import read_anomalies
-from keel.training.watchdog import EXIT_HANG, StragglerMonitor
+from keel.run_dir import ExitCode, read_anomalies
+from keel.training.observe.watchdog import StragglerMonitor
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -37,7 +37,7 @@ def _run_script(tmp_path: Path, body: str, *args: str, timeout: float = 60) -> t
 HANG = """
     import sys, time
     from pathlib import Path
-    from keel.training.watchdog import Watchdog
+    from keel.training.observe.watchdog import Watchdog
 
     def sleeping_in_step():
         time.sleep(30)
@@ -53,11 +53,11 @@ HANG = """
 @pytest.mark.fault("step hangs", "stacks dumped, hang recorded, exit 4")
 def test_hang_dumps_stacks_records_and_exits_with_hang_code(tmp_path):
     proc, ended = _run_script(tmp_path, HANG)
-    assert proc.returncode == EXIT_HANG, proc.stderr
+    assert proc.returncode == ExitCode.HANG, proc.stderr
     hang_to_exit = ended - float(proc.stdout.split()[0])
     assert 2.0 <= hang_to_exit < 2.0 + 3.0, hang_to_exit
     assert "woke up" not in proc.stdout
-    assert "watchdog: step 7 has run" in proc.stderr and f"exiting with code {EXIT_HANG}" in proc.stderr
+    assert "watchdog: step 7 has run" in proc.stderr and f"exiting with code {ExitCode.HANG}" in proc.stderr
 
     text = (tmp_path / "stacks" / "rank0-step7.txt").read_text()
     assert f"rank 0 on {socket.gethostname()} pid " in text and "step 7 has run" in text
@@ -75,7 +75,7 @@ def test_hang_dumps_stacks_records_and_exits_with_hang_code(tmp_path):
 PHASE = """
     import sys, time
     from pathlib import Path
-    from keel.training.watchdog import Watchdog
+    from keel.training.observe.watchdog import Watchdog
 
     def stuck_in_a_save():
         time.sleep(30)
@@ -96,7 +96,7 @@ PHASE = """
 def test_phase_between_steps_fires_at_its_own_deadline(tmp_path):
     """A save watched with its own 1 s deadline ends the process ~1 s in, though the step's timeout is 60 s."""
     proc, ended = _run_script(tmp_path, PHASE)
-    assert proc.returncode == EXIT_HANG, proc.stderr
+    assert proc.returncode == ExitCode.HANG, proc.stderr
     assert 1.0 <= ended - float(proc.stdout.split()[0]) < 1.0 + 3.0
     assert "watchdog: checkpoint save after step 3 has run" in proc.stderr and "(timeout 1 s)" in proc.stderr
     (event,) = read_anomalies(tmp_path)
@@ -108,7 +108,7 @@ def test_regular_beats_and_pauses_do_not_fire(tmp_path):
     proc, _ = _run_script(tmp_path, """
         import sys, time
         from pathlib import Path
-        from keel.training.watchdog import Watchdog
+        from keel.training.observe.watchdog import Watchdog
 
         with Watchdog(Path(sys.argv[1]), rank=0, timeout_s=1.0) as watchdog:
             for step in range(15):  # 3 s of 0.2 s steps under a 1 s timeout
@@ -137,7 +137,7 @@ def test_disabled_and_unarmed_watchdog_never_fires(tmp_path):
     proc, _ = _run_script(tmp_path, """
         import sys, time
         from pathlib import Path
-        from keel.training.watchdog import Watchdog
+        from keel.training.observe.watchdog import Watchdog
 
         off = Watchdog(Path(sys.argv[1]), rank=0, timeout_s=0).start()
         off.beat(1)
@@ -154,7 +154,7 @@ def test_gil_held_in_c_code_is_caught_by_the_faulthandler_backstop(tmp_path):
     proc, _ = _run_script(tmp_path, """
         import re, sys
         from pathlib import Path
-        import keel.training.watchdog as wd
+        import keel.training.observe.watchdog as wd
         wd.BACKSTOP_MARGIN_S = 1.0
 
         def regex_holding_the_gil():
@@ -173,7 +173,7 @@ PEERS = """
     import os, sys, time
     from pathlib import Path
     import torch, torch.distributed as dist
-    from keel.training.watchdog import Watchdog
+    from keel.training.observe.watchdog import Watchdog
 
     def sleeping_in_step():
         time.sleep(60)
@@ -213,7 +213,7 @@ def test_hung_rank_and_its_blocked_peer_both_exit_with_hang_code(tmp_path, late)
              for r in range(2)]
     outs = [p.communicate(timeout=90) for p in procs]
     ended = time.time()
-    assert [p.returncode for p in procs] == [EXIT_HANG, EXIT_HANG], outs
+    assert [p.returncode for p in procs] == [ExitCode.HANG, ExitCode.HANG], outs
     assert ended - float(outs[1][0].split()[0]) < 3.0 + 10.0
     assert "in sleeping_in_step" in (tmp_path / "stacks" / "rank1-step3.txt").read_text()
     peer = (tmp_path / "stacks" / "rank0-step3.txt").read_text()

@@ -3,7 +3,7 @@
 `validate` refuses a value outside its range with one line naming the field, and the config fuzzer
 (tests/faults/test_config_fuzz.py) generates valid and invalid values from the same table, so each range is
 stated once. Rules that relate several fields (heads divide the width, the batch splits over the ranks) stay in
-`keel.config.validate`; a range here is what a field admits on its own. A test checks that every int and float
+`keel.config.rules`; a range here is what a field admits on its own. A test checks that every int and float
 field of the schema has a row.
 """
 

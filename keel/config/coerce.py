@@ -1,7 +1,7 @@
 """A YAML or `--set` value as its field's declared type (int, float, bool, str, lists and tuples of them).
 
 Only the type is checked here; ranges are keel/config/bounds.py's and the rules between fields are
-keel/config/validate.py's. Every refusal is a `ConfigError` naming the field.
+keel/config/rules.py's. Every refusal is a `ConfigError` naming the field.
 """
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from keel.data.atomic import temp_sibling
 from keel.data.errors import DataError
+from keel.run_dir import temp_sibling
 
 BLEND_DTYPE = np.dtype([("source", "<u2"), ("ordinal", "<i8")])
 _BLOCK = 1 << 20  # samples built per vectorized block: bounds the temporaries (~40 B per sample)

@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 
 from keel.data import megatron_index as layout
-from keel.data.atomic import temp_sibling
 from keel.data.bad_ids import bad_id_line
 from keel.data.errors import DataError
+from keel.run_dir import temp_sibling
 
 _WRITE_BUFFER = 1 << 20
 _SCAN_TOKENS = 1 << 24  # ids per chunk of the vocabulary scan

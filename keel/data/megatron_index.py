@@ -19,8 +19,8 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from keel.data.atomic import write_atomic
 from keel.data.errors import DataError
+from keel.run_dir import write_atomic
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1

@@ -21,7 +21,6 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from keel.data.atomic import temp_sibling, write_atomic
 from keel.data.corpus import CorpusSources, iter_documents, resolve_sources
 from keel.data.errors import DataError
 from keel.data.indexed import IndexedDataset, IndexedDatasetWriter
@@ -29,6 +28,7 @@ from keel.data.token_check import check_token_file
 from keel.data.tokenize_pool import BatchTokenizer, default_workers, tokenize_in_order
 from keel.data.tokenizer import train_tokenizer
 from keel.data.tokenizer_source import load_or_train_tokenizer, load_tokenizer, source_sha256
+from keel.run_dir import temp_sibling, write_atomic
 
 FORMAT_VERSION = 2  # bump whenever tokenizer settings or the on-disk layout change (2: Megatron .bin/.idx)
 TOKENIZER_NAME = "tokenizer"  # -> tokenizer.model (trained or a given sentencepiece), .json or a directory (HF)

@@ -13,7 +13,7 @@ import math
 import numpy as np
 import torch
 
-from keel.config.validate import parse_skip_range
+from keel.config.rules import parse_skip_range
 from keel.data.errors import DataError
 from keel.data.indexed import IndexedDataset
 

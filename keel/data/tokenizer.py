@@ -20,8 +20,8 @@ from typing import Any
 
 import sentencepiece as spm
 
-from keel.data.atomic import write_atomic
 from keel.data.errors import DataError
+from keel.run_dir import write_atomic
 
 UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
 # Training sees at most this many chunks of ~_CHUNK_CHARS each, reservoir-sampled: enough to learn merges for a

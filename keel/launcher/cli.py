@@ -15,8 +15,7 @@ import sys
 import traceback
 
 from keel.config import ConfigError
-
-EXIT_USAGE = 2
+from keel.run_dir import ExitCode, RunDir
 
 
 def _default_nproc() -> int:
@@ -37,7 +36,7 @@ def _external_world_size() -> int | None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from keel.launcher.run_dir import build_run, prepare_data, write_run_dir
+    from keel.launcher.run_spec import build_run, prepare_data, write_run_dir
 
     external = _external_world_size()
     if external is not None:
@@ -58,7 +57,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def _train_with_deepspeed_launcher(args: argparse.Namespace) -> int:
     """Check the config for the hostfile's world size and prepare the data, then hand over to `deepspeed`."""
-    from keel.launcher.run_dir import build_run, prepare_data, write_run_dir
+    from keel.launcher.run_spec import build_run, prepare_data, write_run_dir
 
     spec = build_run(args.config, args.set, args.ds_config, args.run_dir, _hostfile_world_size(args))
     prepare_data(spec)
@@ -95,9 +94,10 @@ def _train_in_place(args: argparse.Namespace, world_size: int) -> int:
     """Started by an external launcher: rank 0 checks and prepares, the others wait for its verdict."""
     import torch.distributed as dist
 
-    from keel.launcher.run_dir import build_run, prepare_data, write_run_dir
+    from keel.engine.distributed import init_distributed
+    from keel.launcher.run_spec import build_run, prepare_data, write_run_dir
     from keel.parallel import comm
-    from keel.training.entry import init_distributed, run_sequence
+    from keel.training.entry import run_sequence
 
     spec = build_run(args.config, args.set, args.ds_config, args.run_dir, world_size)  # cheap: every rank checks
     init_distributed()
@@ -115,12 +115,12 @@ def _train_in_place(args: argparse.Namespace, world_size: int) -> int:
 
 
 def cmd_preflight(args: argparse.Namespace) -> int:
-    """Measure and judge the allocation (keel/preflight/); started like `keel train`, each rank runs in place."""
-    from keel.launcher.run_dir import build_run
+    """Measure and judge the allocation (keel/tools/preflight/); started like `keel train`, each rank runs in place."""
+    from keel.launcher.run_spec import build_run
 
     external = _external_world_size()
     if external is not None:
-        from keel.preflight.run import resolve_vocab_size, run_preflight
+        from keel.tools.preflight.run import resolve_vocab_size, run_preflight
 
         spec = build_run(args.config, args.set, args.ds_config, args.run_dir, external)  # every rank checks
         resolve_vocab_size(spec)
@@ -136,7 +136,7 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     from keel.launcher.local import launch_module
 
     return launch_module(["keel.launcher.cli", "preflight", *_rank_args(args, spec.run_dir)], nproc,
-                         what="preflight", where=str(spec.run_dir / "preflight.json"))
+                         what="preflight", where=str(RunDir(spec.run_dir).preflight))
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
@@ -163,10 +163,10 @@ def cmd_lr_find(args: argparse.Namespace) -> int:
     """LR range test in this process (world size 1) on the run's model, data and DeepSpeed config."""
     from pathlib import Path
 
+    from keel.engine.distributed import setup_logging
     from keel.launcher.local import free_port
-    from keel.launcher.run_dir import build_run, prepare_data
-    from keel.training.entry import setup_logging
-    from keel.training.lr_find import SUGGESTION_RULE, run_lr_find, single_process_overrides
+    from keel.launcher.run_spec import build_run, prepare_data
+    from keel.tools.lr_find import SUGGESTION_RULE, run_lr_find, single_process_overrides
 
     external = _external_world_size()
     if external not in (None, 1):
@@ -204,10 +204,10 @@ def cmd_lr_find(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    """A run's checkpoint as a Hugging Face model directory (keel/export/hf_export.py)."""
+    """A run's checkpoint as a Hugging Face model directory (keel/tools/export/hf_export.py)."""
     from pathlib import Path
 
-    from keel.export.hf_export import export_hf
+    from keel.tools.export.hf_export import export_hf
 
     result = export_hf(Path(args.run_dir), Path(args.out_dir), args.step, int(args.max_shard_size * 2**20))
     print(f"keel: exported step {result.step} to {result.out_dir} ({result.shards} safetensors shard(s), "
@@ -217,10 +217,10 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    """A run's plots, report.md and series.json (keel/report/), from whatever the run dir holds now."""
+    """A run's plots, report.md and series.json (keel/tools/report/), from whatever the run dir holds now."""
     from pathlib import Path
 
-    from keel.report import write_report
+    from keel.tools.report import write_report
 
     report = write_report(Path(args.run_dir), Path(args.out) if args.out else None)
     print(f"keel: report in {report.out_dir}: {len(report.drawn)} plot(s) ({', '.join(report.drawn) or 'none'}), "
@@ -336,7 +336,7 @@ def main(argv: list[str] | None = None) -> None:
         code = args.func(args)
     except (ConfigError, DataError) as exc:
         print(f"keel: error: {exc}", file=sys.stderr)
-        code = EXIT_USAGE
+        code = ExitCode.USAGE
     except Exception:
         if not in_place:
             raise

@@ -21,6 +21,7 @@ from typing import Any
 import yaml
 
 from keel.config import ConfigError, RunConfig, build_config
+from keel.run_dir import RunDir, has_checkpoint
 
 
 def _sources(data: dict[str, Any]) -> list[dict[str, Any]]:
@@ -54,14 +55,14 @@ def data_changes(old_cfg: RunConfig, old_data: dict[str, Any], cfg: RunConfig, d
     return changes
 
 
-def check_same_data(run_dir: Path, cfg: RunConfig, data: dict[str, Any], config_file: str, data_file: str) -> None:
+def check_same_data(run_dir: Path, cfg: RunConfig, data: dict[str, Any]) -> None:
     """Refuse (or, with data.allow_change_on_resume, warn about) resuming `run_dir`'s checkpoints on data that
     orders the samples differently; a run dir without checkpoints or without a readable record is not checked."""
-    if not cfg.checkpoint.resume or not (run_dir / "checkpoints" / "latest").is_file():
+    if not cfg.checkpoint.resume or not has_checkpoint(run_dir):
         return
     try:
-        old_cfg = build_config(yaml.safe_load((run_dir / config_file).read_text()))
-        old_data = json.loads((run_dir / data_file).read_text())
+        old_cfg = build_config(yaml.safe_load(RunDir(run_dir).config.read_text()))
+        old_data = json.loads(RunDir(run_dir).data.read_text())
     except (OSError, ValueError, ConfigError):
         return  # nothing to compare against: an older run dir
     changes = data_changes(old_cfg, old_data, cfg, data)

@@ -13,6 +13,7 @@ from typing import Any
 
 from keel.config import ConfigError, ModelConfig, RunConfig
 from keel.data import Tokenizer
+from keel.run_dir import RunDir, has_checkpoint
 
 SPECIAL_ROLES = ("bos_id", "eos_id", "pad_id")
 
@@ -38,12 +39,12 @@ def resolve_special_ids(model: ModelConfig, tokenizer: Tokenizer) -> None:
         setattr(model, role, actual)
 
 
-def check_same_tokenizer(run_dir: Path, cfg: RunConfig, record: dict[str, Any], data_file: str) -> None:
+def check_same_tokenizer(run_dir: Path, cfg: RunConfig, record: dict[str, Any]) -> None:
     """Refuse to resume checkpoints in `run_dir` that a different tokenizer's ids trained (by content hash)."""
-    if not cfg.checkpoint.resume or not (run_dir / "checkpoints" / "latest").is_file():
+    if not cfg.checkpoint.resume or not has_checkpoint(run_dir):
         return
     try:
-        recorded = json.loads((run_dir / data_file).read_text())
+        recorded = json.loads(RunDir(run_dir).data.read_text())
         old = recorded.get("tokenizer_info")
     except (OSError, ValueError, AttributeError):
         return  # no readable record of the old run: nothing to compare against

@@ -8,10 +8,10 @@ MASTER_ADDR is the allocation's first node (its NodeAddr when the name does not 
 
 Preemption: the script asks SLURM for USR1 `--signal-lead` seconds before the time limit and forwards it to
 the ranks; `scancel --signal=USR1 JOBID` reaches them directly. Every rank stops after its current step, a
-checkpoint is saved, and the ranks exit with EXIT_PREEMPTED (5); the script then runs `scontrol requeue`, and
+checkpoint is saved, and the ranks exit with ExitCode.PREEMPTED (5); the script then runs `scontrol requeue`, and
 the requeued job resumes from that checkpoint because the run dir is the same.
 
-With `--preflight` the job's first srun step is `keel preflight` on the same tasks (keel/preflight/): a bad node
+With `--preflight` the job's first srun step is `keel preflight` on the same tasks (keel/tools/preflight/): a bad node
 (exit 9, its ranks named in the log and in RUN_DIR/preflight.json) or a failed preflight stops the job with one
 line before training starts; on a requeue it runs again, as the job may land on other nodes.
 
@@ -157,18 +157,18 @@ echo "keel-slurm: preflight healthy at $(date -Is)"
 
 def preflight_step(opts: SbatchOptions, command: list[str] | None) -> str:
     """The script's first srun step (`keel slurm --preflight`), or nothing."""
-    from keel.preflight.judge import EXIT_PREFLIGHT
+    from keel.run_dir import ExitCode
 
     if command is None:
         return ""
     return PREFLIGHT_STEP.format(command=" ".join(shlex.quote(part) for part in command),
-                                 tasks_per_node=opts.tasks_per_node, exit_preflight=EXIT_PREFLIGHT)
+                                 tasks_per_node=opts.tasks_per_node, exit_preflight=ExitCode.PREFLIGHT)
 
 
 def render(template: str, opts: SbatchOptions, run_dir: Path, workdir: Path, command: list[str],
            preflight: list[str] | None = None) -> str:
     """The sbatch script; `preflight`: the `keel preflight` command its first srun step runs (None: no step)."""
-    from keel.training.preemption import EXIT_PREEMPTED
+    from keel.run_dir import ExitCode
 
     optional = []
     if opts.time is not None:
@@ -192,7 +192,7 @@ def render(template: str, opts: SbatchOptions, run_dir: Path, workdir: Path, com
         "workdir": _sbatch_safe("working directory", str(workdir)),
         "optional_sbatch_lines": "\n".join(f"#SBATCH {line}" for line in optional),
         "train_command": " ".join(shlex.quote(part) for part in command),
-        "exit_preempted": EXIT_PREEMPTED,
+        "exit_preempted": ExitCode.PREEMPTED,
         "port_base": PORT_BASE,
         "port_span": PORT_SPAN,
         "preflight_step": preflight_step(opts, preflight),
@@ -201,7 +201,7 @@ def render(template: str, opts: SbatchOptions, run_dir: Path, workdir: Path, com
 
 
 def template_path(name: str | None) -> Path:
-    from keel.launcher.run_dir import repo_root
+    from keel.launcher.run_spec import repo_root
 
     path = Path(name).expanduser() if name else repo_root() / TEMPLATE
     if not path.is_file():
@@ -211,7 +211,7 @@ def template_path(name: str | None) -> Path:
 
 def prepare_script(args: argparse.Namespace) -> tuple[str, Path]:
     """Check the run for nodes × tasks-per-node ranks, prepare its data, and render the script."""
-    from keel.launcher.run_dir import build_run, prepare_data
+    from keel.launcher.run_spec import build_run, prepare_data
 
     tasks = args.tasks_per_node if args.tasks_per_node is not None else max(1, args.gpus_per_node)
     opts = SbatchOptions(nodes=args.nodes, tasks_per_node=tasks, gpus_per_node=args.gpus_per_node,

@@ -176,7 +176,7 @@ class Attention(nn.Module):
             self.q_norm = HeadNorm(cfg.head_dim, cfg.norm_eps, tp, cfg.kernels)
             self.k_norm = HeadNorm(cfg.head_dim, cfg.norm_eps, tp, cfg.kernels)
         self.qk_norm = cfg.qk_norm
-        # the monitor's attention-logit probe (keel/training/attention_logits.py): while set, `_attend` records
+        # the monitor's attention-logit probe (keel/training/observe/attention_logits.py): while set, `_attend` records
         # the largest pre-softmax logit of the pairs it attends into this tensor
         self.logit_probe: torch.Tensor | None = None
         self.liger = resolve(cfg.kernels) == "liger"

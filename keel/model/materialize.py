@@ -3,7 +3,7 @@
 Layers are constructed on `torch.device("meta")` (shapes only, no storage), then every parameter gets empty
 storage directly on the target device and dtype and `init_weights` fills it, so a rank never holds more than its
 own shards plus one init block (keel/model/init.py). `Placement` is that policy; ZeRO-3 substitutes its own
-(keel/training/zero3_init.py): construction under `deepspeed.zero.Init`, each rank writing its own partitions.
+(keel/engine/zero3_init.py): construction under `deepspeed.zero.Init`, each rank writing its own partitions.
 
 Buffers built on meta come back as zeros: Keel's persistent buffers start at zero (the MoE balance bias) and its
 caches are built lazily (RoPE); tests/test_init.py compares a meta-built model's buffers with an eagerly built one.

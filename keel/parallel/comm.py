@@ -188,7 +188,7 @@ def barrier(group: Group) -> None:
 def post_p2p(ops: list) -> list:
     """Post DeepSpeed `P2POp`s (`deepspeed.comm`) as one batch and return its works, without waiting.
 
-    For the interleaved pipeline engine (keel/adapters/deepspeed_internals/interleaved.py). Not traced: a rank's
+    For the interleaved pipeline engine (keel/engine/interleaved_engine.py). Not traced: a rank's
     sends and receives differ from its peers' by design, so the same-collectives comparison does not apply; the
     pairing that keeps them hang-free (both ends post a transfer in the same batch) is proven by
     tests/test_interleaved_schedule.py. Activations and gradients only: every tensor must be on one device type.

@@ -9,8 +9,10 @@ second stream seeded per TP rank.
 from __future__ import annotations
 
 import contextlib
+import random
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 
 SHARDED_SEED_OFFSET = 2718  # Megatron's model-parallel seed offset
@@ -48,3 +50,10 @@ class ShardedRNG:
 def data_parallel_seed(seed: int, topology) -> int:
     """The default stream's seed: distinct per data-parallel replica and pipeline stage, equal across TP."""
     return seed + 100_003 * topology.rank_in("pp") + topology.dp_rank
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's, numpy's and torch's default streams (the run's data-parallel seed, or a rollback's)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)

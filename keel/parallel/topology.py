@@ -47,7 +47,7 @@ class GridShape:
     def check(self) -> None:
         """Raise ConfigError (a ValueError) naming the field when the world does not factor into this grid.
 
-        `keel.config.validate` checks the same rule before launch, for the world size the launch planned. This
+        `keel.config.rules` checks the same rule before launch, for the world size the launch planned. This
         one is the world the process group actually has, and some paths never validated a config for it:
         `python -m keel.training.entry RUN_DIR` reads a run dir written for whatever world size it was prepared
         for, and lr-find, tests and benchmarks call `from_env` with no config at all. So it runs here too, by

@@ -43,7 +43,7 @@ class _SequenceMean(torch.autograd.Function):
     """Forward: the mean of the sp ranks' chunk losses (the full-sequence loss, on every rank).
     Backward: each rank's chunk loss gets 1/sp where DeepSpeed sums the sp ranks' gradients (the plain engine's
     sequence-data-parallel reduction divides by dp alone), 1 where it averages them (the pipeline engine, whose
-    data axis holds the sp ranks: keel/parallel/pipeline.py)."""
+    data axis holds the sp ranks: keel/engine/pipeline.py)."""
 
     @staticmethod
     def forward(ctx, loss: torch.Tensor, sp: SPContext, engine_averages_sp: bool) -> torch.Tensor:

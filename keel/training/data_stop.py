@@ -17,9 +17,9 @@ import torch
 from keel.data.bad_ids import bad_id_line
 from keel.data.samples import step_sample_indices
 from keel.data.token_check import stand_in
+from keel.run_dir import ExitCode
 from keel.training.guards.base import Action, Decision
 
-EXIT_BAD_DATA = 2  # bad input, as before launch (see the exit-code table in keel/training/watchdog.py)
 _ADVICE = "the file changed or is corrupt where the pre-launch sample did not look; fix or regenerate it"
 
 
@@ -32,7 +32,7 @@ def check_step_batch(micro_batches: list[torch.Tensor], row: int | None, vocab_s
         return micro_batches, None
     sample = step_sample_indices(start, size, micro_batch, dp_rank, dp_size)[row]
     stop = Decision(Action.STOP, reason=f"global sample {sample} holds a token id outside the vocabulary",
-                    exit_code=EXIT_BAD_DATA, sample=sample)
+                    exit_code=ExitCode.BAD_DATA, sample=sample)
     return stand_in(micro_batches, vocab_size), stop
 
 
@@ -59,4 +59,4 @@ def data_stop_line(samples, order, sample: int, step: int) -> str:
 def named_stop(decision: Decision, samples, order, step: int) -> Decision:
     """The agreed data stop with its line (built on every rank from the agreed sample)."""
     return Decision(Action.STOP, reason=data_stop_line(samples, order, decision.sample, step),
-                    exit_code=decision.exit_code or EXIT_BAD_DATA, sample=decision.sample)
+                    exit_code=decision.exit_code or ExitCode.BAD_DATA, sample=decision.sample)

@@ -12,53 +12,24 @@ import logging
 import os
 import sys
 import time
-import warnings
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
-EXIT_OK = 0
-EXIT_FAILED = 1
-
-
-def setup_logging(rank: int) -> None:
-    level = logging.INFO if rank == 0 else logging.WARNING
-    logging.basicConfig(level=level, format=f"[keel r{rank}] %(message)s", stream=sys.stdout, force=True)
-    # DeepSpeed calls torch collectives that torch has renamed; the warning is theirs to fix, not the user's.
-    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
-    try:
-        from deepspeed.utils import logger as ds_logger
-
-        ds_logger.setLevel(logging.WARNING)
-    except ImportError:
-        pass
-
-
-def init_distributed() -> None:
-    """gloo on CPU, nccl (+ gloo for host tensors) on GPU; DeepSpeed's init reads RANK/WORLD_SIZE/MASTER_*."""
-    import deepspeed
-
-    if dist.is_initialized():
-        return
-    # On GPUs, device tensors go through NCCL and the guards' small host-side tensors through gloo.
-    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
+from keel.engine.distributed import init_distributed, setup_logging
+from keel.run_dir import ExitCode, RunDir
 
 
 def run_rank(run_dir: Path) -> int:
     """Train the run described by `run_dir`; returns the process exit code."""
     from keel.data.blend_prepare import open_splits
-    from keel.launcher.run_dir import read_run_dir
+    from keel.engine.build import LRScale, build_engine, document_eos
     from keel.parallel import comm
-    from keel.parallel.random import data_parallel_seed
+    from keel.parallel.random import data_parallel_seed, seed_everything
     from keel.parallel.topology import Topology
-    from keel.training.checkpoint import CheckpointDisagreement, Checkpointer, checkpoint_dir, seed_everything
-    from keel.training.engine import LRScale, build_engine
-    from keel.training.guards.base import AnomalyLog
-    from keel.training.summary import write_summary
+    from keel.run_dir import AnomalyLog, checkpoint_dir, read_run_dir
+    from keel.training.checkpoint.store import CheckpointDisagreement, Checkpointer
+    from keel.training.observe.summary import write_summary
     from keel.training.trainer import Trainer
 
     cfg, ds_raw, data = read_run_dir(run_dir)
@@ -70,7 +41,7 @@ def run_rank(run_dir: Path) -> int:
     topology = Topology.from_env(tp=p.tp, pp=p.pp, ep=p.ep, sp=p.sp, pipeline_schedule=p.pipeline_schedule,
                                 virtual_stages=p.virtual_stages)
     if cfg.logging.collective_trace:
-        topology.trace_into(run_dir / "collectives")
+        topology.trace_into(RunDir(run_dir).collectives)
     seed_everything(data_parallel_seed(cfg.train.seed, topology))
     train_samples, order, val_samples = open_splits(data, cfg.data.seq_len, cfg.data.val_fraction, cfg.train.seed)
     checkpointer = Checkpointer(checkpoint_dir(run_dir, cfg, rank), cfg.checkpoint.keep_last, topology,
@@ -94,29 +65,19 @@ def run_rank(run_dir: Path) -> int:
         release_run(engine)
     if rank == 0:
         verb = "finished" if result.finished else "stopped early"
-        log.info("%s at step %d; checkpoint in %s", verb, result.state.step, run_dir / "checkpoints")
+        log.info("%s at step %d; checkpoint in %s", verb, result.state.step, RunDir(run_dir).checkpoints)
         summary = write_summary(run_dir, result.finished, result.exit_code, result.reason)
         log.info("summary: %s", summary)
     if result.exit_code:
         return result.exit_code  # a guard stopped the run; peers stop at the same step with the same code
     comm.barrier(topology.control("world"))
-    return EXIT_OK
-
-
-def document_eos(cfg, data: dict) -> int | None:
-    """The EOS id document masking splits windows at (data.json records the tokenizer's), or None when off."""
-    if not cfg.data.document_mask:
-        return None
-    if "eos_id" not in data:
-        raise RuntimeError("data.document_mask: this run's data.json records no eos_id; re-run `keel train` from "
-                           "the command line to rewrite it")
-    return int(data["eos_id"])
+    return ExitCode.OK
 
 
 def checkpoint_disagreement(run_dir: Path, rank: int, err) -> int:
     """Every rank stops with the same code; rank 0 says why in one line, the anomaly log and the summary."""
-    from keel.training.guards.base import AnomalyLog
-    from keel.training.summary import write_summary
+    from keel.run_dir import AnomalyLog
+    from keel.training.observe.summary import write_summary
 
     if rank == 0:
         logging.getLogger("keel").error("stopping: %s", err)
@@ -139,10 +100,10 @@ def reshard_if_needed(cfg, ds_raw: dict, topology, checkpointer) -> dict:
     to DeepSpeed's universal format and every rank loads that; the global batch stays fixed because gradient
     accumulation is derived from the new data-parallel size. The checkpoint is verified here, before converting
     (the trainer's resume then finds it verified)."""
+    from keel.engine.ds_config import zero_stage
     from keel.parallel import comm
     from keel.parallel.topology import STAMP_DEFAULTS
-    from keel.training.ds_config import zero_stage
-    from keel.training.moe_reshard import check_moe_reshard, convert_moe_universal
+    from keel.training.checkpoint.moe_reshard import check_moe_reshard, convert_moe_universal
 
     tag = checkpointer.agreed_resume() if cfg.checkpoint.resume else None  # rank 0 chooses, every rank verifies
     if tag is None or not checkpointer.needs_universal(tag, zero_stage(ds_raw)):
@@ -178,7 +139,7 @@ def run_sequence(run_dirs: list[Path]) -> int:
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if restarts:  # back off before rejoining: a failing node or filesystem often needs a moment
         time.sleep(min(2 ** (restarts - 1), 30))
-    code = EXIT_OK
+    code = ExitCode.OK
     for run_dir in run_dirs:
         code = max(code, run_rank(run_dir))
     return code
@@ -192,7 +153,7 @@ def main() -> None:
         code = run_sequence([Path(arg) for arg in sys.argv[1:]])
     except Exception:
         logging.getLogger("keel").exception("rank failed")
-        code = EXIT_FAILED
+        code = ExitCode.FAILED
     exit_now(code)
 
 

@@ -16,6 +16,7 @@ import torch
 
 from keel.adapters.deepspeed_internals import master_state, zero3_partition
 from keel.config import FaultsConfig
+from keel.run_dir import ExitCode
 
 log = logging.getLogger("keel")
 
@@ -86,7 +87,7 @@ class FaultInjector:
 
     def disk_room(self, step: int) -> int | None:
         """Bytes this rank's disk takes in the checkpoint save at `step` before failing with ENOSPC (applied inside
-        DeepSpeed's own shard write, keel/training/checkpoint_writes.py); None: the disk is fine."""
+        DeepSpeed's own shard write, keel/training/checkpoint/writes.py); None: the disk is fine."""
         c = self.cfg
         if c.save_enospc_rank == self.rank and c.save_enospc_step in (0, step):
             return c.save_enospc_bytes
@@ -99,7 +100,7 @@ class FaultInjector:
         if c.crash_step == step:
             log.error("fault injection: rank %d crashes after step %d", self.rank, step)
             logging.shutdown()
-            os._exit(1)
+            os._exit(ExitCode.FAILED)
         if c.bitflip_step != step or c.bitflip_rank != self.rank:
             return
         named = dict(self.model.named_parameters())

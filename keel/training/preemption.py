@@ -1,5 +1,5 @@
 """Preemption: on SIGUSR1 or SIGTERM every rank finishes its step, a checkpoint is saved, and the process
-exits with `EXIT_PREEMPTED`, which the SLURM script answers by requeueing the job.
+exits with `ExitCode.PREEMPTED`, which the SLURM script answers by requeueing the job.
 
 The signal may reach only some ranks (or reach them at different times), so the flag rides on the step's one
 agreement (keel/training/step_gate.py `agree`): every rank stops after the same step.
@@ -12,7 +12,6 @@ import signal
 
 log = logging.getLogger("keel")
 
-EXIT_PREEMPTED = 5
 SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
 

@@ -27,30 +27,31 @@ from keel.adapters.deepspeed_internals import (
 from keel.config import RunConfig
 from keel.data import GlobalSampleOrder, PackedSamples, parse_skip_ranges, skip_to, step_batch, step_sample_indices
 from keel.data.token_check import first_bad_row
+from keel.engine.build import Fp32GradClipper, LRScale
+from keel.engine.ds_config import engine_batch_copies
+from keel.engine.lr_schedule import rampup_batch_size
 from keel.parallel import comm
 from keel.parallel.topology import Topology
-from keel.training.attention_logits import AttentionLogitWarning
-from keel.training.checkpoint import Checkpointer, TrainState, checkpoint_dir
+from keel.run_dir import AnomalyLog, ExitCode, checkpoint_dir
+from keel.training.checkpoint.seam import RunCheckpoints
+from keel.training.checkpoint.store import Checkpointer, TrainState
 from keel.training.data_stop import check_step_batch, named_stop, with_data_stop
-from keel.training.ds_config import engine_batch_copies
-from keel.training.engine import Fp32GradClipper, LRScale
-from keel.training.expert_health import ExpertHealth
 from keel.training.faults import FaultInjector
-from keel.training.guards.base import Action, AnomalyLog, Decision, StepStats
+from keel.training.guards.base import Action, Decision, StepStats
 from keel.training.guards.localize import STATE, localize_on_all_ranks
 from keel.training.guards.stack import GuardStack
 from keel.training.guards.state import CorruptStateGuard
-from keel.training.lr_schedule import rampup_batch_size
-from keel.training.metrics import MetricsWriter
-from keel.training.monitor import ModelMonitor
-from keel.training.preemption import EXIT_PREEMPTED, PreemptionHandler
+from keel.training.observe.attention_logits import AttentionLogitWarning
+from keel.training.observe.expert_health import ExpertHealth
+from keel.training.observe.metrics import MetricsWriter
+from keel.training.observe.monitor import ModelMonitor
+from keel.training.observe.progress import run_progress
+from keel.training.observe.sinks import Sinks
+from keel.training.observe.sync_debug import SyncCounter
+from keel.training.observe.watchdog import StragglerMonitor, Watchdog
+from keel.training.preemption import PreemptionHandler
 from keel.training.prefetch import BatchPrefetcher
-from keel.training.progress import run_progress
-from keel.training.run_checkpoints import RunCheckpoints
-from keel.training.sinks import Sinks
 from keel.training.step_gate import StepGate
-from keel.training.sync_debug import SyncCounter
-from keel.training.watchdog import StragglerMonitor, Watchdog
 
 log = logging.getLogger("keel")
 
@@ -133,7 +134,8 @@ class Trainer:
         self.faults = FaultInjector(cfg.faults, topology.rank, engine, cfg.model.vocab_size, cfg.train.seed)
         self.loss_fn = engine.module.loss_fn
         self.guards = GuardStack(cfg, engine, topology, self.anomalies)
-        self.corrupt_state = CorruptStateGuard(engine, self.checkpointer, topology, self.anomalies)
+        self.corrupt_state = CorruptStateGuard(engine, self.checkpointer.agreed_at_or_before, topology,
+                                               self.anomalies)
         self.checkpoints = RunCheckpoints(cfg, engine, self.checkpointer, self.anomalies, self.guards,
                                           self.corrupt_state, self.faults, self.lr_scale)
         self.preemption = PreemptionHandler()
@@ -372,7 +374,7 @@ class Trainer:
                 continue
             if preempted:
                 self.anomalies.record("preempted", state.step, signal=self.preemption.received)
-                return TrainResult(state, finished=False, exit_code=EXIT_PREEMPTED, reason="preempted")
+                return TrainResult(state, finished=False, exit_code=ExitCode.PREEMPTED, reason="preempted")
             if stop_early:
                 return TrainResult(state, finished=False)
         return TrainResult(state, finished=True)

@@ -3,7 +3,7 @@
 A `Case` is what a user hands `keel train`: a YAML file, `--set` strings, a DeepSpeed JSON and a world size.
 `valid_cases` draws configs that every rule admits, with the value each field must read back as; the rules that
 relate fields (heads divide the width, the batch splits over the ranks, ZeRO stage vs pipeline) are stated again
-in `layouts`, independently of keel/config/validate.py, so a validator stricter than its rules fails here.
+in `layouts`, independently of keel/config/rules.py, so a validator stricter than its rules fails here.
 `invalid_cases` breaks one thing in a valid case and names the field the one-line error must name.
 """
 
@@ -23,8 +23,8 @@ from hypothesis import strategies as st
 
 from keel.config import RunConfig
 from keel.config.bounds import BOUNDS, INT64_MAX, Bound
+from keel.config.rules import COMPILE_SETTINGS
 from keel.config.schema import CHOICES
-from keel.config.validate import COMPILE_SETTINGS
 from keel.config.yaml_text import FLOAT, INT
 
 SECTION_TYPES = typing.get_type_hints(RunConfig)

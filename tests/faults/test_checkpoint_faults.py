@@ -21,23 +21,14 @@ import pytest
 import torch
 
 from keel.config import ConfigError, FaultsConfig, load_config, validate
-from keel.launcher.run_dir import build_run, prepare_data, write_run_dir
+from keel.launcher.run_spec import build_run, prepare_data, write_run_dir
 from keel.parallel.topology import Topology
-from keel.training.checkpoint import (
-    COMPLETE,
-    EXIT_CHECKPOINT,
-    EXIT_SAVE_FAILED,
-    Checkpointer,
-    NoIntactCheckpoint,
-    SaveOutcome,
-    TrainState,
-    tag_for,
-)
-from keel.training.checkpoint_verify import shares
+from keel.run_dir import COMPLETE, AnomalyLog, ExitCode, read_anomalies, tag_for
+from keel.training.checkpoint.save_failures import after_failed_save
+from keel.training.checkpoint.store import Checkpointer, NoIntactCheckpoint, SaveOutcome, TrainState
+from keel.training.checkpoint.verify import shares
 from keel.training.faults import FaultInjector
-from keel.training.guards.base import AnomalyLog, read_anomalies
-from keel.training.metrics import read_metrics
-from keel.training.save_failures import after_failed_save
+from keel.training.observe.metrics import read_metrics
 from tests.keel_runs import REPO, Run, copy_run, final_weights
 from tests.test_checkpoint import FakeEngine as OneFileEngine
 from tests.test_recovery import RESTART
@@ -161,7 +152,7 @@ def test_every_checkpoint_corrupt_stops_instead_of_starting_over(tmp_path):
         flip(ckpt.directory / tag / SHARD, 50_000)
     with pytest.raises(NoIntactCheckpoint) as err:
         ckpt.agreed_latest()
-    assert err.value.exit_code == EXIT_CHECKPOINT and "\n" not in str(err.value)
+    assert err.value.exit_code == ExitCode.CHECKPOINT and "\n" not in str(err.value)
     assert "step00000020, step00000010 set aside" in str(err.value)
     assert sorted(p.name for p in ckpt.directory.iterdir()) == ["step00000010.corrupt", "step00000020.corrupt"]
     # set-aside checkpoints are not checkpoints: never chosen, never pruned by later saves
@@ -207,7 +198,7 @@ def test_disk_full_mid_shard_discards_the_save_and_keeps_the_previous(tmp_path):
 
 @pytest.mark.fault("disk full while rank 0 writes the manifest", "save discarded, previous checkpoint stays latest")
 def test_disk_full_at_the_commit_discards_the_save(tmp_path, monkeypatch):
-    import keel.training.checkpoint as checkpoint
+    import keel.training.checkpoint.store as checkpoint
 
     ckpt = saved(tmp_path, steps=(10,), keep_last=1)
     write = checkpoint.atomic_write_text
@@ -238,7 +229,7 @@ def test_the_disk_fault_fires_on_its_rank_and_step():
 
 def test_the_injected_disk_writes_its_bytes_then_fails(tmp_path):
     """N bytes reach the file before ENOSPC, as on a filesystem that fills mid-write."""
-    from keel.training.checkpoint_writes import FullDisk
+    from keel.training.checkpoint.writes import FullDisk
 
     with FullDisk(tmp_path / "f", 10) as f:
         assert f.write(b"0123456789abc") == 10
@@ -268,7 +259,7 @@ def test_on_save_error_policy(tmp_path, policy, final, stops):
     reason = after_failed_save(outcome, policy, final, 20, AnomalyLog(tmp_path, 0), 0)
     assert bool(reason) == stops and "\n" not in reason
     if stops:
-        assert f"exit code {EXIT_SAVE_FAILED}" in reason and "No space left" in reason
+        assert f"exit code {ExitCode.SAVE_FAILED}" in reason and "No space left" in reason
     [event] = read_anomalies(tmp_path)
     assert (event["kind"], event["action"]) == ("checkpoint_save_failed", "stop" if stops else "continue")
 
@@ -356,11 +347,11 @@ def test_disk_full_during_a_save_continues_by_default(faulted):
                    "one line, exit 8; previous checkpoint intact and latest")
 def test_disk_full_during_a_save_stops_cleanly_when_asked(faulted):
     run, out = faulted["stop"], faulted["proc"].stdout
-    assert faulted["proc"].returncode == EXIT_SAVE_FAILED, out[-3000:] + faulted["proc"].stderr[-3000:]
+    assert faulted["proc"].returncode == ExitCode.SAVE_FAILED, out[-3000:] + faulted["proc"].stderr[-3000:]
     disk_full_checks(run, "stop")
     lines = [line for line in out.splitlines() if "could not be saved" in line]
     assert len(lines) == 2 and len({line.split("] ", 1)[1] for line in lines}) == 1, lines  # every rank, alike
     assert "[keel r0] stopping at step 10: checkpoint step00000010 could not be saved (rank 1: writing" in out
-    assert f"exit code {EXIT_SAVE_FAILED}" in (run / "summary.md").read_text()
+    assert f"exit code {ExitCode.SAVE_FAILED}" in (run / "summary.md").read_text()
     assert_intact(Checkpointer(run / "checkpoints", 3, Topology.from_env()), "step00000005")
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == list(range(1, 11))

@@ -27,9 +27,10 @@ from hypothesis import strategies as st
 
 from keel.config import ConfigError, RunConfig
 from keel.config.bounds import BOUNDS
+from keel.engine.ds_config import check_with_deepspeed, load_ds_config, resolve_ds_config
 from keel.launcher.cli import _external_world_size, build_parser, main
-from keel.launcher.run_dir import build_run, read_run_dir, write_run_dir
-from keel.training.ds_config import check_with_deepspeed, load_ds_config, resolve_ds_config
+from keel.launcher.run_spec import build_run, write_run_dir
+from keel.run_dir import read_run_dir
 from tests.faults.bad_cases import invalid_cases
 from tests.faults.config_cases import HINTS, Case, valid_cases
 from tests.keel_runs import REPO
@@ -90,7 +91,7 @@ def run_cli(argv: list[str]) -> tuple[int, str]:
     `os._exit` (a rank's way out) raises SystemExit instead of ending pytest."""
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()), \
-            mock.patch("keel.launcher.run_dir.prepare_data", new=accepted), \
+            mock.patch("keel.launcher.run_spec.prepare_data", new=accepted), \
             mock.patch("keel.launcher.cli.build_parser", new=lambda: PARSER), \
             mock.patch.object(os, "_exit", new=sys.exit):
         try:

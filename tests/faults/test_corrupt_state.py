@@ -11,10 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from keel.training.guards.base import Action, AnomalyLog, Decision, read_anomalies
+from keel.run_dir import AnomalyLog, ExitCode, read_anomalies
+from keel.training.guards.base import Action, Decision
 from keel.training.guards.localize import DATA, STATE, TRANSIENT, combine_rank_findings
-from keel.training.guards.state import EXIT_CORRUPT_STATE, CorruptStateGuard, corrupt_state_decision
-from keel.training.metrics import read_metrics
+from keel.training.guards.state import CorruptStateGuard, corrupt_state_decision
+from keel.training.observe.metrics import read_metrics
 from tests.keel_runs import Run, final_weights
 
 ZERO1 = "ds_configs/zero1.json"
@@ -30,8 +31,8 @@ KEEL_RUNS = [
     Run.of("state-clean", 1, ZERO1, **SAVES),
     Run.of("state-corrupt", 1, ZERO1, **CORRUPT),
     Run.of("state-before-a-save", 1, ZERO1, **BEFORE_A_SAVE),
-    Run.of("state-too-early", 1, ZERO1, expect_code=EXIT_CORRUPT_STATE, **TOO_EARLY),
-    Run.of("state-at-the-end", 1, ZERO1, expect_code=EXIT_CORRUPT_STATE, **AT_THE_END),
+    Run.of("state-too-early", 1, ZERO1, expect_code=ExitCode.CORRUPT_STATE, **TOO_EARLY),
+    Run.of("state-at-the-end", 1, ZERO1, expect_code=ExitCode.CORRUPT_STATE, **AT_THE_END),
     Run.of("state-bad-batch", 1, ZERO1, **BAD_BATCH),
     Run.of("zero1", 2, ZERO1),  # tests/test_stability.py's clean two-rank run: the reference for rank 1's
     Run.of("state-corrupt-rank1", 2, ZERO1, **ON_RANK_1),
@@ -111,7 +112,7 @@ def test_corrupt_state_on_one_rank_rolls_every_rank_back(runs):
 @pytest.mark.slow
 @pytest.mark.fault("corrupt state before any checkpoint", "exit 7, nothing saved")
 def test_corrupt_state_with_nothing_to_return_to_stops_with_7(runs):
-    run = runs.get("state-too-early", 1, ZERO1, expect_code=EXIT_CORRUPT_STATE, **TOO_EARLY)
+    run = runs.get("state-too-early", 1, ZERO1, expect_code=ExitCode.CORRUPT_STATE, **TOO_EARLY)
     (found,) = events(run, "corrupt_state")
     assert found["action"] == "stop" and found["checkpoint"] is None and found["step"] == 3
     assert tags(run) == [] and not (run / "checkpoints" / "latest").exists()
@@ -121,7 +122,7 @@ def test_corrupt_state_with_nothing_to_return_to_stops_with_7(runs):
 @pytest.mark.slow
 @pytest.mark.fault("corrupt state at the end of a run", "final save refused, latest kept, exit 7")
 def test_a_run_ending_corrupt_keeps_the_good_checkpoint_and_exits_7(runs):
-    run = runs.get("state-at-the-end", 1, ZERO1, expect_code=EXIT_CORRUPT_STATE, **AT_THE_END)
+    run = runs.get("state-at-the-end", 1, ZERO1, expect_code=ExitCode.CORRUPT_STATE, **AT_THE_END)
     assert tags(run) == ["step00000003", "step00000006", "step00000009"]  # the refused save wrote and pruned nothing
     assert (run / "checkpoints" / "latest").read_text().strip() == "step00000009"
     (refused,) = events(run, "corrupt_state")
@@ -164,7 +165,7 @@ def test_corrupt_state_decisions():
     assert rollback == Decision(Action.ROLLBACK, "bad", restore=True, rewind_data=True, to="step00000003")
     for stop in (corrupt_state_decision(None, again=False, reason="bad"),
                  corrupt_state_decision("step00000003", again=True, reason="bad")):
-        assert stop.action == Action.STOP and stop.exit_code == EXIT_CORRUPT_STATE
+        assert stop.action == Action.STOP and stop.exit_code == ExitCode.CORRUPT_STATE
 
 
 class _Checkpointer:
@@ -185,11 +186,11 @@ class _Topology:
 def test_state_that_comes_back_after_a_rollback_stops_with_7(tmp_path):
     """Corrupt again before a newer good checkpoint exists: the same rollback would loop, so the run stops."""
     checkpointer = _Checkpointer("step00000003")
-    guard = CorruptStateGuard(engine=None, checkpointer=checkpointer, topology=_Topology(),
+    guard = CorruptStateGuard(engine=None, agreed_checkpoint=checkpointer.agreed_at_or_before, topology=_Topology(),
                               anomalies=AnomalyLog(tmp_path, 0))
     assert guard.decide(6, "bad").action == Action.ROLLBACK
     again = guard.decide(6, "bad")
-    assert again.action == Action.STOP and again.exit_code == EXIT_CORRUPT_STATE and "again" in again.reason
+    assert again.action == Action.STOP and again.exit_code == ExitCode.CORRUPT_STATE and "again" in again.reason
     checkpointer.tag = "step00000009"  # a newer good checkpoint since: a new occurrence, rolled back again
     assert guard.decide(12, "bad").action == Action.ROLLBACK
     assert [e["action"] for e in read_anomalies(tmp_path)] == ["rollback", "stop", "rollback"]
@@ -204,8 +205,8 @@ def _engine(kind: str):
     import json
 
     from keel.config import ModelConfig, RunConfig, TrainConfig
+    from keel.engine.build import build_engine
     from keel.parallel.topology import Topology
-    from keel.training.engine import build_engine
     from tests.keel_runs import REPO
 
     cfg = RunConfig(model=ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_pad_multiple=1),
@@ -243,7 +244,7 @@ def _probe_worker(_rank: int, port: int, out: str) -> None:
     import os
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    from keel.training.entry import init_distributed
+    from keel.engine.distributed import init_distributed
 
     init_distributed()
     torch.save({kind: _probe(kind) for kind in KINDS}, out)

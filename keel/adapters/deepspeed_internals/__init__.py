@@ -2,135 +2,32 @@
 
 Keel uses DeepSpeed's public API wherever one exists. What is left below has no public equivalent in DeepSpeed 0.19
 (each function says which public API is missing); nothing else in `keel/` touches a private DeepSpeed attribute,
-except the two files beside this one: interleaved.py, Keel's interleaved 1F1B built on DeepSpeed's DualPipeV module
-and engine (its docstring says what it overrides and why), and zero3_reader.py, the ZeRO-3 partition reader.
-`check_engine` probes every internal an engine of that kind needs, so an upgrade that removes one fails at start-up
-— and in tests/test_adapters.py — with one line naming the attribute, not mid-run.
+except zero3_reader.py beside this file (the ZeRO-3 partition reader) and keel/engine/interleaved_engine.py,
+Keel's interleaved 1F1B built on DeepSpeed's DualPipeV module and engine (its docstring says what it overrides and
+why). probes.py holds the table of every internal used here and there, and `check_engine`, which probes them at
+start-up.
 """
 
 from __future__ import annotations
 
 import contextlib
-import inspect
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from keel.adapters.deepspeed_internals.probes import (
+    DeepSpeedInternalsError,
+    accelerator,
+    check_engine,
+    expert_group_tables,
+    fp16_scale_holder,
+    groups_module,
+    wraps_optimizer,
+)
 
-class DeepSpeedInternalsError(RuntimeError):
-    """A DeepSpeed internal Keel relies on is gone: the installed DeepSpeed is outside the verified range."""
-
-
-@dataclass(frozen=True)
-class Internal:
-    name: str  # what is read or patched, as written in DeepSpeed
-    missing_api: str  # the public API that would replace it
-    applies: Callable[[Any], bool]  # does an engine of this kind need it?
-    probe: Callable[[Any], bool]  # is it there?
-
-
-def _has_path(obj: Any, path: str) -> bool:
-    for part in path.split("."):
-        if not hasattr(obj, part):
-            return False
-        obj = getattr(obj, part)
-    return True
-
-
-def _wraps_optimizer(engine) -> bool:
-    """ZeRO, bf16 and fp16 engines put a DeepSpeed wrapper around the torch optimizer; plain fp32 ZeRO-0 does not."""
-    return not isinstance(engine.optimizer, torch.optim.Optimizer)
-
-
-def _is_pipeline(engine) -> bool:
-    return hasattr(engine, "train_batch") and hasattr(engine.module, "forward_funcs")
-
-
-def _is_dualpipev(engine) -> bool:
-    from deepspeed.pipe import DualPipeVModule
-
-    return isinstance(engine.module, DualPipeVModule)
-
-
-def _is_interleaved(engine) -> bool:
-    return type(engine).__name__ == "InterleavedEngine"  # interleaved.py, which imports DeepSpeed's pipe engine
-
-
-# what Keel's interleaved 1F1B (interleaved.py) overrides or relies on in DeepSpeed's DualPipeV classes
-DUALPIPEV_MACHINERY = ("_phase", "_first_send", "_recv_specs", "_queue_p2p", "_downstream_stage", "_upstream_stage",
-                       "_is_loss_stage", "_is_last_rank", "_loss_stage_global_rank", "_INSTRUCTION_MAP")
-DUALPIPEV_MODULE_MACHINERY = ("phase_bounds", "phase_funcs", "phase_checkpointable", "activate_phase", "_set_bounds")
-
-
-def _plain_fp32(engine) -> bool:
-    return engine.zero_optimization_stage() == 0 and not engine.fp16_enabled() and not engine.bfloat16_enabled()
-
-
-def _fp16_scale_holder(engine):
-    optimizer = engine.optimizer
-    return getattr(optimizer, "loss_scale_config", optimizer)
-
-
-INTERNALS = [
-    Internal("optimizer.optimizer", "a public accessor for the torch optimizer inside ZeRO/bf16/fp16 wrappers",
-             _wraps_optimizer, lambda e: isinstance(getattr(e.optimizer, "optimizer", None), torch.optim.Optimizer)),
-    Internal("optimizer._global_grad_norm", "the step's global grad norm before the update (engine."
-             "get_global_grad_norm() is set only after it)", _wraps_optimizer,
-             lambda e: hasattr(e.optimizer, "_global_grad_norm")),
-    Internal("optimizer.overflow", "a way to veto one optimizer step (DeepSpeed reads this flag after step())",
-             lambda e: True, lambda e: "overflow" in type(e)._take_model_step.__code__.co_names),
-    Internal("engine._take_model_step", "a hook between gradient reduction and the update", lambda e: True,
-             lambda e: callable(getattr(e, "_take_model_step", None))),
-    Internal("engine.clip_fp32_gradients", "a clipping hook for the fp32 ZeRO-0 path", _plain_fp32,
-             lambda e: "clip_fp32_gradients" in type(e)._take_model_step.__code__.co_names),
-    Internal("optimizer.cur_scale / loss_scale_config.cur_scale", "the current dynamic loss scale",
-             lambda e: e.fp16_enabled(), lambda e: hasattr(_fp16_scale_holder(e), "cur_scale")),
-    Internal("PipelineEngine.total_loss", "the last stage's summed micro-batch losses inside train_batch",
-             _is_pipeline, lambda e: hasattr(e, "total_loss")),
-    Internal("PipelineModule._layer_specs / _local_start (DualPipeVModule: phase_bounds / phase_funcs)",
-             "a rank's stages of the layer list", _is_pipeline,
-             lambda e: hasattr(e.module, "_layer_specs") and (
-                 all(hasattr(e.module, a) for a in ("phase_bounds", "phase_funcs")) if _is_dualpipev(e)
-                 else hasattr(e.module, "_local_start"))),
-    Internal(f"DualPipeVEngine {', '.join(DUALPIPEV_MACHINERY)}; DualPipeVModule "
-             f"{', '.join(DUALPIPEV_MODULE_MACHINERY)}", "an engine and a module that run more than two stages per "
-             "rank (interleaved 1F1B)", _is_interleaved,
-             lambda e: all(hasattr(e, a) for a in DUALPIPEV_MACHINERY)
-             and all(hasattr(e.module, a) for a in DUALPIPEV_MODULE_MACHINERY)),
-    Internal("deepspeed.utils.groups._EXPERT_PARALLEL_GROUP (+ _RANKS, _EXPERT_DATA_PARALLEL_GROUP, _RANKS) and "
-             "_clone_world_group", "registering caller-built expert groups", lambda e: True,
-             lambda e: _expert_group_tables() is not None),
-    Internal("deepspeed.utils.groups.mpu", "resetting the groups a finished run handed DeepSpeed", lambda e: True,
-             lambda e: _has_path(_groups_module(), "mpu")),
-    Internal("param.ds_tensor", "this rank's ZeRO-3 partition without a gather", lambda e:
-             e.zero_optimization_stage() == 3, lambda e: any(hasattr(p, "ds_tensor") for p in e.module.parameters())),
-    Internal("param._hp_mapping (hp_fragment, lp_fragment, optim_fragment)", "this rank's fp32 partition and optimizer "
-             "state of one parameter under ZeRO-1/2 and bf16 (safe_get_local_fp32_param is ZeRO-3 only)",
-             lambda e: _wraps_optimizer(e) and e.zero_optimization_stage() < 3,
-             lambda e: any(all(hasattr(getattr(p, "_hp_mapping", None), a) for a in
-                               ("hp_fragment", "lp_fragment", "optim_fragment")) for p in e.module.parameters())),
-    Internal("param.ds_pipe_replicated", "which parameters are pipeline replicas", _is_pipeline,
-             lambda e: any("ds_pipe_replicated" in inspect.getsource(cls) for cls in type(e.module).__mro__
-                           if cls.__module__.startswith("deepspeed."))),
-    Internal("engine.checkpoint_engine.save", "a hook on each file save_checkpoint writes", lambda e: True,
-             lambda e: callable(getattr(getattr(e, "checkpoint_engine", None), "save", None))),
-    Internal("accelerator.is_fp16_supported", "an fp16 override for the CPU accelerator", lambda e: True,
-             lambda e: _has_path(_accelerator(), "is_fp16_supported")),
-]
-
-
-def check_engine(engine) -> None:
-    """Raise one line naming the first internal this engine needs that the installed DeepSpeed lacks."""
-    import deepspeed
-
-    for internal in INTERNALS:
-        if internal.applies(engine) and not internal.probe(engine):
-            raise DeepSpeedInternalsError(
-                f"DeepSpeed {deepspeed.__version__} has no `{internal.name}`, which Keel uses for want of "
-                f"{internal.missing_api}; install a DeepSpeed in the range setup.py pins")
+__all__ = ["DeepSpeedInternalsError", "check_engine"]  # re-exported: callers check an engine through the adapter
 
 
 # -- the optimizer step ---------------------------------------------------------------------------------------------
@@ -148,7 +45,7 @@ def raw_grad_norm_before_update(engine) -> torch.Tensor | float | None:
     where DeepSpeed computes none (fp32 ZeRO-0, where Keel clips itself).
     Missing public API: the norm before the update (`engine.get_global_grad_norm()` is only set after it)."""
     norm = getattr(engine.optimizer, "_global_grad_norm", None)
-    return None if norm is None or not _wraps_optimizer(engine) else norm
+    return None if norm is None or not wraps_optimizer(engine) else norm
 
 
 def host_grad_norm(norm: float | None) -> float | None:
@@ -194,7 +91,7 @@ def loss_scale(engine) -> float | None:
     Missing public API: a getter for the dynamic loss scale."""
     if not engine.fp16_enabled():
         return None
-    return float(_fp16_scale_holder(engine).cur_scale)
+    return float(fp16_scale_holder(engine).cur_scale)
 
 
 def pipeline_summed_loss(engine) -> torch.Tensor | None:
@@ -347,19 +244,6 @@ def zero3_partition_window(param: torch.nn.Parameter) -> tuple[torch.Tensor, int
     return part.view(-1), dist.get_rank(group=param.ds_process_group) * part.numel()
 
 
-def _groups_module():
-    from deepspeed.utils import groups
-
-    return groups
-
-
-def _expert_group_tables():
-    groups = _groups_module()
-    names = ("_EXPERT_PARALLEL_GROUP", "_EXPERT_PARALLEL_GROUP_RANKS", "_EXPERT_DATA_PARALLEL_GROUP",
-             "_EXPERT_DATA_PARALLEL_GROUP_RANKS", "_clone_world_group")
-    return groups if all(hasattr(groups, n) for n in names) else None
-
-
 def register_expert_groups(name: str, ep_group, ep_ranks: list[int], edp_group, edp_ranks: list[int]) -> None:
     """Give DeepSpeed caller-built expert groups under `name` (`deepspeed.utils.groups._EXPERT_*` tables).
 
@@ -369,7 +253,7 @@ def register_expert_groups(name: str, ep_group, ep_ranks: list[int], edp_group, 
     """
     import torch.distributed as dist
 
-    groups = _expert_group_tables()
+    groups = expert_group_tables()
     single = groups._clone_world_group() if edp_group is None and dist.is_initialized() else None
     groups._EXPERT_PARALLEL_GROUP[name] = ep_group if ep_group is not None else single
     groups._EXPERT_PARALLEL_GROUP_RANKS[name] = list(ep_ranks)
@@ -378,19 +262,13 @@ def register_expert_groups(name: str, ep_group, ep_ranks: list[int], edp_group, 
 
 
 # -- the accelerator ------------------------------------------------------------------------------------------------
-def _accelerator():
-    from deepspeed.accelerator import get_accelerator
-
-    return get_accelerator()
-
-
 def allow_fp16_on_cpu() -> bool:
     """DeepSpeed's CPU accelerator refuses fp16 although torch runs it: replace its `is_fp16_supported` (no
     public override exists). CPU only; returns True when applied, so the caller can say so."""
-    accelerator = _accelerator()
-    if accelerator.device_name() != "cpu" or accelerator.is_fp16_supported():
+    cpu = accelerator()
+    if cpu.device_name() != "cpu" or cpu.is_fp16_supported():
         return False
-    accelerator.is_fp16_supported = lambda: True
+    cpu.is_fp16_supported = lambda: True
     return True
 
 
@@ -399,7 +277,7 @@ def forget_run_groups() -> None:
     """Drop the process groups one run handed DeepSpeed (`groups.mpu`, the expert-group tables), so the next run
     in the same process starts from DeepSpeed's initial state; `deepspeed.comm.destroy_process_group` releases
     these only on world teardown, which would end the sequence."""
-    groups = _groups_module()
+    groups = groups_module()
     groups.mpu = None
     for table in ("_EXPERT_PARALLEL_GROUP", "_EXPERT_PARALLEL_GROUP_RANKS", "_EXPERT_DATA_PARALLEL_GROUP",
                   "_EXPERT_DATA_PARALLEL_GROUP_RANKS"):

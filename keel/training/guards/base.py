@@ -1,4 +1,5 @@
-"""What guards share: the decision they return, the step record they read, and the anomalies log they write.
+"""What guards share: the decision they return and the step record they read (the anomaly log they write is
+`keel.run_dir.AnomalyLog`).
 
 Guards decide, the trainer acts. A decision is made from globally reduced values (the loss averaged over
 data-parallel ranks, the global gradient norm), so every rank reaches the same one without talking; where a
@@ -8,11 +9,7 @@ guard needs a collective it reduces the decision itself, and says so.
 from __future__ import annotations
 
 import enum
-import json
-import socket
-import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 
@@ -51,29 +48,3 @@ class StepStats:
     loss_scale: float | None = None
     sample_range: tuple[int, int] = (0, 0)  # global sample indices [start, end) of this step's batch
     extra: dict[str, Any] = field(default_factory=dict)
-
-
-class AnomalyLog:
-    """`<run_dir>/anomalies.jsonl`: one JSON object per event, each with a `kind`; written by rank 0 only
-    unless `all_ranks` (events only one rank can see, e.g. a hang on that rank)."""
-
-    def __init__(self, run_dir: Path, rank: int):
-        self.path = Path(run_dir) / "anomalies.jsonl"
-        self.rank = rank
-        self.events: list[dict[str, Any]] = []  # this process's events, for the end-of-run summary
-
-    def record(self, kind: str, step: int, all_ranks: bool = False, **fields: Any) -> dict[str, Any]:
-        event = {"kind": kind, "step": step, "time": time.time(), "rank": self.rank, "host": socket.gethostname(),
-                 **fields}
-        self.events.append(event)
-        if self.rank == 0 or all_ranks:
-            with open(self.path, "a") as f:  # one short line per write: appends of whole lines do not interleave
-                f.write(json.dumps(event, default=str) + "\n")
-        return event
-
-
-def read_anomalies(run_dir: Path) -> list[dict[str, Any]]:
-    path = Path(run_dir) / "anomalies.jsonl"
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

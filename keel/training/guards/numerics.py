@@ -6,6 +6,7 @@ import math
 from collections import deque
 
 from keel.config import StabilityConfig
+from keel.run_dir import ExitCode
 from keel.training.guards.base import Action, Decision, StepStats
 
 
@@ -27,7 +28,7 @@ class NonfiniteGuard:
         self.consecutive += 1
         event = {"non_finite": bad, "samples": list(stats.sample_range), "consecutive": self.consecutive}
         if self.consecutive >= self.cfg.max_nonfinite:
-            return Decision(Action.STOP, f"{self.consecutive} consecutive non-finite steps", exit_code=1), event
+            return Decision(Action.STOP, f"{self.consecutive} consecutive non-finite steps", exit_code=ExitCode.FAILED), event
         return Decision(Action.SKIP, f"non-finite {', '.join(bad)}"), event
 
 

@@ -12,15 +12,15 @@ import math
 
 from keel.config import RunConfig
 from keel.parallel.topology import Topology
+from keel.run_dir import AnomalyLog, ExitCode
 from keel.training.guards.at_rest import AtRestCheck
-from keel.training.guards.base import Action, AnomalyLog, Decision, StepStats
+from keel.training.guards.base import Action, Decision, StepStats
 from keel.training.guards.consistency import ChecksumCheck, Checksummer, LossOutlierCheck
 from keel.training.guards.numerics import LossScaleGuard, NonfiniteGuard
 from keel.training.guards.spike import SpikeGuard
 
 log = logging.getLogger("keel")
 
-CHECKSUM_EXIT = 3
 
 
 class GuardStack:
@@ -109,7 +109,7 @@ class GuardStack:
                     log.error("step %d: parameter %s differs on rank(s) %s of its %s group", step,
                               event["parameter"], event["ranks"], event["group"])
             if mismatches and s.checksum_action == "stop":
-                return Decision(Action.STOP, "parameter checksum mismatch", exit_code=CHECKSUM_EXIT)
+                return Decision(Action.STOP, "parameter checksum mismatch", exit_code=ExitCode.CHECKSUM)
             if mismatches and s.checksum_action == "restore":
                 return Decision(Action.ROLLBACK, "parameter checksum mismatch: restoring the last checkpoint",
                                 restore=True)

@@ -7,7 +7,7 @@ blamed, the run goes on from poisoned state, and a checkpoint saved from it repl
 - on every non-finite step, next to localize.py's replays (plus one replay of a fixed validation micro-batch):
   either finding makes the step "state", which rolls back instead of skipping (`corrupt_state_decision`);
 - before every save (`CorruptStateGuard.allows_save`): a refused save writes nothing, and a run that ends so
-  exits EXIT_CORRUPT_STATE.
+  exits ExitCode.CORRUPT_STATE.
 
 What a rank holds of the truth (`state_tensors`): the inner torch optimizer's parameters — the fp32 master
 partition under ZeRO-1/2/3, bf16 and fp16, the parameters themselves at fp32 ZeRO-0 — and their per-element state
@@ -22,22 +22,18 @@ bandwidth (bench/state_check.py measures it).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
 
 import torch
 
 from keel.adapters.deepspeed_internals import inner_optimizer, zero3_partition
 from keel.parallel import comm
 from keel.parallel.topology import Topology
-from keel.training.guards.base import Action, AnomalyLog, Decision
-
-if TYPE_CHECKING:
-    from keel.training.checkpoint import Checkpointer
+from keel.run_dir import AnomalyLog, ExitCode
+from keel.training.guards.base import Action, Decision
 
 log = logging.getLogger("keel")
 
-EXIT_CORRUPT_STATE = 7  # see the exit-code table in keel/training/watchdog.py
 CHUNK = 1 << 24  # elements per reduction: bounds any kernel workspace, large enough to stay bandwidth-bound
 MAX_NAMED = 8  # corrupt tensors named per rank in an event (the count is always exact)
 
@@ -96,12 +92,15 @@ def _nonfinite(tensor: torch.Tensor) -> torch.Tensor:
 class CorruptStateGuard:
     """Decides what corrupt state calls for, and gates every save on its absence (see the module docstring).
 
-    Every method is a collective over the world's control channel (the rollback choice through the
-    checkpointer's agreement), called on every rank at the same point."""
+    Every method is a collective over the world's control channel (the rollback choice through
+    `agreed_checkpoint`, the checkpointer's agreement), called on every rank at the same point."""
 
-    def __init__(self, engine, checkpointer: Checkpointer, topology: Topology, anomalies: AnomalyLog):
+    def __init__(self, engine, agreed_checkpoint: Callable[[int], str | None], topology: Topology,
+                 anomalies: AnomalyLog):
+        """`agreed_checkpoint(step)`: the newest intact checkpoint at or before `step` that every rank sees (a
+        collective), None if there is none — the guard names where to return, the trainer goes there."""
         self.engine = engine
-        self.checkpointer = checkpointer
+        self.agreed_checkpoint = agreed_checkpoint
         self.control = topology.control("world")
         self.rank = topology.rank
         self.anomalies = anomalies
@@ -120,7 +119,7 @@ class CorruptStateGuard:
 
     def allows_save(self, step: int) -> bool:
         """Before every save: True when every rank's state is finite. A refused save must write nothing — the
-        caller returns before the checkpointer is touched — so the last good checkpoint stays `latest`."""
+        caller returns before any checkpoint is written — so the last good checkpoint stays `latest`."""
         bad_ranks = self.ranks_with_it(self.check_here())
         if bad_ranks:
             self.anomalies.record("corrupt_state", step, phase="save", ranks_with_corrupt_state=bad_ranks,
@@ -131,18 +130,18 @@ class CorruptStateGuard:
         return bad_ranks == 0
 
     def refused_save(self, step: int, ending: bool) -> Decision:
-        """After a refused save: a run that was ending stops with EXIT_CORRUPT_STATE (its last good checkpoint
+        """After a refused save: a run that was ending stops with ExitCode.CORRUPT_STATE (its last good checkpoint
         stays latest); otherwise it returns to that checkpoint (`decide`)."""
         reason = "non-finite weights or optimizer state at a checkpoint save"
         if ending:
             return Decision(Action.STOP, f"{reason}: the last good checkpoint stays latest",
-                            exit_code=EXIT_CORRUPT_STATE)
+                            exit_code=ExitCode.CORRUPT_STATE)
         return self.decide(step, reason)
 
     def decide(self, step: int, reason: str, **event) -> Decision:
         """The rollback (or stop) for corrupt state found at `step`; `event` goes to anomalies.jsonl (no
         samples: they were innocent)."""
-        tag = self.checkpointer.agreed_at_or_before(step - 1)  # rank 0 chooses, every rank verifies
+        tag = self.agreed_checkpoint(step - 1)  # rank 0 chooses, every rank verifies
         decision = corrupt_state_decision(tag, again=tag is not None and tag == self.returned_to, reason=reason)
         if decision.action == Action.ROLLBACK:
             self.returned_to = tag
@@ -154,11 +153,11 @@ class CorruptStateGuard:
 
 def corrupt_state_decision(returns_to: str | None, again: bool, reason: str) -> Decision:
     """What corrupt state calls for: a rollback that rewinds the data (the samples were innocent) and keeps the
-    LR; a stop with EXIT_CORRUPT_STATE when there is no checkpoint to return to, or when the state went bad again
+    LR; a stop with ExitCode.CORRUPT_STATE when there is no checkpoint to return to, or when the state went bad again
     after a rollback to the same checkpoint (`again`)."""
     if returns_to is None:
-        return Decision(Action.STOP, f"{reason}, and no checkpoint to return to", exit_code=EXIT_CORRUPT_STATE)
+        return Decision(Action.STOP, f"{reason}, and no checkpoint to return to", exit_code=ExitCode.CORRUPT_STATE)
     if again:
         return Decision(Action.STOP, f"{reason} again after rolling back to {returns_to}",
-                        exit_code=EXIT_CORRUPT_STATE)
+                        exit_code=ExitCode.CORRUPT_STATE)
     return Decision(Action.ROLLBACK, reason, restore=True, rewind_data=True, to=returns_to)

@@ -1,0 +1,1 @@
+"""Building a run: contexts, placement, layers or pipeline stages, compile, and DeepSpeed's engine."""

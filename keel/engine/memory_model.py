@@ -1,0 +1,182 @@
+"""Per-rank memory of a run before it starts: parameters, gradients, optimizer state and communication buckets.
+
+The ZeRO paper's accounting (Rajbhandari et al. 2020, §3): with Ψ parameters on a rank (its tp / pp-stage / ep
+share, counted from a meta-device build of the real layers, which costs nothing), parameters take Ψ·b and
+gradients Ψ·b bytes (b = 4 in fp32, 2 in bf16/fp16), and Adam keeps K·Ψ: two fp32 moments (8 bytes), plus an fp32
+master copy (4) when the parameters are 16-bit — and under any ZeRO stage, whose DeepSpeed optimizers always
+keep their own fp32 partition apart from the module's parameters. ZeRO-1 divides the optimizer state by the
+data-parallel size, ZeRO-2 the gradients too, ZeRO-3 the parameters too. Expert parameters are partitioned over
+the expert-data-parallel group (dp / ep) instead. Buckets are the configured sizes, each capped by the number
+of elements it could ever hold: ZeRO-1/2's reduce bucket, ZeRO-3's reduce and prefetch buckets plus the
+largest parameter it gathers whole. `keel preflight` and bench/memory.py read it.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from keel.config import ModelConfig, RunConfig
+from keel.model.llama import Block, EmbeddingLayer, FinalNorm, OutputLayer
+from keel.parallel.experts import EPContext
+from keel.parallel.tensor import TPContext
+
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+# DeepSpeed's defaults for the bucket knobs a JSON may leave out (deepspeed/runtime/zero/config.py, 0.19)
+DS_DEFAULTS = {"reduce_bucket_size": 500_000_000, "allgather_bucket_size": 500_000_000,
+               "stage3_prefetch_bucket_size": 50_000_000, "stage3_max_live_parameters": 1_000_000_000}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Parallel sizes: tensor, pipeline, data (the whole data-parallel size, ep carved out of it), expert, Ulysses."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    ep: int = 1
+    sp: int = 1
+
+
+@dataclass(frozen=True)
+class ParamShare:
+    """One rank's parameters (its tp shard of its pipeline stage's layers, its experts), in elements."""
+
+    dense: int
+    expert: int
+    largest: int  # the largest single parameter, elements
+
+    @property
+    def total(self) -> int:
+        return self.dense + self.expert
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Predicted bytes on one rank (the largest pipeline stage's) for one layout, stage and precision."""
+
+    share: ParamShare
+    precision: str
+    stage: int
+    params: int
+    grads: int
+    optimizer: int
+    buckets: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.buckets
+
+
+def layer_list(cfg: ModelConfig, tp: TPContext, ep: EPContext, pp: int) -> list[torch.nn.Module]:
+    """The layer list a pipeline lays out (a tied head is a second embedding on the last stage); on meta."""
+    def construct() -> list[torch.nn.Module]:
+        first = EmbeddingLayer(cfg, tp)
+        blocks = [Block(cfg, i, tp, ep) for i in range(cfg.n_layers)]
+        if cfg.tie_embeddings:
+            head = EmbeddingLayer(cfg, tp) if pp > 1 else OutputLayer(cfg, first.tok_embeddings, tp)
+        else:
+            head = OutputLayer(cfg, None, tp)
+        return [first, *blocks, FinalNorm(cfg, tp), head]
+
+    with torch.device("meta"):
+        return construct()
+
+
+def stage_parts(counts: list[int], layers: list[torch.nn.Module], pp: int, method: str) -> list[int]:
+    """Stage boundaries exactly as DeepSpeed's PipelineModule draws them for `pipeline_partition`."""
+    from deepspeed.runtime import utils as ds_utils
+
+    if pp == 1:
+        return [0, len(layers)]
+    if method == "uniform":
+        return ds_utils.partition_uniform(num_items=len(layers), num_parts=pp)
+    if method.startswith("type:"):
+        pattern = re.compile(method.split(":", 1)[1], re.IGNORECASE)
+        weights = [1 if pattern.search(type(layer).__name__) else 0 for layer in layers]
+        return ds_utils.partition_balanced(weights=weights, num_parts=pp)
+    return ds_utils.partition_balanced(weights=counts, num_parts=pp)
+
+
+def rank_stages(pp: int, schedule: str = "1f1b", chunks: int = 2) -> list[tuple[int, ...]]:
+    """The pipeline stages each pipeline rank runs: one each under 1F1B; under DualPipeV the layer list is cut
+    into 2·pp stages and rank r runs stage r and stage 2·pp − 1 − r (DeepSpeed's `DualPipeVModule`); interleaved
+    cuts `chunks`·pp and rank r runs stages r, r + pp, … (Keel's `InterleavedModule`)."""
+    if schedule == "dualpipev":
+        return [(r, 2 * pp - 1 - r) for r in range(pp)]
+    if schedule == "interleaved":
+        return [tuple(c * pp + r for c in range(chunks)) for r in range(pp)]
+    return [(r,) for r in range(pp)]
+
+
+def rank_layer_indices(layers: list[torch.nn.Module], counts: list[int], pp: int, method: str,
+                       schedule: str = "1f1b", chunks: int = 2) -> list[list[int]]:
+    """The indices into the flat layer list each pipeline rank holds, cut as DeepSpeed cuts them."""
+    stages = rank_stages(pp, schedule, chunks)
+    parts = stage_parts(counts, layers, sum(len(s) for s in stages), method)
+    return [[i for s in ranks for i in range(parts[s], parts[s + 1])] for ranks in stages]
+
+
+def param_share(cfg: ModelConfig, layout: Layout, method: str = "parameters", stage: int | None = None,
+                schedule: str = "1f1b", chunks: int = 2) -> ParamShare:
+    """A rank's parameters at `layout` on pipeline rank `stage` (default: the largest), counted from the real
+    layer classes built on meta; `method` is `parallel.pipeline_partition`, `schedule` `parallel.pipeline_schedule`
+    (a DualPipeV rank holds two stages, and the tied head is the embedding itself)."""
+    tp = TPContext(rank=0, size=layout.tp)
+    ep = EPContext(rank=0, size=layout.ep, ranks=tuple(range(layout.ep)))
+    layers = layer_list(cfg, tp, ep, layout.pp)
+    per_layer = []
+    seen: set[int] = set()
+    for layer in layers:
+        dense = expert = largest = 0
+        for param in layer.parameters():
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            largest = max(largest, param.numel())
+            if hasattr(param, "expert_id"):
+                expert += param.numel()
+            else:
+                dense += param.numel()
+        per_layer.append((dense, expert, largest))
+    held = rank_layer_indices(layers, [d + e for d, e, _ in per_layer], layout.pp, method, schedule, chunks)
+    if schedule == "dualpipev" and cfg.tie_embeddings and layout.pp > 1:
+        per_layer[-1] = (0, 0, 0)  # DeepSpeed counts the tied head when cutting; on rank 0 it is the embedding
+    ranks = [[per_layer[i] for i in indices] for indices in held]
+    best = ranks[stage] if stage is not None else max(ranks, key=lambda s: sum(d + e for d, e, _ in s))
+    return ParamShare(sum(d for d, _, _ in best), sum(e for _, e, _ in best), max(m for _, _, m in best))
+
+
+def estimate(cfg: RunConfig, ds: dict[str, Any], layout: Layout) -> RankMemory:
+    """Per-rank bytes for `cfg`'s model under the DeepSpeed JSON `ds` (precision, ZeRO stage, buckets)."""
+    from keel.engine.ds_config import precision, zero_stage
+
+    share = param_share(cfg.model, layout, cfg.parallel.pipeline_partition,
+                        schedule=cfg.parallel.pipeline_schedule, chunks=cfg.parallel.virtual_stages)
+    prec, stage = precision(ds), zero_stage(ds)
+    b = BYTES[prec]
+    zero = {**DS_DEFAULTS, **ds.get("zero_optimization", {})}
+    edp = max(1, layout.dp // layout.ep)
+
+    def split(bytes_per_element: int, partitioned: bool) -> int:
+        if not partitioned:
+            return bytes_per_element * share.total
+        return bytes_per_element * (math.ceil(share.dense / layout.dp) + math.ceil(share.expert / edp))
+
+    master = 4 if (prec != "fp32" or stage >= 1) else 0
+    params = split(b, stage >= 3)
+    grads = split(b, stage >= 2)
+    optimizer = split(8 + master, stage >= 1)
+    if stage in (1, 2):
+        buckets = b * min(int(zero["reduce_bucket_size"]), share.total)
+    elif stage == 3:
+        gathered = min(int(zero["stage3_prefetch_bucket_size"]) + share.largest,
+                       int(zero["stage3_max_live_parameters"]), share.total)
+        buckets = b * (min(int(zero["reduce_bucket_size"]), share.total) + gathered)
+    else:
+        buckets = 0
+    return RankMemory(share, prec, stage, params, grads, optimizer, buckets)

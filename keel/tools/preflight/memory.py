@@ -1,0 +1,59 @@
+"""What the run needs (keel/engine/memory_model.py) and what each rank's host and device have.
+
+The memory model predicts a rank's parameters, gradients, optimizer state and buckets — the floor a run
+needs before any activation; activations come on top, so a rank whose free memory is below the floor cannot
+train, and one close to it (judge.py's margin) likely cannot. On CPU the state lives in host memory, shared by
+the ranks of one host; on CUDA it lives on the device and the host's figure is reported only.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from dataclasses import dataclass
+
+import torch
+
+from keel.config import RunConfig
+from keel.engine.ds_config import precision, zero_stage
+from keel.engine.memory_model import BYTES, Layout, estimate, param_share
+
+
+@dataclass(frozen=True)
+class RunNeeds:
+    rank_state_bytes: int  # one rank's params + grads + optimizer + buckets (the largest pipeline stage's)
+    checkpoint_bytes: int  # one whole checkpoint, all ranks' files together
+    keep_last: int
+
+
+@dataclass(frozen=True)
+class MemoryResult:
+    host: str
+    host_available_bytes: int
+    device_free_bytes: int  # -1 on CPU
+
+
+def run_needs(cfg: RunConfig, ds: dict, world_size: int) -> RunNeeds:
+    p = cfg.parallel
+    dp = world_size // (p.tp * p.pp * p.sp)
+    state = estimate(cfg, ds, Layout(tp=p.tp, pp=p.pp, dp=dp, ep=p.ep, sp=p.sp)).total
+    return RunNeeds(state, checkpoint_bytes(cfg, ds), cfg.checkpoint.keep_last)
+
+
+def checkpoint_bytes(cfg: RunConfig, ds: dict) -> int:
+    """The module's weights at the run's precision plus Adam's two fp32 moments, plus the fp32 master copy a
+    ZeRO optimizer (or 16-bit training) keeps: what DeepSpeed's model and optimizer files hold, summed over ranks."""
+    prec, stage = precision(ds), zero_stage(ds)
+    master = 4 if (prec != "fp32" or stage >= 1) else 0
+    return param_share(cfg.model, Layout(), cfg.parallel.pipeline_partition).total * (BYTES[prec] + 8 + master)
+
+
+def host_name() -> str:
+    return os.environ.get("SLURMD_NODENAME") or platform.node()
+
+
+def measure_memory(device: str) -> MemoryResult:
+    import psutil
+
+    device_free = torch.cuda.mem_get_info()[0] if device == "cuda" else -1
+    return MemoryResult(host_name(), int(psutil.virtual_memory().available), int(device_free))

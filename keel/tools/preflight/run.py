@@ -1,0 +1,103 @@
+"""What every rank of `keel preflight` runs, in place under torchrun's agent, srun or the deepspeed launcher.
+
+Measure (each phase starts together on every rank: timings are taken under the load training will put on the
+allocation), gather every rank's record once, judge on rank 0, and leave with the code rank 0 broadcast — so
+every rank exits the same way and a launcher sees one verdict.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import yaml
+
+from keel.config import RunConfig
+from keel.engine.ds_config import precision
+from keel.parallel import comm
+from keel.parallel.topology import WORLD, Topology
+from keel.run_dir import RunDir, RunSpec
+from keel.tools.preflight.clock import Clock, measure_offsets
+from keel.tools.preflight.collectives import Injected, Timer, measure_kinds, measure_links
+from keel.tools.preflight.compute import measure_compute
+from keel.tools.preflight.judge import RankRecord, judge
+from keel.tools.preflight.memory import measure_memory, run_needs
+from keel.tools.preflight.report import table, write_report
+from keel.tools.preflight.storage import directory_bytes, measure_storage
+
+log = logging.getLogger("keel")
+
+
+def resolve_vocab_size(spec: RunSpec) -> None:
+    """model.vocab_size for the memory model without preparing any data: the run dir's earlier resolution,
+    else the tokenizer file's size, else the size a trained tokenizer is asked for."""
+    model = spec.cfg.model
+    if model.vocab_size:
+        return
+    saved = RunDir(spec.run_dir).config
+    if saved.is_file():
+        model.vocab_size = int((yaml.safe_load(saved.read_text()).get("model") or {}).get("vocab_size") or 0)
+    if not model.vocab_size:
+        from keel.data import load_tokenizer, resolve_tokenizer_path
+
+        path = resolve_tokenizer_path(spec.cfg.data.tokenizer, spec.base_dir)
+        model.vocab_size = load_tokenizer(path).vocab_size if path else spec.cfg.data.tokenizer_vocab_size
+
+
+def injected_clock(cfg: RunConfig, rank: int) -> Clock:
+    f = cfg.faults
+    return Clock(f.preflight_clock_skew_s if rank == f.preflight_clock_skew_rank else 0.0)
+
+
+def run_preflight(spec: RunSpec) -> int:
+    """Measure, gather, judge; returns the agreed exit code (0 healthy, 9 bad ranks)."""
+    import torch.distributed as dist
+
+    from keel.engine.distributed import init_distributed, setup_logging
+    from keel.run_dir import checkpoint_dir
+
+    init_distributed()
+    rank = dist.get_rank()
+    setup_logging(rank)
+    cfg, f = spec.cfg, spec.cfg.faults
+    p = cfg.parallel
+    topology = Topology.from_env(tp=p.tp, pp=p.pp, ep=p.ep, sp=p.sp, pipeline_schedule=p.pipeline_schedule,
+                                virtual_stages=p.virtual_stages)
+    world = topology.control(WORLD)
+    device = topology.device_type
+    clock = injected_clock(cfg, rank)
+    comm.barrier(world)
+    start = time.perf_counter()
+    offsets = measure_offsets(clock, world)
+    own = offsets[rank].offset_s
+    timer = Timer(lambda: clock.now() - own, rank, Injected(f.preflight_slow_rank, f.preflight_slow_link_rank), device)
+    timings = measure_kinds(topology, timer) + measure_links(topology, timer)
+    comm.barrier(world)
+    corrupt = f.preflight_bad_matmul_error if rank == f.preflight_bad_matmul_rank else 0.0
+    compute = measure_compute(device, precision(spec.ds_raw), corrupt, rank == f.preflight_slow_rank)
+    comm.barrier(world)
+    checkpoints = checkpoint_dir(spec.run_dir, cfg, rank)
+    storage = measure_storage(checkpoints, rank, f.preflight_free_bytes)
+    memory = measure_memory(device)
+    records = comm.all_gather_object(RankRecord(rank, memory.host, compute, storage, memory, timings), world)
+    elapsed = time.perf_counter() - start
+    code = 0
+    if rank == 0:
+        code = _judge_and_report(spec, topology, records, offsets, elapsed, Path(checkpoints))
+    return comm.broadcast_object(code, world)
+
+
+def _judge_and_report(spec: RunSpec, topology: Topology, records, offsets, elapsed: float, checkpoints: Path) -> int:
+    needs = run_needs(spec.cfg, spec.ds_raw, topology.shape.world_size)
+    existing = directory_bytes(checkpoints)
+    verdict = judge(records, offsets, needs, existing, topology.device_type)
+    hosts = {r.rank: r.host for r in records}
+    header = (f"keel preflight | {topology.describe()} | {len(set(hosts.values()))} host(s) | "
+              f"checks took {elapsed:.1f} s")
+    print(table(verdict, header, hosts), flush=True)
+    path = write_report(spec.run_dir, verdict, records, offsets, topology.stamp(), elapsed,
+                        {"rank_state_bytes": needs.rank_state_bytes, "checkpoint_bytes": needs.checkpoint_bytes,
+                         "keep_last": needs.keep_last, "existing_checkpoint_bytes": existing})
+    log.info("wrote %s", path)
+    return verdict.exit_code

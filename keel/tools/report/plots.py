@@ -1,0 +1,170 @@
+"""Drawing `keel report`'s plots with matplotlib (the `plot` extra), each from its series alone.
+
+Every function takes the series dict of keel/tools/report/series.py and returns PNG bytes: what is drawn is exactly
+what series.json holds. The loss axis is fitted to the losses of applied steps and validation, so a spike of a
+skipped or rolled-back step (often 1000× the loss) marks its step without flattening the curve.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from collections.abc import Callable
+from typing import Any
+
+SIZE = (9, 4.5)  # inches, at DPI: 900 × 450 pixels
+DPI = 100
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _png(fig) -> bytes:
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=DPI)
+    _pyplot().close(fig)
+    return buffer.getvalue()
+
+
+def _points(column: dict[str, list]) -> tuple[list, list]:
+    pairs = [(s, v) for s, v in zip(column["step"], column["value"]) if v is not None]
+    return [s for s, _ in pairs], [v for _, v in pairs]
+
+
+def _fit_ylim(ax, values: list[float]) -> None:
+    finite = [v for v in values if v is not None and math.isfinite(v)]
+    if finite:
+        low, high = min(finite), max(finite)
+        pad = 0.05 * max(high - low, 1e-6 * max(abs(high), 1.0))
+        ax.set_ylim(low - pad, high + pad)
+
+
+def _mark_steps(ax, steps: list[int], label: str, color: str, style: str) -> None:
+    for i, step in enumerate(sorted(set(steps))):
+        ax.axvline(step, color=color, linestyle=style, linewidth=1, alpha=0.8, label=label if i == 0 else None)
+
+
+def _plain_log_ticks(ax) -> None:
+    """Log-scale ticks at 1, 2, 5 × 10ᵏ labelled as plain numbers (0.5, 0.02), not 5×10⁻¹."""
+    from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
+
+    ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+
+
+def _finish(ax, title: str, ylabel: str, legend: bool = True) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
+    ax.set_title(title)
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3)
+    if legend and ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+
+
+def draw_loss(s: dict[str, Any]) -> bytes:
+    fig, ax = _pyplot().subplots(figsize=SIZE)
+    for rollback in s["rollbacks"]:
+        ax.axvspan(rollback["to_step"], rollback["step"], color="0.6", alpha=0.2,
+                   label="rolled back (retrained)" if rollback is s["rollbacks"][0] else None)
+    if s["rolled_back"]["step"]:
+        ax.plot(*_points(s["rolled_back"]), ".", color="0.5", markersize=3, label="loss of rolled-back steps")
+    ax.plot(*_points(s["train"]), color="C0", linewidth=1, label="train loss")
+    if s["val"]["step"]:
+        ax.plot(*_points(s["val"]), "o-", color="C1", markersize=4, label="validation loss")
+    _mark_steps(ax, [m["step"] for m in s["skipped"]], "skipped step", "C3", ":")
+    _mark_steps(ax, s["resumes"], "resumed", "C2", "--")
+    skipped = {m["step"] for m in s["skipped"] if not m["rolled_back"]}
+    updated = [v for step, v in zip(s["train"]["step"], s["train"]["value"]) if step not in skipped]
+    _fit_ylim(ax, (updated or s["train"]["value"]) + s["val"]["value"])
+    _finish(ax, "Loss", "loss")
+    return _png(fig)
+
+
+def draw_lr(s: dict[str, Any]) -> bytes:
+    fig, ax = _pyplot().subplots(figsize=SIZE)
+    ax.plot(*_points(s["lr"]), color="C0", linewidth=1.5)
+    _finish(ax, "Learning rate", "lr", legend=False)
+    return _png(fig)
+
+
+def draw_grad_norm(s: dict[str, Any]) -> bytes:
+    plt = _pyplot()
+    panels = 2 if s["per_layer"] else 1
+    fig, axes = plt.subplots(panels, 1, figsize=(SIZE[0], SIZE[1] * (1.6 if panels == 2 else 1)), squeeze=False)
+    ax = axes[0][0]
+    if s["grad_norm"]["step"]:
+        ax.plot(*_points(s["grad_norm"]), color="C0", linewidth=1, label="global gradient norm")
+    _mark_steps(ax, s["skipped"], "skipped step", "C3", ":")
+    _finish(ax, "Gradient norm (before clipping)", "norm")
+    if panels == 2:
+        ax = axes[1][0]
+        for name, column in s["per_layer"].items():
+            ax.plot(*_points(column), "o-", markersize=3, linewidth=1, label=name)
+        ax.set_yscale("log")
+        _plain_log_ticks(ax)
+        _finish(ax, "Per-layer gradient norm (model monitor)", "norm")
+    fig.tight_layout()
+    return _png(fig)
+
+
+def draw_loss_scale(s: dict[str, Any]) -> bytes:
+    fig, ax = _pyplot().subplots(figsize=SIZE)
+    ax.plot(*_points(s["loss_scale"]), color="C0", linewidth=1.5, drawstyle="steps-post", label="loss scale")
+    _mark_steps(ax, s["skipped"], "skipped step (overflow)", "C3", ":")
+    ax.set_yscale("log", base=2)
+    _finish(ax, "fp16 dynamic loss scale", "scale")
+    return _png(fig)
+
+
+def draw_throughput(s: dict[str, Any]) -> bytes:
+    fig, axes = _pyplot().subplots(2, 1, figsize=(SIZE[0], SIZE[1] * 1.6), sharex=True)
+    axes[0].plot(*_points(s["tokens_per_s"]), color="C0", linewidth=1)
+    _finish(axes[0], "Throughput", "tokens/s", legend=False)
+    axes[1].plot(*_points(s["step_time_s"]), color="C1", linewidth=1)
+    _finish(axes[1], "Step time (rank 0)", "seconds", legend=False)
+    fig.tight_layout()
+    return _png(fig)
+
+
+def draw_step_time_by_rank(s: dict[str, Any]) -> bytes:
+    fig, ax = _pyplot().subplots(figsize=SIZE)
+    for rank, column in s["by_rank"].items():
+        ax.plot(*_points(column), "o-", markersize=4, linewidth=1, label=f"rank {rank}")
+    _finish(ax, "Step time per rank (at each straggler check)", "seconds")
+    return _png(fig)
+
+
+def draw_experts(s: dict[str, Any]) -> bytes:
+    plt = _pyplot()
+    layers = s["layers"]
+    fig, axes = plt.subplots(len(layers), 1, figsize=(SIZE[0], 2.6 * len(layers) + 1), squeeze=False)
+    for ax, (layer, entry) in zip(axes[:, 0], layers.items()):
+        experts = len(entry["share"][0])
+        for expert in range(experts):
+            ax.plot(entry["step"], [row[expert] for row in entry["share"]], "o-", markersize=3, linewidth=1,
+                    label=f"expert {expert}")
+        ax.axhline(1 / experts, color="0.5", linestyle="--", linewidth=1, label="uniform")
+        _finish(ax, f"MoE layer {layer[1:]}: share of routed rows per expert", "share")
+    fig.tight_layout()
+    return _png(fig)
+
+
+DRAW: dict[str, Callable[[dict[str, Any]], bytes]] = {
+    "loss": draw_loss,
+    "lr": draw_lr,
+    "grad_norm": draw_grad_norm,
+    "loss_scale": draw_loss_scale,
+    "throughput": draw_throughput,
+    "step_time_by_rank": draw_step_time_by_rank,
+    "experts": draw_experts,
+}
