@@ -144,3 +144,86 @@ def test_checker_sees_lazy_relative_and_from_package_imports(tmp_path):
     assert graph["pkg.c"] == {"pkg.a": 2}
     assert cycles(graph) == [{"pkg.a", "pkg.sub.b", "pkg.c"}]
     assert "pkg/sub/b.py:1" in describe({"pkg.a", "pkg.sub.b", "pkg.c"}, graph, files, pkg).replace("\\", "/")
+
+
+# The house's layers, bottom to top (docs/architecture.md). A module may import its own layer's modules and any
+# layer below; modules in one tuple are peers that may not import each other. The rules this encodes: config is
+# plain data; the run dir's layout sits under everything that reads or writes it; an adapter wraps a dependency
+# and holds no feature; primitives know no model; data knows no model (and the model reads no data); the engine
+# is built before any loop exists; guards decide and the trainer acts; tools read files, never the loop; a rank
+# reads its run dir, never the CLI.
+LAYERS: list[tuple[str, ...]] = [
+    ("keel.config",),
+    ("keel.run_dir",),
+    ("keel.adapters",),
+    ("keel.parallel",),
+    ("keel.data", "keel.model"),
+    ("keel.engine",),
+    ("keel.training.guards",),
+    ("keel.training", "keel.tools"),
+    ("keel.launcher",),
+]
+
+
+def room_of(module: str, layers: list[tuple[str, ...]] = LAYERS) -> tuple[int, str] | None:
+    """(layer index, room) of `module`: the longest room prefix that names it; None for a module in no room."""
+    best: tuple[int, str] | None = None
+    for index, rooms in enumerate(layers):
+        for room in rooms:
+            if (module == room or module.startswith(room + ".")) and (best is None or len(room) > len(best[1])):
+                best = (index, room)
+    return best
+
+
+def layer_violations(graph: Graph, files: dict[str, Path], root: Path = KEEL,
+                     layers: list[tuple[str, ...]] = LAYERS) -> list[str]:
+    """Every import that climbs a layer or crosses to a peer room, as `file:line: a -> b (why)`."""
+    found = []
+    for module in sorted(graph):
+        here = room_of(module, layers)
+        for target, line in sorted(graph[module].items()):
+            there = room_of(target, layers)
+            if here is None or there is None or here[1] == there[1]:
+                continue
+            if there[0] > here[0] or (there[0] == here[0] and not _inside(here[1], there[1])):
+                why = "climbs" if there[0] > here[0] else "crosses to a peer"
+                where = files[module].relative_to(root.parent)
+                found.append(f"{where}:{line}: {module} -> {target} ({why}: {here[1]} below {there[1]})"
+                             if there[0] > here[0] else f"{where}:{line}: {module} -> {target} ({why}: "
+                             f"{here[1]} and {there[1]})")
+    return found
+
+
+def _inside(room: str, other: str) -> bool:
+    return room.startswith(other + ".") or other.startswith(room + ".")
+
+
+def test_every_module_is_in_a_room():
+    graph, _ = import_graph(KEEL)
+    homeless = [m for m in graph if m != "keel" and room_of(m) is None]
+    assert not homeless, f"modules in no layer of LAYERS (add their folder): {homeless}"
+
+
+def test_imports_only_go_down_the_house():
+    graph, files = import_graph(KEEL)
+    found = layer_violations(graph, files)
+    assert not found, "imports that climb the house (lazy imports count too):\n" + "\n".join(found)
+
+
+def test_layer_check_fails_on_a_planted_upward_import(tmp_path):
+    """The check itself: a lazy import from a primitive up into the loop, and one between peer rooms."""
+    pkg = tmp_path / "keel"
+    for folder in ("parallel", "training", "tools", "data", "model"):
+        (pkg / folder).mkdir(parents=True)
+        (pkg / folder / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "training" / "trainer.py").write_text("import os\n")
+    (pkg / "parallel" / "comm.py").write_text("def f():\n    from keel.training.trainer import x\n    return x\n")
+    (pkg / "data" / "samples.py").write_text("from keel.model import llama\n")
+    (pkg / "model" / "llama.py").write_text("from keel.parallel import comm\n")
+    (pkg / "tools" / "report.py").write_text("from keel.parallel.comm import f\n")  # down: allowed
+    graph, files = import_graph(pkg)
+    found = layer_violations(graph, files, pkg)
+    assert len(found) == 2, found
+    assert found[0].startswith("keel/data/samples.py:1: keel.data.samples -> keel.model.llama (crosses to a peer")
+    assert found[1].startswith("keel/parallel/comm.py:2: keel.parallel.comm -> keel.training.trainer (climbs")
