@@ -1,11 +1,35 @@
-"""Run configuration: one YAML file mapped onto dataclasses (`schema`) and the rules they must satisfy (`validate`).
+"""Run configuration: one YAML file mapped onto dataclasses (`schema`) and the rules they must satisfy (`rules`).
 
-The two halves import nothing else from keel, so any module may import its config without an import cycle, and
-each rule has one home: a module that needs a rule at run time calls the function here instead of restating it.
-Import public names from `keel.config`; note that `keel.config.validate` is the function, which shadows the
-submodule of the same name (use `from keel.config.validate import ...` to reach the module itself).
+The package imports nothing else from keel (it is the bottom of the house), so any module may import its config,
+and each rule has one home: a module that needs a rule at run time calls the function here instead of restating
+it. Import public names from `keel.config`.
+
+Where a new field goes, in order:
+1. `schema.py`: the field on its section's dataclass, with its default and a comment saying what it does; a
+   choice field's values in `CHOICES`.
+2. `bounds.py`: a numeric field's range, one row of the table (the fuzzer and the error line read it).
+3. `rules.py`: any rule between fields (one function per concern, called from `validate`), refused in one line
+   that names the field and what to set.
+4. tests/faults/test_config_fuzz.py draws from the schema, the bounds and the choices; a new rule between fields
+   needs its valid configs drawn there too, or the fuzzer's valid draws will start failing.
 """
 
+from keel.config.rules import (
+    clamp_warmup,
+    parse_skip_range,
+    validate,
+    validate_batch_split,
+    validate_expert_and_sequence_parallel,
+    validate_faults,
+    validate_fields,
+    validate_layout,
+    validate_model,
+    validate_moe,
+    validate_schedule,
+    validate_schedule_choices,
+    validate_tensor_parallel,
+    validate_world_size,
+)
 from keel.config.schema import (
     INITS,
     KERNELS,
@@ -31,22 +55,6 @@ from keel.config.schema import (
     apply_overrides,
     build_config,
     load_config,
-)
-from keel.config.validate import (
-    clamp_warmup,
-    parse_skip_range,
-    validate,
-    validate_batch_split,
-    validate_expert_and_sequence_parallel,
-    validate_faults,
-    validate_fields,
-    validate_layout,
-    validate_model,
-    validate_moe,
-    validate_schedule,
-    validate_schedule_choices,
-    validate_tensor_parallel,
-    validate_world_size,
 )
 
 __all__ = [

@@ -1,7 +1,7 @@
 """What a run configuration is: its dataclasses, the values its choice fields admit, and YAML loading.
 
 Only shape and type live here (an unknown key, a string where an integer belongs); whether the values make sense
-together is `keel.config.validate`'s job. The allowed-value tuples are the single list of names: the rules check
+together is `keel.config.rules`'s job. The allowed-value tuples are the single list of names: the rules check
 against them, and domain modules that dispatch on a name (the norm, the LR schedule) key their tables by them.
 Nothing here imports the rest of keel, so every module can import the config without a cycle.
 """
@@ -31,7 +31,7 @@ RAMPUP_SCALINGS = ("linear", "sqrt", "none")
 SAVE_ERROR_POLICIES = ("continue", "stop")
 PIPELINE_PARTITIONS = ("parameters", "uniform")  # or "type:<LayerClass>"
 # 1f1b: DeepSpeed's PipelineEngine; dualpipev: its DualPipeVEngine (two stages per rank); interleaved: Megatron's
-# interleaved 1F1B (parallel.virtual_stages per rank, keel/parallel/interleaved_schedule.py)
+# interleaved 1F1B (parallel.virtual_stages per rank, keel/engine/interleaved_schedule.py)
 PIPELINE_SCHEDULES = ("1f1b", "dualpipev", "interleaved")
 PARALLEL_AXES = ("tp", "pp", "ep", "sp")
 CORRUPT_STATE_TARGETS = ("exp_avg_sq", "master", "param")
@@ -89,7 +89,17 @@ class ModelConfig:
     init_std: float = 0.02
     embedding_init_std: float = 0.0  # the token table's std (and a tied head's); 0: the matrices' std
     vocab_pad_multiple: int = 128  # embedding rows padded to a multiple of this × tp; padding gets no probability
-    # Mixture of experts (keel/model/moe.py); moe_experts = 0 keeps every block dense
+    kernels: str = "auto"  # auto (liger on CUDA when importable, else torch) | liger | torch (keel/model/kernels.py)
+    # torch.compile each block (torchtitan's per-block scheme): auto (where measured faster: CPU, fp32, dense,
+    # tp = pp = sp = 1, ZeRO 0-2; keel/engine/compile_policy.py) | true | false
+    compile: str = "auto"
+    # a Hugging Face LlamaForCausalLM directory (safetensors) to start from instead of random init: continued
+    # pretraining (keel/model/hf_init.py); its config must match model.* ("" = random init)
+    init_from: str = ""
+    # -- Mixture of experts (keel/model/moe.py, keel/model/router.py): every moe_* field, and only these, shape
+    # the MoE blocks; moe_experts = 0 keeps every block dense and the rest unread. Expert parallelism is
+    # parallel.ep. They stay flat `model.moe_*` keys (not a nested section) so every run dir's config.yaml stays
+    # readable and resumable as written.
     moe_experts: int = 0
     moe_every: int = 1  # block i is MoE when (i + 1) % moe_every == 0: 1 = all blocks, 2 = every second
     moe_top_k: int = 2
@@ -102,13 +112,6 @@ class ModelConfig:
     moe_capacity_factor: float = 0.0  # tokens per expert = ceil(factor · tokens · k / experts); 0: dropless
     moe_drop_policy: str = "probability"  # over capacity, drop the lowest-probability or the latest tokens
     moe_bias_update: float = 0.0  # aux-loss-free balancing: per-expert bias step toward uniform load (0: off)
-    kernels: str = "auto"  # auto (liger on CUDA when importable, else torch) | liger | torch (keel/model/kernels.py)
-    # torch.compile each block (torchtitan's per-block scheme): auto (where measured faster: CPU, fp32, dense,
-    # tp = pp = sp = 1, ZeRO 0-2; keel/training/compile_policy.py) | true | false
-    compile: str = "auto"
-    # a Hugging Face LlamaForCausalLM directory (safetensors) to start from instead of random init: continued
-    # pretraining (keel/model/hf_init.py); its config must match model.* ("" = random init)
-    init_from: str = ""
 
     @property
     def head_dim(self) -> int:
@@ -201,7 +204,7 @@ class CheckpointConfig:
 class LoggingConfig:
     log_interval: int = 10  # stdout line every N steps; metrics.jsonl gets every step
     collective_trace: bool = False  # record every Keel collective per rank in RUN_DIR/collectives/ (debug, tests)
-    sync_debug: str = ""  # "warn": count the synchronizing CUDA calls of each step (keel/training/sync_debug.py)
+    sync_debug: str = ""  # "warn": count the synchronizing CUDA calls of each step (keel/training/observe/sync_debug.py)
     peak_tflops: float = 0.0  # one device's peak, for the step line's MFU (0: H100/H200/A100 by name, else n/a)
 
 
@@ -236,7 +239,7 @@ class StabilityConfig:
     watchdog_save_timeout: float = 1200.0  # checkpoint save, and the load of a rollback
     straggler_interval: int = 50  # log slowest/fastest rank step time every N steps (0: off)
     monitor_interval: int = 50  # per-layer grad norms and activation statistics every N steps (0: off)
-    # the monitor's largest attention logit per block (keel/training/attention_logits.py): warn above this (0: off)
+    # the monitor's largest attention logit per block (keel/training/observe/attention_logits.py): warn above this (0: off)
     attn_logit_warn: float = 1e4
     attn_logit_growth: float = 0.0  # ... or above this factor × its first recorded value (0: off)
     expert_interval: int = 10  # MoE: per-layer expert load, dropped fraction, router entropy every N steps (0: off)
@@ -274,7 +277,7 @@ class FaultsConfig:
     checkpoint_dir: str = ""
     save_stall_step: int = 0  # save_stall_rank stalls only in the save at this step (0: every save)
     crash_step: int = 0  # every rank exits at once (code 1, no cleanup) after this step: the job lost mid-run
-    # `keel preflight` (keel/preflight/): each check proven by a fault it must name
+    # `keel preflight` (keel/tools/preflight/): each check proven by a fault it must name
     preflight_bad_matmul_rank: int = -1  # this rank's check matmul comes out wrong in one element (silent corruption)
     preflight_bad_matmul_error: float = 0.01  # ...by this relative error (below ~1e-5 only the majority vote sees it)
     preflight_slow_rank: int = -1  # this rank computes 8x slower and arrives late at every timed collective
