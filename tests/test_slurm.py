@@ -95,7 +95,7 @@ def test_dry_run_renders_a_requeueable_script(runs, tmp_path, capsys):
     assert "--ntasks-per-node=2" in srun
     assert "RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=$SLURM_LOCALID" in script
     assert 'scontrol show hostnames "${SLURM_JOB_NODELIST}"' in script and "NodeAddr" in script
-    assert 'scontrol requeue "${SLURM_JOB_ID}"' in script and f"ExitCode.PREEMPTED={ExitCode.PREEMPTED}" in script
+    assert 'scontrol requeue "${SLURM_JOB_ID}"' in script and f"EXIT_PREEMPTED={ExitCode.PREEMPTED}" in script
     assert not any(re.search(r"\bssh\b", line) for line in lines if not line.startswith("#"))
     assert f"--run-dir {tmp_path}" in script and "keel.launcher.cli train" in script
     assert subprocess.run(["bash", "-n", str(tmp_path / "keel.sbatch")]).returncode == 0
