@@ -1,4 +1,4 @@
-"""README's Faults table and the fault-marked tests correspond exactly: one row per `@pytest.mark.fault(fault,
+"""The Faults table (docs/faults.md) and the fault-marked tests correspond exactly: one row per `@pytest.mark.fault(fault,
 action)` mark, with the mark's own two strings and the test's id (`tests/FILE.py::NAME`, parameters left out).
 
 The marks are read from the test files' syntax trees (every tests/**/test_*.py, in a fraction of a second, without
@@ -23,6 +23,7 @@ from tests.conftest import FAULT_ROWS
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS = REPO / "tests"
+FAULTS_PAGE = "docs/faults.md"  # the table's home, relative to REPO (README.md links to it)
 HEADER = "| fault | what Keel does | test |"
 ROW = re.compile(r"^\| (?P<fault>[^|`]+?) \| (?P<action>[^|`]+?) \| `(?P<test>tests/[^`|]+)` \|$")
 
@@ -72,8 +73,8 @@ def read_marks() -> tuple[dict[str, list[tuple[str, str]]], set[str]]:
         _visit(tree.body, path, path, module, seen, marked, tests)
         stray = [n.lineno for n in ast.walk(tree) if _fault_mark(n) is not None and id(n) not in seen]
         assert not stray, (f"{path}, line(s) {stray}: a fault mark that is not a decorator of a test (or the "
-                           "module's pytestmark); write it as @pytest.mark.fault(...) on the test so README's "
-                           "Faults table can be checked against it")
+                           "module's pytestmark); write it as @pytest.mark.fault(...) on the test so the "
+                           f"Faults table ({FAULTS_PAGE}) can be checked against it")
     return marked, tests
 
 
@@ -93,16 +94,16 @@ def _visit(body: list[ast.stmt], prefix: str, path: str, inherited: list[tuple[s
 
 
 def readme_rows() -> list[tuple[str, str, str]]:
-    """(test id, fault, action) per row of README's Faults table, in order."""
-    lines = (REPO / "README.md").read_text().splitlines()
-    assert lines.count(HEADER) == 1, f"README.md needs exactly one Faults table starting with the line {HEADER!r}"
+    """(test id, fault, action) per row of the Faults table in docs/faults.md, in order."""
+    lines = (REPO / FAULTS_PAGE).read_text().splitlines()
+    assert lines.count(HEADER) == 1, f"{FAULTS_PAGE} needs exactly one Faults table starting with the line {HEADER!r}"
     start = lines.index(HEADER) + 2  # after the header's |---| line
     rows = []
     for number, line in enumerate(lines[start:], start + 1):
         if not line.startswith("|"):
             break
         found = ROW.match(line)
-        assert found, f"README.md line {number}: a Faults row is '| fault | what Keel does | `tests/FILE.py::NAME` |'"
+        assert found, f"{FAULTS_PAGE} line {number}: a Faults row is '| fault | what Keel does | `tests/FILE.py::NAME` |'"
         rows.append((found["test"], found["fault"], found["action"]))
     return rows
 
@@ -115,14 +116,15 @@ def test_readme_faults_table_lists_exactly_the_fault_marked_tests():
     problems = [f"listed {n} times: {row}" for row, n in listed.items() if n > 1]
     for test, fault, action in sorted(listed.keys() - wanted.keys()):
         if test not in tests:
-            problems.append(f"README names {test}, which does not exist")
+            problems.append(f"{FAULTS_PAGE} names {test}, which does not exist")
         elif test not in marked:
-            problems.append(f"README names {test}, which has no @pytest.mark.fault")
+            problems.append(f"{FAULTS_PAGE} names {test}, which has no @pytest.mark.fault")
         else:
-            problems.append(f"README row ({fault!r}, {action!r}) for {test} matches none of its marks {marked[test]}")
+            problems.append(f"{FAULTS_PAGE} row ({fault!r}, {action!r}) for {test} matches none of its marks "
+                            f"{marked[test]}")
     for test, fault, action in sorted(wanted.keys() - listed.keys()):
-        problems.append(f"no README row for {test}: | {fault} | {action} | `{test}` |")
-    assert not problems, "README.md's Faults table and the fault marks differ:\n" + "\n".join(problems)
+        problems.append(f"no {FAULTS_PAGE} row for {test}: | {fault} | {action} | `{test}` |")
+    assert not problems, f"{FAULTS_PAGE}'s Faults table and the fault marks differ:\n" + "\n".join(problems)
     assert marked and rows  # a reader that finds nothing must not pass
 
 
@@ -153,11 +155,12 @@ def test_the_check_names_a_missing_row_a_missing_test_and_a_stray_mark(tmp_path,
     with pytest.raises(AssertionError, match=r"tests/test_stray.py, line\(s\) \[3\]: a fault mark that is not"):
         check.read_marks()
     (fake_tests / "test_stray.py").unlink()
-    (tmp_path / "README.md").write_text(f"## Faults\n\n{HEADER}\n|---|---|---|\n"
+    (tmp_path / "docs").mkdir()
+    (tmp_path / FAULTS_PAGE).write_text(f"# Faults\n\n{HEADER}\n|---|---|---|\n"
                                         "| lost node | resharded | `tests/test_gone.py::test_gone` |\n\nafter\n")
     with pytest.raises(AssertionError) as err:
         test_readme_faults_table_lists_exactly_the_fault_marked_tests()
     message = str(err.value)
-    assert "README names tests/test_gone.py::test_gone, which does not exist" in message
-    assert "no README row for tests/faults/test_new.py::test_disk_full: | disk full | save set aside | " \
+    assert "docs/faults.md names tests/test_gone.py::test_gone, which does not exist" in message
+    assert "no docs/faults.md row for tests/faults/test_new.py::test_disk_full: | disk full | save set aside | " \
            "`tests/faults/test_new.py::test_disk_full` |" in message
