@@ -63,10 +63,8 @@ from keel.launcher.local import free_port
 from keel.model import CausalLM
 from keel.model.moe import moe_layers
 from keel.parallel import comm
-from keel.parallel.experts import EPContext
-from keel.parallel.tensor import TPContext
+from keel.parallel.layer_parallel import LayerParallel
 from keel.parallel.topology import Topology
-from keel.parallel.ulysses import SPContext
 
 LIMIT_HIGH, LIMIT_LOW = 1.05, 0.95
 MiB = 2**20
@@ -189,8 +187,8 @@ class Analytic:
 
 def _tp_step(shape: Shape, sequence_parallel: bool) -> list[Call]:
     """One forward + backward of the tensor-parallel CausalLM over the whole world, its collectives recorded."""
-    tp = TPContext.from_topology(Topology.from_env(tp=dist.get_world_size()), sequence_parallel, seed=0)
-    model = CausalLM(shape.model_config(), seed=0, tp=tp, label_smoothing=shape.label_smoothing)
+    parallel = LayerParallel.from_topology(Topology.from_env(tp=dist.get_world_size()), sequence_parallel, seed=0)
+    model = CausalLM(shape.model_config(), seed=0, parallel=parallel, label_smoothing=shape.label_smoothing)
     tokens = torch.randint(0, shape.vocab, (shape.batch, shape.seq_len + 1), generator=torch.Generator().manual_seed(0))
     with CollectiveRecorder() as recorder:
         model(tokens[:, :-1], tokens[:, 1:]).backward()
@@ -218,9 +216,10 @@ def _ep_step(shape: Shape, experts: int = 8, top_k: int = 2) -> tuple[list[Call]
     """One forward + backward of a dropless MoE model with its experts over ep = world; the minimum volume
     comes from this step's routing (rows each rank sends to, and receives from, other ranks' experts)."""
     ep_size = dist.get_world_size()
-    ep = EPContext.from_topology(Topology.from_env(ep=ep_size))
+    parallel = LayerParallel.from_topology(Topology.from_env(ep=ep_size))
+    ep = parallel.ep
     cfg = dataclasses.replace(shape.model_config(), moe_experts=experts, moe_top_k=top_k)
-    model = CausalLM(cfg, seed=0, ep=ep)
+    model = CausalLM(cfg, seed=0, parallel=parallel)
     tokens = _tokens(shape)[dist.get_rank():dist.get_rank() + 1].repeat(shape.batch, 1)  # each rank its own
     with CollectiveRecorder() as recorder:
         model(tokens[:, :-1], tokens[:, 1:]).backward()
@@ -241,8 +240,8 @@ def _ep_step(shape: Shape, experts: int = 8, top_k: int = 2) -> tuple[list[Call]
 
 
 def _ulysses_step(shape: Shape) -> list[Call]:
-    sp = SPContext.from_topology(Topology.from_env(sp=dist.get_world_size()))
-    model = CausalLM(shape.model_config(), seed=0, sp=sp)
+    parallel = LayerParallel.from_topology(Topology.from_env(sp=dist.get_world_size()))
+    model = CausalLM(shape.model_config(), seed=0, parallel=parallel)
     tokens = _tokens(shape)
     with CollectiveRecorder() as recorder:
         model(tokens[:, :-1], tokens[:, 1:]).backward()

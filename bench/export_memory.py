@@ -33,7 +33,7 @@ def write_checkpoint(run_dir: Path, dim: int, layers: int, vocab: int, tp: int) 
     from keel.config import build_config
     from keel.data.tokenizer import train_tokenizer
     from keel.model import CausalLM
-    from keel.parallel.tensor import TPContext
+    from keel.parallel.layer_parallel import LayerParallel
     from keel.run_dir import COMPLETE, LATEST, tag_for
     from keel.training.checkpoint.store import TrainState
 
@@ -51,7 +51,7 @@ def write_checkpoint(run_dir: Path, dim: int, layers: int, vocab: int, tp: int) 
     tag_dir.mkdir(parents=True)
     total = 0
     for rank in range(tp):
-        state = CausalLM(cfg.model, seed=0, tp=TPContext(rank=rank, size=tp) if tp > 1 else TPContext()).state_dict()
+        state = CausalLM(cfg.model, seed=0, parallel=LayerParallel.without_groups(tp=tp, tp_rank=rank)).state_dict()
         torch.save({"module": state}, tag_dir / f"mp_rank_{rank:02d}_model_states.pt")
         total += sum(v.numel() * 4 for k, v in state.items())
         del state

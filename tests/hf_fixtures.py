@@ -1,7 +1,7 @@
 """Keel run dirs with checkpoints in DeepSpeed's file layout, written in-process (no engine, no ranks).
 
 Keel's init draws each logical tensor identically at every tp size (keel/model/init.py), so building the model
-once per tp rank with a `TPContext` of that rank gives exactly the shards a tp-wide run starts from; saving them
+once per tp rank with a `LayerParallel` of that rank gives exactly the shards a tp-wide run starts from; saving them
 under DeepSpeed's names (`mp_rank_<tp>_model_states.pt` for pp = 1, `layer_<index>-model_<tp>-model_states.pt`
 for a pipeline; MoE experts in `layer_<moe layer>_expert_<id>_mp_rank_<tp>_model_states.pt`, as
 DeepSpeed's `_save_moe_checkpoint` writes them) gives a checkpoint whose export must equal the tp = 1 model.
@@ -20,7 +20,7 @@ import yaml
 from keel.config import RunConfig, build_config
 from keel.data.tokenizer import train_tokenizer
 from keel.model import CausalLM
-from keel.parallel.tensor import TPContext
+from keel.parallel.layer_parallel import LayerParallel
 from keel.run_dir import COMPLETE, LATEST, tag_for
 from keel.training.checkpoint.store import TrainState
 
@@ -46,8 +46,7 @@ def write_run(run_dir: Path, model: dict | None = None, tp: int = 1, pp: int = 1
     tag_dir = run_dir / "checkpoints" / tag_for(step)
     tag_dir.mkdir(parents=True)
     for rank in range(tp):
-        context = TPContext(rank=rank, size=tp) if tp > 1 else TPContext()
-        state = CausalLM(cfg.model, seed=7, tp=context).state_dict()
+        state = CausalLM(cfg.model, seed=7, parallel=LayerParallel.without_groups(tp=tp, tp_rank=rank)).state_dict()
         if pp == 1:
             for key in [k for k in state if EXPERT_KEY in k]:  # DeepSpeed: one file per expert of each MoE layer
                 block, expert = int(key.split(".")[1]) - 1, int(key.split(EXPERT_KEY + ".")[1].split(".")[0])

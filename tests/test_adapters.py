@@ -39,8 +39,7 @@ def _batches(n: int = 2) -> list[torch.Tensor]:
 def _engine(kind: str):
     from keel.engine.build import build_engine
     from keel.engine.pipeline import build_pipeline
-    from keel.parallel.experts import EPContext
-    from keel.parallel.tensor import TPContext
+    from keel.parallel.layer_parallel import LayerParallel
     from keel.parallel.topology import Topology
 
     moe = dict(moe_experts=4, moe_top_k=2) if kind == "moe" else {}
@@ -56,7 +55,7 @@ def _engine(kind: str):
     torch.manual_seed(0)
     model = None
     if kind in PIPELINES:  # one pipeline rank: DeepSpeed's pipeline engines all the same
-        model = build_pipeline(cfg, topology, TPContext.from_topology(topology), EPContext.from_topology(topology))
+        model = build_pipeline(cfg, topology, LayerParallel.from_topology(topology))
     return build_engine(cfg, ds, topology, model=model)
 
 

@@ -1,6 +1,6 @@
 """`model.init_from: HF_DIR`: Keel starts from an HF Llama's safetensors weights, at any layout.
 
-Fast tests load into single-process models (tp shards built with a `TPContext` of their rank, and ZeRO-3's flat
+Fast tests load into single-process models (tp shards built with a `LayerParallel` of their rank, and ZeRO-3's flat
 windows through the writer `Placement.fill` hands them); the slow ones check that the first training step's loss
 of real `keel train` runs (tp=1, tp=2 on 2 gloo ranks, ZeRO-3 on 2) is HF's loss on the same batch.
 """
@@ -18,7 +18,7 @@ from keel.config import ConfigError, ModelConfig, build_config
 from keel.model import CausalLM
 from keel.model.hf import hf_sources
 from keel.model.hf_init import HFWeights, _writer, check_hf_dir, load_hf_weights
-from keel.parallel.tensor import TPContext
+from keel.parallel.layer_parallel import LayerParallel
 from keel.tools.export.checkpoint_reader import param_layouts
 from tests.keel_runs import TINY, Run
 
@@ -82,7 +82,7 @@ def test_tp_shards_are_the_slices_of_the_tp1_load(tmp_path, tp):
     full = whole.state_dict()
     layouts = param_layouts(build_config({"model": vars(cfg)}), tp)
     for rank in range(tp):
-        shard = CausalLM(cfg, seed=1, tp=TPContext(rank=rank, size=tp))
+        shard = CausalLM(cfg, seed=1, parallel=LayerParallel.without_groups(tp=tp, tp_rank=rank))
         load_hf_weights(list(enumerate(shard.layers)), cfg)
         for name, value in shard.state_dict().items():
             layout = layouts[name]
@@ -105,7 +105,7 @@ def test_flat_windows_equal_the_whole_shard(tmp_path):
     save_hf_llama(tmp_path / "hf", cfg)
     cfg.init_from = str(tmp_path / "hf")
     weights = HFWeights(tmp_path / "hf")
-    shard = CausalLM(cfg, seed=1, tp=TPContext(rank=1, size=2))
+    shard = CausalLM(cfg, seed=1, parallel=LayerParallel.without_groups(tp=2, tp_rank=1))
     for name, param in shard.named_parameters():
         key = "layers.0.tok_embeddings.weight" if "tok_embeddings" in name else name
         write = _writer(weights, param, hf_sources(cfg, key))

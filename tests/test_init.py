@@ -12,6 +12,7 @@ from keel.config import ModelConfig
 from keel.model import CausalLM, build_layers
 from keel.model.init import INIT_BLOCK_BYTES, block_rows, fill_shard_
 from keel.model.materialize import Placement
+from keel.parallel.layer_parallel import LayerParallel
 from keel.parallel.tensor import FusedColumnParallelLinear, TPContext, mark_sharded
 
 CFG = dict(vocab_size=200, dim=64, n_layers=2, n_heads=8, n_kv_heads=2, vocab_pad_multiple=16, tie_embeddings=False)
@@ -24,7 +25,7 @@ def test_tp_shards_are_slices_of_the_tp1_weights(tp_size, init):
     cfg = ModelConfig(**CFG, init=init)
     reference = dict(CausalLM(cfg, seed=9).named_parameters())
     for rank in range(tp_size):
-        model = CausalLM(cfg, seed=9, tp=TPContext(rank=rank, size=tp_size))
+        model = CausalLM(cfg, seed=9, parallel=LayerParallel.without_groups(tp=tp_size, tp_rank=rank))
         for name, param in model.named_parameters():
             full = reference[name]
             dim = getattr(param, "partition_dim", None)
@@ -101,7 +102,7 @@ def test_meta_build_gives_the_eager_buffers():
 
 def test_meta_build_keeps_ties_and_attributes():
     cfg = ModelConfig(**{**CFG, "tie_embeddings": True})
-    model = CausalLM(cfg, seed=0, tp=TPContext(rank=1, size=2))
+    model = CausalLM(cfg, seed=0, parallel=LayerParallel.without_groups(tp=2, tp_rank=1))
     embedding, head = model.layers[0].tok_embeddings.weight, model.layers[-1].output.weight
     assert head is embedding and embedding.device.type == "cpu"
     assert embedding.full_shape == (cfg.vocab_size, cfg.dim) and embedding.tp_rank == 1
@@ -117,11 +118,10 @@ def test_placement_dtype_gives_the_rounded_fp32_values():
 
 def test_moved_expert_keeps_its_values():
     """Experts are keyed by global id: the last expert of ep rank 1 equals expert 3 of the whole model."""
-    from keel.parallel.experts import EPContext
-
     cfg = dataclasses.replace(ModelConfig(**CFG), moe_experts=4, moe_every=1)
     whole = CausalLM(cfg, seed=2).layers[1].feed_forward.local_experts[3]
-    half = CausalLM(cfg, seed=2, ep=EPContext(rank=1, size=2, ranks=(0, 1))).layers[1].feed_forward.local_experts[1]
+    half = CausalLM(cfg, seed=2, parallel=LayerParallel.without_groups(ep=2, ep_rank=1))
+    half = half.layers[1].feed_forward.local_experts[1]
     for (name, a), b in zip(whole.named_parameters(), half.parameters(), strict=True):
         assert torch.equal(a, b), name
 
@@ -179,7 +179,7 @@ def test_state_dict_schema_is_the_same_at_every_tp():
     cfg = ModelConfig(**CFG)
     schemas = []
     for tp_size in (1, 2, 4):
-        model = CausalLM(cfg, seed=0, tp=TPContext(rank=tp_size - 1, size=tp_size))
+        model = CausalLM(cfg, seed=0, parallel=LayerParallel.without_groups(tp=tp_size, tp_rank=tp_size - 1))
         schemas.append({name: p.full_shape for name, p in model.named_parameters() if hasattr(p, "full_shape")})
     assert schemas[0] == schemas[1] == schemas[2]
     kv_dim = cfg.n_kv_heads * cfg.head_dim
@@ -190,10 +190,8 @@ def test_state_dict_schema_is_the_same_at_every_tp():
 def test_fused_weights_keep_the_values_of_the_projections_they_fuse():
     """A seed gives the model it gave before k/v and gate/up were fused: each part draws under its old name
     (an expert's under its global id), whichever tp rank holds it."""
-    from keel.parallel.experts import EPContext
-
     cfg = ModelConfig(**{**CFG, "moe_experts": 4, "moe_every": 2})
-    model = CausalLM(cfg, seed=6, tp=TPContext(rank=1, size=2), ep=EPContext(rank=1, size=2, ranks=(0, 1)))
+    model = CausalLM(cfg, seed=6, parallel=LayerParallel.without_groups(tp=2, ep=2, tp_rank=1, ep_rank=1))
     kv_dim = cfg.n_kv_heads * cfg.head_dim
     cases = [(model.layers[1].attention.wkv.weight, 1, ("attention.wk.weight", "attention.wv.weight"), kv_dim),
              (model.layers[1].feed_forward.w13.weight, 1, ("feed_forward.w1.weight", "feed_forward.w3.weight"),

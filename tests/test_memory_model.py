@@ -13,8 +13,7 @@ from keel.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
 from keel.engine.memory_model import Layout, estimate, param_share
 from keel.launcher.local import free_port
 from keel.model import CausalLM
-from keel.parallel.experts import EPContext
-from keel.parallel.tensor import TPContext
+from keel.parallel.layer_parallel import LayerParallel
 
 MODEL = dict(vocab_size=200, dim=64, n_layers=3, n_heads=8, n_kv_heads=2, vocab_pad_multiple=16)
 
@@ -29,7 +28,7 @@ def test_share_is_the_real_models_at_tp(tp, tie):
     cfg = ModelConfig(**MODEL, tie_embeddings=tie)
     share = param_share(cfg, Layout(tp=tp))
     for rank in range(tp):
-        model = CausalLM(cfg, tp=TPContext(rank=rank, size=tp))
+        model = CausalLM(cfg, parallel=LayerParallel.without_groups(tp=tp, tp_rank=rank))
         assert _count(model) == share.total
         assert max(p.numel() for p in model.parameters()) == share.largest
 
@@ -37,7 +36,7 @@ def test_share_is_the_real_models_at_tp(tp, tie):
 def test_share_counts_this_ranks_experts():
     cfg = ModelConfig(**MODEL, moe_experts=4, moe_every=1)
     share = param_share(cfg, Layout(ep=2, dp=2))
-    model = CausalLM(cfg, ep=EPContext(rank=1, size=2, ranks=(0, 1)))
+    model = CausalLM(cfg, parallel=LayerParallel.without_groups(ep=2, ep_rank=1))
     assert _count(model) == share.total
     assert share.expert == sum(p.numel() for p in model.parameters() if hasattr(p, "expert_id")) > 0
 

@@ -9,10 +9,9 @@ import torch
 
 from keel.config import ConfigError, ModelConfig, build_config, validate
 from keel.model import CausalLM
-from keel.model.layers import NO_TP
 from keel.model.moe import MoE
 from keel.model.router import Router
-from keel.parallel.experts import EPContext
+from keel.parallel.layer_parallel import LayerParallel
 
 pytest.importorskip("deepspeed")
 
@@ -23,7 +22,7 @@ def moe_cfg(**changes) -> ModelConfig:
 
 
 def make_router(**changes) -> Router:
-    router = Router(moe_cfg(**changes), NO_TP)
+    router = Router(moe_cfg(**changes))
     torch.nn.init.normal_(router.weight, std=1.0, generator=torch.Generator().manual_seed(0))
     return router
 
@@ -128,7 +127,7 @@ def test_grouped_gemm_equals_the_expert_loop(case):
 def test_expert_weights_do_not_depend_on_ep():
     cfg = moe_cfg()
     whole = CausalLM(cfg, seed=3)
-    half = CausalLM(cfg, seed=3, ep=EPContext(rank=1, size=2, ranks=(0, 1)))
+    half = CausalLM(cfg, seed=3, parallel=LayerParallel.without_groups(ep=2, ep_rank=1))
     a, b = whole.layers[1].feed_forward, half.layers[1].feed_forward
     assert torch.equal(a.router.weight, b.router.weight)
     for local, expert in enumerate((2, 3)):

@@ -8,8 +8,7 @@ from keel.config import ConfigError, RunConfig, validate
 from keel.engine.memory_model import Layout, layer_list, param_share, rank_layer_indices
 from keel.engine.pipeline_plan import check_pipeline_plan
 from keel.model.llama import CausalLM, num_params
-from keel.parallel.experts import EPContext
-from keel.parallel.tensor import TPContext
+from keel.parallel.layer_parallel import LayerParallel
 
 
 def tiny(pp: int = 2, schedule: str = "dualpipev", partition: str = "type:Block", vocab: int = 512) -> RunConfig:
@@ -46,7 +45,7 @@ def test_1f1b_is_checked_too():
 
 def test_dualpipev_cuts_two_stages_per_rank_as_deepspeed_does():
     cfg = tiny(partition="parameters")
-    layers = layer_list(cfg.model, TPContext(rank=0, size=1), EPContext(rank=0, size=1, ranks=(0,)), 2)
+    layers = layer_list(cfg.model, LayerParallel.without_groups(), 2)
     counts = [sum(p.numel() for p in layer.parameters()) for layer in layers]
     # what DeepSpeed's DualPipeVModule printed for this model: stages [0], [1], [2, 3], [4]
     assert rank_layer_indices(layers, counts, 2, "parameters", "dualpipev") == [[0, 4], [1, 2, 3]]
@@ -55,7 +54,7 @@ def test_dualpipev_cuts_two_stages_per_rank_as_deepspeed_does():
 
 def test_interleaved_cuts_v_stages_per_rank_as_deepspeed_does():
     cfg = tiny(partition="type:Block")
-    layers = layer_list(cfg.model, TPContext(rank=0, size=1), EPContext(rank=0, size=1, ranks=(0,)), 2)
+    layers = layer_list(cfg.model, LayerParallel.without_groups(), 2)
     counts = [sum(p.numel() for p in layer.parameters()) for layer in layers]
     # what Keel's InterleavedModule printed for this model: stages [0, 1], [2], [3], [4]; rank r holds r and r+2
     assert rank_layer_indices(layers, counts, 2, "type:Block", "interleaved", 2) == [[0, 1, 3], [2, 4]]

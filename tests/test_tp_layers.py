@@ -13,6 +13,7 @@ from keel.config import ModelConfig
 from keel.launcher.local import free_port
 from keel.model import CausalLM
 from keel.parallel import comm
+from keel.parallel.layer_parallel import LayerParallel
 from keel.parallel.tensor import TPContext
 from keel.parallel.topology import Topology
 
@@ -38,8 +39,8 @@ def _worker(rank: int, world: int, port: int, kv_heads: int, sequence_parallel: 
     try:
         cfg = ModelConfig(**{**CFG, "n_kv_heads": kv_heads})
         topology = Topology.from_env(tp=world)
-        tp = TPContext.from_topology(topology, sequence_parallel, seed=7)
-        model = CausalLM(cfg, seed=3, tp=tp, label_smoothing=0.1, z_loss=1e-3, document_eos=document_eos)
+        parallel = LayerParallel.from_topology(topology, sequence_parallel, seed=7)
+        model = CausalLM(cfg, seed=3, parallel=parallel, label_smoothing=0.1, z_loss=1e-3, document_eos=document_eos)
         reference = CausalLM(cfg, seed=3, label_smoothing=0.1, z_loss=1e-3, document_eos=document_eos)
         tokens = torch.randint(0, cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(11))
         if document_eos is not None:  # packed windows: documents end at positions 4 and 10
@@ -52,7 +53,7 @@ def _worker(rank: int, world: int, port: int, kv_heads: int, sequence_parallel: 
         ref_params = dict(reference.named_parameters())
         checked = 0
         for name, param in model.named_parameters():
-            want, got = ref_params[name].grad, _full_grad(param, tp)
+            want, got = ref_params[name].grad, _full_grad(param, parallel.tp)
             rows = cfg.vocab_size if "tok_embeddings" in name or "output" in name else want.shape[0]
             torch.testing.assert_close(got[:rows], want[:rows], rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
             assert got[rows:].abs().sum() == 0 and want[rows:].abs().sum() == 0, f"{name}: padding got gradient"

@@ -10,21 +10,26 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import deepspeed
 import torch
+from deepspeed.accelerator import get_accelerator
+from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
 from keel.adapters.deepspeed_internals import allow_fp16_on_cpu, check_engine, replace_fp32_clipping
 from keel.adapters.torch_internals import check_torch
 from keel.config import RunConfig
 from keel.engine.compile_policy import should_compile
 from keel.engine.ds_config import precision, resolve_ds_config, zero_stage
+from keel.engine.interleaved_engine import as_interleaved
 from keel.engine.lr_schedule import build_scheduler
+from keel.engine.pipeline import build_pipeline, local_layers
+from keel.engine.zero3_init import ZeRO3Placement
 from keel.model import CausalLM, compile_blocks, weight_decay_groups
+from keel.model.hf_init import load_hf_weights
 from keel.model.materialize import Placement
-from keel.parallel.experts import EPContext
 from keel.parallel.grad_norm import clip_grad_norm_, global_grad_norm
-from keel.parallel.tensor import TPContext
+from keel.parallel.layer_parallel import LayerParallel
 from keel.parallel.topology import Topology
-from keel.parallel.ulysses import SPContext
 
 log = logging.getLogger("keel")
 
@@ -39,11 +44,7 @@ def placement_for(ds: dict[str, Any] | None, topology: Topology | None) -> Place
         return Placement()
     dtype = DTYPES[precision(ds)]
     if zero_stage(ds) == 3:
-        from keel.engine.zero3_init import ZeRO3Placement
-
         return ZeRO3Placement(ds, topology or Topology.from_env(), dtype)
-    from deepspeed.accelerator import get_accelerator
-
     return Placement(get_accelerator().current_device_name(), dtype)
 
 
@@ -51,21 +52,16 @@ def build_model(cfg: RunConfig, topology: Topology | None = None, ds: dict[str, 
                 document_eos: int | None = None) -> torch.nn.Module:
     """The plain `CausalLM`, or this rank's pipeline stage when parallel.pp > 1, built for the resolved
     DeepSpeed config `ds` (see `placement_for`); `document_eos`: data.document_mask's EOS id."""
-    tp = TPContext.from_topology(topology, cfg.parallel.sequence_parallel, seed=cfg.train.seed)
-    ep = EPContext.from_topology(topology)
+    parallel = LayerParallel.from_topology(topology, cfg.parallel.sequence_parallel, seed=cfg.train.seed)
     placement = placement_for(ds, topology)
     if cfg.parallel.pp > 1:
-        from keel.engine.pipeline import build_pipeline
-
-        module = build_pipeline(cfg, topology, tp, ep, placement)
+        module = build_pipeline(cfg, topology, parallel, placement)
         if cfg.model.init_from:
-            from keel.engine.pipeline import local_layers
-
             _load_init_from(cfg, local_layers(module), placement)
         return module
-    model = CausalLM(cfg.model, seed=cfg.train.seed, tp=tp, label_smoothing=cfg.train.label_smoothing,
-                     z_loss=cfg.train.z_loss, checkpoint_interval=cfg.train.activation_checkpoint_interval, ep=ep,
-                     sp=SPContext.from_topology(topology), placement=placement, document_eos=document_eos)
+    model = CausalLM(cfg.model, seed=cfg.train.seed, parallel=parallel, label_smoothing=cfg.train.label_smoothing,
+                     z_loss=cfg.train.z_loss, checkpoint_interval=cfg.train.activation_checkpoint_interval,
+                     placement=placement, document_eos=document_eos)
     if cfg.model.init_from:
         _load_init_from(cfg, list(enumerate(model.layers)), placement)
     compiled, why = should_compile(cfg, zero_stage(ds or {}), precision(ds or {}))
@@ -77,8 +73,6 @@ def build_model(cfg: RunConfig, topology: Topology | None = None, ds: dict[str, 
 
 def _load_init_from(cfg: RunConfig, layers: list, placement: Placement) -> None:
     """model.init_from: this rank's parameters from the HF directory, after init and before the engine exists."""
-    from keel.model.hf_init import load_hf_weights
-
     load_hf_weights(layers, cfg.model, placement)
     log.info("model.init_from: weights loaded from %s", cfg.model.init_from)
 
@@ -129,16 +123,12 @@ def adamw_implementation() -> dict[str, bool]:
 def build_engine(cfg: RunConfig, ds_raw: dict[str, Any], topology: Topology, model: torch.nn.Module | None = None,
                  lr_scale: LRScale | None = None, document_eos: int | None = None):
     """Return the DeepSpeed engine for this rank; `ds_raw` is the user's JSON with "auto" values unfilled."""
-    import deepspeed
-
     ds = resolve_ds_config(ds_raw, cfg, topology.dp_size)
     if precision(ds) == "fp16" and allow_fp16_on_cpu():
         log.warning("fp16 on CPU: overriding DeepSpeed's CPU accelerator fp16 check (slow; use bf16 on CPU)")
     model = model if model is not None else build_model(cfg, topology, ds, document_eos)
     groups = weight_decay_groups(model, cfg.train.weight_decay)
     if cfg.model.moe_experts:  # expert params in groups of their own, which ZeRO partitions over edp only
-        from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
-
         groups = split_params_into_different_moe_groups_for_optimizer(groups)
     optimizer = None
     if "optimizer" not in ds:
@@ -157,8 +147,6 @@ def build_engine(cfg: RunConfig, ds_raw: dict[str, Any], topology: Topology, mod
         mpu=topology if topology.shape.world_size > 1 and cfg.parallel.pp == 1 else None,
     )
     if cfg.parallel.pp > 1 and cfg.parallel.pipeline_schedule == "interleaved":
-        from keel.engine.interleaved_engine import as_interleaved
-
         engine = as_interleaved(engine, cfg.parallel.virtual_stages)  # initialize has no engine-class hook
     check_engine(engine)  # an upgrade that removed an internal Keel needs fails here, naming it
     check_torch()

@@ -17,6 +17,7 @@ def setup_logging(rank: int) -> None:
     # DeepSpeed calls torch collectives that torch has renamed; the warning is theirs to fix, not the user's.
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
     try:
+        # DeepSpeed imports in ~1.5 s: `keel lr-find` imports this module before it checks its arguments
         from deepspeed.utils import logger as ds_logger
 
         ds_logger.setLevel(logging.WARNING)
@@ -26,7 +27,7 @@ def setup_logging(rank: int) -> None:
 
 def init_distributed() -> None:
     """gloo on CPU, nccl (+ gloo for host tensors) on GPU; DeepSpeed's init reads RANK/WORLD_SIZE/MASTER_*."""
-    import deepspeed
+    import deepspeed  # ~1.5 s: `keel train` (external launcher) imports this module before it checks the config
 
     if dist.is_initialized():
         return

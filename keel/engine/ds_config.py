@@ -135,13 +135,13 @@ def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, dp_size: int) -> dict
     _fill(ds, "gradient_accumulation_steps", ga, "train.global_batch_size/(micro_batch_size×dp)")
     _fill(ds, "gradient_clipping", cfg.train.grad_clip, "train.grad_clip")
     ds["train_batch_size"] *= engine_batch_copies(cfg)  # checked against Keel's global batch above
-    p = cfg.parallel
-    if p.pp > 1 and p.tp > 1 and (p.sequence_parallel or p.pipeline_schedule != "1f1b"):
+    parallel = cfg.parallel
+    if parallel.pp > 1 and parallel.tp > 1 and (parallel.sequence_parallel or parallel.pipeline_schedule != "1f1b"):
         # DeepSpeed splits stage-to-stage activations across the TP group assuming every TP rank holds the same
         # tensor; under sequence parallelism each holds a different sequence shard, so each must send its own.
         # DualPipeV's engine (which also runs interleaved 1F1B) does not split them at all (it asserts both off).
-        why = ("parallel.sequence_parallel" if p.sequence_parallel
-               else f"parallel.pipeline_schedule={p.pipeline_schedule}")
+        why = ("parallel.sequence_parallel" if parallel.sequence_parallel
+               else f"parallel.pipeline_schedule={parallel.pipeline_schedule}")
         pipe = ds.setdefault("pipeline", {})
         for key in ("pipe_partitioned", "grad_partitioned"):
             if pipe.get(key, False) is not False:
@@ -226,7 +226,7 @@ def _deepspeed_config_class() -> type:
 
     notices.addFilter(hold)
     try:
-        from deepspeed.runtime.config import DeepSpeedConfig
+        from deepspeed.runtime.config import DeepSpeedConfig  # here, to hold back the notice (docstring)
     finally:
         notices.removeFilter(hold)
     return DeepSpeedConfig

@@ -104,7 +104,7 @@ def timetable(p: int, m: int, v: int, forward_only: bool = False) -> tuple[tuple
 @functools.cache
 def interleaved_schedule_class():
     """`InterleavedSchedule`, built on first use so importing Keel does not import DeepSpeed."""
-    from deepspeed.runtime.pipe import schedule as ds
+    from deepspeed.runtime.pipe import schedule as ds  # keeps the timetable above free of DeepSpeed
 
     class WaitP2P(ds.PipeInstruction):
         """Wait for every transfer still in flight (the step's end: the last sends before the optimizer step)."""

@@ -21,9 +21,9 @@ from typing import Any
 import torch
 
 from keel.config import ModelConfig, RunConfig
+from keel.engine.ds_config import precision, zero_stage
 from keel.model.llama import Block, EmbeddingLayer, FinalNorm, OutputLayer
-from keel.parallel.experts import EPContext
-from keel.parallel.tensor import TPContext
+from keel.parallel.layer_parallel import LayerParallel
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # DeepSpeed's defaults for the bucket knobs a JSON may leave out (deepspeed/runtime/zero/config.py, 0.19)
@@ -72,16 +72,16 @@ class RankMemory:
         return self.params + self.grads + self.optimizer + self.buckets
 
 
-def layer_list(cfg: ModelConfig, tp: TPContext, ep: EPContext, pp: int) -> list[torch.nn.Module]:
+def layer_list(cfg: ModelConfig, parallel: LayerParallel, pp: int) -> list[torch.nn.Module]:
     """The layer list a pipeline lays out (a tied head is a second embedding on the last stage); on meta."""
     def construct() -> list[torch.nn.Module]:
-        first = EmbeddingLayer(cfg, tp)
-        blocks = [Block(cfg, i, tp, ep) for i in range(cfg.n_layers)]
+        first = EmbeddingLayer(cfg, parallel)
+        blocks = [Block(cfg, i, parallel) for i in range(cfg.n_layers)]
         if cfg.tie_embeddings:
-            head = EmbeddingLayer(cfg, tp) if pp > 1 else OutputLayer(cfg, first.tok_embeddings, tp)
+            head = EmbeddingLayer(cfg, parallel) if pp > 1 else OutputLayer(cfg, first.tok_embeddings, parallel)
         else:
-            head = OutputLayer(cfg, None, tp)
-        return [first, *blocks, FinalNorm(cfg, tp), head]
+            head = OutputLayer(cfg, None, parallel)
+        return [first, *blocks, FinalNorm(cfg, parallel), head]
 
     with torch.device("meta"):
         return construct()
@@ -89,6 +89,8 @@ def layer_list(cfg: ModelConfig, tp: TPContext, ep: EPContext, pp: int) -> list[
 
 def stage_parts(counts: list[int], layers: list[torch.nn.Module], pp: int, method: str) -> list[int]:
     """Stage boundaries exactly as DeepSpeed's PipelineModule draws them for `pipeline_partition`."""
+    # DeepSpeed imports in ~1.5 s and logs a notice to stdout on CPU; `keel` checks every config through this
+    # module before launch (keel/engine/pipeline_plan.py), and only a pipeline needs DeepSpeed's partitioner
     from deepspeed.runtime import utils as ds_utils
 
     if pp == 1:
@@ -126,9 +128,7 @@ def param_share(cfg: ModelConfig, layout: Layout, method: str = "parameters", st
     """A rank's parameters at `layout` on pipeline rank `stage` (default: the largest), counted from the real
     layer classes built on meta; `method` is `parallel.pipeline_partition`, `schedule` `parallel.pipeline_schedule`
     (a DualPipeV rank holds two stages, and the tied head is the embedding itself)."""
-    tp = TPContext(rank=0, size=layout.tp)
-    ep = EPContext(rank=0, size=layout.ep, ranks=tuple(range(layout.ep)))
-    layers = layer_list(cfg, tp, ep, layout.pp)
+    layers = layer_list(cfg, LayerParallel.without_groups(tp=layout.tp, ep=layout.ep), layout.pp)
     per_layer = []
     seen: set[int] = set()
     for layer in layers:
@@ -153,8 +153,6 @@ def param_share(cfg: ModelConfig, layout: Layout, method: str = "parameters", st
 
 def estimate(cfg: RunConfig, ds: dict[str, Any], layout: Layout) -> RankMemory:
     """Per-rank bytes for `cfg`'s model under the DeepSpeed JSON `ds` (precision, ZeRO stage, buckets)."""
-    from keel.engine.ds_config import precision, zero_stage
-
     share = param_share(cfg.model, layout, cfg.parallel.pipeline_partition,
                         schedule=cfg.parallel.pipeline_schedule, chunks=cfg.parallel.virtual_stages)
     prec, stage = precision(ds), zero_stage(ds)

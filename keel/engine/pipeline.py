@@ -27,16 +27,17 @@ import logging
 
 import torch
 import torch.utils.checkpoint
+from deepspeed.pipe import DualPipeVModule, LayerSpec, PipelineModule, TiedLayerSpec
+from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
 from keel.adapters.deepspeed_internals import pipeline_layer_specs, pipeline_local_chunks
 from keel.config import RunConfig
+from keel.engine.interleaved_engine import InterleavedModule
 from keel.model import Block, EmbeddingLayer, FinalNorm, OutputLayer, VocabParallelLoss, init_weights
 from keel.model.materialize import Placement
 from keel.parallel import comm
-from keel.parallel.experts import EPContext
-from keel.parallel.tensor import TPContext
+from keel.parallel.layer_parallel import NO_PARALLEL, LayerParallel
 from keel.parallel.topology import Topology
-from keel.parallel.ulysses import SPContext
 
 log = logging.getLogger("keel")
 TIED_KEY = "embedding"
@@ -63,30 +64,26 @@ def _placed(spec_class: type) -> type:
     return Placed
 
 
-def layer_specs(cfg: RunConfig, tp: TPContext, ep: EPContext, placement: Placement | None = None,
-                sp: SPContext | None = None) -> list:
+def layer_specs(cfg: RunConfig, parallel: LayerParallel = NO_PARALLEL, placement: Placement | None = None) -> list:
     """The flat layer list as specs: `[Embedding, Block × n, FinalNorm, Head]`, built lazily per stage."""
-    from deepspeed.pipe import LayerSpec, TiedLayerSpec
-
-    m = cfg.model
+    model = cfg.model
     placement = placement or Placement()
-    sp = sp or SPContext()
     spec, tied = _placed(LayerSpec), _placed(TiedLayerSpec)
-    if m.tie_embeddings:
+    if model.tie_embeddings:
         weight = ["tok_embeddings.weight"]
-        first = tied(placement, TIED_KEY, EmbeddingLayer, m, tp, sp, tied_weight_attr=weight)
-        head = tied(placement, TIED_KEY, EmbeddingLayer, m, tp, sp, forward_fn=_project, tied_weight_attr=weight)
+        first = tied(placement, TIED_KEY, EmbeddingLayer, model, parallel, tied_weight_attr=weight)
+        head = tied(placement, TIED_KEY, EmbeddingLayer, model, parallel, forward_fn=_project,
+                    tied_weight_attr=weight)
     else:
-        first, head = spec(placement, EmbeddingLayer, m, tp, sp), spec(placement, OutputLayer, m, None, tp)
-    blocks = [spec(placement, Block, m, layer_id, tp, ep, sp) for layer_id in range(m.n_layers)]
-    return [first, *blocks, spec(placement, FinalNorm, m, tp), head]
+        first = spec(placement, EmbeddingLayer, model, parallel)
+        head = spec(placement, OutputLayer, model, None, parallel)
+    blocks = [spec(placement, Block, model, layer_id, parallel) for layer_id in range(model.n_layers)]
+    return [first, *blocks, spec(placement, FinalNorm, model, parallel), head]
 
 
 def local_layers(module) -> list[tuple[int, torch.nn.Module]]:
     """(index in the full list, module) for every layer this rank holds, tied copies included, stage by stage
     (DualPipeV: two stages per rank, and a layer tied between them appears once)."""
-    from deepspeed.pipe import TiedLayerSpec
-
     specs = pipeline_layer_specs(module)
     layers, seen = [], set()
     for first, funcs in pipeline_local_chunks(module):
@@ -100,28 +97,21 @@ def local_layers(module) -> list[tuple[int, torch.nn.Module]]:
     return layers
 
 
-def build_pipeline(cfg: RunConfig, topology: Topology, tp: TPContext, ep: EPContext,
-                   placement: Placement | None = None):
+def build_pipeline(cfg: RunConfig, topology: Topology, parallel: LayerParallel, placement: Placement | None = None):
     """A `PipelineModule` over this rank's stage (DualPipeV: its two stages; interleaved: its v chunks), initialised
-    as the single-process model would be."""
-    from deepspeed.pipe import DualPipeVModule, PipelineModule
-    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
-
+    as the single-process model would be; `parallel`: this rank's layer contexts, from the same `topology`."""
     shape = topology.shape
-    sp = SPContext.from_topology(topology)
     checkpoint = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
     schedule = cfg.parallel.pipeline_schedule
     if schedule == "interleaved":
-        from keel.engine.interleaved_engine import InterleavedModule
-
         module_class = functools.partial(InterleavedModule, chunks=cfg.parallel.virtual_stages)
     else:
         module_class = DualPipeVModule if schedule == "dualpipev" else PipelineModule
     module = module_class(
-        layers=layer_specs(cfg, tp, ep, placement, sp),
+        layers=layer_specs(cfg, parallel, placement),
         # sp folded into DeepSpeed's data axis (see the module docstring)
         topology=PipeModelDataParallelTopology(num_pp=shape.pp, num_mp=shape.tp, num_dp=shape.dp * shape.sp),
-        loss_fn=VocabParallelLoss(cfg.model, tp, cfg.train.label_smoothing, cfg.train.z_loss, sp,
+        loss_fn=VocabParallelLoss(cfg.model, parallel, cfg.train.label_smoothing, cfg.train.z_loss,
                                   engine_averages_sp=True),
         partition_method=cfg.parallel.pipeline_partition,
         activation_checkpoint_interval=cfg.train.activation_checkpoint_interval,

@@ -14,29 +14,28 @@ from __future__ import annotations
 from keel.config import ConfigError, RunConfig
 from keel.engine.memory_model import layer_list, rank_layer_indices
 from keel.model.param_groups import layer_groups_of
-from keel.parallel.experts import EPContext
-from keel.parallel.tensor import TPContext
+from keel.parallel.layer_parallel import LayerParallel
 
 
 def check_pipeline_plan(cfg: RunConfig, zero_stage: int) -> None:
     """Raise ConfigError (one line naming the field to change) for a layout DeepSpeed would fail or hang on."""
-    p = cfg.parallel
-    if p.pp == 1 or zero_stage == 0:
+    parallel = cfg.parallel
+    if parallel.pp == 1 or zero_stage == 0:
         return  # no pipeline, or no ZeRO optimizer: Keel's own clipping sums one norm over all groups at once
-    tp = TPContext(rank=0, size=p.tp)
-    ep = EPContext(rank=0, size=p.ep, ranks=tuple(range(p.ep)))
-    layers = layer_list(cfg.model, tp, ep, p.pp)
+    layers = layer_list(cfg.model, LayerParallel.without_groups(tp=parallel.tp, ep=parallel.ep), parallel.pp)
     counts = [sum(q.numel() for q in layer.parameters()) for layer in layers]
-    held = rank_layer_indices(layers, counts, p.pp, p.pipeline_partition, p.pipeline_schedule, p.virtual_stages)
+    held = rank_layer_indices(layers, counts, parallel.pp, parallel.pipeline_partition, parallel.pipeline_schedule,
+                              parallel.virtual_stages)
     wanted = layer_groups_of(layers)
     for rank, indices in enumerate(held):
         groups = layer_groups_of([layers[i] for i in indices])
         if groups != wanted:
             names = ", ".join(type(layers[i]).__name__ for i in indices) or "no layers"
             fix = ("parallel.pipeline_partition=type:Block (or fewer pipeline stages)"
-                   if p.pipeline_partition != "type:Block" else
-                   f"fewer pipeline stages (parallel.pp={p.pp}) or more blocks (model.n_layers={cfg.model.n_layers})")
+                   if parallel.pipeline_partition != "type:Block" else
+                   f"fewer pipeline stages (parallel.pp={parallel.pp}) or more blocks "
+                   f"(model.n_layers={cfg.model.n_layers})")
             raise ConfigError(
-                f"parallel.pipeline_partition={p.pipeline_partition}: pipeline rank {rank} would hold only "
+                f"parallel.pipeline_partition={parallel.pipeline_partition}: pipeline rank {rank} would hold only "
                 f"{names}, without {' and '.join(sorted(wanted - groups))} parameters, and DeepSpeed's ZeRO "
                 f"optimizer hangs when pipeline ranks hold different parameter groups; use {fix}")

@@ -12,7 +12,9 @@ import math
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import deepspeed
 import torch
+from deepspeed.accelerator import get_accelerator
 from torch import nn
 
 from keel.adapters.deepspeed_internals import logical_shape, zero3_partition_window
@@ -26,15 +28,11 @@ class ZeRO3Placement(Placement):
     """Build under `deepspeed.zero.Init` with the run's DeepSpeed JSON and data-parallel group."""
 
     def __init__(self, ds: dict[str, Any], topology: Topology, dtype: torch.dtype) -> None:
-        from deepspeed.accelerator import get_accelerator
-
         super().__init__(get_accelerator().current_device_name(), dtype)
         self.ds = ds
         self.mpu = topology if topology.shape.world_size > 1 else None  # the groups build_engine hands DeepSpeed
 
     def build(self, construct: Callable[[], T]) -> T:
-        import deepspeed
-
         # dtype=None: zero.Init then takes it from the config (the same one `self.dtype` was derived from). An
         # explicit dtype is misread in DeepSpeed 0.19.8 where the accelerator lacks fp16 (CPU): `dtype or fp16 if
         # fp16_supported() else bf16 if is_bf16_supported else fp32` (a method, not a call) gives bf16 always.

@@ -66,7 +66,7 @@ def to_hf_config(cfg: ModelConfig, max_position_embeddings: int = 8192) -> trans
 
     Token ids (bos/eos/pad) belong to the tokenizer and are left unset for the caller to fill in.
     """
-    from transformers import LlamaConfig
+    from transformers import LlamaConfig  # ~3 s to import; keel.model imports this module, training never needs it
 
     _require_rmsnorm(cfg)
     if cfg.vocab_size <= 0:

@@ -17,11 +17,13 @@ import math
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from torch import nn
 
 from keel.adapters.deepspeed_internals import logical_shape
 from keel.config import ConfigError, ModelConfig
 from keel.model.hf import hf_sources, llama_cannot_express
+from keel.model.llama import EmbeddingLayer
 from keel.model.materialize import Placement
 
 _INDEX = "model.safetensors.index.json"
@@ -86,8 +88,6 @@ def weight_files(hf_dir: Path) -> dict[str, Path]:
         return {name: hf_dir / file for name, file in weight_map.items()}
     single = hf_dir / "model.safetensors"
     if single.is_file():
-        from safetensors import safe_open
-
         with safe_open(str(single), framework="pt") as handle:
             return dict.fromkeys(handle.keys(), single)
     pickles = sorted(p.name for p in hf_dir.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
@@ -106,8 +106,6 @@ class HFWeights:
         self._open: dict[Path, object] = {}
 
     def slice(self, name: str):
-        from safetensors import safe_open
-
         if name not in self.files:
             raise ConfigError(f"model.init_from: {self.hf_dir} lacks the tensor {name}")
         path = self.files[name]
@@ -166,8 +164,6 @@ def _writer(weights: HFWeights, param: nn.Parameter, names: tuple[str, ...]):
 def load_hf_weights(layers: list[tuple[int, nn.Module]], cfg: ModelConfig, placement: Placement | None = None) -> None:
     """Overwrite the parameters of `layers` ((index in the full layer list, layer) pairs: a whole model or one
     pipeline stage) with `cfg.init_from`'s values, each rank reading only what it holds."""
-    from keel.model.llama import EmbeddingLayer
-
     weights = HFWeights(Path(cfg.init_from).expanduser())
     done: set[int] = set()
     for index, layer in layers:

@@ -46,6 +46,7 @@ def resolve(kernels: str) -> str:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, liger: bool) -> torch.Tensor:
     """RMSNorm in fp32, cast back before the weight (HF's LlamaRMSNorm order; Liger's "llama" casting mode)."""
     if liger:
+        # optional dependency (keel[liger]); only on the liger path
         from liger_kernel.ops.rms_norm import LigerRMSNormFunction
 
         return LigerRMSNormFunction.apply(x, weight, eps, 0.0, "llama", False)
@@ -72,6 +73,7 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     if cos.dim() == 3:
         cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
     elif liger:
+        # optional dependency (keel[liger]); only on the liger path
         from liger_kernel.ops.rope import LigerRopeFunction
 
         return LigerRopeFunction.apply(q, k, cos, sin)
@@ -81,6 +83,7 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
 def silu_mul(gate: torch.Tensor, up: torch.Tensor, liger: bool) -> torch.Tensor:
     """SwiGLU's `silu(gate) * up`."""
     if liger:
+        # optional dependency (keel[liger]); only on the liger path
         from liger_kernel.ops.swiglu import LigerSiLUMulFunction
 
         return LigerSiLUMulFunction.apply(gate, up)
@@ -92,6 +95,7 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
     """Mean over non-ignored tokens of `cross_entropy_reference(hidden @ weight[:vocab_size].T, labels)` by
     Liger's chunked kernel; the padding rows of the (padded) head are sliced off, so they get no gradient.
     Gradients accumulate in fp32 whatever the weight's dtype (many chunks add into one weight gradient)."""
+    # optional dependency (keel[liger]); only on the liger path
     from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
 
     loss, *_ = LigerFusedLinearCrossEntropyFunction.apply(

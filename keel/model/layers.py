@@ -16,6 +16,7 @@ from torch import nn
 from keel.config import ModelConfig
 from keel.model.document_mask import DocumentLayout
 from keel.model.kernels import resolve, rms_norm, rotary, silu_mul
+from keel.parallel.layer_parallel import NO_PARALLEL, LayerParallel
 from keel.parallel.tensor import (
     ColumnParallelLinear,
     FusedColumnParallelLinear,
@@ -26,22 +27,20 @@ from keel.parallel.tensor import (
     fused_linear,
     sum_grad_over_tp,
 )
-from keel.parallel.ulysses import SPContext, ulysses_attention
-
-NO_TP = TPContext()
-NO_SP = SPContext()
+from keel.parallel.ulysses import ulysses_attention
 
 
 class RMSNorm(nn.Module):
     """Root-mean-square norm, computed in fp32 and cast back before the weight (exactly as HF's LlamaRMSNorm)."""
 
-    def __init__(self, dim: int, eps: float = 1e-5, tp: TPContext = NO_TP, kernels: str = "torch") -> None:
+    def __init__(self, dim: int, eps: float = 1e-5, parallel: LayerParallel = NO_PARALLEL,
+                 kernels: str = "torch") -> None:
         super().__init__()
         self.eps = eps
-        self.tp = tp
+        self.tp = parallel.tp
         self.liger = resolve(kernels) == "liger"
         self.weight = nn.Parameter(torch.ones(dim))
-        self.weight.sequence_parallel = tp.sequence_parallel
+        self.weight.sequence_parallel = self.tp.sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, _sp_param(self.weight, self.tp), self.eps, self.liger)
@@ -59,13 +58,14 @@ class LayerNorm(nn.Module):
     """LayerNorm with bias; like RMSNorm, its parameters' gradients are summed over TP under SP. `kernels` is
     accepted for a uniform signature: `F.layer_norm` is already one fused kernel on every device."""
 
-    def __init__(self, dim: int, eps: float = 1e-5, tp: TPContext = NO_TP, kernels: str = "torch") -> None:
+    def __init__(self, dim: int, eps: float = 1e-5, parallel: LayerParallel = NO_PARALLEL,
+                 kernels: str = "torch") -> None:
         super().__init__()
         self.eps = eps
-        self.tp = tp
+        self.tp = parallel.tp
         self.weight = nn.Parameter(torch.ones(dim))
         self.bias = nn.Parameter(torch.zeros(dim))
-        self.weight.sequence_parallel = self.bias.sequence_parallel = tp.sequence_parallel
+        self.weight.sequence_parallel = self.bias.sequence_parallel = self.tp.sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias = _sp_param(self.weight, self.tp), _sp_param(self.bias, self.tp)
@@ -76,10 +76,10 @@ class LayerNorm(nn.Module):
 NORM_CLASSES: dict[str, type[RMSNorm] | type[LayerNorm]] = {"rmsnorm": RMSNorm, "layernorm": LayerNorm}
 
 
-def make_norm(cfg: ModelConfig, tp: TPContext = NO_TP) -> nn.Module:
+def make_norm(cfg: ModelConfig, parallel: LayerParallel = NO_PARALLEL) -> nn.Module:
     """The norm named by `cfg.norm`: RMSNorm (Llama) or LayerNorm with bias. `cfg` was validated (`build_layers`
     runs `validate_model`; a pipeline's layer specs use the run's config, validated before launch)."""
-    return NORM_CLASSES[cfg.norm](cfg.dim, eps=cfg.norm_eps, tp=tp, kernels=cfg.kernels)
+    return NORM_CLASSES[cfg.norm](cfg.dim, eps=cfg.norm_eps, parallel=parallel, kernels=cfg.kernels)
 
 
 class HeadNorm(nn.Module):
@@ -91,10 +91,11 @@ class HeadNorm(nn.Module):
     runs on this rank's sequence chunk before the all-to-all, like the projections.
     """
 
-    def __init__(self, head_dim: int, eps: float, tp: TPContext = NO_TP, kernels: str = "torch") -> None:
+    def __init__(self, head_dim: int, eps: float, parallel: LayerParallel = NO_PARALLEL,
+                 kernels: str = "torch") -> None:
         super().__init__()
         self.eps = eps
-        self.tp = tp
+        self.tp = parallel.tp
         self.liger = resolve(kernels) == "liger"
         self.weight = nn.Parameter(torch.ones(head_dim))
 
@@ -158,23 +159,24 @@ class Attention(nn.Module):
     need a per-kv-group layout that has no contiguous tp shard once kv heads are replicated, and the state-dict
     schema must not depend on tp (a checkpoint reshards tp=2 → tp=4), so the split is the same at every tp.
 
-    Under Ulysses sequence parallelism (`sp`) the projections see this rank's sequence chunk and the attention
-    itself runs on the whole sequence for heads / sp (keel/parallel/ulysses.py).
+    Under Ulysses sequence parallelism (`parallel.sp`) the projections see this rank's sequence chunk and the
+    attention itself runs on the whole sequence for heads / sp (keel/parallel/ulysses.py).
     """
 
-    def __init__(self, cfg: ModelConfig, tp: TPContext = NO_TP, sp: SPContext = NO_SP) -> None:
+    def __init__(self, cfg: ModelConfig, parallel: LayerParallel = NO_PARALLEL) -> None:
         super().__init__()
+        tp, sp = parallel.tp, parallel.sp
         self.head_dim = cfg.head_dim
         self.tp = tp
         kv_dim = cfg.n_kv_heads * cfg.head_dim
         self.kv_replicated = cfg.n_kv_heads % tp.size != 0
         self.wq = ColumnParallelLinear(cfg.dim, cfg.n_heads * cfg.head_dim, tp)
-        self.wkv = FusedColumnParallelLinear(cfg.dim, kv_dim, NO_TP if self.kv_replicated else tp, ("wk", "wv"))
+        self.wkv = FusedColumnParallelLinear(cfg.dim, kv_dim, TPContext() if self.kv_replicated else tp, ("wk", "wv"))
         self.wo = RowParallelLinear(cfg.n_heads * cfg.head_dim, cfg.dim, tp)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
         if cfg.qk_norm:
-            self.q_norm = HeadNorm(cfg.head_dim, cfg.norm_eps, tp, cfg.kernels)
-            self.k_norm = HeadNorm(cfg.head_dim, cfg.norm_eps, tp, cfg.kernels)
+            self.q_norm = HeadNorm(cfg.head_dim, cfg.norm_eps, parallel, cfg.kernels)
+            self.k_norm = HeadNorm(cfg.head_dim, cfg.norm_eps, parallel, cfg.kernels)
         self.qk_norm = cfg.qk_norm
         # the monitor's attention-logit probe (keel/training/observe/attention_logits.py): while set, `_attend` records
         # the largest pre-softmax logit of the pairs it attends into this tensor
@@ -265,12 +267,12 @@ class SwiGLU(nn.Module):
     callers that are already inside one (the experts and shared expert of an MoE layer).
     """
 
-    def __init__(self, cfg: ModelConfig, tp: TPContext = NO_TP, hidden: int | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, parallel: LayerParallel = NO_PARALLEL, hidden: int | None = None) -> None:
         super().__init__()
-        self.tp = tp
+        self.tp = parallel.tp
         hidden = hidden or cfg.ffn_dim
-        self.w13 = FusedColumnParallelLinear(cfg.dim, hidden, tp, ("w1", "w3"))
-        self.w2 = RowParallelLinear(hidden, cfg.dim, tp)
+        self.w13 = FusedColumnParallelLinear(cfg.dim, hidden, self.tp, ("w1", "w3"))
+        self.w2 = RowParallelLinear(hidden, cfg.dim, self.tp)
         self.liger = resolve(cfg.kernels) == "liger"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -22,27 +22,27 @@ from keel.model.document_mask import DocumentLayout, document_layout
 from keel.model.init import base_init_std, deepnorm_alpha, fill_shard_, matrix_init_std
 from keel.model.kernels import fused_linear_cross_entropy
 from keel.model.kernels import resolve as resolve_kernels
-from keel.model.layers import NO_SP, NO_TP, Attention, SwiGLU, make_norm
+from keel.model.layers import Attention, SwiGLU, make_norm
 from keel.model.materialize import Placement
 from keel.model.router import is_moe_block
 from keel.parallel.cross_entropy import vocab_parallel_cross_entropy
-from keel.parallel.experts import NO_EP, EPContext
+from keel.parallel.layer_parallel import NO_PARALLEL, LayerParallel
 from keel.parallel.tensor import (
-    TPContext,
     VocabParallelEmbedding,
     enter,
     exit,
     mark_sharded,
     padded_vocab_size,
 )
-from keel.parallel.ulysses import SPContext, sequence_chunk, sequence_mean
+from keel.parallel.ulysses import sequence_chunk, sequence_mean
 
 # An expert's local position in its MoE layer's module path (replaced by its global id in init keys).
 _LOCAL_EXPERT = re.compile(r"deepspeed_moe\.experts\.deepspeed_experts\.\d+\.")
 
 
-def vocab_rows(cfg: ModelConfig, tp: TPContext) -> int:
-    return padded_vocab_size(cfg.vocab_size, cfg.vocab_pad_multiple, tp.size)
+def vocab_rows(cfg: ModelConfig, parallel: LayerParallel) -> int:
+    """The embedding's and head's row count over all tp ranks: the vocabulary padded for an even tp split."""
+    return padded_vocab_size(cfg.vocab_size, cfg.vocab_pad_multiple, parallel.tp.size)
 
 
 class EmbeddingLayer(nn.Module):
@@ -52,11 +52,11 @@ class EmbeddingLayer(nn.Module):
     Under Ulysses sequence parallelism only this rank's sequence chunk of the tokens is embedded.
     """
 
-    def __init__(self, cfg: ModelConfig, tp: TPContext = NO_TP, sp: SPContext = NO_SP) -> None:
+    def __init__(self, cfg: ModelConfig, parallel: LayerParallel = NO_PARALLEL) -> None:
         super().__init__()
-        self.tp = tp
-        self.sp = sp
-        self.tok_embeddings = VocabParallelEmbedding(cfg.vocab_size, vocab_rows(cfg, tp), cfg.dim, tp)
+        self.tp = parallel.tp
+        self.sp = parallel.sp
+        self.tok_embeddings = VocabParallelEmbedding(cfg.vocab_size, vocab_rows(cfg, parallel), cfg.dim, self.tp)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return exit(self.tok_embeddings(sequence_chunk(tokens, self.sp)), self.tp)
@@ -79,25 +79,24 @@ class Block(nn.Module):
     `model.moe_every`-th block.
     """
 
-    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPContext = NO_TP, ep: EPContext = NO_EP,
-                 sp: SPContext = NO_SP) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, parallel: LayerParallel = NO_PARALLEL) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.placement = cfg.norm_placement
         self.residual_scale = deepnorm_alpha(cfg) if cfg.deepnorm else 1.0
-        self.attention_norm = make_norm(cfg, tp)
-        self.attention = Attention(cfg, tp, sp)
-        self.ffn_norm = make_norm(cfg, tp)
+        self.attention_norm = make_norm(cfg, parallel)
+        self.attention = Attention(cfg, parallel)
+        self.ffn_norm = make_norm(cfg, parallel)
         sandwich = cfg.norm_placement == "sandwich"
-        self.attention_out_norm = make_norm(cfg, tp) if sandwich else None
-        self.ffn_out_norm = make_norm(cfg, tp) if sandwich else None
+        self.attention_out_norm = make_norm(cfg, parallel) if sandwich else None
+        self.ffn_out_norm = make_norm(cfg, parallel) if sandwich else None
         if is_moe_block(cfg, layer_id):
-            from keel.model.moe import MoE  # imports DeepSpeed; dense models never need it
+            from keel.model.moe import MoE  # imports DeepSpeed (~1.5 s, a stdout notice on CPU): dense models never do
 
-            self.feed_forward = MoE(cfg, tp, ep, layer_id, sp)
+            self.feed_forward = MoE(cfg, parallel, layer_id)
         else:
-            self.feed_forward = SwiGLU(cfg, tp)
-        self.tp = tp
+            self.feed_forward = SwiGLU(cfg, parallel)
+        self.tp = parallel.tp  # its sharded_rng: dropout on sequence shards (and found there by checkpoints)
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, document: DocumentLayout | None = None) -> torch.Tensor:
@@ -122,9 +121,9 @@ class Block(nn.Module):
 class FinalNorm(nn.Module):
     """The norm after the last block; its own layer so a pipeline can tie the head to the embedding."""
 
-    def __init__(self, cfg: ModelConfig, tp: TPContext = NO_TP) -> None:
+    def __init__(self, cfg: ModelConfig, parallel: LayerParallel = NO_PARALLEL) -> None:
         super().__init__()
-        self.norm = make_norm(cfg, tp)
+        self.norm = make_norm(cfg, parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.norm(x)
@@ -138,17 +137,18 @@ class OutputLayer(nn.Module):
     `EmbeddingLayer.project` (DeepSpeed's tied-layer mechanism keeps the two copies equal).
     """
 
-    def __init__(self, cfg: ModelConfig, tied_embedding: nn.Module | None = None, tp: TPContext = NO_TP) -> None:
+    def __init__(self, cfg: ModelConfig, tied_embedding: nn.Module | None = None,
+                 parallel: LayerParallel = NO_PARALLEL) -> None:
         super().__init__()
-        self.tp = tp
+        tp = self.tp = parallel.tp
         if tied_embedding is None:
-            weight = nn.Parameter(torch.empty(vocab_rows(cfg, tp) // tp.size, cfg.dim))
+            weight = nn.Parameter(torch.empty(vocab_rows(cfg, parallel) // tp.size, cfg.dim))
             # column-parallel: vocabulary rows split; the logical tensor is the true vocabulary (padding rows are zero)
             mark_sharded(weight, 0, (cfg.vocab_size, cfg.dim), tp)
             self.output = _HeadProjection(weight)
             return
         # No weight of its own, not even briefly: under zero.Init it would be partitioned and kept by DeepSpeed.
-        want = (vocab_rows(cfg, tp) // tp.size, cfg.dim)
+        want = (vocab_rows(cfg, parallel) // tp.size, cfg.dim)
         if tuple(logical_shape(tied_embedding.weight)) != want:
             raise ValueError(
                 f"tied embedding has shape {tuple(logical_shape(tied_embedding.weight))}, the head needs {want}"
@@ -176,23 +176,22 @@ class _HeadProjection(nn.Module):
         return F.linear(x, self.weight)
 
 
-def build_layers(cfg: ModelConfig, tp: TPContext = NO_TP, ep: EPContext = NO_EP,
-                 sp: SPContext = NO_SP) -> list[nn.Module]:
+def build_layers(cfg: ModelConfig, parallel: LayerParallel = NO_PARALLEL) -> list[nn.Module]:
     """`[EmbeddingLayer, Block × n_layers, FinalNorm, OutputLayer]`, head tied to the embedding if asked.
 
-    With a tensor-parallel `tp`, each layer holds this rank's shards, and with an expert-parallel `ep` this
-    rank's experts; with a Ulysses `sp`, layers see this rank's sequence chunk. Weights are uninitialised until
-    `init_weights` runs.
+    With tensor parallelism (`parallel.tp`) each layer holds this rank's shards, with expert parallelism
+    (`parallel.ep`) this rank's experts; under Ulysses (`parallel.sp`) layers see this rank's sequence chunk.
+    Weights are uninitialised until `init_weights` runs.
     """
     validate_model(cfg)
     if cfg.vocab_size <= 0:
         raise ConfigError(
             f"model.vocab_size: must be > 0 to build the model (got {cfg.vocab_size}); resolve it from the tokenizer"
         )
-    embedding = EmbeddingLayer(cfg, tp, sp)
-    blocks = [Block(cfg, layer_id, tp, ep, sp) for layer_id in range(cfg.n_layers)]
-    head = OutputLayer(cfg, embedding.tok_embeddings if cfg.tie_embeddings else None, tp)
-    return [embedding, *blocks, FinalNorm(cfg, tp), head]
+    embedding = EmbeddingLayer(cfg, parallel)
+    blocks = [Block(cfg, layer_id, parallel) for layer_id in range(cfg.n_layers)]
+    head = OutputLayer(cfg, embedding.tok_embeddings if cfg.tie_embeddings else None, parallel)
+    return [embedding, *blocks, FinalNorm(cfg, parallel), head]
 
 
 def logical_name(name: str, param: torch.Tensor) -> str:
@@ -269,20 +268,21 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int
 class CausalLM(nn.Module):
     """The whole layer list in one process: logits, or the loss when `labels` are given.
 
-    `placement` says where the layers are built and materialized (default: meta, then fp32 on the CPU).
+    `parallel` is this rank's place in the tp, sp and ep groups (default: a single process); `placement` says where
+    the layers are built and materialized (default: meta, then fp32 on the CPU).
     """
 
-    def __init__(self, cfg: ModelConfig, seed: int = 0, tp: TPContext = NO_TP, label_smoothing: float = 0.0,
-                 z_loss: float = 0.0, checkpoint_interval: int = 0, ep: EPContext = NO_EP,
-                 sp: SPContext = NO_SP, placement: Placement | None = None, document_eos: int | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, seed: int = 0, parallel: LayerParallel = NO_PARALLEL,
+                 label_smoothing: float = 0.0, z_loss: float = 0.0, checkpoint_interval: int = 0,
+                 placement: Placement | None = None, document_eos: int | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         self.document_eos = document_eos  # data.document_mask: attention and positions restart after this id
         self.checkpoint_interval = checkpoint_interval
         placement = placement or Placement()  # on meta, then this rank's shards on the CPU in fp32
-        self.layers = nn.ModuleList(placement.build(lambda: build_layers(cfg, tp, ep, sp)))
+        self.layers = nn.ModuleList(placement.build(lambda: build_layers(cfg, parallel)))
         init_weights(self.layers, cfg, seed, placement=placement)
-        self.loss_fn = VocabParallelLoss(cfg, tp, label_smoothing, z_loss, sp)
+        self.loss_fn = VocabParallelLoss(cfg, parallel, label_smoothing, z_loss)
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (this rank's vocabulary shard, padding included) or, given `labels`, the mean loss."""
@@ -328,15 +328,16 @@ class VocabParallelLoss:
     of logits (`fused`), so the full logits never exist. The pipeline always passes logits.
     """
 
-    def __init__(self, cfg: ModelConfig, tp: TPContext, label_smoothing: float = 0.0, z_loss: float = 0.0,
-                 sp: SPContext = NO_SP, engine_averages_sp: bool = False):
+    def __init__(self, cfg: ModelConfig, parallel: LayerParallel = NO_PARALLEL, label_smoothing: float = 0.0,
+                 z_loss: float = 0.0, engine_averages_sp: bool = False):
+        tp = parallel.tp
         self.group = tp.group if tp.size > 1 else None
-        self.vocab_start = tp.rank * vocab_rows(cfg, tp) // tp.size
+        self.vocab_start = tp.rank * vocab_rows(cfg, parallel) // tp.size
         self.vocab_size = cfg.vocab_size
         self.label_smoothing = label_smoothing
         self.z_loss = z_loss
         self.scale = 1.0  # fault injection multiplies a step's loss (faults.spike_step)
-        self.sp = sp
+        self.sp = parallel.sp
         self.engine_averages_sp = engine_averages_sp  # the pipeline engine: see keel/parallel/ulysses.py
         self.fuses_head = tp.size == 1 and resolve_kernels(cfg.kernels) == "liger"
 

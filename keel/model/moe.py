@@ -19,11 +19,9 @@ from deepspeed.moe.layer import MoE as DeepSpeedMoE
 from torch import nn
 
 from keel.config import ModelConfig
-from keel.model.layers import NO_SP, NO_TP, SwiGLU
+from keel.model.layers import SwiGLU
 from keel.model.router import Router, Routing
 from keel.parallel.experts import (
-    NO_EP,
-    EPContext,
     Routes,
     combine,
     dispatch,
@@ -32,8 +30,8 @@ from keel.parallel.experts import (
     mark_expert_param,
     register_expert_groups,
 )
-from keel.parallel.tensor import TPContext, enter, exit
-from keel.parallel.ulysses import SPContext
+from keel.parallel.layer_parallel import NO_PARALLEL, LayerParallel
+from keel.parallel.tensor import enter, exit
 
 
 class _AttachAuxLoss(torch.autograd.Function):
@@ -94,27 +92,27 @@ class MoE(DeepSpeedMoE):
     too — so nothing else here has "expert" in its name.
     """
 
-    def __init__(self, cfg: ModelConfig, tp: TPContext = NO_TP, ep: EPContext = NO_EP, layer_id: int = 0,
-                 sp: SPContext = NO_SP) -> None:
+    def __init__(self, cfg: ModelConfig, parallel: LayerParallel = NO_PARALLEL, layer_id: int = 0) -> None:
         nn.Module.__init__(self)  # DeepSpeed's __init__ would build its own gate, experts and process groups
-        self.tp, self.ep = tp, ep
+        ep = parallel.ep
+        self.tp, self.ep = parallel.tp, ep
         self.layer_id = layer_id  # the block's index, for health reports
         self.num_experts = cfg.moe_experts
         self.ep_size = ep.size
         self.expert_group_name = expert_group_name(ep.size)
         self.num_local_experts = cfg.moe_experts // ep.size
-        self.router = Router(cfg, tp, sp)
+        self.router = Router(cfg, parallel)
         hidden = cfg.moe_ffn_hidden or cfg.ffn_dim
         first = ep.rank * self.num_local_experts
         self.deepspeed_moe = nn.Module()
         self.deepspeed_moe.experts = nn.Module()
         self.deepspeed_moe.experts.deepspeed_experts = nn.ModuleList(
-            SwiGLU(cfg, tp, hidden) for _ in range(self.num_local_experts))
+            SwiGLU(cfg, parallel, hidden) for _ in range(self.num_local_experts))
         for offset, mlp in enumerate(self.local_experts):
             for param in mlp.parameters():
                 mark_expert_param(param, ep.size)
                 param.expert_id = first + offset  # init draws each expert from its own stream (llama.py)
-        self.shared = SwiGLU(cfg, tp) if cfg.moe_shared_expert else None
+        self.shared = SwiGLU(cfg, parallel) if cfg.moe_shared_expert else None
         self.aux_grad_scale = 1.0  # set by the trainer: loss_scale / gradient_accumulation_steps
         self.grouped_gemm: bool | None = None  # None: torch's grouped GEMM on CUDA in bf16, the expert loop elsewhere
         self.stats = ExpertStats(cfg.moe_experts)

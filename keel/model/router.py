@@ -22,8 +22,8 @@ from torch import nn
 
 from keel.config import ModelConfig
 from keel.parallel import comm
-from keel.parallel.tensor import TPContext, sum_grad_over_tp
-from keel.parallel.ulysses import SPContext
+from keel.parallel.layer_parallel import NO_PARALLEL, LayerParallel
+from keel.parallel.tensor import sum_grad_over_tp
 
 
 def is_moe_block(cfg: ModelConfig, layer_id: int) -> bool:
@@ -42,10 +42,10 @@ class Routing:
 
 
 class Router(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPContext, sp: SPContext = SPContext()) -> None:
+    def __init__(self, cfg: ModelConfig, parallel: LayerParallel = NO_PARALLEL) -> None:
         super().__init__()
-        self.tp = tp
-        self.sp = sp
+        self.tp = parallel.tp
+        self.sp = parallel.sp
         self.num_experts = cfg.moe_experts
         self.top_k = cfg.moe_top_k
         self.scoring = cfg.moe_scoring

@@ -41,9 +41,6 @@ class EPContext:
                    topology.group("expert_dp"), tuple(topology.ranks("expert_dp")))
 
 
-NO_EP = EPContext()
-
-
 def expert_group_name(ep_size: int) -> str:
     """DeepSpeed's name for the expert groups of one ep size (`deepspeed.moe.layer.MoE.expert_group_name`)."""
     return f"ep_size_{ep_size}"

@@ -63,6 +63,6 @@ def sequence_mean(loss: torch.Tensor, sp: SPContext, engine_averages_sp: bool = 
 
 def ulysses_attention(attend, sp: SPContext):
     """Wrap `attend(q, k, v)` (layout [b, s, heads, d]) so it sees the whole sequence and heads / sp."""
-    from deepspeed.sequence.layer import DistributedAttention
+    from deepspeed.sequence.layer import DistributedAttention  # ~1.5 s: a model without Ulysses never needs it
 
     return DistributedAttention(attend, sp.group.handle, scatter_idx=2, gather_idx=SEQ_DIM)

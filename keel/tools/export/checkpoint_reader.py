@@ -83,7 +83,8 @@ def open_checkpoint(run_dir: Path, step: int | None = None) -> KeelCheckpoint:
     """The run's checkpoint at `step` (default: the one `latest` names), refused in one line unless complete."""
     run_dir = Path(run_dir)
     if not RunDir(run_dir).config.is_file():
-        raise ConfigError(f"{run_dir} is not a Keel run dir (no {RunDir(run_dir).config.name}); pass the --run-dir of a keel train")
+        raise ConfigError(f"{run_dir} is not a Keel run dir (no {RunDir(run_dir).config.name}); "
+                          "pass the --run-dir of a keel train")
     cfg, ds_raw, data = read_run_dir(run_dir)
     ckpt = RunDir(run_dir).checkpoints
     complete = sorted(p.name for p in ckpt.iterdir() if TAG.fullmatch(p.name) and (p / COMPLETE).is_file()) \
@@ -116,11 +117,10 @@ def param_layouts(cfg: RunConfig, tp: int) -> dict[str, ParamLayout]:
     """Every parameter of the `CausalLM` state dict (`layers.<index>.<name>`) as tp rank 0 of a `tp`-wide run
     holds it, from a build on the meta device (no storage)."""
     from keel.model.llama import build_layers
-    from keel.parallel.tensor import TPContext
+    from keel.parallel.layer_parallel import LayerParallel
 
-    context = TPContext(rank=0, size=tp) if tp > 1 else TPContext()
     with torch.device("meta"):
-        layers = build_layers(cfg.model, context)
+        layers = build_layers(cfg.model, LayerParallel.without_groups(tp=tp))
     layouts = {}
     first_name: dict[int, str] = {}
     for index, layer in enumerate(layers):
