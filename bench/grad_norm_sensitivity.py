@@ -8,6 +8,11 @@ process — on random tokens and on the tests' own batches (their stdlib corpus,
 sample order). Its largest per-step ratio bounds the tolerance the tests may ask of steps after the first
 (tests/test_train_equivalence.py).
 
+Then the same with perturbations of a low-precision format's unit roundoff u (bf16 2^-8, fp16 2^-11), on the tests'
+batches and model seed: how far the fp32 run's loss and gradient norm move when every weight is off by about one
+rounding in that format, per step and as a multiple of u. At step 1 the change is linear in u; later it is not (the
+trajectories part). These set the mixed-precision bounds of tests/test_train_equivalence.py.
+
     python bench/grad_norm_sensitivity.py
 """
 
@@ -30,10 +35,17 @@ MOE_CFG = dataclasses.replace(CFG, moe_experts=4)  # tests/test_moe_training.py 
 STEPS, LR, WARMUP = 10, 0.01, 2
 GLOBAL_BATCH, MICRO_BATCH, SEQ = 8, 2, 32
 PERTURBATIONS = (1e-7, 3e-7)
+UNIT_ROUNDOFF = {"bf16": 2.0**-8, "fp16": 2.0**-11}  # 2^-p for p significand bits (8 and 11)
 
 
 def grad_norms(cfg: ModelConfig, seed: int, perturbation: float, data: list[list[torch.Tensor]]) -> list[float]:
     """Per-step clipped-gradient norms; `data[step]` is that step's micro-batches (tokens + next-token labels)."""
+    return train(cfg, seed, perturbation, data)[1]
+
+
+def train(cfg: ModelConfig, seed: int, perturbation: float,
+          data: list[list[torch.Tensor]]) -> tuple[list[float], list[float]]:
+    """Per-step (losses, clipped-gradient norms); the loss is the mean over the step's micro-batches."""
     model = CausalLM(cfg, seed=seed)
     if perturbation:
         noise = torch.Generator().manual_seed(123)
@@ -41,16 +53,20 @@ def grad_norms(cfg: ModelConfig, seed: int, perturbation: float, data: list[list
             for param in model.parameters():
                 param.mul_(1 + perturbation * torch.randn(param.shape, generator=noise))
     optimizer = torch.optim.AdamW(weight_decay_groups(model, 0.1), lr=LR, betas=(0.9, 0.95), eps=1e-8)
-    norms = []
+    losses, norms = [], []
     for step in range(STEPS):
         for group in optimizer.param_groups:
             group["lr"] = LR * min(1.0, (step + 1) / WARMUP)
         optimizer.zero_grad()
+        loss = 0.0
         for batch in data[step]:
-            (model(batch[:, :-1], labels=batch[:, 1:]) / len(data[step])).backward()
+            micro = model(batch[:, :-1], labels=batch[:, 1:]) / len(data[step])
+            micro.backward()
+            loss += micro.item()
+        losses.append(loss)
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
         optimizer.step()
-    return norms
+    return losses, norms
 
 
 def random_batches() -> list[list[torch.Tensor]]:
@@ -84,6 +100,15 @@ def main() -> None:
                     print(f"{data_name} {name} seed {seed} eps {eps:.0e}: |Δ grad norm| / grad norm per step: "
                           + " ".join(f"{r:.1e}" for r in ratios))
             print(f"{data_name} {name}: largest after step 1: {worst:.1e}")
+    data, seed = datasets["tests' batches"], RunConfig().train.seed
+    clean = train(CFG, seed, 0.0, data)
+    for fmt, u in UNIT_ROUNDOFF.items():
+        moved = train(CFG, seed, u, data)
+        for what, got, want in zip(("loss", "grad norm"), moved, clean):
+            ratios = [abs(a - b) / b for a, b in zip(got, want)]
+            print(f"format unit roundoff: tests' batches dense, weights scaled by 1 + u·N(0,1), u = {fmt}'s {u:.2e}: "
+                  f"|Δ {what}| / {what} per step: " + " ".join(f"{r:.1e}" for r in ratios)
+                  + f"; in units of u: step 1 {ratios[0] / u:.2g}, largest {max(ratios) / u:.2g}")
 
 
 if __name__ == "__main__":
