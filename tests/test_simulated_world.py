@@ -4,7 +4,7 @@ Each rank is built and driven by `keel.training.simulated_steps.simulate` (const
 the periodic checks, preflight's exchange); `pytest -s` prints the table. The tests pin what the
 code does today, with the expected numbers computed here from the grid independently of Keel's
 Topology, and show that today's code breaks the scale bounds (`scale_bounds_violations`,
-`growth_violations`); when the fixes land those tests flip.
+`growth_violations` of keel/engine/scale_report.py); when the fixes land those tests flip.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from keel.engine.scale_report import growth_violations, render_table, scale_bounds_violations
 from keel.engine.simulated_world import (
     ASYNC_SAVE_STEP,
     DEEPSPEED,
@@ -24,10 +25,7 @@ from keel.engine.simulated_world import (
     TOPOLOGY,
     SimulatedWorld,
     WorldRecord,
-    growth_violations,
     pickled_size,
-    render_table,
-    scale_bounds_violations,
 )
 from keel.parallel import comm
 from keel.parallel.topology import GridShape

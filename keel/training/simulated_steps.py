@@ -1,7 +1,8 @@
 """The training loop's control path in a simulated world (keel/engine/simulated_world.py).
 
 One step's collectives and each periodic check's, driven the way the trainer drives them, with
-small tensors and no engine.
+small tensors and no engine, after the rank's construction (`construct`,
+keel/engine/simulated_construction.py).
 
 What a step sends besides DeepSpeed's own gradient traffic: the loss reduction the guards decide on
 (the dp mean; under pp > 1 `Trainer._pipeline_losses`) and the step gate's agreement
@@ -22,17 +23,15 @@ import torch
 from torch import nn
 
 from keel.config import RunConfig
+from keel.engine.scale_report import shape_label
+from keel.engine.simulated_construction import construct, small_config, unique_parameters
 from keel.engine.simulated_world import (
     ASYNC_SAVE_STEP,
     CHECK,
     STEP,
     SimulatedWorld,
     WorldRecord,
-    construct,
     deep_size,
-    shape_label,
-    small_config,
-    unique_parameters,
 )
 from keel.parallel.topology import WORLD, GridShape, Topology
 from keel.training.checkpoint.async_save import AsyncCheckpointer
