@@ -1,0 +1,279 @@
+"""Keel at 1,024 and 4,096 ranks, simulated in one process on torch's fake backend (issue 27, 1).
+
+Each rank is built and driven by `keel.training.simulated_steps.simulate` (construction, one step,
+the periodic checks, preflight's exchange); `pytest -s` prints the table. The tests pin what the
+code does today, with the expected numbers computed here from the grid independently of Keel's
+Topology, and show that today's code breaks the scale bounds (`scale_bounds_violations`,
+`growth_violations` of keel/engine/scale_report.py); when the fixes land those tests flip.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from keel.engine.scale_report import growth_violations, render_table, scale_bounds_violations
+from keel.engine.simulated_world import (
+    ASYNC_SAVE_STEP,
+    DEEPSPEED,
+    PREFLIGHT,
+    STEP,
+    TOPOLOGY,
+    SimulatedWorld,
+    WorldRecord,
+    pickled_size,
+)
+from keel.parallel import comm
+from keel.parallel.topology import GridShape
+from keel.tools.preflight.simulated import exchange
+from keel.training.simulated_steps import simulate
+
+DENSE = GridShape(1024, tp=8, pp=8)  # dp16
+MOE = GridShape(4096, tp=8, pp=16, ep=8)  # dp32, edp4
+SHAPES = (DENSE, MOE)
+
+
+def positions(shape: GridShape) -> tuple[int, int, int]:
+    return 0, shape.world_size // 2, shape.world_size - 1
+
+
+@pytest.fixture(scope="module")
+def records() -> dict[tuple[int, int], WorldRecord]:
+    return {
+        (shape.world_size, rank): simulate(shape, rank, also={PREFLIGHT: exchange})
+        for shape in SHAPES
+        for rank in positions(shape)
+    }
+
+
+# -- the grid, written out again -------------------------------------------------------------------
+# Keel's rank order, outermost first (tp innermost), and the group kinds its Topology creates today,
+# each with the axes its groups span.
+ORDER = ("pp", "edp", "ep", "sp", "tp")
+TODAY_KINDS = {
+    "tp": ("tp",),
+    "pp": ("pp",),
+    "sp": ("sp",),
+    "ep": ("ep",),
+    "dp": ("edp", "ep"),
+    "edp": ("edp",),
+    "model": ("pp", "tp"),
+    "tp_sp": ("sp", "tp"),
+    "stage": ("edp", "ep", "sp", "tp"),
+    "sp_dp": ("edp", "ep", "sp"),
+    "expert_dp": ("edp", "sp"),
+}
+
+
+def axis_sizes(shape: GridShape) -> dict[str, int]:
+    dp = shape.world_size // (shape.tp * shape.pp * shape.sp)
+    return {"pp": shape.pp, "edp": dp // shape.ep, "ep": shape.ep, "sp": shape.sp, "tp": shape.tp}
+
+
+def rank_sets(
+    sizes: dict[str, int], order: tuple[str, ...], span: tuple[str, ...]
+) -> list[frozenset]:
+    """Groups of ranks differing only along `span`, in a grid ordered `order` (last innermost)."""
+    world = 1
+    for axis in order:
+        world *= sizes[axis]
+    groups: dict[tuple, set[int]] = {}
+    for rank in range(world):
+        coords, rest = {}, rank
+        for axis in reversed(order):
+            coords[axis], rest = rest % sizes[axis], rest // sizes[axis]
+        groups.setdefault(tuple(coords[a] for a in order if a not in span), set()).add(rank)
+    return [frozenset(g) for g in groups.values()]
+
+
+def topology_sets(shape: GridShape) -> list[frozenset]:
+    sizes = axis_sizes(shape)
+    return [s for span in TODAY_KINDS.values() for s in rank_sets(sizes, ORDER, span)]
+
+
+def deepspeed_sets(shape: GridShape) -> list[frozenset]:
+    """What DeepSpeed's PipelineModule creates before it needs real tensors: a world group, then its
+    grid (pipe, data, model; sp folded into data): model groups per data index, data, pipe and
+    slice groups (one per rank at tp = 1)."""
+    sizes = {"pipe": shape.pp, "data": shape.world_size // (shape.pp * shape.tp), "model": shape.tp}
+    order = ("pipe", "data", "model")
+    return [
+        frozenset(range(shape.world_size)),
+        *rank_sets(sizes, order, ("pipe", "model")),
+        *rank_sets(sizes, order, ("data",)),
+        *rank_sets(sizes, order, ("pipe",)),
+        *rank_sets(sizes, order, ("model",)),
+    ]
+
+
+# -- the table -------------------------------------------------------------------------------------
+def test_prints_the_table(records):
+    table = render_table(list(records.values()))
+    print("\n" + table)
+    for world, rank in records:
+        assert any(
+            line.split()[:1] == [str(world)] and str(rank) in line.split()
+            for line in table.splitlines()
+        )
+
+
+# -- what the code does today ----------------------------------------------------------------------
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: str(s.world_size))
+def test_group_creation_today(records, shape):
+    """Every rank creates every group of every kind (each one world-wide), then DeepSpeed's grid."""
+    keel, ds = topology_sets(shape), deepspeed_sets(shape)
+    assert len(keel) == {1024: 2712, 4096: 8240}[shape.world_size]  # the issue's count
+    for rank in positions(shape):
+        record = records[(shape.world_size, rank)]
+        created = record.created()
+        assert len(record.created((TOPOLOGY,))) == len(keel)
+        assert len(record.created((DEEPSPEED,))) == len(ds)
+        assert all(g.participants == shape.world_size and g.api == "new_group" for g in created)
+        assert {g.ranks for g in created} == {tuple(sorted(s)) for s in keel + ds}
+        assert sum(g.size == 1 for g in created) == sum(len(s) == 1 for s in keel + ds)
+        assert sum(g.member for g in created) == sum(rank in s for s in keel + ds)
+
+
+def test_deepspeed_stops_at_meta_parameters(records):
+    """DeepSpeed's PipelineModule builds its groups, then moves the module to the device: a meta
+    module cannot move, so the engine is not built and what it creates later is not counted."""
+    for record in records.values():
+        note = record.notes[DEEPSPEED]
+        assert note.startswith("stopped at deepspeed/runtime/pipe/module.py:"), note
+        assert "NotImplementedError" in note and "meta tensor" in note
+
+
+def test_deepspeed_engine_builds_from_small_cpu_tensors():
+    """On the fake backend DeepSpeed's whole initialize runs when the (small) model is on the CPU;
+    it adds one group per tied-embedding pair (first and last stage) to those counted on meta."""
+    shape = DENSE
+    record = simulate(shape, 0, engine="cpu")
+    assert record.notes[DEEPSPEED] == "built PipelineEngine"
+    tied = shape.world_size // shape.pp
+    created = record.created((DEEPSPEED,))
+    assert len(created) == len(deepspeed_sets(shape)) + tied
+    assert sum(g.size == 2 and "pipe/module.py" in g.site for g in created) == tied
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: str(s.world_size))
+def test_step_and_checks_today(records, shape):
+    world = shape.world_size
+    dp = world // (shape.tp * shape.pp)
+    for rank in positions(shape):
+        record = records[(world, rank)]
+
+        def calls(phase, record=record):
+            return [(c.channel, c.group, c.op, c.size, c.received) for c in record.calls(phase)]
+
+        # the pipeline loss (one float) over the world's device channel, then the gate's 4 int64s
+        assert calls(STEP) == [
+            ("device", "world", "all_reduce", world, 4),
+            ("control", "world", "all_reduce", world, 32),
+        ]
+        assert calls(ASYNC_SAVE_STEP) == [("control", "world", "all_reduce", world, 4)]
+        outlier = pickled_size((1.0, socket.gethostname()))
+        assert calls("check:loss_outlier") == [
+            ("control", "world", "all_gather_object", world, world * outlier)
+        ]
+        assert calls("check:stragglers") == [("control", "world", "all_gather", world, 8 * world)]
+        checksum = [(c, g, op, n) for c, g, op, n, _ in calls("check:checksum_mismatch")]
+        replicas = [("device", "sp_dp", "all_gather", dp)]
+        if shape.ep > 1:
+            replicas.append(("device", "expert_dp", "all_gather", dp // shape.ep))
+        assert checksum == [
+            *replicas,
+            ("device", "tp", "all_gather", shape.tp),
+            ("device", "world", "all_reduce", world),
+        ]
+        kept = {h.what: h.entries for h in record.held}
+        assert kept["metrics record 'step_time_by_rank'"] == world
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: str(s.world_size))
+def test_preflight_today(records, shape):
+    """Pair groups along a ring and between pipeline neighbours (every one world-wide), and every
+    rank's record gathered to every rank."""
+    world = shape.world_size
+    for rank in positions(shape):
+        record = records[(world, rank)]
+        pairs = record.created((PREFLIGHT,))
+        assert len(pairs) == world + world // shape.pp * (shape.pp - 1)
+        assert all(g.size == 2 and g.participants == world for g in pairs)
+        gathers = [c for c in record.calls(PREFLIGHT) if c.op == "all_gather_object"]
+        assert [(c.channel, c.size) for c in gathers] == [("control", world)]
+        assert gathers[0].received == world * gathers[0].sent
+        kept = {h.what: h.entries for h in record.held}
+        assert kept["every rank's preflight record"] == world
+
+
+# -- the bounds, broken today ----------------------------------------------------------------------
+def test_scale_bounds_are_broken_today(records):
+    """Issue 27's bounds, checked on today's code: each fails, with its numbers. When the fixes
+    land, this test flips to `== []`."""
+    for shape in SHAPES:
+        expected = len(topology_sets(shape)) + len(deepspeed_sets(shape))
+        singles = sum(len(s) == 1 for s in topology_sets(shape) + deepspeed_sets(shape))
+        for rank in positions(shape):
+            found = "\n".join(scale_bounds_violations(records[(shape.world_size, rank)]))
+            assert f"start-up: {expected} group-creation calls on rank {rank} > 22" in found
+            assert f"start-up: {singles} groups of size 1 created" in found
+            assert "step: 1 control-channel collective(s) per step" in found
+            assert "step+async_save: 1 control-channel collective(s) per step" in found
+            assert f"check:loss_outlier: all_gather_object over all {shape.world_size}" in found
+            assert f"check:stragglers: all_gather over all {shape.world_size}" in found
+            assert "keeps metrics record 'step_time_by_rank'" in found
+            assert (f"preflight: rank {rank} receives" in found) == (rank != 0)
+    for small, large in zip(positions(DENSE), positions(MOE)):
+        grown = "\n".join(
+            growth_violations(records[(DENSE.world_size, small)], records[(MOE.world_size, large)])
+        )
+        assert "group-creation calls per rank: 3,049 at 1024 ranks → 9,169 at 4096" in grown
+        assert "check:loss_outlier: bytes received per rank" in grown
+        assert "check:stragglers: bytes received per rank" in grown
+        assert ("preflight: records received per rank" in grown) == (small != 0)
+
+
+# -- the harness itself ----------------------------------------------------------------------------
+def test_world_counts_by_channel_and_leaves_nothing_behind(monkeypatch):
+    monkeypatch.setenv("RANK", "7")
+    originals = (dist.new_group, dist.all_reduce, dist.distributed_c10d.isend, comm.all_reduce)
+    with SimulatedWorld(8, 3) as world:
+        with world.phase("p"):
+            pair = dist.new_group([2, 3], use_local_synchronization=True)
+            dist.new_subgroups(4)  # two groups of 4, each created by the whole world
+            objects = comm.all_gather_object(
+                {"x": 1}, comm.Group("pair", (2, 3), 1, comm.CONTROL, pair)
+            )
+            comm.all_reduce(torch.ones(3), comm.Group("pair", (2, 3), 1, comm.DEVICE, pair))
+            dist.send(torch.ones(2), 5)  # torch's send calls isend: counted once
+    record = world.record
+    assert [(g.ranks, g.member, g.participants) for g in record.groups] == [
+        ((2, 3), True, 2),
+        ((0, 1, 2, 3), True, 8),
+        ((4, 5, 6, 7), False, 8),
+    ]
+    assert objects == [{"x": 1}, {"x": 1}]
+    assert [(c.channel, c.group, c.op, c.size, c.sent, c.received) for c in record.collectives] == [
+        (
+            "control",
+            "pair",
+            "all_gather_object",
+            2,
+            pickled_size({"x": 1}),
+            2 * pickled_size({"x": 1}),
+        ),
+        ("device", "pair", "all_reduce", 2, 12, 12),
+        ("direct", "", "send", 8, 8, 0),
+    ]
+    assert not dist.is_initialized()
+    assert (
+        dist.new_group,
+        dist.all_reduce,
+        dist.distributed_c10d.isend,
+        comm.all_reduce,
+    ) == originals
+    assert os.environ["RANK"] == "7"
