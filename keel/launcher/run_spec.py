@@ -153,12 +153,13 @@ def _check_eval_windows(spec: RunSpec) -> None:
     from keel.data.blend_prepare import open_splits
     from keel.data.token_check import check_windows
 
-    cfg, t, p = spec.cfg, spec.cfg.train, spec.cfg.parallel
-    if not t.eval_interval:
+    cfg, train, parallel = spec.cfg, spec.cfg.train, spec.cfg.parallel
+    if not train.eval_interval:
         return
-    _, _, val = open_splits(spec.data, cfg.data.seq_len, cfg.data.val_fraction, t.seed)
-    dp = max(1, spec.world_size // (p.tp * p.pp * p.sp))
-    check_windows(val, range(min(len(val), t.eval_batches * dp * t.micro_batch_size)), val.vocab_size, "validation")
+    _, _, val = open_splits(spec.data, cfg.data.seq_len, cfg.data.val_fraction, train.seed)
+    dp = max(1, spec.world_size // (parallel.tp * parallel.pp * parallel.sp))
+    check_windows(val, range(min(len(val), train.eval_batches * dp * train.micro_batch_size)), val.vocab_size,
+                  "validation")
 
 
 def _has_tokenizer(directory: Path) -> bool:
@@ -173,10 +174,10 @@ def _prepare_blend(spec: RunSpec, sources: list[tuple[list[str], float]], tokeni
     from keel.data.blend_prepare import prepare_blend
     from keel.engine.lr_schedule import samples_before_step
 
-    cfg, t = spec.cfg, spec.cfg.train
+    cfg, train = spec.cfg, spec.cfg.train
     ends = [int(str(r).split(":")[1]) for r in cfg.data.skip_ranges]
-    schedule = samples_before_step(t.steps, t)
-    horizon = max([schedule, *ends]) + 64 * t.global_batch_size  # margin: rollbacks skip ahead
+    schedule = samples_before_step(train.steps, train)
+    horizon = max([schedule, *ends]) + 64 * train.global_batch_size  # margin: rollbacks skip ahead
     return prepare_blend(sources, cfg.data.cache_dir, cfg.data.tokenizer_vocab_size, cfg.data.text_field,
                          spec.base_dir, horizon, cfg.data.seq_len, cfg.data.val_fraction, schedule,
                          tokenizer=tokenizer)

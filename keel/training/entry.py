@@ -37,9 +37,9 @@ def run_rank(run_dir: Path) -> int:
     rank = dist.get_rank()
     setup_logging(rank)
     log = logging.getLogger("keel")
-    p = cfg.parallel
-    topology = Topology.from_env(tp=p.tp, pp=p.pp, ep=p.ep, sp=p.sp, pipeline_schedule=p.pipeline_schedule,
-                                virtual_stages=p.virtual_stages)
+    parallel = cfg.parallel
+    topology = Topology.from_env(tp=parallel.tp, pp=parallel.pp, ep=parallel.ep, sp=parallel.sp,
+                                pipeline_schedule=parallel.pipeline_schedule, virtual_stages=parallel.virtual_stages)
     if cfg.logging.collective_trace:
         topology.trace_into(RunDir(run_dir).collectives)
     seed_everything(data_parallel_seed(cfg.train.seed, topology))

@@ -42,13 +42,13 @@ class ExportResult:
 
 def check_exportable(ckpt: KeelCheckpoint) -> None:
     """Refuse, in one line, a model HF's Llama cannot represent."""
-    m = ckpt.cfg.model
-    if m.norm != "rmsnorm":
-        raise ConfigError(f"model.norm={m.norm}: HF Llama has RMSNorm only, so this run does not export")
-    if reason := llama_cannot_express(m):
+    model = ckpt.cfg.model
+    if model.norm != "rmsnorm":
+        raise ConfigError(f"model.norm={model.norm}: HF Llama has RMSNorm only, so this run does not export")
+    if reason := llama_cannot_express(model):
         raise ConfigError(f"{reason}, so this run does not export")
-    if m.moe_experts:
-        check_mixtral(m)
+    if model.moe_experts:
+        check_mixtral(model)
         if ckpt.pp > 1:
             raise ConfigError(f"{ckpt.tag_dir}: an MoE checkpoint at pp={ckpt.pp} does not export yet (pipeline "
                               "stages keep their experts in other files); export MoE runs trained at pp=1")

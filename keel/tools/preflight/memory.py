@@ -34,9 +34,9 @@ class MemoryResult:
 
 
 def run_needs(cfg: RunConfig, ds: dict, world_size: int) -> RunNeeds:
-    p = cfg.parallel
-    dp = world_size // (p.tp * p.pp * p.sp)
-    state = estimate(cfg, ds, Layout(tp=p.tp, pp=p.pp, dp=dp, ep=p.ep, sp=p.sp)).total
+    parallel = cfg.parallel
+    dp = world_size // (parallel.tp * parallel.pp * parallel.sp)
+    state = estimate(cfg, ds, Layout(tp=parallel.tp, pp=parallel.pp, dp=dp, ep=parallel.ep, sp=parallel.sp)).total
     return RunNeeds(state, checkpoint_bytes(cfg, ds), cfg.checkpoint.keep_last)
 
 
