@@ -16,6 +16,7 @@ import torch
 
 from keel.adapters.deepspeed_internals import master_state, zero3_partition
 from keel.config import FaultsConfig
+from keel.model import EmbeddingLayer
 from keel.run_dir import ExitCode
 
 log = logging.getLogger("keel")
@@ -43,8 +44,6 @@ class FaultInjector:
             self._handle = embedding.register_forward_hook(self._poison_hook)
 
     def _embedding(self) -> torch.nn.Module | None:
-        from keel.model import EmbeddingLayer
-
         return next((m for m in self.model.modules() if isinstance(m, EmbeddingLayer)), None)
 
     def _poison_hook(self, module, inputs, output):

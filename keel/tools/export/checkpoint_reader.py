@@ -28,6 +28,9 @@ import torch
 
 from keel.config import ConfigError, RunConfig
 from keel.engine.ds_config import precision, zero_stage
+from keel.model.llama import build_layers
+from keel.model.router import is_moe_block
+from keel.parallel.tensor import TPContext
 from keel.run_dir import COMPLETE, LATEST, TAG, RunDir, read_run_dir, tag_for
 
 _EXPERT_KEY = "deepspeed_moe.experts.deepspeed_experts"  # DeepSpeed's key pattern for expert parameters
@@ -83,7 +86,8 @@ def open_checkpoint(run_dir: Path, step: int | None = None) -> KeelCheckpoint:
     """The run's checkpoint at `step` (default: the one `latest` names), refused in one line unless complete."""
     run_dir = Path(run_dir)
     if not RunDir(run_dir).config.is_file():
-        raise ConfigError(f"{run_dir} is not a Keel run dir (no {RunDir(run_dir).config.name}); pass the --run-dir of a keel train")
+        raise ConfigError(f"{run_dir} is not a Keel run dir (no {RunDir(run_dir).config.name}); pass the --run-dir "
+                          "of a keel train")
     cfg, ds_raw, data = read_run_dir(run_dir)
     ckpt = RunDir(run_dir).checkpoints
     complete = sorted(p.name for p in ckpt.iterdir() if TAG.fullmatch(p.name) and (p / COMPLETE).is_file()) \
@@ -115,9 +119,6 @@ def open_checkpoint(run_dir: Path, step: int | None = None) -> KeelCheckpoint:
 def param_layouts(cfg: RunConfig, tp: int) -> dict[str, ParamLayout]:
     """Every parameter of the `CausalLM` state dict (`layers.<index>.<name>`) as tp rank 0 of a `tp`-wide run
     holds it, from a build on the meta device (no storage)."""
-    from keel.model.llama import build_layers
-    from keel.parallel.tensor import TPContext
-
     context = TPContext(rank=0, size=tp) if tp > 1 else TPContext()
     with torch.device("meta"):
         layers = build_layers(cfg.model, context)
@@ -197,8 +198,6 @@ class CheckpointReader:
     def _expert_file(self, name: str, tp_rank: int) -> dict:
         """DeepSpeed saves each expert of each MoE layer on its own (`layer_<moe layer>_expert_<global id>_mp_rank_
         <tp>`), keyed by the parameter's name with the expert's global id, whichever ep rank held it."""
-        from keel.model.router import is_moe_block
-
         block = int(name.split(".")[1]) - 1
         moe_layer = sum(is_moe_block(self.ckpt.cfg.model, b) for b in range(block))
         expert = int(name.split(_EXPERT_KEY + ".")[1].split(".")[0])
@@ -234,7 +233,7 @@ class CheckpointReader:
             yield name, value.view(shape)
 
     def _zero3_shards(self, names: list[str], tp_rank: int):
-        from keel.adapters.deepspeed_internals.zero3_reader import zero3_fp32_state
+        from keel.adapters.deepspeed_internals.zero3_reader import zero3_fp32_state  # imports deepspeed: ZeRO-3 only
 
         files = [self.ckpt.tag_dir / f"zero_pp_rank_{dp}_mp_rank_{tp_rank:02d}_{kind}_states.pt"
                  for kind in ("model", "optim") for dp in range(self.ckpt.dp)]

@@ -19,6 +19,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from safetensors.torch import save_file
+
 from keel.config import ConfigError, ModelConfig
 from keel.model.hf import hf_parts, keel_names, llama_cannot_express, to_hf_config
 from keel.run_dir import temp_sibling
@@ -78,8 +80,6 @@ def plan_shards(reader: CheckpointReader, units: list[Unit], max_bytes: int) -> 
 
 def write_weights(reader: CheckpointReader, out: Path, max_bytes: int) -> tuple[int, int]:
     """The sharded safetensors and (for several shards) their index; returns (shards, total bytes)."""
-    from safetensors.torch import save_file
-
     cfg = reader.ckpt.cfg.model
     shards = plan_shards(reader, export_units(cfg), max_bytes)
     weight_map: dict[str, str] = {}
@@ -105,7 +105,7 @@ def write_weights(reader: CheckpointReader, out: Path, max_bytes: int) -> tuple[
 def export_hf(run_dir: Path, out_dir: Path, step: int | None = None,
               max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> ExportResult:
     """Write `out_dir` (which must not exist) from the run's checkpoint at `step` (default: latest)."""
-    from transformers import GenerationConfig
+    from transformers import GenerationConfig  # slow to import (seconds): only when an export runs
 
     out_dir = Path(out_dir).resolve()
     if out_dir.exists():

@@ -12,6 +12,7 @@ import os
 import platform
 from dataclasses import dataclass
 
+import psutil
 import torch
 
 from keel.config import RunConfig
@@ -53,7 +54,5 @@ def host_name() -> str:
 
 
 def measure_memory(device: str) -> MemoryResult:
-    import psutil
-
     device_free = torch.cuda.mem_get_info()[0] if device == "cuda" else -1
     return MemoryResult(host_name(), int(psutil.virtual_memory().available), int(device_free))

@@ -11,13 +11,16 @@ import logging
 import time
 from pathlib import Path
 
+import torch.distributed as dist
 import yaml
 
 from keel.config import RunConfig
+from keel.data import load_tokenizer, resolve_tokenizer_path
+from keel.engine.distributed import init_distributed, setup_logging
 from keel.engine.ds_config import precision
 from keel.parallel import comm
 from keel.parallel.topology import WORLD, Topology
-from keel.run_dir import RunDir, RunSpec
+from keel.run_dir import RunDir, RunSpec, checkpoint_dir
 from keel.tools.preflight.clock import Clock, measure_offsets
 from keel.tools.preflight.collectives import Injected, Timer, measure_kinds, measure_links
 from keel.tools.preflight.compute import measure_compute
@@ -39,8 +42,6 @@ def resolve_vocab_size(spec: RunSpec) -> None:
     if saved.is_file():
         model.vocab_size = int((yaml.safe_load(saved.read_text()).get("model") or {}).get("vocab_size") or 0)
     if not model.vocab_size:
-        from keel.data import load_tokenizer, resolve_tokenizer_path
-
         path = resolve_tokenizer_path(spec.cfg.data.tokenizer, spec.base_dir)
         model.vocab_size = load_tokenizer(path).vocab_size if path else spec.cfg.data.tokenizer_vocab_size
 
@@ -52,11 +53,6 @@ def injected_clock(cfg: RunConfig, rank: int) -> Clock:
 
 def run_preflight(spec: RunSpec) -> int:
     """Measure, gather, judge; returns the agreed exit code (0 healthy, 9 bad ranks)."""
-    import torch.distributed as dist
-
-    from keel.engine.distributed import init_distributed, setup_logging
-    from keel.run_dir import checkpoint_dir
-
     init_distributed()
     rank = dist.get_rank()
     setup_logging(rank)
