@@ -66,14 +66,14 @@ def validate_fields(section: str, values: object, keys: tuple[str, ...] | None =
 
 
 # -- the whole run ---------------------------------------------------------------------------------------------
-def clamp_warmup(t: TrainConfig) -> str | None:
+def clamp_warmup(train: TrainConfig) -> str | None:
     """A warmup longer than the run (the default 30 steps in a quick `--set train.steps=20`) ends with the run:
     clamped, with the warning line to show (None when nothing changed). A negative one is still refused."""
-    if t.warmup_steps <= t.steps or t.steps <= 0:
+    if train.warmup_steps <= train.steps or train.steps <= 0:
         return None
-    line = (f"train.warmup_steps={t.warmup_steps} is longer than the run (train.steps={t.steps}): "
-            f"clamped to {t.steps}")
-    t.warmup_steps = t.steps
+    line = (f"train.warmup_steps={train.warmup_steps} is longer than the run (train.steps={train.steps}): "
+            f"clamped to {train.steps}")
+    train.warmup_steps = train.steps
     return line
 
 
@@ -83,39 +83,44 @@ def validate(cfg: RunConfig, world_size: int) -> None:
     for section in SECTIONS:
         if section != "model":
             validate_fields(section, getattr(cfg, section))
-    d, t, p = cfg.data, cfg.train, cfg.parallel
-    _require(d.tokenizer.strip() != "", "data.tokenizer: empty; use train, or the path of a sentencepiece .model, "
+    data, train, parallel = cfg.data, cfg.train, cfg.parallel
+    _require(data.tokenizer.strip() != "", "data.tokenizer: empty; use train, or the path of a sentencepiece .model, "
              "an HF tokenizer.json or an HF tokenizer directory")
-    _require(d.tokenizer != "train" or d.tokenizer_vocab_size >= 300,
-             f"data.tokenizer_vocab_size: {d.tokenizer_vocab_size} is too small (byte fallback needs >= 300)")
-    weighted_sources(d.corpus)
-    for i, item in enumerate(d.skip_ranges):
+    _require(data.tokenizer != "train" or data.tokenizer_vocab_size >= 300,
+             f"data.tokenizer_vocab_size: {data.tokenizer_vocab_size} is too small (byte fallback needs >= 300)")
+    weighted_sources(data.corpus)
+    for i, item in enumerate(data.skip_ranges):
         parse_skip_range(item, f"data.skip_ranges[{i}]")
-    _require(not d.document_mask or (p.pp == 1 and p.sp == 1),
-             f"data.document_mask with parallel.pp={p.pp}, sp={p.sp}: the mask is built from the tokens in the "
-             "model's forward, which pipeline stages and Ulysses shards do not see whole; use pp=1 and sp=1")
-    _require(t.warmup_steps <= t.steps, f"train.warmup_steps: {t.warmup_steps} must lie in [0, train.steps={t.steps}]")
+    _require(not data.document_mask or (parallel.pp == 1 and parallel.sp == 1),
+             f"data.document_mask with parallel.pp={parallel.pp}, sp={parallel.sp}: the mask is built from the "
+             "tokens in the model's forward, which pipeline stages and Ulysses shards do not see whole; use pp=1 "
+             "and sp=1")
+    _require(train.warmup_steps <= train.steps,
+             f"train.warmup_steps: {train.warmup_steps} must lie in [0, train.steps={train.steps}]")
     validate_layout(cfg)
-    _require(p.pipeline_partition in PIPELINE_PARTITIONS or p.pipeline_partition.startswith("type:"),
+    _require(parallel.pipeline_partition in PIPELINE_PARTITIONS or parallel.pipeline_partition.startswith("type:"),
              f"parallel.pipeline_partition: expected {', '.join(PIPELINE_PARTITIONS)} or type:<LayerClass>, "
-             f"got {p.pipeline_partition!r}")
-    if p.pipeline_schedule != "1f1b":
-        _require(p.pp > 1, f"parallel.pipeline_schedule={p.pipeline_schedule} needs parallel.pp >= 2 (got {p.pp})")
-        _require(not cfg.model.moe_experts, f"parallel.pipeline_schedule={p.pipeline_schedule} with model.moe_experts:"
+             f"got {parallel.pipeline_partition!r}")
+    if parallel.pipeline_schedule != "1f1b":
+        _require(parallel.pp > 1,
+                 f"parallel.pipeline_schedule={parallel.pipeline_schedule} needs parallel.pp >= 2 (got {parallel.pp})")
+        _require(not cfg.model.moe_experts,
+                 f"parallel.pipeline_schedule={parallel.pipeline_schedule} with model.moe_experts:"
                  " MoE runs in pipeline stages under 1f1b only; use parallel.pipeline_schedule=1f1b")
-        stages = p.stages_per_rank() * p.pp
+        stages = parallel.stages_per_rank() * parallel.pp
         _require(stages <= cfg.model.n_layers + 3,
-                 f"parallel.pp={p.pp}: {p.pipeline_schedule} cuts {p.stages_per_rank()}×pp = {stages} stages, more "
+                 f"parallel.pp={parallel.pp}: {parallel.pipeline_schedule} cuts {parallel.stages_per_rank()}×pp = "
+                 f"{stages} stages, more "
                  f"than the {cfg.model.n_layers + 3} layers to split"
-                 f"{'; lower parallel.virtual_stages' if p.pipeline_schedule == 'interleaved' else ''}")
-    _require(p.pp <= cfg.model.n_layers + 3,
-             f"parallel.pp={p.pp}: more pipeline stages than the {cfg.model.n_layers + 3} layers to split")
-    dp = validate_world_size(world_size, tp=p.tp, pp=p.pp, sp=p.sp, ep=p.ep)
-    validate_batch_split(t, dp)
-    first_batch = min(t.rampup_start_batch or t.global_batch_size, t.global_batch_size)
-    micro_batches = first_batch // (t.micro_batch_size * dp)
+                 f"{'; lower parallel.virtual_stages' if parallel.pipeline_schedule == 'interleaved' else ''}")
+    _require(parallel.pp <= cfg.model.n_layers + 3,
+             f"parallel.pp={parallel.pp}: more pipeline stages than the {cfg.model.n_layers + 3} layers to split")
+    dp = validate_world_size(world_size, tp=parallel.tp, pp=parallel.pp, sp=parallel.sp, ep=parallel.ep)
+    validate_batch_split(train, dp)
+    first_batch = min(train.rampup_start_batch or train.global_batch_size, train.global_batch_size)
+    micro_batches = first_batch // (train.micro_batch_size * dp)
     validate_schedule_batches(cfg, micro_batches, first_batch, dp)
-    validate_schedule(t, dp)
+    validate_schedule(train, dp)
     validate_stability(cfg.stability)
     validate_faults(cfg.faults, world_size, cfg.model.moe_experts)
 
@@ -124,34 +129,39 @@ def validate_schedule_batches(cfg: RunConfig, micro_batches: int, first_batch: i
     """The micro-batch counts a multi-stage pipeline schedule runs with: both schedules run on DeepSpeed's
     `DualPipeVEngine`, which asserts at least 2×pp per step; interleaved 1F1B takes them in groups of pp (for the
     validation batches too)."""
-    p, t = cfg.parallel, cfg.train
-    if p.pipeline_schedule == "1f1b":
+    parallel, train = cfg.parallel, cfg.train
+    if parallel.pipeline_schedule == "1f1b":
         return
-    fix = (f"raise train.global_batch_size{' and train.rampup_start_batch' if t.rampup_start_batch else ''} or "
+    fix = (f"raise train.global_batch_size{' and train.rampup_start_batch' if train.rampup_start_batch else ''} or "
            "lower train.micro_batch_size")
-    _require(micro_batches >= 2 * p.pp,
-             f"parallel.pipeline_schedule={p.pipeline_schedule} needs at least 2×pp = {2 * p.pp} micro-batches per "
+    _require(micro_batches >= 2 * parallel.pp,
+             f"parallel.pipeline_schedule={parallel.pipeline_schedule} needs at least 2×pp = {2 * parallel.pp} "
+             "micro-batches per "
              f"step on each data-parallel rank; a batch of {first_batch} gives {micro_batches} (batch / "
-             f"(train.micro_batch_size×dp = {t.micro_batch_size}×{dp})): {fix}")
-    if p.pipeline_schedule == "dualpipev":
-        _require(t.eval_batches >= 2 * p.pp, f"train.eval_batches: {t.eval_batches} validation micro-batches; "
-                 f"parallel.pipeline_schedule=dualpipev needs at least 2×pp = {2 * p.pp}")
+             f"(train.micro_batch_size×dp = {train.micro_batch_size}×{dp})): {fix}")
+    if parallel.pipeline_schedule == "dualpipev":
+        _require(train.eval_batches >= 2 * parallel.pp,
+                 f"train.eval_batches: {train.eval_batches} validation micro-batches; "
+                 f"parallel.pipeline_schedule=dualpipev needs at least 2×pp = {2 * parallel.pp}")
         return
-    _require(not t.rampup_start_batch, f"train.rampup_start_batch={t.rampup_start_batch} with parallel."
+    _require(not train.rampup_start_batch, f"train.rampup_start_batch={train.rampup_start_batch} with parallel."
              "pipeline_schedule=interleaved: the ramp steps through every micro-batch count and interleaved 1F1B "
-             f"takes them in groups of pp={p.pp}; ramp under 1f1b or dualpipev, or set train.rampup_start_batch=0")
-    _require(micro_batches % p.pp == 0,
-             f"parallel.pipeline_schedule=interleaved takes micro-batches in groups of pp={p.pp}; a batch of "
-             f"{first_batch} gives {micro_batches} per step: make it a multiple of {p.pp} (train.global_batch_size "
+             f"takes them in groups of pp={parallel.pp}; ramp under 1f1b or dualpipev, or set "
+             "train.rampup_start_batch=0")
+    _require(micro_batches % parallel.pp == 0,
+             f"parallel.pipeline_schedule=interleaved takes micro-batches in groups of pp={parallel.pp}; a batch of "
+             f"{first_batch} gives {micro_batches} per step: make it a multiple of {parallel.pp} "
+             "(train.global_batch_size "
              f"= micro-batches × train.micro_batch_size × dp)")
-    _require(t.eval_batches % p.pp == 0, f"train.eval_batches: {t.eval_batches}; parallel.pipeline_schedule="
-             f"interleaved takes micro-batches in groups of pp={p.pp}: use a multiple of {p.pp}")
+    _require(train.eval_batches % parallel.pp == 0,
+             f"train.eval_batches: {train.eval_batches}; parallel.pipeline_schedule="
+             f"interleaved takes micro-batches in groups of pp={parallel.pp}: use a multiple of {parallel.pp}")
 
 
-def validate_stability(s: StabilityConfig) -> None:
+def validate_stability(stability: StabilityConfig) -> None:
     """A growth factor at or below 1 would flag every step."""
-    _require(s.attn_logit_growth == 0 or s.attn_logit_growth > 1,
-             f"stability.attn_logit_growth: a factor > 1 (0: off), got {s.attn_logit_growth}")
+    _require(stability.attn_logit_growth == 0 or stability.attn_logit_growth > 1,
+             f"stability.attn_logit_growth: a factor > 1 (0: off), got {stability.attn_logit_growth}")
 
 
 def parse_skip_range(item: object, name: str = "data.skip_ranges") -> tuple[int, int]:
@@ -165,70 +175,72 @@ def parse_skip_range(item: object, name: str = "data.skip_ranges") -> tuple[int,
     return start, end
 
 
-def validate_faults(f: FaultsConfig, world_size: int, experts: int) -> None:
+def validate_faults(faults: FaultsConfig, world_size: int, experts: int) -> None:
     """A fault aimed at a rank or an expert that does not exist would silently never fire."""
     for key in ("nan_rank", "bitflip_rank", "sleep_rank", "noise_rank", "save_stall_rank", "checkpoint_dir_rank",
                 "save_enospc_rank", "corrupt_state_rank", "preflight_bad_matmul_rank", "preflight_slow_rank",
                 "preflight_slow_link_rank", "preflight_clock_skew_rank"):
-        rank = getattr(f, key)
+        rank = getattr(faults, key)
         _require(rank < world_size, f"faults.{key}={rank}: the run has ranks 0..{world_size - 1}")
-    _require(f.starve_expert < experts, f"faults.starve_expert={f.starve_expert}: "
+    _require(faults.starve_expert < experts, f"faults.starve_expert={faults.starve_expert}: "
              + (f"the model has experts 0..{experts - 1}" if experts else "needs an MoE model (model.moe_experts)"))
 
 
 # -- the model -------------------------------------------------------------------------------------------------
-def validate_model(m: ModelConfig) -> None:
+def validate_model(model: ModelConfig) -> None:
     """Shapes and choices of the model alone; also called by `build_layers` for models built without `validate`."""
-    validate_fields("model", m)
-    _require(m.dim % m.n_heads == 0, f"model.n_heads: {m.n_heads} does not divide model.dim {m.dim}")
-    _require(m.n_heads % m.n_kv_heads == 0, f"model.n_kv_heads: {m.n_kv_heads} must divide model.n_heads {m.n_heads}")
-    _require(m.head_dim % 2 == 0, f"model.dim: head_dim = dim / n_heads = {m.head_dim} must be even for RoPE")
-    _require(not m.deepnorm or m.norm_placement == "post",
-             f"model.deepnorm: DeepNet is post-norm; set model.norm_placement: post (got {m.norm_placement!r})")
-    validate_moe(m)
+    validate_fields("model", model)
+    _require(model.dim % model.n_heads == 0, f"model.n_heads: {model.n_heads} does not divide model.dim {model.dim}")
+    _require(model.n_heads % model.n_kv_heads == 0,
+             f"model.n_kv_heads: {model.n_kv_heads} must divide model.n_heads {model.n_heads}")
+    _require(model.head_dim % 2 == 0, f"model.dim: head_dim = dim / n_heads = {model.head_dim} must be even for RoPE")
+    _require(not model.deepnorm or model.norm_placement == "post",
+             f"model.deepnorm: DeepNet is post-norm; set model.norm_placement: post (got {model.norm_placement!r})")
+    validate_moe(model)
 
 
-def validate_moe(m: ModelConfig) -> None:
+def validate_moe(model: ModelConfig) -> None:
     """The mixture-of-experts settings that relate to the model (each field's range is checked on its own)."""
-    if m.moe_experts == 0:
+    if model.moe_experts == 0:
         return
-    _require(m.moe_experts >= 2, f"model.moe_experts: an MoE layer needs >= 2 experts, got {m.moe_experts}")
-    _require(m.moe_every <= m.n_layers, f"model.moe_every: expected 1..n_layers={m.n_layers}, got {m.moe_every}")
+    _require(model.moe_experts >= 2, f"model.moe_experts: an MoE layer needs >= 2 experts, got {model.moe_experts}")
+    _require(model.moe_every <= model.n_layers,
+             f"model.moe_every: expected 1..n_layers={model.n_layers}, got {model.moe_every}")
 
 
 # -- the LR schedule and batch-size ramp-up --------------------------------------------------------------------
-def validate_schedule(t: TrainConfig, dp: int) -> None:
+def validate_schedule(train: TrainConfig, dp: int) -> None:
     """Schedule and ramp-up fields for `dp` data-parallel ranks."""
-    validate_schedule_choices(t)
-    validate_fields("train", t, ("decay_fraction", "rampup_start_batch", "rampup_steps"))
-    if t.rampup_start_batch == 0:  # no ramp-up
+    validate_schedule_choices(train)
+    validate_fields("train", train, ("decay_fraction", "rampup_start_batch", "rampup_steps"))
+    if train.rampup_start_batch == 0:  # no ramp-up
         return
-    unit = t.micro_batch_size * dp
-    _require(t.rampup_start_batch < t.global_batch_size,
-             f"train.rampup_start_batch={t.rampup_start_batch} must be smaller than "
-             f"train.global_batch_size={t.global_batch_size}")
-    _require(t.rampup_start_batch % unit == 0,
-             f"train.rampup_start_batch={t.rampup_start_batch} must be a multiple of train.micro_batch_size×dp = "
-             f"{t.micro_batch_size}×{dp} = {unit}")
-    _require(t.rampup_steps >= 1,
-             f"train.rampup_steps: must be >= 1 when train.rampup_start_batch > 0, got {t.rampup_steps}")
+    unit = train.micro_batch_size * dp
+    _require(train.rampup_start_batch < train.global_batch_size,
+             f"train.rampup_start_batch={train.rampup_start_batch} must be smaller than "
+             f"train.global_batch_size={train.global_batch_size}")
+    _require(train.rampup_start_batch % unit == 0,
+             f"train.rampup_start_batch={train.rampup_start_batch} must be a multiple of train.micro_batch_size×dp = "
+             f"{train.micro_batch_size}×{dp} = {unit}")
+    _require(train.rampup_steps >= 1,
+             f"train.rampup_steps: must be >= 1 when train.rampup_start_batch > 0, got {train.rampup_steps}")
 
 
-def validate_schedule_choices(t: TrainConfig) -> None:
+def validate_schedule_choices(train: TrainConfig) -> None:
     """The schedule and ramp-up LR scaling name shapes `keel.engine.lr_schedule` has; called by its dispatch
     when it meets an unknown name (a TrainConfig built by hand), so the error is this one."""
-    _require(t.lr_schedule in LR_SCHEDULES, f"train.lr_schedule: expected {_either(LR_SCHEDULES)}, "
-                                            f"got {t.lr_schedule!r}")
-    _require(t.rampup_lr_scaling in RAMPUP_SCALINGS,
-             f"train.rampup_lr_scaling: expected one of {', '.join(RAMPUP_SCALINGS)}, got {t.rampup_lr_scaling!r}")
+    _require(train.lr_schedule in LR_SCHEDULES, f"train.lr_schedule: expected {_either(LR_SCHEDULES)}, "
+                                                f"got {train.lr_schedule!r}")
+    _require(train.rampup_lr_scaling in RAMPUP_SCALINGS,
+             f"train.rampup_lr_scaling: expected one of {', '.join(RAMPUP_SCALINGS)}, got {train.rampup_lr_scaling!r}")
 
 
-def validate_batch_split(t: TrainConfig, dp: int) -> None:
+def validate_batch_split(train: TrainConfig, dp: int) -> None:
     """The global batch splits into whole micro-batches on each of `dp` ranks. Also called where DeepSpeed's
     gradient accumulation is derived from the data-parallel size the ranks actually have (a resize on resume)."""
-    _require(t.global_batch_size % (t.micro_batch_size * dp) == 0,
-             f"train.global_batch_size={t.global_batch_size} must be a multiple of train.micro_batch_size×dp = "
-             f"{t.micro_batch_size}×{dp} = {t.micro_batch_size * dp}")
+    _require(train.global_batch_size % (train.micro_batch_size * dp) == 0,
+             f"train.global_batch_size={train.global_batch_size} must be a multiple of train.micro_batch_size×dp = "
+             f"{train.micro_batch_size}×{dp} = {train.micro_batch_size * dp}")
 
 
 # -- the parallel layout ---------------------------------------------------------------------------------------
@@ -268,9 +280,9 @@ def compile_setting(value: object) -> str:
 def unsupported_compile_layout(cfg: RunConfig) -> list[str]:
     """The settings a compiled block is not proven under: the blocks' collectives (tp, sp, ep all-to-all) and
     the pipeline engine's layer calls."""
-    m, p = cfg.model, cfg.parallel
-    return [name for name, on in (("model.moe_experts", m.moe_experts > 0), ("parallel.tp", p.tp > 1),
-                                  ("parallel.pp", p.pp > 1), ("parallel.sp", p.sp > 1)) if on]
+    model, parallel = cfg.model, cfg.parallel
+    return [name for name, on in (("model.moe_experts", model.moe_experts > 0), ("parallel.tp", parallel.tp > 1),
+                                  ("parallel.pp", parallel.pp > 1), ("parallel.sp", parallel.sp > 1)) if on]
 
 
 def validate_compile(cfg: RunConfig) -> None:
@@ -285,16 +297,17 @@ def validate_compile(cfg: RunConfig) -> None:
 
 def validate_tensor_parallel(cfg: RunConfig) -> None:
     """Heads, kv heads and the MLP width must split evenly over tp; SP shards the sequence over tp."""
-    m, tp = cfg.model, cfg.parallel.tp
+    model, tp = cfg.model, cfg.parallel.tp
     if tp == 1:
         return
-    _require(m.n_heads % tp == 0, f"model.n_heads={m.n_heads} must be divisible by parallel.tp={tp}")
-    _require(m.n_kv_heads % tp == 0 or tp % m.n_kv_heads == 0,
-             f"model.n_kv_heads={m.n_kv_heads} and parallel.tp={tp}: one must divide the other "
+    _require(model.n_heads % tp == 0, f"model.n_heads={model.n_heads} must be divisible by parallel.tp={tp}")
+    _require(model.n_kv_heads % tp == 0 or tp % model.n_kv_heads == 0,
+             f"model.n_kv_heads={model.n_kv_heads} and parallel.tp={tp}: one must divide the other "
              "(kv heads are split when tp divides them, replicated when they divide tp)")
-    _require(m.ffn_dim % tp == 0, f"model.ffn_hidden: the MLP width {m.ffn_dim} must be divisible by parallel.tp={tp}")
-    expert_width = m.moe_ffn_hidden or m.ffn_dim
-    _require(not m.moe_experts or expert_width % tp == 0,
+    _require(model.ffn_dim % tp == 0,
+             f"model.ffn_hidden: the MLP width {model.ffn_dim} must be divisible by parallel.tp={tp}")
+    expert_width = model.moe_ffn_hidden or model.ffn_dim
+    _require(not model.moe_experts or expert_width % tp == 0,
              f"model.moe_ffn_hidden: the expert width {expert_width} must be divisible by parallel.tp={tp}")
     if cfg.parallel.sequence_parallel:
         _require(cfg.data.seq_len % tp == 0,
@@ -303,17 +316,19 @@ def validate_tensor_parallel(cfg: RunConfig) -> None:
 
 def validate_expert_and_sequence_parallel(cfg: RunConfig) -> None:
     """ep shards the experts (so needs them, evenly); Ulysses sp shards the sequence and, in attention, the heads."""
-    m, p = cfg.model, cfg.parallel
-    if p.ep > 1:
-        _require(m.moe_experts > 0, f"parallel.ep={p.ep} needs a mixture-of-experts model: set model.moe_experts")
-        _require(m.moe_experts % p.ep == 0,
-                 f"model.moe_experts={m.moe_experts} must be divisible by parallel.ep={p.ep}")
-    if p.sp == 1:
+    model, parallel = cfg.model, cfg.parallel
+    if parallel.ep > 1:
+        _require(model.moe_experts > 0,
+                 f"parallel.ep={parallel.ep} needs a mixture-of-experts model: set model.moe_experts")
+        _require(model.moe_experts % parallel.ep == 0,
+                 f"model.moe_experts={model.moe_experts} must be divisible by parallel.ep={parallel.ep}")
+    if parallel.sp == 1:
         return
-    heads = m.n_heads // p.tp
-    _require(heads % p.sp == 0, f"parallel.sp={p.sp} must divide the attention heads per tensor-parallel rank "
-                                f"(model.n_heads / parallel.tp = {heads})")
-    shards = p.sp * (p.tp if p.sequence_parallel else 1)
+    heads = model.n_heads // parallel.tp
+    _require(heads % parallel.sp == 0,
+             f"parallel.sp={parallel.sp} must divide the attention heads per tensor-parallel rank "
+             f"(model.n_heads / parallel.tp = {heads})")
+    shards = parallel.sp * (parallel.tp if parallel.sequence_parallel else 1)
     _require(cfg.data.seq_len % shards == 0,
              f"data.seq_len={cfg.data.seq_len} must be divisible by {shards} (parallel.sp"
-             f"{' × parallel.tp under sequence_parallel' if p.sequence_parallel else ''})")
+             f"{' × parallel.tp under sequence_parallel' if parallel.sequence_parallel else ''})")

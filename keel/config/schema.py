@@ -204,7 +204,8 @@ class CheckpointConfig:
 class LoggingConfig:
     log_interval: int = 10  # stdout line every N steps; metrics.jsonl gets every step
     collective_trace: bool = False  # record every Keel collective per rank in RUN_DIR/collectives/ (debug, tests)
-    sync_debug: str = ""  # "warn": count the synchronizing CUDA calls of each step (keel/training/observe/sync_debug.py)
+    # "warn": count the synchronizing CUDA calls of each step (keel/training/observe/sync_debug.py)
+    sync_debug: str = ""
     peak_tflops: float = 0.0  # one device's peak, for the step line's MFU (0: H100/H200/A100 by name, else n/a)
 
 
@@ -239,7 +240,8 @@ class StabilityConfig:
     watchdog_save_timeout: float = 1200.0  # checkpoint save, and the load of a rollback
     straggler_interval: int = 50  # log slowest/fastest rank step time every N steps (0: off)
     monitor_interval: int = 50  # per-layer grad norms and activation statistics every N steps (0: off)
-    # the monitor's largest attention logit per block (keel/training/observe/attention_logits.py): warn above this (0: off)
+    # the monitor's largest attention logit per block (keel/training/observe/attention_logits.py): warn above this
+    # (0: off)
     attn_logit_warn: float = 1e4
     attn_logit_growth: float = 0.0  # ... or above this factor × its first recorded value (0: off)
     expert_interval: int = 10  # MoE: per-layer expert load, dropped fraction, router entropy every N steps (0: off)

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from keel.data.errors import DataError
+from keel.data.samples import GlobalSampleOrder
 from keel.run_dir import temp_sibling
 
 BLEND_DTYPE = np.dtype([("source", "<u2"), ("ordinal", "<i8")])
@@ -123,8 +124,6 @@ class BlendedOrder:
     drop-in: `num_samples`, `sample_id(s)`); beyond the cached horizon the blend continues in memory."""
 
     def __init__(self, index: np.ndarray, weights: np.ndarray, samples: BlendedSamples, seed: int) -> None:
-        from keel.data.samples import GlobalSampleOrder
-
         self.index, self.weights, self.samples = index, weights, samples
         self.num_samples = len(samples)
         self.orders = [GlobalSampleOrder(len(s), seed, stream=i) for i, s in enumerate(samples.sources)]

@@ -16,11 +16,11 @@ from typing import Any
 
 import numpy as np
 
-from keel.data.blend import ensure_blend_index, normalized_weights, realised_shares
+from keel.data.blend import BlendedOrder, BlendedSamples, ensure_blend_index, normalized_weights, realised_shares
 from keel.data.errors import DataError
 from keel.data.indexed import IndexedDataset
 from keel.data.prepare import ensure_prepared
-from keel.data.samples import PackedSamples
+from keel.data.samples import GlobalSampleOrder, PackedSamples
 
 BLEND_VERSION = 1
 
@@ -57,9 +57,6 @@ def prepare_blend(sources: list[tuple[list[str], float]], cache_dir: str | Path,
 
 def open_splits(data: dict[str, Any], seq_len: int, val_fraction: float, seed: int) -> tuple[Any, Any, Any]:
     """(train samples, their global order, val samples) from a run's data.json, blended or not."""
-    from keel.data.blend import BlendedOrder, BlendedSamples
-    from keel.data.samples import GlobalSampleOrder
-
     if "sources" not in data:
         dataset = IndexedDataset(data["prefix"], vocab_size=data.get("vocab_size"))
         train = PackedSamples(dataset, seq_len, "train", val_fraction)

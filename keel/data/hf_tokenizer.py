@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from tokenizers import Tokenizer as RustTokenizer
+
 from keel.data.errors import DataError
 from keel.data.tokenizer import Tokenizer
 
@@ -117,8 +119,6 @@ class HFTokenizer(Tokenizer):
 
 
 def _load_json(path: Path):
-    from tokenizers import Tokenizer as RustTokenizer
-
     try:
         return RustTokenizer.from_file(str(path))
     except Exception as exc:  # tokenizers raises a bare Exception for unparsable files
@@ -129,7 +129,7 @@ def _load_json(path: Path):
 
 def _load_directory(path: Path):
     hf_tokenizer_files(path)  # a directory without tokenizer files gets its own line, not transformers' message
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # slow to import (seconds): only for a tokenizer directory
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)

@@ -52,7 +52,7 @@ def _open_text(file: Path, compression: str | None) -> IO[str]:
         return gzip.open(file, "rt", encoding="utf-8", errors="replace")
     if compression == "zstd":
         try:
-            import zstandard
+            import zstandard  # optional here: a missing one gets its own line below
         except ImportError:
             raise DataError(f"data.corpus: {file} is zstd-compressed; pip install zstandard") from None
         raw = open(file, "rb")
@@ -82,8 +82,8 @@ def _json_lines(handle: IO[str], file: Path, text_field: str) -> Iterator[str]:
 def _parquet_documents(file: Path, text_field: str) -> Iterator[str]:
     """One row group at a time (the unit parquet compresses and stores), only the text column."""
     try:
-        import pyarrow.parquet as pq
-        import pyarrow.types as pa_types
+        import pyarrow.parquet as pq  # optional dependency (the parquet extra)
+        import pyarrow.types as pa_types  # the same
     except ImportError:
         raise DataError(f"data.corpus: {file} is parquet, which needs pyarrow: pip install 'keel[parquet]'") from None
     try:

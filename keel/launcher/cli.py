@@ -3,6 +3,9 @@
 
 Every user mistake (config, data, paths) is reported as one line on stderr with exit code 2, before any rank
 starts; tracebacks are for bugs.
+
+`keel --help` (and an error in the arguments) must answer at once: the modules a command runs on (torch, DeepSpeed,
+the data pipeline, the tools) are imported inside that command, not at the top (each such import says so).
 """
 
 from __future__ import annotations
@@ -13,13 +16,18 @@ import os
 import re
 import sys
 import traceback
+from pathlib import Path
 
 from keel.config import ConfigError
+from keel.launcher.deepspeed_launcher import hostfile_slots, launch_deepspeed
+from keel.launcher.local import free_port, launch_local, launch_module
+from keel.launcher.slurm import add_parser as add_slurm_parser
+from keel.launcher.slurm import cmd_slurm as submit_slurm
 from keel.run_dir import ExitCode, RunDir
 
 
 def _default_nproc() -> int:
-    import torch
+    import torch  # keel --help start-up
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 2
 
@@ -36,7 +44,7 @@ def _external_world_size() -> int | None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from keel.launcher.run_spec import build_run, prepare_data, write_run_dir
+    from keel.launcher.run_spec import build_run, prepare_data, write_run_dir  # torch: keel --help start-up
 
     external = _external_world_size()
     if external is not None:
@@ -50,14 +58,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     prepare_data(spec)
     write_run_dir(spec)
     print(f"keel: run dir {spec.run_dir} | {nproc} local rank(s) | ds config {spec.cfg.train.ds_config}", flush=True)
-    from keel.launcher.local import launch_local
-
     return launch_local(spec.run_dir, nproc, max_restarts=args.max_restarts)
 
 
 def _train_with_deepspeed_launcher(args: argparse.Namespace) -> int:
     """Check the config for the hostfile's world size and prepare the data, then hand over to `deepspeed`."""
-    from keel.launcher.run_spec import build_run, prepare_data, write_run_dir
+    from keel.launcher.run_spec import build_run, prepare_data, write_run_dir  # torch: keel --help start-up
 
     spec = build_run(args.config, args.set, args.ds_config, args.run_dir, _hostfile_world_size(args))
     prepare_data(spec)
@@ -66,8 +72,6 @@ def _train_with_deepspeed_launcher(args: argparse.Namespace) -> int:
 
 
 def _hostfile_world_size(args: argparse.Namespace) -> int:
-    from keel.launcher.deepspeed_launcher import hostfile_slots
-
     if not args.hostfile:
         raise ConfigError("--launcher deepspeed needs --hostfile (lines of 'hostname slots=N')")
     return sum(slots for _, slots in hostfile_slots(args.hostfile))
@@ -84,20 +88,18 @@ def _rank_args(args: argparse.Namespace, run_dir) -> list[str]:
 
 
 def _launch_deepspeed(args: argparse.Namespace, command: str, run_dir) -> int:
-    from keel.launcher.deepspeed_launcher import launch_deepspeed
-
     return launch_deepspeed(_rank_args(args, run_dir), args.hostfile, args.no_ssh, args.node_rank, args.master_addr,
                             args.master_port, command)
 
 
 def _train_in_place(args: argparse.Namespace, world_size: int) -> int:
     """Started by an external launcher: rank 0 checks and prepares, the others wait for its verdict."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # torch: keel --help start-up
 
-    from keel.engine.distributed import init_distributed
-    from keel.launcher.run_spec import build_run, prepare_data, write_run_dir
-    from keel.parallel import comm
-    from keel.training.entry import run_sequence
+    from keel.engine.distributed import init_distributed  # torch: keel --help start-up
+    from keel.launcher.run_spec import build_run, prepare_data, write_run_dir  # torch: keel --help start-up
+    from keel.parallel import comm  # torch: keel --help start-up
+    from keel.training.entry import run_sequence  # torch: keel --help start-up
 
     spec = build_run(args.config, args.set, args.ds_config, args.run_dir, world_size)  # cheap: every rank checks
     init_distributed()
@@ -116,11 +118,11 @@ def _train_in_place(args: argparse.Namespace, world_size: int) -> int:
 
 def cmd_preflight(args: argparse.Namespace) -> int:
     """Measure and judge the allocation (keel/tools/preflight/); started like `keel train`, each rank runs in place."""
-    from keel.launcher.run_spec import build_run
+    from keel.launcher.run_spec import build_run  # torch: keel --help start-up
 
     external = _external_world_size()
     if external is not None:
-        from keel.tools.preflight.run import resolve_vocab_size, run_preflight
+        from keel.tools.preflight.run import resolve_vocab_size, run_preflight  # torch: keel --help start-up
 
         spec = build_run(args.config, args.set, args.ds_config, args.run_dir, external)  # every rank checks
         resolve_vocab_size(spec)
@@ -133,14 +135,12 @@ def cmd_preflight(args: argparse.Namespace) -> int:
         raise ConfigError(f"--nproc: must be >= 1, got {nproc}")
     spec = build_run(args.config, args.set, args.ds_config, args.run_dir, nproc)  # refused here, before any rank
     print(f"keel: preflight | run dir {spec.run_dir} | {nproc} local rank(s)", flush=True)
-    from keel.launcher.local import launch_module
-
     return launch_module(["keel.launcher.cli", "preflight", *_rank_args(args, spec.run_dir)], nproc,
                          what="preflight", where=str(RunDir(spec.run_dir).preflight))
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from keel.data import ensure_prepared, resolve_tokenizer_path
+    from keel.data import IndexedDataset, ensure_prepared, resolve_tokenizer_path  # torch: keel --help start-up
 
     if args.workers is not None and args.workers < 1:
         raise ConfigError(f"--workers: must be >= 1, got {args.workers}")
@@ -151,8 +151,6 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     for prefix in prepared.sources:
         print(f"tokens {prefix}.bin")
         if args.check_all_ids:  # the offline full pass; training checks the ids it uses at the sample
-            from keel.data import IndexedDataset
-
             IndexedDataset(prefix, vocab_size=prepared.vocab_size).validate(prepared.vocab_size)
             print(f"  every id lies in [0, {prepared.vocab_size})")
     print(f"({prepared.num_tokens} tokens, {prepared.num_docs} documents)")
@@ -161,12 +159,9 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 def cmd_lr_find(args: argparse.Namespace) -> int:
     """LR range test in this process (world size 1) on the run's model, data and DeepSpeed config."""
-    from pathlib import Path
-
-    from keel.engine.distributed import setup_logging
-    from keel.launcher.local import free_port
-    from keel.launcher.run_spec import build_run, prepare_data
-    from keel.tools.lr_find import SUGGESTION_RULE, run_lr_find, single_process_overrides
+    from keel.engine.distributed import setup_logging  # torch: keel --help start-up
+    from keel.launcher.run_spec import build_run, prepare_data  # torch: keel --help start-up
+    from keel.tools.lr_find import SUGGESTION_RULE, run_lr_find, single_process_overrides  # torch: keel --help start-up
 
     external = _external_world_size()
     if external not in (None, 1):
@@ -205,9 +200,7 @@ def cmd_lr_find(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     """A run's checkpoint as a Hugging Face model directory (keel/tools/export/hf_export.py)."""
-    from pathlib import Path
-
-    from keel.tools.export.hf_export import export_hf
+    from keel.tools.export.hf_export import export_hf  # torch: keel --help start-up
 
     result = export_hf(Path(args.run_dir), Path(args.out_dir), args.step, int(args.max_shard_size * 2**20))
     print(f"keel: exported step {result.step} to {result.out_dir} ({result.shards} safetensors shard(s), "
@@ -218,9 +211,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     """A run's plots, report.md and series.json (keel/tools/report/), from whatever the run dir holds now."""
-    from pathlib import Path
-
-    from keel.tools.report import write_report
+    from keel.tools.report import write_report  # keel --help start-up (~4 ms more imports)
 
     report = write_report(Path(args.run_dir), Path(args.out) if args.out else None)
     print(f"keel: report in {report.out_dir}: {len(report.drawn)} plot(s) ({', '.join(report.drawn) or 'none'}), "
@@ -234,8 +225,6 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_slurm(args: argparse.Namespace) -> int:
     """Render slurm/keel.sbatch for this run (checked and data prepared here first) and submit it."""
-    from keel.launcher.slurm import cmd_slurm as submit_slurm
-
     return submit_slurm(args)
 
 
@@ -320,15 +309,13 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--out", help="where the report goes (default: RUN_DIR/report; replaced atomically)")
     report.set_defaults(func=cmd_report)
 
-    from keel.launcher.slurm import add_parser as add_slurm_parser
-
     add_slurm_parser(sub).set_defaults(func=cmd_slurm)
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    from keel.data import DataError
+    from keel.data import DataError  # torch: keel --help start-up
 
     in_place = False
     try:

@@ -26,6 +26,7 @@ def launch_module(module_args: list[str], nproc: int, max_restarts: int = 0, wha
                   where: str = "the run dir") -> int:
     """Run `python -m MODULE ARGS...` on `nproc` local ranks; returns 0, or the highest exit code of a rank
     that failed (Keel's documented codes pass through to the caller)."""
+    # torch here, not at the top: keel/launcher/cli.py imports this module, and `keel --help` must not load torch
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 

@@ -16,9 +16,18 @@ import yaml
 
 import keel
 from keel.config import ConfigError, RunConfig, build_config, clamp_warmup, load_config, validate
+from keel.config.corpus_spec import weighted_sources
 from keel.config.yaml_text import dump_yaml, parse_yaml
+from keel.data import IndexedDataset, ensure_prepared, load_tokenizer, resolve_tokenizer_path, source_sha256
+from keel.data.blend_prepare import open_splits, prepare_blend
+from keel.data.hf_tokenizer import HF_TOKENIZER_FILES
+from keel.data.token_check import check_windows
 from keel.engine.ds_config import check_with_deepspeed, load_ds_config, resolve_ds_config, zero_stage
+from keel.engine.lr_schedule import samples_before_step
 from keel.engine.pipeline_plan import check_pipeline_plan
+from keel.launcher.resume_data import check_same_data
+from keel.launcher.run_tokenizer import check_same_tokenizer, resolve_special_ids, tokenizer_record
+from keel.model.hf_init import check_hf_dir
 from keel.run_dir import RunDir, RunSpec, write_atomic
 
 
@@ -93,19 +102,12 @@ def _check_same_run(run_dir: Path, cfg: RunConfig) -> None:
 
 def _check_init_from(cfg: RunConfig) -> None:
     if cfg.model.init_from:
-        from keel.model.hf_init import check_hf_dir
-
         check_hf_dir(cfg.model)
 
 
 def prepare_data(spec: RunSpec) -> None:
     """Prepare (or find cached) tokenizer and token files — one corpus, or weighted sources and their blend
     index; resolve model.vocab_size and the special ids from the tokenizer, and record which tokenizer it was."""
-    from keel.config.corpus_spec import weighted_sources
-    from keel.data import IndexedDataset, ensure_prepared, load_tokenizer, resolve_tokenizer_path, source_sha256
-    from keel.launcher.resume_data import check_same_data
-    from keel.launcher.run_tokenizer import check_same_tokenizer, resolve_special_ids, tokenizer_record
-
     cfg = spec.cfg
     if cfg.model.init_from and cfg.data.tokenizer == "train" and _has_tokenizer(Path(cfg.model.init_from)):
         # continued pretraining: the weights' own tokenizer, not a fresh one whose ids they never saw
@@ -150,33 +152,26 @@ def prepare_data(spec: RunSpec) -> None:
 def _check_eval_windows(spec: RunSpec) -> None:
     """The validation windows every evaluation reads are few and fixed: check each of their ids before launch
     (training's own windows are checked at the sample, keel/training/data_stop.py)."""
-    from keel.data.blend_prepare import open_splits
-    from keel.data.token_check import check_windows
-
-    cfg, t, p = spec.cfg, spec.cfg.train, spec.cfg.parallel
-    if not t.eval_interval:
+    cfg, train, parallel = spec.cfg, spec.cfg.train, spec.cfg.parallel
+    if not train.eval_interval:
         return
-    _, _, val = open_splits(spec.data, cfg.data.seq_len, cfg.data.val_fraction, t.seed)
-    dp = max(1, spec.world_size // (p.tp * p.pp * p.sp))
-    check_windows(val, range(min(len(val), t.eval_batches * dp * t.micro_batch_size)), val.vocab_size, "validation")
+    _, _, val = open_splits(spec.data, cfg.data.seq_len, cfg.data.val_fraction, train.seed)
+    dp = max(1, spec.world_size // (parallel.tp * parallel.pp * parallel.sp))
+    check_windows(val, range(min(len(val), train.eval_batches * dp * train.micro_batch_size)), val.vocab_size,
+                  "validation")
 
 
 def _has_tokenizer(directory: Path) -> bool:
-    from keel.data.hf_tokenizer import HF_TOKENIZER_FILES
-
     return any((directory / name).is_file() for name in HF_TOKENIZER_FILES)
 
 
 def _prepare_blend(spec: RunSpec, sources: list[tuple[list[str], float]], tokenizer: Path | None) -> dict:
     """Weighted sources: one shared tokenizer, a token store per source and the blend index (data.json records
     the weights and realised shares)."""
-    from keel.data.blend_prepare import prepare_blend
-    from keel.engine.lr_schedule import samples_before_step
-
-    cfg, t = spec.cfg, spec.cfg.train
+    cfg, train = spec.cfg, spec.cfg.train
     ends = [int(str(r).split(":")[1]) for r in cfg.data.skip_ranges]
-    schedule = samples_before_step(t.steps, t)
-    horizon = max([schedule, *ends]) + 64 * t.global_batch_size  # margin: rollbacks skip ahead
+    schedule = samples_before_step(train.steps, train)
+    horizon = max([schedule, *ends]) + 64 * train.global_batch_size  # margin: rollbacks skip ahead
     return prepare_blend(sources, cfg.data.cache_dir, cfg.data.tokenizer_vocab_size, cfg.data.text_field,
                          spec.base_dir, horizon, cfg.data.seq_len, cfg.data.val_fraction, schedule,
                          tokenizer=tokenizer)

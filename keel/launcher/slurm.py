@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from keel.config import ConfigError
+from keel.run_dir import ExitCode
 
 TEMPLATE = "slurm/keel.sbatch"
 SCRIPT_NAME = "keel.sbatch"
@@ -157,8 +158,6 @@ echo "keel-slurm: preflight healthy at $(date -Is)"
 
 def preflight_step(opts: SbatchOptions, command: list[str] | None) -> str:
     """The script's first srun step (`keel slurm --preflight`), or nothing."""
-    from keel.run_dir import ExitCode
-
     if command is None:
         return ""
     return PREFLIGHT_STEP.format(command=" ".join(shlex.quote(part) for part in command),
@@ -168,8 +167,6 @@ def preflight_step(opts: SbatchOptions, command: list[str] | None) -> str:
 def render(template: str, opts: SbatchOptions, run_dir: Path, workdir: Path, command: list[str],
            preflight: list[str] | None = None) -> str:
     """The sbatch script; `preflight`: the `keel preflight` command its first srun step runs (None: no step)."""
-    from keel.run_dir import ExitCode
-
     optional = []
     if opts.time is not None:
         optional.append(f"--time={opts.time}")
@@ -201,7 +198,7 @@ def render(template: str, opts: SbatchOptions, run_dir: Path, workdir: Path, com
 
 
 def template_path(name: str | None) -> Path:
-    from keel.launcher.run_spec import repo_root
+    from keel.launcher.run_spec import repo_root  # torch: keel --help imports this module
 
     path = Path(name).expanduser() if name else repo_root() / TEMPLATE
     if not path.is_file():
@@ -211,7 +208,7 @@ def template_path(name: str | None) -> Path:
 
 def prepare_script(args: argparse.Namespace) -> tuple[str, Path]:
     """Check the run for nodes × tasks-per-node ranks, prepare its data, and render the script."""
-    from keel.launcher.run_spec import build_run, prepare_data
+    from keel.launcher.run_spec import build_run, prepare_data  # the same
 
     tasks = args.tasks_per_node if args.tasks_per_node is not None else max(1, args.gpus_per_node)
     opts = SbatchOptions(nodes=args.nodes, tasks_per_node=tasks, gpus_per_node=args.gpus_per_node,

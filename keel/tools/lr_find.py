@@ -18,6 +18,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
+from keel.data import step_batch
+from keel.data.blend_prepare import open_splits
+from keel.engine.build import build_engine, document_eos
+from keel.engine.distributed import init_distributed
+from keel.parallel.random import data_parallel_seed, seed_everything
+from keel.parallel.topology import Topology
 from keel.run_dir import write_atomic
 
 log = logging.getLogger("keel")
@@ -110,10 +118,10 @@ def write_csv(path: Path, result: RangeTestResult) -> None:
 
 def write_plot(path: Path, result: RangeTestResult) -> None:
     """Loss and smoothed loss against log LR, with the suggestion marked."""
-    import matplotlib
+    import matplotlib  # optional dependency (the plot extra); cmd_lr_find checks for it before the sweep
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after use("Agg"): no display needed
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     ax.plot(result.lrs, result.losses, color="0.75", linewidth=1, label="loss")
@@ -159,35 +167,26 @@ def run_lr_find(spec, min_lr: float, max_lr: float, steps: int, out_dir: Path, b
     the optimizer's param groups just before the step; DeepSpeed's scheduler step inside engine.step() then only
     resets it to the constant, which the next write replaces. The LR recorded is the one the engine reports.
     """
-    import torch
-
-    from keel.data import step_batch
-    from keel.data.blend_prepare import open_splits
-    from keel.engine.build import build_engine, document_eos
-    from keel.engine.distributed import init_distributed
-    from keel.parallel.random import data_parallel_seed, seed_everything
-    from keel.parallel.topology import Topology
-
     cfg = copy.deepcopy(spec.cfg)
-    t = cfg.train
-    t.lr, t.lr_schedule, t.warmup_steps, t.rampup_start_batch = min_lr, "constant", 0, 0
+    train = cfg.train
+    train.lr, train.lr_schedule, train.warmup_steps, train.rampup_start_batch = min_lr, "constant", 0, 0
     lrs = sweep_lrs(min_lr, max_lr, steps)
     init_distributed()
     topology = Topology.from_env()
-    seed_everything(data_parallel_seed(t.seed, topology))
-    samples, order, _ = open_splits(spec.data, cfg.data.seq_len, cfg.data.val_fraction, t.seed)
+    seed_everything(data_parallel_seed(train.seed, topology))
+    samples, order, _ = open_splits(spec.data, cfg.data.seq_len, cfg.data.val_fraction, train.seed)
     engine = build_engine(cfg, spec.ds_raw, topology, document_eos=document_eos(cfg, spec.data))
     n_params = sum(p.numel() for p in engine.module.parameters())
     log.info("lr-find: %.2fM params | %d steps of %d samples | lr %.1e → %.1e", n_params / 1e6, steps,
-             t.global_batch_size, min_lr, max_lr)
+             train.global_batch_size, min_lr, max_lr)
     state = {"step": 0, "used_lrs": []}
 
     def one_step(lr: float) -> float:
         for group in engine.optimizer.param_groups:
             group["lr"] = lr
         state["used_lrs"].append(engine.get_lr()[0])
-        batches = step_batch(order, samples, state["step"] * t.global_batch_size, t.global_batch_size,
-                             t.micro_batch_size, 0, 1)
+        batches = step_batch(order, samples, state["step"] * train.global_batch_size, train.global_batch_size,
+                             train.micro_batch_size, 0, 1)
         losses = []
         for i, batch in enumerate(batches):
             engine.set_gradient_accumulation_boundary(i == len(batches) - 1)

@@ -16,30 +16,31 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from keel.adapters.deepspeed_internals import forget_run_groups
+from keel.data.blend_prepare import open_splits
+from keel.engine.build import LRScale, build_engine, document_eos
 from keel.engine.distributed import init_distributed, setup_logging
-from keel.run_dir import ExitCode, RunDir
+from keel.engine.ds_config import zero_stage
+from keel.parallel import comm
+from keel.parallel.random import data_parallel_seed, seed_everything
+from keel.parallel.topology import STAMP_DEFAULTS, Topology
+from keel.run_dir import AnomalyLog, ExitCode, RunDir, checkpoint_dir, read_run_dir
+from keel.training.checkpoint.moe_reshard import check_moe_reshard, convert_moe_universal
+from keel.training.checkpoint.store import CheckpointDisagreement, Checkpointer
+from keel.training.observe.summary import write_summary
+from keel.training.trainer import Trainer
 
 
 def run_rank(run_dir: Path) -> int:
     """Train the run described by `run_dir`; returns the process exit code."""
-    from keel.data.blend_prepare import open_splits
-    from keel.engine.build import LRScale, build_engine, document_eos
-    from keel.parallel import comm
-    from keel.parallel.random import data_parallel_seed, seed_everything
-    from keel.parallel.topology import Topology
-    from keel.run_dir import AnomalyLog, checkpoint_dir, read_run_dir
-    from keel.training.checkpoint.store import CheckpointDisagreement, Checkpointer
-    from keel.training.observe.summary import write_summary
-    from keel.training.trainer import Trainer
-
     cfg, ds_raw, data = read_run_dir(run_dir)
     init_distributed()
     rank = dist.get_rank()
     setup_logging(rank)
     log = logging.getLogger("keel")
-    p = cfg.parallel
-    topology = Topology.from_env(tp=p.tp, pp=p.pp, ep=p.ep, sp=p.sp, pipeline_schedule=p.pipeline_schedule,
-                                virtual_stages=p.virtual_stages)
+    parallel = cfg.parallel
+    topology = Topology.from_env(tp=parallel.tp, pp=parallel.pp, ep=parallel.ep, sp=parallel.sp,
+                                pipeline_schedule=parallel.pipeline_schedule, virtual_stages=parallel.virtual_stages)
     if cfg.logging.collective_trace:
         topology.trace_into(RunDir(run_dir).collectives)
     seed_everything(data_parallel_seed(cfg.train.seed, topology))
@@ -76,9 +77,6 @@ def run_rank(run_dir: Path) -> int:
 
 def checkpoint_disagreement(run_dir: Path, rank: int, err) -> int:
     """Every rank stops with the same code; rank 0 says why in one line, the anomaly log and the summary."""
-    from keel.run_dir import AnomalyLog
-    from keel.training.observe.summary import write_summary
-
     if rank == 0:
         logging.getLogger("keel").error("stopping: %s", err)
         AnomalyLog(run_dir, rank).record(err.anomaly, 0, reason=str(err))
@@ -89,8 +87,6 @@ def checkpoint_disagreement(run_dir: Path, rank: int, err) -> int:
 def release_run(engine) -> None:
     """Free what one run held so the next run in this process starts clean: the engine's buffers and the groups
     it handed DeepSpeed (the Topology's own groups stay with torch.distributed, as every rank created them)."""
-    from keel.adapters.deepspeed_internals import forget_run_groups
-
     engine.destroy()
     forget_run_groups()
 
@@ -100,11 +96,6 @@ def reshard_if_needed(cfg, ds_raw: dict, topology, checkpointer) -> dict:
     to DeepSpeed's universal format and every rank loads that; the global batch stays fixed because gradient
     accumulation is derived from the new data-parallel size. The checkpoint is verified here, before converting
     (the trainer's resume then finds it verified)."""
-    from keel.engine.ds_config import zero_stage
-    from keel.parallel import comm
-    from keel.parallel.topology import STAMP_DEFAULTS
-    from keel.training.checkpoint.moe_reshard import check_moe_reshard, convert_moe_universal
-
     tag = checkpointer.agreed_resume() if cfg.checkpoint.resume else None  # rank 0 chooses, every rank verifies
     if tag is None or not checkpointer.needs_universal(tag, zero_stage(ds_raw)):
         return ds_raw

@@ -16,6 +16,7 @@ import torch
 
 from keel.adapters.deepspeed_internals import master_state, zero3_partition
 from keel.config import FaultsConfig
+from keel.model import EmbeddingLayer
 from keel.run_dir import ExitCode
 
 log = logging.getLogger("keel")
@@ -43,8 +44,6 @@ class FaultInjector:
             self._handle = embedding.register_forward_hook(self._poison_hook)
 
     def _embedding(self) -> torch.nn.Module | None:
-        from keel.model import EmbeddingLayer
-
         return next((m for m in self.model.modules() if isinstance(m, EmbeddingLayer)), None)
 
     def _poison_hook(self, module, inputs, output):
@@ -56,11 +55,11 @@ class FaultInjector:
     # -- applied by the trainer --------------------------------------------------------------------------------
     def batches(self, step: int, micro_batches: list[torch.Tensor]) -> list[torch.Tensor]:
         """This rank's micro-batches for `step` (1-based), after data faults."""
-        c = self.cfg
-        if c.noise_rank == self.rank:
+        faults = self.cfg
+        if faults.noise_rank == self.rank:
             micro_batches = [torch.randint(0, self.vocab_size, b.shape, generator=self.noise)
                              for b in micro_batches]
-        if c.nan_step == step and c.nan_rank == self.rank:
+        if faults.nan_step == step and faults.nan_rank == self.rank:
             self.poisoned.add(_fingerprint(micro_batches[0][:, :-1]))
             log.warning("fault injection: NaN in rank %d's batch at step %d", self.rank, step)
         return micro_batches
@@ -72,39 +71,40 @@ class FaultInjector:
             first_sample % global_batch == 0 else 1.0
 
     def before_forward(self, step: int) -> None:
-        c = self.cfg
-        if c.sleep_step == step and c.sleep_rank == self.rank and c.sleep_s > 0:
-            log.warning("fault injection: rank %d sleeps %.1f s at step %d", self.rank, c.sleep_s, step)
-            time.sleep(c.sleep_s)
+        faults = self.cfg
+        if faults.sleep_step == step and faults.sleep_rank == self.rank and faults.sleep_s > 0:
+            log.warning("fault injection: rank %d sleeps %.1f s at step %d", self.rank, faults.sleep_s, step)
+            time.sleep(faults.sleep_s)
 
     def during_save(self, step: int) -> None:
         """Inside the checkpoint save at `step`, after this rank wrote its files and before the others wait for it
         (an asynchronous save: in the writer thread, before its files are renamed into place)."""
-        c = self.cfg
-        if c.save_stall_rank == self.rank and c.save_stall_s > 0 and c.save_stall_step in (0, step):
-            log.warning("fault injection: rank %d stalls %.1f s inside a checkpoint save", self.rank, c.save_stall_s)
-            time.sleep(c.save_stall_s)
+        faults = self.cfg
+        if faults.save_stall_rank == self.rank and faults.save_stall_s > 0 and faults.save_stall_step in (0, step):
+            log.warning("fault injection: rank %d stalls %.1f s inside a checkpoint save", self.rank,
+                        faults.save_stall_s)
+            time.sleep(faults.save_stall_s)
 
     def disk_room(self, step: int) -> int | None:
         """Bytes this rank's disk takes in the checkpoint save at `step` before failing with ENOSPC (applied inside
         DeepSpeed's own shard write, keel/training/checkpoint/writes.py); None: the disk is fine."""
-        c = self.cfg
-        if c.save_enospc_rank == self.rank and c.save_enospc_step in (0, step):
-            return c.save_enospc_bytes
+        faults = self.cfg
+        if faults.save_enospc_rank == self.rank and faults.save_enospc_step in (0, step):
+            return faults.save_enospc_bytes
         return None
 
     @torch.no_grad()
     def after_step(self, step: int) -> None:
         self._corrupt_state(step)
-        c = self.cfg
-        if c.crash_step == step:
+        faults = self.cfg
+        if faults.crash_step == step:
             log.error("fault injection: rank %d crashes after step %d", self.rank, step)
             logging.shutdown()
             os._exit(ExitCode.FAILED)
-        if c.bitflip_step != step or c.bitflip_rank != self.rank:
+        if faults.bitflip_step != step or faults.bitflip_rank != self.rank:
             return
         named = dict(self.model.named_parameters())
-        name = c.bitflip_param or next(n for n, p in named.items() if master_state(self.engine, p))
+        name = faults.bitflip_param or next(n for n, p in named.items() if master_state(self.engine, p))
         held = master_state(self.engine, named[name])
         if not held:
             raise ValueError(f"faults.bitflip_param={name}: rank {self.rank} holds no part of it under this "
@@ -123,8 +123,8 @@ class FaultInjector:
     def _corrupt_state(self, step: int) -> None:
         """NaN into this rank's share of one state tensor of the first parameter it holds, once per process: a
         rollback that replays the step finds it sound (an upset, not a defect that comes back)."""
-        c = self.cfg
-        if self._state_corrupted or c.corrupt_state_step != step or c.corrupt_state_rank != self.rank:
+        faults = self.cfg
+        if self._state_corrupted or faults.corrupt_state_step != step or faults.corrupt_state_rank != self.rank:
             return
         self._state_corrupted = True
         name, param = next((n, p) for n, p in self.model.named_parameters() if master_state(self.engine, p))
@@ -133,10 +133,10 @@ class FaultInjector:
         # through the optimizer's flat tensors the state check reads
         targets = {"exp_avg_sq": held.get("exp_avg_sq"), "master": held.get("fp32", held.get("param")),
                    "param": zero3_partition(param).data}
-        target = targets[c.corrupt_state_what]
+        target = targets[faults.corrupt_state_what]
         if target is None:
-            raise ValueError(f"faults.corrupt_state_what={c.corrupt_state_what}: rank {self.rank}'s optimizer "
+            raise ValueError(f"faults.corrupt_state_what={faults.corrupt_state_what}: rank {self.rank}'s optimizer "
                              f"holds no such state for {name}")
         target.fill_(float("nan"))
-        log.warning("fault injection: NaN in %s of %s on rank %d after step %d", c.corrupt_state_what, name,
+        log.warning("fault injection: NaN in %s of %s on rank %d after step %d", faults.corrupt_state_what, name,
                     self.rank, step)

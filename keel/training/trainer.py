@@ -124,9 +124,9 @@ class Trainer:
         self.lr_scale = lr_scale or LRScale()
         self.clipper = Fp32GradClipper(engine, topology)
         self.skip_ranges = parse_skip_ranges(cfg.data.skip_ranges)
-        t = cfg.train
+        train = cfg.train
         self.prefetcher = BatchPrefetcher(
-            lambda start, size: step_batch(self.order, train_samples, start, size, t.micro_batch_size,
+            lambda start, size: step_batch(self.order, train_samples, start, size, train.micro_batch_size,
                                            topology.dp_rank, topology.dp_size, checked=False),
             pin=torch.device(engine.device).type == "cuda",
             # every id within the vocabulary: a min/max of the host batch on the prefetch worker (data_stop.py)
@@ -185,19 +185,19 @@ class Trainer:
     def _fetch(self, state: TrainState) -> StepBatch:
         """This rank's micro-batches for the next step (skip ranges, batch-size ramp-up, injected faults); the
         step after it starts reading in the background (keel/training/prefetch.py)."""
-        t, step, dp = self.cfg.train, state.step + 1, self.topology.dp_size
+        train, step, dp = self.cfg.train, state.step + 1, self.topology.dp_size
         start = skip_to(state.consumed_samples, self.skip_ranges)
-        size = rampup_batch_size(state.step, t, dp)
+        size = rampup_batch_size(state.step, train, dp)
         engine_size = size * engine_batch_copies(self.cfg)
         if engine_size != self.engine.train_batch_size():  # batch-size ramp-up: DeepSpeed adjusts accumulation
             self.engine.set_train_batch_size(engine_size)
         self.experts.before_step(loss_scale(self.engine) or 1.0, self.engine.gradient_accumulation_steps())
         micro_batches, bad_row = self.prefetcher.get_checked(start, size)
-        self.prefetcher.prefetch(skip_to(start + size, self.skip_ranges), rampup_batch_size(step, t, dp))
+        self.prefetcher.prefetch(skip_to(start + size, self.skip_ranges), rampup_batch_size(step, train, dp))
         self.faults.before_forward(step)
         self.loss_fn.scale = self.faults.loss_scale(start, size)
         micro_batches, stop = check_step_batch(self.faults.batches(step, micro_batches), bad_row,
-                                               self.train_samples.vocab_size, start, size, t.micro_batch_size,
+                                               self.train_samples.vocab_size, start, size, train.micro_batch_size,
                                                self.topology.dp_rank, dp)
         return StepBatch(step, start, size, micro_batches, data_stop=stop)
 
@@ -300,32 +300,32 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean loss over `eval_batches` fixed validation micro-batches per data-parallel rank."""
-        t = self.cfg.train
-        batches = [self._val_batch(b) for b in range(t.eval_batches)]
+        train = self.cfg.train
+        batches = [self._val_batch(b) for b in range(train.eval_batches)]
         if self.is_pipeline:
             pairs = iter([(batch[:, :-1], batch[:, 1:]) for batch in batches])
-            return self.engine.eval_batch(pairs, num_micro_batches=t.eval_batches).item()
+            return self.engine.eval_batch(pairs, num_micro_batches=train.eval_batches).item()
         self.engine.eval()
         total = sum(self.engine(batch[:, :-1], batch[:, 1:]).float() for batch in batches)
         self.engine.train()
-        return _device_mean(total / t.eval_batches, self.dp_group).item()
+        return _device_mean(total / train.eval_batches, self.dp_group).item()
 
     # -- the loop -------------------------------------------------------------------------------------------
     def fit(self) -> TrainResult:
-        t, s = self.cfg.train, self.cfg.stability
+        train, stability = self.cfg.train, self.cfg.stability
         state = self.checkpoints.resume()
         metrics = MetricsWriter(self.run_dir, self.topology.rank == 0, state.step, self.cfg.logging.log_interval,
-                                t.steps,
+                                train.steps,
                                 run_progress(self.cfg, self.topology.shape.world_size, self.engine.device)
                                 if self.topology.rank == 0 else None)
-        self.sinks = Sinks(self.run_dir, s, self.cfg.to_dict(), enabled=self.topology.rank == 0,
+        self.sinks = Sinks(self.run_dir, stability, self.cfg.to_dict(), enabled=self.topology.rank == 0,
                            resumed_step=state.step)
-        watchdog = Watchdog(self.run_dir, self.topology.rank, s.watchdog_timeout, self.anomalies)
-        stragglers = StragglerMonitor(self.topology.control("world"), s.straggler_interval)
+        watchdog = Watchdog(self.run_dir, self.topology.rank, stability.watchdog_timeout, self.anomalies)
+        stragglers = StragglerMonitor(self.topology.control("world"), stability.straggler_interval)
         try:
             with watchdog:  # leaving the block within a hang's deadline counts as that hang (see watchdog.py)
                 result = self._loop(state, metrics, watchdog, stragglers)
-                with watchdog.phase("checkpoint save", s.watchdog_save_timeout):  # the last save completes
+                with watchdog.phase("checkpoint save", stability.watchdog_save_timeout):  # the last save completes
                     stop = self.checkpoints.background(wait=True, final=True)
                 if stop.action != Action.STOP or result.exit_code:
                     return result
@@ -339,9 +339,9 @@ class Trainer:
 
     def _loop(self, state: TrainState, metrics: MetricsWriter, watchdog: Watchdog,
               stragglers: StragglerMonitor) -> TrainResult:
-        t, c, s = self.cfg.train, self.cfg.checkpoint, self.cfg.stability
+        train, checkpoint, stability = self.cfg.train, self.cfg.checkpoint, self.cfg.stability
         steps_here, save_time = 0, None
-        while state.step < t.steps:
+        while state.step < train.steps:
             watchdog.beat(state.step + 1)
             start = time.perf_counter()
             with self.syncs.step():
@@ -351,19 +351,20 @@ class Trainer:
             if save_time is not None:  # the save after the previous step: its cost, next to the step's own
                 record["save_time_s"], save_time = save_time, None
             # periodic checks and evaluation: collectives of their own, each phase with its own deadline
-            with watchdog.phase("checks", s.watchdog_check_timeout), _clock(record, "check_time_s"):
+            with watchdog.phase("checks", stability.watchdog_check_timeout), _clock(record, "check_time_s"):
                 checks = self.guards.after_step(state.step, record["loss_scale"], self._local_loss)
                 decision = Decision.most_severe([decision, checks, self.checkpoints.background()])
-            if t.eval_interval and (state.step % t.eval_interval == 0 or state.step == t.steps):
-                with watchdog.phase("evaluation", s.watchdog_eval_timeout), _clock(record, "eval_time_s"):
+            if train.eval_interval and (state.step % train.eval_interval == 0 or state.step == train.steps):
+                with watchdog.phase("evaluation", stability.watchdog_eval_timeout), _clock(record, "eval_time_s"):
                     record["val_loss"] = self.evaluate()
             metrics.log(record)
             self.sinks.log(state.step, record)
-            stop_early = t.exit_after and steps_here >= t.exit_after and state.step < t.steps
-            preempted = self.gate.preempted and state.step < t.steps
-            ending = state.step == t.steps or stop_early or preempted
-            if decision.action < Action.ROLLBACK and (ending or (c.interval and state.step % c.interval == 0)):
-                with watchdog.phase("checkpoint save", s.watchdog_save_timeout):
+            stop_early = train.exit_after and steps_here >= train.exit_after and state.step < train.steps
+            preempted = self.gate.preempted and state.step < train.steps
+            ending = state.step == train.steps or stop_early or preempted
+            periodic = checkpoint.interval and state.step % checkpoint.interval == 0
+            if decision.action < Action.ROLLBACK and (ending or periodic):
+                with watchdog.phase("checkpoint save", stability.watchdog_save_timeout):
                     save_time, after_save = self.checkpoints.save(state, ending)
                 decision = Decision.most_severe([decision, after_save])
             if decision.action in (Action.STOP, Action.ROLLBACK):

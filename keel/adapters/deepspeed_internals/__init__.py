@@ -6,6 +6,10 @@ except zero3_reader.py beside this file (the ZeRO-3 partition reader) and keel/e
 Keel's interleaved 1F1B built on DeepSpeed's DualPipeV module and engine (its docstring says what it overrides and
 why). probes.py holds the table of every internal used here and there, and `check_engine`, which probes them at
 start-up.
+
+DeepSpeed itself is imported inside the functions that use it (here and in probes.py): it takes about a second
+to import and sets up its accelerator, and modules that never touch it import this package (the model's layers,
+for `logical_shape`).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from keel.adapters.deepspeed_internals.probes import (
     DeepSpeedInternalsError,
@@ -169,7 +174,7 @@ def master_state(engine, param: torch.nn.Parameter) -> dict[str, torch.Tensor]:
             return {}
         return {"fp32": mapping.hp_fragment, **(mapping.optim_fragment or {})}
     if hasattr(param, "ds_id"):
-        from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_optimizer_state
+        from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_optimizer_state  # lazy: see docstring
 
         out = {"fp32": safe_get_local_fp32_param(param), "partition": zero3_partition(param)}
         for key in _optimizer_state_keys(engine):
@@ -196,7 +201,7 @@ def update_pair(param: torch.nn.Parameter) -> tuple[torch.Tensor, torch.Tensor] 
         mapping = param._hp_mapping
         return None if mapping is None else (mapping.hp_fragment, mapping.lp_fragment)
     if hasattr(param, "ds_id"):
-        from deepspeed.utils import safe_get_local_fp32_param
+        from deepspeed.utils import safe_get_local_fp32_param  # lazy: see docstring
 
         master = safe_get_local_fp32_param(param)
         return None if master is None else (master, zero3_partition(param).view(-1).narrow(0, 0, master.numel()))
@@ -220,7 +225,7 @@ def local_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
             return None
         return mapping.get_lp_grad_fragment(param._index_in_param_group)
     if hasattr(param, "ds_id"):
-        from deepspeed.utils import safe_get_local_grad
+        from deepspeed.utils import safe_get_local_grad  # lazy: see docstring
 
         return safe_get_local_grad(param)
     return param.grad
@@ -239,8 +244,6 @@ def zero3_partition_window(param: torch.nn.Parameter) -> tuple[torch.Tensor, int
     part = getattr(param, "ds_tensor", None)
     if part is None:
         return None
-    import torch.distributed as dist
-
     return part.view(-1), dist.get_rank(group=param.ds_process_group) * part.numel()
 
 
@@ -251,8 +254,6 @@ def register_expert_groups(name: str, ep_group, ep_ranks: list[int], edp_group, 
     its own builder would derive them from a different rank order. A single process has no groups of its own,
     so DeepSpeed gets a clone of the world group to address (`_clone_world_group`).
     """
-    import torch.distributed as dist
-
     groups = expert_group_tables()
     single = groups._clone_world_group() if edp_group is None and dist.is_initialized() else None
     groups._EXPERT_PARALLEL_GROUP[name] = ep_group if ep_group is not None else single

@@ -46,7 +46,7 @@ def _is_pipeline(engine) -> bool:
 
 
 def _is_dualpipev(engine) -> bool:
-    from deepspeed.pipe import DualPipeVModule
+    from deepspeed.pipe import DualPipeVModule  # lazy: see the package docstring
 
     return isinstance(engine.module, DualPipeVModule)
 
@@ -55,7 +55,8 @@ def _is_interleaved(engine) -> bool:
     return type(engine).__name__ == "InterleavedEngine"  # keel/engine/interleaved_engine.py
 
 
-# what Keel's interleaved 1F1B (keel/engine/interleaved_engine.py) overrides or relies on in DeepSpeed's DualPipeV classes
+# what Keel's interleaved 1F1B (keel/engine/interleaved_engine.py) overrides or relies on in DeepSpeed's DualPipeV
+# classes
 DUALPIPEV_MACHINERY = ("_phase", "_first_send", "_recv_specs", "_queue_p2p", "_downstream_stage", "_upstream_stage",
                        "_is_loss_stage", "_is_last_rank", "_loss_stage_global_rank", "_INSTRUCTION_MAP")
 DUALPIPEV_MODULE_MACHINERY = ("phase_bounds", "phase_funcs", "phase_checkpointable", "activate_phase", "_set_bounds")
@@ -120,7 +121,7 @@ INTERNALS = [
 
 def check_engine(engine) -> None:
     """Raise one line naming the first internal this engine needs that the installed DeepSpeed lacks."""
-    import deepspeed
+    import deepspeed  # lazy: see the package docstring
 
     for internal in INTERNALS:
         if internal.applies(engine) and not internal.probe(engine):
@@ -130,7 +131,7 @@ def check_engine(engine) -> None:
 
 
 def groups_module():
-    from deepspeed.utils import groups
+    from deepspeed.utils import groups  # lazy: see the package docstring
 
     return groups
 
@@ -143,6 +144,6 @@ def expert_group_tables():
 
 
 def accelerator():
-    from deepspeed.accelerator import get_accelerator
+    from deepspeed.accelerator import get_accelerator  # lazy: see the package docstring
 
     return get_accelerator()

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import deepspeed
+from deepspeed.utils import zero_to_fp32
+
 from keel.adapters.deepspeed_internals import DeepSpeedInternalsError
 
 ZERO3_READERS = ("parse_model_states", "parse_optim_states", "_get_fp32_state_dict_from_zero3_checkpoint")
@@ -15,9 +18,6 @@ def zero3_fp32_state(model_files: list, optim_files: list, checkpoint_dir: str) 
     `*_model_states.pt` of the directory, so it cannot read one tp rank of a tp > 1 checkpoint; its per-rank
     steps (`parse_model_states`, `parse_optim_states`) are public, the merge is `_get_fp32_state_dict_from_zero3_
     checkpoint`."""
-    import deepspeed
-    from deepspeed.utils import zero_to_fp32
-
     for name in ZERO3_READERS:
         if not callable(getattr(zero_to_fp32, name, None)):
             raise DeepSpeedInternalsError(f"DeepSpeed {deepspeed.__version__} has no `zero_to_fp32.{name}`, which "

@@ -28,6 +28,9 @@ import torch
 
 from keel.config import ConfigError, RunConfig
 from keel.engine.ds_config import precision, zero_stage
+from keel.model.llama import build_layers
+from keel.model.router import is_moe_block
+from keel.parallel.layer_parallel import LayerParallel
 from keel.run_dir import COMPLETE, LATEST, TAG, RunDir, read_run_dir, tag_for
 
 _EXPERT_KEY = "deepspeed_moe.experts.deepspeed_experts"  # DeepSpeed's key pattern for expert parameters
@@ -116,9 +119,6 @@ def open_checkpoint(run_dir: Path, step: int | None = None) -> KeelCheckpoint:
 def param_layouts(cfg: RunConfig, tp: int) -> dict[str, ParamLayout]:
     """Every parameter of the `CausalLM` state dict (`layers.<index>.<name>`) as tp rank 0 of a `tp`-wide run
     holds it, from a build on the meta device (no storage)."""
-    from keel.model.llama import build_layers
-    from keel.parallel.layer_parallel import LayerParallel
-
     with torch.device("meta"):
         layers = build_layers(cfg.model, LayerParallel.without_groups(tp=tp))
     layouts = {}
@@ -197,8 +197,6 @@ class CheckpointReader:
     def _expert_file(self, name: str, tp_rank: int) -> dict:
         """DeepSpeed saves each expert of each MoE layer on its own (`layer_<moe layer>_expert_<global id>_mp_rank_
         <tp>`), keyed by the parameter's name with the expert's global id, whichever ep rank held it."""
-        from keel.model.router import is_moe_block
-
         block = int(name.split(".")[1]) - 1
         moe_layer = sum(is_moe_block(self.ckpt.cfg.model, b) for b in range(block))
         expert = int(name.split(_EXPERT_KEY + ".")[1].split(".")[0])
@@ -234,7 +232,7 @@ class CheckpointReader:
             yield name, value.view(shape)
 
     def _zero3_shards(self, names: list[str], tp_rank: int):
-        from keel.adapters.deepspeed_internals.zero3_reader import zero3_fp32_state
+        from keel.adapters.deepspeed_internals.zero3_reader import zero3_fp32_state  # imports deepspeed: ZeRO-3 only
 
         files = [self.ckpt.tag_dir / f"zero_pp_rank_{dp}_mp_rank_{tp_rank:02d}_{kind}_states.pt"
                  for kind in ("model", "optim") for dp in range(self.ckpt.dp)]

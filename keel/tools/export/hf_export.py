@@ -19,6 +19,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from safetensors.torch import save_file
+
 from keel.config import ConfigError, ModelConfig
 from keel.model.hf import hf_parts, keel_names, llama_cannot_express, to_hf_config
 from keel.run_dir import temp_sibling
@@ -42,13 +44,13 @@ class ExportResult:
 
 def check_exportable(ckpt: KeelCheckpoint) -> None:
     """Refuse, in one line, a model HF's Llama cannot represent."""
-    m = ckpt.cfg.model
-    if m.norm != "rmsnorm":
-        raise ConfigError(f"model.norm={m.norm}: HF Llama has RMSNorm only, so this run does not export")
-    if reason := llama_cannot_express(m):
+    model = ckpt.cfg.model
+    if model.norm != "rmsnorm":
+        raise ConfigError(f"model.norm={model.norm}: HF Llama has RMSNorm only, so this run does not export")
+    if reason := llama_cannot_express(model):
         raise ConfigError(f"{reason}, so this run does not export")
-    if m.moe_experts:
-        check_mixtral(m)
+    if model.moe_experts:
+        check_mixtral(model)
         if ckpt.pp > 1:
             raise ConfigError(f"{ckpt.tag_dir}: an MoE checkpoint at pp={ckpt.pp} does not export yet (pipeline "
                               "stages keep their experts in other files); export MoE runs trained at pp=1")
@@ -78,8 +80,6 @@ def plan_shards(reader: CheckpointReader, units: list[Unit], max_bytes: int) -> 
 
 def write_weights(reader: CheckpointReader, out: Path, max_bytes: int) -> tuple[int, int]:
     """The sharded safetensors and (for several shards) their index; returns (shards, total bytes)."""
-    from safetensors.torch import save_file
-
     cfg = reader.ckpt.cfg.model
     shards = plan_shards(reader, export_units(cfg), max_bytes)
     weight_map: dict[str, str] = {}
@@ -105,7 +105,7 @@ def write_weights(reader: CheckpointReader, out: Path, max_bytes: int) -> tuple[
 def export_hf(run_dir: Path, out_dir: Path, step: int | None = None,
               max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> ExportResult:
     """Write `out_dir` (which must not exist) from the run's checkpoint at `step` (default: latest)."""
-    from transformers import GenerationConfig
+    from transformers import GenerationConfig  # slow to import (seconds): only when an export runs
 
     out_dir = Path(out_dir).resolve()
     if out_dir.exists():

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import sentencepiece as spm
+
 from keel.config import ConfigError
 
 
@@ -28,7 +30,7 @@ def write_tokenizer(data: dict, out: Path) -> dict[str, int]:
 
 def load_hf_tokenizer(path: Path):
     """An HF tokenizer equivalent to the Keel tokenizer at `path` (a .model file, tokenizer.json or a dir)."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast  # slow to import (seconds): only on export
 
     if path.is_dir():
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
@@ -39,9 +41,8 @@ def load_hf_tokenizer(path: Path):
 
 def sentencepiece_as_llama(model_file: Path):
     """A sentencepiece BPE model as `LlamaTokenizer` (vocabulary, merges and special tokens from the model)."""
-    import sentencepiece as spm
-    from transformers import LlamaTokenizer
-    from transformers.convert_slow_tokenizer import SentencePieceExtractor
+    from transformers import LlamaTokenizer  # slow to import (seconds): only on export
+    from transformers.convert_slow_tokenizer import SentencePieceExtractor  # the same
 
     sp = spm.SentencePieceProcessor(model_file=str(model_file))
     if sp.bos_id() < 0 or sp.eos_id() < 0:

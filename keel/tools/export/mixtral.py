@@ -37,7 +37,7 @@ def check_mixtral(cfg: ModelConfig) -> None:
 
 
 def mixtral_config(cfg: ModelConfig, max_position_embeddings: int):
-    from transformers import MixtralConfig
+    from transformers import MixtralConfig  # slow to import (seconds): only when an MoE model exports
 
     return MixtralConfig(
         vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.moe_ffn_hidden or cfg.ffn_dim,

@@ -12,6 +12,7 @@ import os
 import platform
 from dataclasses import dataclass
 
+import psutil
 import torch
 
 from keel.config import RunConfig
@@ -34,9 +35,9 @@ class MemoryResult:
 
 
 def run_needs(cfg: RunConfig, ds: dict, world_size: int) -> RunNeeds:
-    p = cfg.parallel
-    dp = world_size // (p.tp * p.pp * p.sp)
-    state = estimate(cfg, ds, Layout(tp=p.tp, pp=p.pp, dp=dp, ep=p.ep, sp=p.sp)).total
+    parallel = cfg.parallel
+    dp = world_size // (parallel.tp * parallel.pp * parallel.sp)
+    state = estimate(cfg, ds, Layout(tp=parallel.tp, pp=parallel.pp, dp=dp, ep=parallel.ep, sp=parallel.sp)).total
     return RunNeeds(state, checkpoint_bytes(cfg, ds), cfg.checkpoint.keep_last)
 
 
@@ -53,7 +54,5 @@ def host_name() -> str:
 
 
 def measure_memory(device: str) -> MemoryResult:
-    import psutil
-
     device_free = torch.cuda.mem_get_info()[0] if device == "cuda" else -1
     return MemoryResult(host_name(), int(psutil.virtual_memory().available), int(device_free))

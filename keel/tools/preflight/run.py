@@ -11,13 +11,16 @@ import logging
 import time
 from pathlib import Path
 
+import torch.distributed as dist
 import yaml
 
 from keel.config import RunConfig
+from keel.data import load_tokenizer, resolve_tokenizer_path
+from keel.engine.distributed import init_distributed, setup_logging
 from keel.engine.ds_config import precision
 from keel.parallel import comm
 from keel.parallel.topology import WORLD, Topology
-from keel.run_dir import RunDir, RunSpec
+from keel.run_dir import RunDir, RunSpec, checkpoint_dir
 from keel.tools.preflight.clock import Clock, measure_offsets
 from keel.tools.preflight.collectives import Injected, Timer, measure_kinds, measure_links
 from keel.tools.preflight.compute import measure_compute
@@ -39,31 +42,23 @@ def resolve_vocab_size(spec: RunSpec) -> None:
     if saved.is_file():
         model.vocab_size = int((yaml.safe_load(saved.read_text()).get("model") or {}).get("vocab_size") or 0)
     if not model.vocab_size:
-        from keel.data import load_tokenizer, resolve_tokenizer_path
-
         path = resolve_tokenizer_path(spec.cfg.data.tokenizer, spec.base_dir)
         model.vocab_size = load_tokenizer(path).vocab_size if path else spec.cfg.data.tokenizer_vocab_size
 
 
 def injected_clock(cfg: RunConfig, rank: int) -> Clock:
-    f = cfg.faults
-    return Clock(f.preflight_clock_skew_s if rank == f.preflight_clock_skew_rank else 0.0)
+    faults = cfg.faults
+    return Clock(faults.preflight_clock_skew_s if rank == faults.preflight_clock_skew_rank else 0.0)
 
 
 def run_preflight(spec: RunSpec) -> int:
     """Measure, gather, judge; returns the agreed exit code (0 healthy, 9 bad ranks)."""
-    import torch.distributed as dist
-
-    from keel.engine.distributed import init_distributed, setup_logging
-    from keel.run_dir import checkpoint_dir
-
     init_distributed()
     rank = dist.get_rank()
     setup_logging(rank)
-    cfg, f = spec.cfg, spec.cfg.faults
-    p = cfg.parallel
-    topology = Topology.from_env(tp=p.tp, pp=p.pp, ep=p.ep, sp=p.sp, pipeline_schedule=p.pipeline_schedule,
-                                virtual_stages=p.virtual_stages)
+    cfg, faults, parallel = spec.cfg, spec.cfg.faults, spec.cfg.parallel
+    topology = Topology.from_env(tp=parallel.tp, pp=parallel.pp, ep=parallel.ep, sp=parallel.sp,
+                                pipeline_schedule=parallel.pipeline_schedule, virtual_stages=parallel.virtual_stages)
     world = topology.control(WORLD)
     device = topology.device_type
     clock = injected_clock(cfg, rank)
@@ -71,14 +66,15 @@ def run_preflight(spec: RunSpec) -> int:
     start = time.perf_counter()
     offsets = measure_offsets(clock, world)
     own = offsets[rank].offset_s
-    timer = Timer(lambda: clock.now() - own, rank, Injected(f.preflight_slow_rank, f.preflight_slow_link_rank), device)
+    injected = Injected(faults.preflight_slow_rank, faults.preflight_slow_link_rank)
+    timer = Timer(lambda: clock.now() - own, rank, injected, device)
     timings = measure_kinds(topology, timer) + measure_links(topology, timer)
     comm.barrier(world)
-    corrupt = f.preflight_bad_matmul_error if rank == f.preflight_bad_matmul_rank else 0.0
-    compute = measure_compute(device, precision(spec.ds_raw), corrupt, rank == f.preflight_slow_rank)
+    corrupt = faults.preflight_bad_matmul_error if rank == faults.preflight_bad_matmul_rank else 0.0
+    compute = measure_compute(device, precision(spec.ds_raw), corrupt, rank == faults.preflight_slow_rank)
     comm.barrier(world)
     checkpoints = checkpoint_dir(spec.run_dir, cfg, rank)
-    storage = measure_storage(checkpoints, rank, f.preflight_free_bytes)
+    storage = measure_storage(checkpoints, rank, faults.preflight_free_bytes)
     memory = measure_memory(device)
     records = comm.all_gather_object(RankRecord(rank, memory.host, compute, storage, memory, timings), world)
     elapsed = time.perf_counter() - start

@@ -12,15 +12,16 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import matplotlib
+from matplotlib.ticker import FormatStrFormatter, LogLocator, MaxNLocator, NullFormatter
+
 SIZE = (9, 4.5)  # inches, at DPI: 900 × 450 pixels
 DPI = 100
 
 
 def _pyplot():
-    import matplotlib
-
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after use("Agg"): pyplot must not pick a display backend
 
     return plt
 
@@ -52,16 +53,12 @@ def _mark_steps(ax, steps: list[int], label: str, color: str, style: str) -> Non
 
 def _plain_log_ticks(ax) -> None:
     """Log-scale ticks at 1, 2, 5 × 10ᵏ labelled as plain numbers (0.5, 0.02), not 5×10⁻¹."""
-    from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
-
     ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
     ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
     ax.yaxis.set_minor_formatter(NullFormatter())
 
 
 def _finish(ax, title: str, ylabel: str, legend: bool = True) -> None:
-    from matplotlib.ticker import MaxNLocator
-
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
     ax.set_title(title)
     ax.set_xlabel("step")

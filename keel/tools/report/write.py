@@ -37,7 +37,7 @@ class Report:
 def write_report(run_dir: Path, out_dir: Path | None = None) -> Report:
     if importlib.util.find_spec("matplotlib") is None:
         raise ConfigError(INSTALL_HINT)
-    from keel.tools.report.plots import DRAW
+    from keel.tools.report.plots import DRAW  # imports matplotlib, an optional dependency: checked just above
 
     run_dir = run_dir.expanduser().resolve()
     out_dir = (out_dir or RunDir(run_dir).report).expanduser().resolve()

@@ -3,8 +3,9 @@
 One seam between the loop (keel/training/trainer.py) and everything a checkpoint involves — the agreed choice of
 what to load (keel/training/checkpoint/store.py), a synchronous save or a background one (`checkpoint.async_save`,
 keel/training/checkpoint/async_save.py), the corrupt-state gate that keeps non-finite state off disk
-(keel/training/guards/state.py) and the `checkpoint.on_save_error` policy (keel/training/checkpoint/save_failures.py) — so
-that every rank takes the same collectives in the same order whichever of them applies.
+(keel/training/guards/state.py) and the `checkpoint.on_save_error` policy
+(keel/training/checkpoint/save_failures.py) — so that every rank takes the same collectives in the same order
+whichever of them applies.
 """
 
 from __future__ import annotations

@@ -28,7 +28,8 @@ class NonfiniteGuard:
         self.consecutive += 1
         event = {"non_finite": bad, "samples": list(stats.sample_range), "consecutive": self.consecutive}
         if self.consecutive >= self.cfg.max_nonfinite:
-            return Decision(Action.STOP, f"{self.consecutive} consecutive non-finite steps", exit_code=ExitCode.FAILED), event
+            stop = Decision(Action.STOP, f"{self.consecutive} consecutive non-finite steps", exit_code=ExitCode.FAILED)
+            return stop, event
         return Decision(Action.SKIP, f"non-finite {', '.join(bad)}"), event
 
 

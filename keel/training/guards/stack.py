@@ -25,15 +25,15 @@ log = logging.getLogger("keel")
 
 class GuardStack:
     def __init__(self, cfg: RunConfig, engine, topology: Topology, anomalies: AnomalyLog):
-        s = cfg.stability
+        stability = cfg.stability
         self.cfg = cfg
         self.anomalies = anomalies
         self.topology = topology
-        self.nonfinite = NonfiniteGuard(s)
-        self.spike = SpikeGuard(s)
+        self.nonfinite = NonfiniteGuard(stability)
+        self.spike = SpikeGuard(stability)
         min_scale = float(engine.config.get("fp16", {}).get("min_loss_scale", 1)) if engine.fp16_enabled() else 1.0
-        self.loss_scale = LossScaleGuard(s, min_scale)
-        self.loss_outliers = LossOutlierCheck(topology, s.loss_check_sigmas, s.loss_check_repeats)
+        self.loss_scale = LossScaleGuard(stability, min_scale)
+        self.loss_outliers = LossOutlierCheck(topology, stability.loss_check_sigmas, stability.loss_check_repeats)
         checksummer = Checksummer()
         self.checksums = ChecksumCheck(engine.module, topology, engine.zero_optimization_stage(), checksummer)
         self.at_rest = AtRestCheck(engine, checksummer)
@@ -87,12 +87,12 @@ class GuardStack:
     # -- after the optimizer step --------------------------------------------------------------------------------
     def after_step(self, step: int, loss_scale: float | None, local_loss: float | None) -> Decision:
         """Periodic cross-rank checks (collectives on every rank); returns STOP/ROLLBACK when one demands it."""
-        s = self.cfg.stability
+        stability = self.cfg.stability
         event = self.loss_scale.observe(step, loss_scale)
         if event is not None:
             self.anomalies.record("loss_scale", step, **event)
             log.warning("step %d: %s", step, event["reason"])
-        if s.loss_check_interval and step % s.loss_check_interval == 0:
+        if stability.loss_check_interval and step % stability.loss_check_interval == 0:
             for event in self.loss_outliers.check(local_loss):
                 self.anomalies.record("loss_outlier", step, **event)
                 log.warning("step %d: data-parallel rank %d (global rank %d on %s) loss %.4f is %.1fσ from its "
@@ -101,16 +101,16 @@ class GuardStack:
         if self._checks_at(step):
             mismatches = self.checksums.check(self.at_rest.take())
             for event in mismatches:
-                self.anomalies.record("checksum_mismatch", step, action=s.checksum_action, **event)
+                self.anomalies.record("checksum_mismatch", step, action=stability.checksum_action, **event)
                 if event["group"] == "at_rest":
                     log.error("step %d: %s of parameter %s changed at rest on rank %s", step,
                               "/".join(event["states"]), event["parameter"], event["ranks"][0])
                 else:
                     log.error("step %d: parameter %s differs on rank(s) %s of its %s group", step,
                               event["parameter"], event["ranks"], event["group"])
-            if mismatches and s.checksum_action == "stop":
+            if mismatches and stability.checksum_action == "stop":
                 return Decision(Action.STOP, "parameter checksum mismatch", exit_code=ExitCode.CHECKSUM)
-            if mismatches and s.checksum_action == "restore":
+            if mismatches and stability.checksum_action == "restore":
                 return Decision(Action.ROLLBACK, "parameter checksum mismatch: restoring the last checkpoint",
                                 restore=True)
         return Decision()

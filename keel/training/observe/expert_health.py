@@ -30,15 +30,16 @@ log = logging.getLogger("keel")
 
 class ExpertHealth:
     def __init__(self, cfg: RunConfig, model: torch.nn.Module, topology: Topology, anomalies: AnomalyLog):
-        m, s = cfg.model, cfg.stability
-        self.num_experts = m.moe_experts
+        stability = cfg.stability
+        self.num_experts = cfg.model.moe_experts
         self.layers = moe_layers(model)
-        self.block_ids = [i for i in range(m.n_layers) if is_moe_block(m, i)]  # every MoE block, on any stage
+        # every MoE block, on any stage
+        self.block_ids = [i for i in range(cfg.model.n_layers) if is_moe_block(cfg.model, i)]
         self.slot = {block: n for n, block in enumerate(self.block_ids)}
-        self.interval = s.expert_interval
-        self.collapse_share, self.collapse_checks = s.expert_collapse_share, s.expert_collapse_checks
-        self.bias_update = m.moe_bias_update
-        self.top_k = m.moe_top_k
+        self.interval = stability.expert_interval
+        self.collapse_share, self.collapse_checks = stability.expert_collapse_share, stability.expert_collapse_checks
+        self.bias_update = cfg.model.moe_bias_update
+        self.top_k = cfg.model.moe_top_k
         # the pipeline engine averages gradients over its data axis, which holds the Ulysses sp ranks: their aux
         # losses (shares of the sequence's, summed over sp elsewhere) get sp times the main loss's scale
         self.engine_copies = engine_batch_copies(cfg)

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from torch import nn
 
 from keel.adapters.deepspeed_internals import (
@@ -262,8 +263,6 @@ class ModelMonitor:
         """
         if self.engine is None or not self.engine.fp16_enabled():
             return 1.0
-        from deepspeed.runtime.base_optimizer import ZeROOptimizer
-
         if not isinstance(self.engine.optimizer, ZeROOptimizer):
             return 1.0
         return loss_scale(self.engine) or 1.0

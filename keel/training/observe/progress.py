@@ -19,7 +19,10 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
+import torch
+
 from keel.config import ModelConfig, RunConfig
+from keel.engine.memory_model import Layout, param_share
 
 ETA_WINDOW = 50  # steps averaged for the ETA
 # dense bf16 (= fp16) tensor-core peaks in TFLOP/s, by a substring of torch.cuda.get_device_name(); first match wins
@@ -47,10 +50,6 @@ def flops_per_token(model: ModelConfig, seq_len: int, params: int, expert_params
 
 def run_progress(cfg: RunConfig, world_size: int, device: Any) -> Progress:
     """The run's Progress on `device`: its model counted from a meta-device build of the layer list (no memory)."""
-    import torch
-
-    from keel.engine.memory_model import Layout, param_share
-
     device = torch.device(device)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     share = param_share(cfg.model, Layout())

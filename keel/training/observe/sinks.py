@@ -88,12 +88,12 @@ class Sinks:
             return
         run_dir = Path(run_dir)
         if stability.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # optional sink (check_sinks), ~1 s to import
 
             self._tensorboard = SummaryWriter(str(RunDir(run_dir).tensorboard),
                                               purge_step=resumed_step + 1 if resumed_step > 0 else None)
         if stability.wandb:
-            import wandb
+            import wandb  # optional dependency (the wandb extra)
 
             self._wandb = wandb.init(project=stability.wandb_project, dir=str(run_dir), mode=stability.wandb_mode,
                                      config=run_config or {}, resume="allow", id=wandb_run_id(run_dir))
@@ -113,7 +113,7 @@ class Sinks:
         """Steps after `step` will be trained again (a rollback): TensorBoard drops its events past `step`, as
         `MetricsWriter.rewind` moves those records aside. W&B keeps its first values (see above)."""
         if self._tensorboard is not None:
-            from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+            from tensorboard.compat.proto.event_pb2 import Event, SessionLog  # optional, as in __init__
 
             # What SummaryWriter(purge_step=...) writes, but into the open file: read after the events it purges.
             restart = Event(step=step + 1, session_log=SessionLog(status=SessionLog.START))

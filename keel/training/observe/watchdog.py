@@ -269,7 +269,7 @@ class StragglerMonitor:
     def _gather(self, value: float) -> list[float]:
         import torch  # here, not at the top: the watchdog above must stay importable without torch's start-up
 
-        from keel.parallel import comm
+        from keel.parallel import comm  # imports torch: here for the same reason
 
         if self.control is None or not self.control.active:
             self._ranks, self._hosts = [0], [socket.gethostname()]
