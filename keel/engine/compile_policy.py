@@ -2,12 +2,11 @@
 
 `true` compiles or refuses (keel/config/rules.py, keel/engine/ds_config.py say what to change); `false` never
 compiles. `auto`, the default, compiles only where it was measured to win on wall time, compilation included
-(2026-12-02, AMD EPYC, 2 cores, fp32; README "Speed"): a compiled block makes each step 1.15x faster at d256 L4
-seq 256 (1 process) and 1.11x at d512 L8 seq 512 (2 ranks, ZeRO-1) after an 11-13 s first compilation, but only
-1.07x on the 128-wide default model, where 1000 steps do not pay the compilation back. So: on the CPU (inductor's
-C++ kernels, a C++ compiler on PATH), fp32, dense blocks with tp = pp = sp = 1, ZeRO 0-2, model.dim >= 256 and
-train.steps >= 1000. On CUDA `auto` stays eager until bench/device_check.sh has measured it; bf16/fp16 and the
-other layouts are unmeasured or unsupported, and stay eager too.
+(bench/results/compile_cpu_20261202.md): on the 128-wide default model the first compilation is not paid back in
+1000 steps, on 256-wide and wider blocks it is. So: on the CPU (inductor's C++ kernels, a C++ compiler on PATH),
+fp32, dense blocks with tp = pp = sp = 1, ZeRO 0-2, model.dim >= 256 and train.steps >= 1000. On CUDA `auto`
+stays eager until bench/device_check.sh has measured it; bf16/fp16 and the other layouts are unmeasured or
+unsupported, and stay eager too.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ import torch
 from keel.config import RunConfig
 from keel.config.rules import compile_setting, unsupported_compile_layout
 
-MIN_DIM = 256  # measured: 1.15x per step at d256, 1.07x at d128 (README "Speed")
+MIN_DIM = 256  # the narrowest width measured to pay its compilation back (bench/results/compile_cpu_*.md)
 MIN_STEPS = 1000  # the issue's yardstick: a win over a 1000-step run, compilation included
 
 

@@ -7,7 +7,7 @@ own state right after the update of the step before a check and verifies it befo
 change in between is corruption. At ZeRO-0 the same covers the parameters and the Adam moments.
 
 Covers the window between those two points (one step in every `checksum_interval`); a flip during the update
-itself, or in the steps between checks, is not seen here (see the README's stability section).
+itself, or in the steps between checks, is not seen here (see docs/stability.md).
 """
 
 from __future__ import annotations
