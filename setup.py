@@ -27,9 +27,16 @@ setup(
     extras_require={
         # the lr-find tests read matplotlib's plot; Liger's RoPE is tested on CPU under TRITON_INTERPRET=1;
         # tests/test_megatron_format.py checks Keel's token files against Megatron-Core's reader and builder
-        "test": ["pytest>=8", "ruff>=0.5", "matplotlib>=3.7", "liger-kernel>=0.8", "triton>=3.0",
-                 "megatron-core>=0.12", "pyarrow>=14",
-                 "hypothesis>=6.100"],  # tests/faults/test_config_fuzz.py
+        "test": [
+            "pytest>=8",
+            "ruff>=0.5",
+            "matplotlib>=3.7",
+            "liger-kernel>=0.8",
+            "triton>=3.0",
+            "megatron-core>=0.12",
+            "pyarrow>=14",
+            "hypothesis>=6.100",
+        ],  # tests/faults/test_config_fuzz.py
         "parquet": ["pyarrow>=14"],  # parquet corpora (a 55 MB wheel, so not a core dependency)
         "liger": ["liger-kernel>=0.8", "triton>=3.0"],  # model.kernels: auto picks it on CUDA
         "wandb": ["wandb>=0.16"],

@@ -54,11 +54,25 @@ def build(size_mb: float):
     from keel.engine.build import build_engine
 
     dim, layers = 512, 1
-    per_layer, embed = 12 * dim * dim, VOCAB * dim  # attention (GQA ~ 3d²) + SwiGLU (~8d²) + norms, roughly
-    layers = max(1, round((size_mb * 2**20 / 12 - embed) / per_layer))  # 12 bytes/param: weight + 2 moments
-    cfg = RunConfig(model=ModelConfig(vocab_size=VOCAB, dim=dim, n_layers=layers, n_heads=8, n_kv_heads=4,
-                                      vocab_pad_multiple=1, compile="false"),
-                    train=TrainConfig(global_batch_size=MICRO, micro_batch_size=MICRO, lr=1e-4, warmup_steps=0))
+    per_layer, embed = (
+        12 * dim * dim,
+        VOCAB * dim,
+    )  # attention (GQA ~ 3d²) + SwiGLU (~8d²) + norms, roughly
+    layers = max(
+        1, round((size_mb * 2**20 / 12 - embed) / per_layer)
+    )  # 12 bytes/param: weight + 2 moments
+    cfg = RunConfig(
+        model=ModelConfig(
+            vocab_size=VOCAB,
+            dim=dim,
+            n_layers=layers,
+            n_heads=8,
+            n_kv_heads=4,
+            vocab_pad_multiple=1,
+            compile="false",
+        ),
+        train=TrainConfig(global_batch_size=MICRO, micro_batch_size=MICRO, lr=1e-4, warmup_steps=0),
+    )
     ds = json.loads((REPO / "ds_configs" / "zero0.json").read_text())
     return build_engine(cfg, ds, Topology.from_env())
 
@@ -85,7 +99,9 @@ def disk_bandwidth(directory: Path, nbytes: int) -> float:
     return written / seconds
 
 
-def run_mode(engine, checkpointer: Checkpointer, saver: AsyncCheckpointer | None, steps: int, interval: int) -> dict:
+def run_mode(
+    engine, checkpointer: Checkpointer, saver: AsyncCheckpointer | None, steps: int, interval: int
+) -> dict:
     """One run of `steps` steps saving every `interval` (`saver`: asynchronously, kept across repeats like a run
     keeps it: its host buffers are allocated by the first save only)."""
     generator = torch.Generator().manual_seed(0)
@@ -109,17 +125,27 @@ def run_mode(engine, checkpointer: Checkpointer, saver: AsyncCheckpointer | None
     final = time.perf_counter() - final + save_calls[max(save_calls)]
     extra, spanned = [], []
     for step in sorted(save_calls)[:-1]:  # saves followed by steps
-        window = step_times[step: step + interval - 1]  # the steps after the save, up to the next one
-        span = max(interval // 2, concluded_at.get(step, step) - step)  # the writer's steps, or the first half
+        window = step_times[
+            step : step + interval - 1
+        ]  # the steps after the save, up to the next one
+        span = max(
+            interval // 2, concluded_at.get(step, step) - step
+        )  # the writer's steps, or the first half
         rest = window[span:] or step_times[: interval - 1]
         extra.append(save_calls[step] + sum(t - statistics.median(rest) for t in window[:span]))
         spanned.append(span)
     tag = checkpointer.latest_tag()
     size = sum(p.stat().st_size for p in (checkpointer.directory / tag).iterdir() if p.is_file())
-    return {"extra": extra, "final": final, "ordinary": statistics.median(step_times[: interval - 1]), "bytes": size,
-            "save_calls": list(save_calls.values()), "spanned": spanned,
-            "writes": [o.nbytes / o.write_seconds for o in outcomes],
-            "write_cpu": [o.write_cpu_seconds for o in outcomes] if saver is not None else []}
+    return {
+        "extra": extra,
+        "final": final,
+        "ordinary": statistics.median(step_times[: interval - 1]),
+        "bytes": size,
+        "save_calls": list(save_calls.values()),
+        "spanned": spanned,
+        "writes": [o.nbytes / o.write_seconds for o in outcomes],
+        "write_cpu": [o.write_cpu_seconds for o in outcomes] if saver is not None else [],
+    }
 
 
 def main() -> None:
@@ -128,10 +154,17 @@ def main() -> None:
     parser.add_argument("--interval", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--size-mb", type=float, default=200)
-    parser.add_argument("--dir", default="", help="where checkpoints go (default: a temporary directory)")
+    parser.add_argument(
+        "--dir", default="", help="where checkpoints go (default: a temporary directory)"
+    )
     args = parser.parse_args()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
-                      LOCAL_RANK="0")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+    )
     from keel.engine.distributed import init_distributed
 
     init_distributed()
@@ -142,19 +175,30 @@ def main() -> None:
         results: dict[str, list[dict]] = {"sync": [], "async": []}
         bandwidths, serialize = [], []
         topology = Topology.from_env()
-        checkpointers = {mode: Checkpointer(directory / mode, keep_last=1, topology=topology)
-                         for mode in ("sync", "async")}
+        checkpointers = {
+            mode: Checkpointer(directory / mode, keep_last=1, topology=topology)
+            for mode in ("sync", "async")
+        }
         saver = AsyncCheckpointer(checkpointers["async"], pin=False)
         warmup = torch.Generator().manual_seed(1)
-        for _ in range(3):  # first steps (allocations) and first saves (the snapshot's buffers) are not measured
+        for _ in range(
+            3
+        ):  # first steps (allocations) and first saves (the snapshot's buffers) are not measured
             train_step(engine, warmup)
         checkpointers["sync"].save(engine, TrainState(step=0))
         saver.save(engine, TrainState(step=0))
         saver.poll(wait=True)
         for repeat in range(args.repeats):
             for mode in ("sync", "async") if repeat % 2 == 0 else ("async", "sync"):
-                results[mode].append(run_mode(engine, checkpointers[mode], saver if mode == "async" else None,
-                                              args.steps, args.interval))
+                results[mode].append(
+                    run_mode(
+                        engine,
+                        checkpointers[mode],
+                        saver if mode == "async" else None,
+                        args.steps,
+                        args.interval,
+                    )
+                )
             size = results["sync"][-1]["bytes"]
             bandwidths.append(disk_bandwidth(directory, size))
             serialize.append(_page_cache_save(engine, directory))
@@ -176,39 +220,61 @@ def _page_cache_save(engine, directory: Path) -> float:
     return size / seconds
 
 
-def report(args, n_params: int, results: dict, bandwidths: list[float], serialize: list[float]) -> None:
+def report(
+    args, n_params: int, results: dict, bandwidths: list[float], serialize: list[float]
+) -> None:
     size = results["sync"][0]["bytes"]
     mb = 2**20
-    print(f"model: {n_params / 1e6:.1f}M params, checkpoint {size / mb:.0f} MiB; {args.steps} steps, a save every "
-          f"{args.interval}, {args.repeats} repeat(s), modes interleaved; torch threads {torch.get_num_threads()}, "
-          f"load average {os.getloadavg()[0]:.1f}")
-    final = [r["writes"][-1] for r in results["async"]]  # the end of the run waits for it: the writer alone
-    background = [w for r in results["async"] for w in r["writes"][:-1]]  # written while training ran
+    print(
+        f"model: {n_params / 1e6:.1f}M params, checkpoint {size / mb:.0f} MiB; {args.steps} steps, a save every "
+        f"{args.interval}, {args.repeats} repeat(s), modes interleaved; torch threads {torch.get_num_threads()}, "
+        f"load average {os.getloadavg()[0]:.1f}"
+    )
+    final = [
+        r["writes"][-1] for r in results["async"]
+    ]  # the end of the run waits for it: the writer alone
+    background = [
+        w for r in results["async"] for w in r["writes"][:-1]
+    ]  # written while training ran
     disk = statistics.median(bandwidths)
-    print(f"(a) disk write bandwidth with fsync: {disk / mb:.0f} MiB/s (per repeat: "
-          f"{', '.join(f'{b / mb:.0f}' for b in bandwidths)}); torch.save to the page cache: "
-          f"{statistics.median(serialize) / mb:.0f} MiB/s (per repeat: "
-          f"{', '.join(f'{b / mb:.0f}' for b in serialize)})")
-    print(f"    save throughput, the writer alone (the final save; write aside + sha256 + fsync + rename): median "
-          f"{statistics.median(final) / mb:.0f} MiB/s (each: {', '.join(f'{w / mb:.0f}' for w in final)}) "
-          f"-> {statistics.median(final) / disk:.2f} of the disk (target >= 0.70)")
+    print(
+        f"(a) disk write bandwidth with fsync: {disk / mb:.0f} MiB/s (per repeat: "
+        f"{', '.join(f'{b / mb:.0f}' for b in bandwidths)}); torch.save to the page cache: "
+        f"{statistics.median(serialize) / mb:.0f} MiB/s (per repeat: "
+        f"{', '.join(f'{b / mb:.0f}' for b in serialize)})"
+    )
+    print(
+        f"    save throughput, the writer alone (the final save; write aside + sha256 + fsync + rename): median "
+        f"{statistics.median(final) / mb:.0f} MiB/s (each: {', '.join(f'{w / mb:.0f}' for w in final)}) "
+        f"-> {statistics.median(final) / disk:.2f} of the disk (target >= 0.70)"
+    )
     if background:
-        print(f"    while training runs: median {statistics.median(background) / mb:.0f} MiB/s "
-              f"(each: {', '.join(f'{w / mb:.0f}' for w in background)})")
+        print(
+            f"    while training runs: median {statistics.median(background) / mb:.0f} MiB/s "
+            f"(each: {', '.join(f'{w / mb:.0f}' for w in background)})"
+        )
     for mode in ("sync", "async"):
         extra = [e for r in results[mode] for e in r["extra"]]
         calls = [c for r in results[mode] for c in r["save_calls"]]
         cpu = [c for r in results[mode] for c in r["write_cpu"]]
-        writer = f"; the writer thread's CPU time per save {statistics.mean(cpu):.3f} s" if cpu else ""
-        print(f"    {mode:5s}: ordinary step {statistics.median(r['ordinary'] for r in results[mode]):.3f} s; extra "
-              f"wall time per save {statistics.mean(extra):.3f} s (each: {', '.join(f'{e:.2f}' for e in extra)}; "
-              f"spanning {max(s for r in results[mode] for s in r['spanned'])} steps at most); the save call "
-              f"{statistics.mean(calls):.3f} s{writer}; the final save (waited for) "
-              f"{statistics.mean(r['final'] for r in results[mode]):.3f} s")
+        writer = (
+            f"; the writer thread's CPU time per save {statistics.mean(cpu):.3f} s" if cpu else ""
+        )
+        print(
+            f"    {mode:5s}: ordinary step {statistics.median(r['ordinary'] for r in results[mode]):.3f} s; extra "
+            f"wall time per save {statistics.mean(extra):.3f} s (each: {', '.join(f'{e:.2f}' for e in extra)}; "
+            f"spanning {max(s for r in results[mode] for s in r['spanned'])} steps at most); the save call "
+            f"{statistics.mean(calls):.3f} s{writer}; the final save (waited for) "
+            f"{statistics.mean(r['final'] for r in results[mode]):.3f} s"
+        )
     ratios = [sum(a["extra"]) / sum(s["extra"]) for a, s in zip(results["async"], results["sync"])]
-    total = sum(e for r in results["async"] for e in r["extra"]) / sum(e for r in results["sync"] for e in r["extra"])
-    print(f"(b) extra wall time over the steps spanning a save (saves followed by steps), async / sync: {total:.2f} "
-          f"(per repeat: {', '.join(f'{r:.2f}' for r in ratios)}; target <= 0.25)")
+    total = sum(e for r in results["async"] for e in r["extra"]) / sum(
+        e for r in results["sync"] for e in r["extra"]
+    )
+    print(
+        f"(b) extra wall time over the steps spanning a save (saves followed by steps), async / sync: {total:.2f} "
+        f"(per repeat: {', '.join(f'{r:.2f}' for r in ratios)}; target <= 0.25)"
+    )
 
 
 if __name__ == "__main__":

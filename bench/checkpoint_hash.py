@@ -63,21 +63,29 @@ def save_files(directory: Path, tensors: list[torch.Tensor], hashed: bool) -> fl
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size-mb", type=int, default=512, help="total bytes of the files written and verified")
+    parser.add_argument(
+        "--size-mb", type=int, default=512, help="total bytes of the files written and verified"
+    )
     parser.add_argument("--files", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", default=tempfile.gettempdir())
     parser.add_argument("--params", type=float, default=70e9)
     parser.add_argument("--ranks", type=int, default=512)
-    parser.add_argument("--fs-gbps", type=float, default=100.0, help="assumed aggregate read GB/s of the cluster FS")
+    parser.add_argument(
+        "--fs-gbps", type=float, default=100.0, help="assumed aggregate read GB/s of the cluster FS"
+    )
     args = parser.parse_args()
-    print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; torch {torch.__version__}")
+    print(
+        f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; torch {torch.__version__}"
+    )
 
     buffer = os.urandom(256 << 20)
     per_thread = sha256_rate(buffer, 1, args.repeats)
     rates = {n: sha256_rate(buffer, n, args.repeats) for n in (2, 4)}
-    print(f"sha256: {per_thread:.2f} GB/s on 1 thread; {rates[2]:.2f} GB/s on 2, {rates[4]:.2f} GB/s on 4 "
-          "(aggregate, bounded by free cores)")
+    print(
+        f"sha256: {per_thread:.2f} GB/s on 1 thread; {rates[2]:.2f} GB/s on 2, {rates[4]:.2f} GB/s on 4 "
+        "(aggregate, bounded by free cores)"
+    )
     del buffer
 
     numel = (args.size_mb << 20) // args.files // 4
@@ -90,29 +98,43 @@ def main() -> None:
             plain.append(save_files(directory, tensors, hashed=False))
             hashed.append(save_files(directory, tensors, hashed=True))
         a, b = statistics.median(plain), statistics.median(hashed)
-        print(f"save of {total_gb:.2f} GB in {args.files} files: plain {a:.2f} s, hashed on 2 threads {b:.2f} s "
-              f"(median of {args.repeats}); extra {b - a:+.2f} s = {b / a:.2f}x")
+        print(
+            f"save of {total_gb:.2f} GB in {args.files} files: plain {a:.2f} s, hashed on 2 threads {b:.2f} s "
+            f"(median of {args.repeats}); extra {b - a:+.2f} s = {b / a:.2f}x"
+        )
         paths = sorted(directory.iterdir())
         files = {p.name: describe(p) for p in paths}
-        warm = min(_timed(lambda: verify(directory, files, list(files))) for _ in range(args.repeats))
-        print(f"verify (4 threads, page cache): {total_gb / warm:.2f} GB/s ({warm:.2f} s for {total_gb:.2f} GB)")
+        warm = min(
+            _timed(lambda: verify(directory, files, list(files))) for _ in range(args.repeats)
+        )
+        print(
+            f"verify (4 threads, page cache): {total_gb / warm:.2f} GB/s ({warm:.2f} s for {total_gb:.2f} GB)"
+        )
         if drop_cache(*paths):
             cold = _timed(lambda: verify(directory, files, list(files)))
             print(f"verify (4 threads, pages dropped): {total_gb / cold:.2f} GB/s ({cold:.2f} s)")
 
     total_tb = args.params * BYTES_PER_PARAM / 1e12
     per_rank_gb = total_tb * 1e3 / args.ranks
-    largest_gb = args.params * 12 / args.ranks / 1e9  # ZeRO-1/2: the rank's optimizer shard is its largest file
-    print(f"projection: {args.params / 1e9:.0f}B params x {BYTES_PER_PARAM} B = {total_tb:.2f} TB per checkpoint, "
-          f"{per_rank_gb:.2f} GB per rank of {args.ranks} (largest file {largest_gb:.2f} GB).")
-    print(f"  save: {per_rank_gb / per_thread:.1f} s of hashing per rank on 2 background threads, overlapping the "
-          f"writes; the save waits at most for its last file's hash, {largest_gb / per_thread:.1f} s "
-          f"(torch.save itself wrote {total_gb / a:.2f} GB/s here: {per_rank_gb / (total_gb / a):.1f} s per rank)")
+    largest_gb = (
+        args.params * 12 / args.ranks / 1e9
+    )  # ZeRO-1/2: the rank's optimizer shard is its largest file
+    print(
+        f"projection: {args.params / 1e9:.0f}B params x {BYTES_PER_PARAM} B = {total_tb:.2f} TB per checkpoint, "
+        f"{per_rank_gb:.2f} GB per rank of {args.ranks} (largest file {largest_gb:.2f} GB)."
+    )
+    print(
+        f"  save: {per_rank_gb / per_thread:.1f} s of hashing per rank on 2 background threads, overlapping the "
+        f"writes; the save waits at most for its last file's hash, {largest_gb / per_thread:.1f} s "
+        f"(torch.save itself wrote {total_gb / a:.2f} GB/s here: {per_rank_gb / (total_gb / a):.1f} s per rank)"
+    )
     cpu_s = per_rank_gb / (4 * per_thread)
     fs_s = total_tb * 1e3 / args.fs_gbps
-    print(f"  load: each rank verifies 1/{args.ranks}: {cpu_s:.1f} s of CPU at 4 threads x {per_thread:.2f} GB/s, "
-          f"all ranks at once; the checkpoint is read once in total, {fs_s:.0f} s at an assumed {args.fs_gbps:.0f} "
-          f"GB/s aggregate filesystem read (--fs-gbps) — the slower of the two, ~{max(cpu_s, fs_s):.0f} s per load")
+    print(
+        f"  load: each rank verifies 1/{args.ranks}: {cpu_s:.1f} s of CPU at 4 threads x {per_thread:.2f} GB/s, "
+        f"all ranks at once; the checkpoint is read once in total, {fs_s:.0f} s at an assumed {args.fs_gbps:.0f} "
+        f"GB/s aggregate filesystem read (--fs-gbps) — the slower of the two, ~{max(cpu_s, fs_s):.0f} s per load"
+    )
 
 
 def _timed(fn) -> float:

@@ -80,8 +80,12 @@ class Op:
     """A wrapped collective: which argument holds the full logical tensor, and its per-rank cost factor."""
 
     name: str  # attribute of torch.distributed
-    logical: str  # parameter holding the full logical tensor (a tensor, or a list of tensors summed)
-    factor: Callable[[int], float]  # per-rank bytes moved / logical bytes, for group size t (ring algorithms)
+    logical: (
+        str  # parameter holding the full logical tensor (a tensor, or a list of tensors summed)
+    )
+    factor: Callable[
+        [int], float
+    ]  # per-rank bytes moved / logical bytes, for group size t (ring algorithms)
 
 
 OPS = (
@@ -102,7 +106,9 @@ class Call:
     numel: int  # elements of the full logical tensor
     element_size: int
     group_size: int
-    sent: float | None = None  # bytes leaving this rank when known exactly (an uneven all-to-all's splits)
+    sent: float | None = (
+        None  # bytes leaving this rank when known exactly (an uneven all-to-all's splits)
+    )
 
     @property
     def logical_bytes(self) -> int:
@@ -170,8 +176,13 @@ class Shape:
     label_smoothing: float = 0.1  # on: the cross-entropy does all four of its [b, s] all-reduces
 
     def model_config(self) -> ModelConfig:
-        return ModelConfig(vocab_size=self.vocab, dim=self.dim, n_layers=self.n_layers, n_heads=self.n_heads,
-                           n_kv_heads=self.n_kv_heads)
+        return ModelConfig(
+            vocab_size=self.vocab,
+            dim=self.dim,
+            n_layers=self.n_layers,
+            n_heads=self.n_heads,
+            n_kv_heads=self.n_kv_heads,
+        )
 
     def activation_bytes(self, element_size: int = 4) -> int:
         """A = b·s·h·bytes: one full (unsharded) activation."""
@@ -182,14 +193,22 @@ class Shape:
 class Analytic:
     formula: str
     bytes: float  # per rank, from the formula
-    extras: tuple[tuple[str, float], ...]  # (what, per-rank bytes): known small terms outside the formula
+    extras: tuple[
+        tuple[str, float], ...
+    ]  # (what, per-rank bytes): known small terms outside the formula
 
 
 def _tp_step(shape: Shape, sequence_parallel: bool) -> list[Call]:
     """One forward + backward of the tensor-parallel CausalLM over the whole world, its collectives recorded."""
-    parallel = LayerParallel.from_topology(Topology.from_env(tp=dist.get_world_size()), sequence_parallel, seed=0)
-    model = CausalLM(shape.model_config(), seed=0, parallel=parallel, label_smoothing=shape.label_smoothing)
-    tokens = torch.randint(0, shape.vocab, (shape.batch, shape.seq_len + 1), generator=torch.Generator().manual_seed(0))
+    parallel = LayerParallel.from_topology(
+        Topology.from_env(tp=dist.get_world_size()), sequence_parallel, seed=0
+    )
+    model = CausalLM(
+        shape.model_config(), seed=0, parallel=parallel, label_smoothing=shape.label_smoothing
+    )
+    tokens = torch.randint(
+        0, shape.vocab, (shape.batch, shape.seq_len + 1), generator=torch.Generator().manual_seed(0)
+    )
     with CollectiveRecorder() as recorder:
         model(tokens[:, :-1], tokens[:, 1:]).backward()
     return recorder.calls
@@ -198,18 +217,28 @@ def _tp_step(shape: Shape, sequence_parallel: bool) -> list[Call]:
 def _tp_analytic(shape: Shape, t: int, sequence_parallel: bool) -> Analytic:
     fp32 = 4
     a, layers = shape.activation_bytes(fp32), shape.n_layers
-    extras = [(f"vocab-parallel cross-entropy: {3 + bool(shape.label_smoothing)} all-reduces of [b, s]",
-               (3 + bool(shape.label_smoothing)) * 2 * _ring(t) * shape.batch * shape.seq_len * fp32)]
+    extras = [
+        (
+            f"vocab-parallel cross-entropy: {3 + bool(shape.label_smoothing)} all-reduces of [b, s]",
+            (3 + bool(shape.label_smoothing)) * 2 * _ring(t) * shape.batch * shape.seq_len * fp32,
+        )
+    ]
     if sequence_parallel:
-        extras.append((f"SP norm-weight grads: {2 * layers + 1} all-reduces of [h]",
-                       (2 * layers + 1) * 2 * _ring(t) * shape.dim * fp32))
+        extras.append(
+            (
+                f"SP norm-weight grads: {2 * layers + 1} all-reduces of [h]",
+                (2 * layers + 1) * 2 * _ring(t) * shape.dim * fp32,
+            )
+        )
     collectives = "AG+RS fwd, RS+AG bwd" if sequence_parallel else "AR fwd, AR bwd"
     formula = f"(2L+1) regions x 4(t-1)/t x A  [{collectives} per region; A = b*s*h*4 B = {a / MiB:.3f} MiB]"
     return Analytic(formula, (2 * layers + 1) * 4 * _ring(t) * a, tuple(extras))
 
 
 def _tokens(shape: Shape) -> torch.Tensor:
-    return torch.randint(0, shape.vocab, (shape.batch, shape.seq_len + 1), generator=torch.Generator().manual_seed(0))
+    return torch.randint(
+        0, shape.vocab, (shape.batch, shape.seq_len + 1), generator=torch.Generator().manual_seed(0)
+    )
 
 
 def _ep_step(shape: Shape, experts: int = 8, top_k: int = 2) -> tuple[list[Call], Analytic]:
@@ -220,7 +249,9 @@ def _ep_step(shape: Shape, experts: int = 8, top_k: int = 2) -> tuple[list[Call]
     ep = parallel.ep
     cfg = dataclasses.replace(shape.model_config(), moe_experts=experts, moe_top_k=top_k)
     model = CausalLM(cfg, seed=0, parallel=parallel)
-    tokens = _tokens(shape)[dist.get_rank():dist.get_rank() + 1].repeat(shape.batch, 1)  # each rank its own
+    tokens = _tokens(shape)[dist.get_rank() : dist.get_rank() + 1].repeat(
+        shape.batch, 1
+    )  # each rank its own
     with CollectiveRecorder() as recorder:
         model(tokens[:, :-1], tokens[:, 1:]).backward()
     local = experts // ep_size
@@ -233,9 +264,16 @@ def _ep_step(shape: Shape, experts: int = 8, top_k: int = 2) -> tuple[list[Call]
     row = shape.dim * 4
     n_layers, t = shape.n_layers, ep_size
     balanced = shape.batch * shape.seq_len * top_k * _ring(t)
-    formula = (f"sum over layers of 2(S + R) x h x 4 B  [S = {send / n_layers:.0f}, R = {recv / n_layers:.0f} rows "
-               f"per layer on this rank; balanced routing: {balanced:.0f}]")
-    extras = ((f"row-count exchange: {n_layers} all-to-alls of {experts} int64", n_layers * _ring(t) * experts * 8),)
+    formula = (
+        f"sum over layers of 2(S + R) x h x 4 B  [S = {send / n_layers:.0f}, R = {recv / n_layers:.0f} rows "
+        f"per layer on this rank; balanced routing: {balanced:.0f}]"
+    )
+    extras = (
+        (
+            f"row-count exchange: {n_layers} all-to-alls of {experts} int64",
+            n_layers * _ring(t) * experts * 8,
+        ),
+    )
     return recorder.calls, Analytic(formula, 2 * (send + recv) * row, extras)
 
 
@@ -250,10 +288,22 @@ def _ulysses_step(shape: Shape) -> list[Call]:
 
 def _ulysses_analytic(shape: Shape, t: int) -> Analytic:
     head_dim = shape.dim // shape.n_heads
-    kv = shape.n_kv_heads if shape.n_kv_heads % t == 0 else shape.n_heads  # too few kv heads: sent per q head
-    per_layer = 2 * (2 * shape.n_heads + 2 * kv) * shape.batch * (shape.seq_len // t) * head_dim * 4 * _ring(t)
+    kv = (
+        shape.n_kv_heads if shape.n_kv_heads % t == 0 else shape.n_heads
+    )  # too few kv heads: sent per q head
+    per_layer = (
+        2
+        * (2 * shape.n_heads + 2 * kv)
+        * shape.batch
+        * (shape.seq_len // t)
+        * head_dim
+        * 4
+        * _ring(t)
+    )
     formula = f"L x 2 x (2H + 2K) x b x s/sp x d x 4 B x (sp-1)/sp  [H = {shape.n_heads}, K = {kv}, d = {head_dim}]"
-    return Analytic(formula, shape.n_layers * per_layer, (("loss mean over sp: one scalar all-reduce", 4.0),))
+    return Analytic(
+        formula, shape.n_layers * per_layer, (("loss mean over sp: one scalar all-reduce", 4.0),)
+    )
 
 
 @dataclass(frozen=True)
@@ -262,20 +312,31 @@ class Case:
     world: int
     # runs in every rank of an initialised world; returns its calls (and, without `analytic`, its own Analytic)
     step: Callable[[Shape], list[Call] | tuple[list[Call], Analytic]]
-    analytic: Callable[[Shape, int], Analytic] | None = None  # (shape, world) → per-rank bytes per the paper
+    analytic: Callable[[Shape, int], Analytic] | None = (
+        None  # (shape, world) → per-rank bytes per the paper
+    )
 
 
 CASES = (
-    Case("tp=2, sequence parallel off", 2, partial(_tp_step, sequence_parallel=False),
-         partial(_tp_analytic, sequence_parallel=False)),
-    Case("tp=2, sequence parallel on", 2, partial(_tp_step, sequence_parallel=True),
-         partial(_tp_analytic, sequence_parallel=True)),
+    Case(
+        "tp=2, sequence parallel off",
+        2,
+        partial(_tp_step, sequence_parallel=False),
+        partial(_tp_analytic, sequence_parallel=False),
+    ),
+    Case(
+        "tp=2, sequence parallel on",
+        2,
+        partial(_tp_step, sequence_parallel=True),
+        partial(_tp_analytic, sequence_parallel=True),
+    ),
     Case("ep=2, dropless MoE all-to-all (8 experts, top-2)", 2, _ep_step),
     Case("sp=2, Ulysses all-to-all", 2, _ulysses_step, _ulysses_analytic),
 )
 
 
 # -- running ----------------------------------------------------------------------------------------------------
+
 
 def _worker(rank: int, case_indices: list[int], port: int, shape: Shape, results) -> None:
     """Every case of one world size in turn, in one gloo world: the start-up (imports, rendezvous) is paid once."""
@@ -324,7 +385,12 @@ def measure_all(cases: list[Case] | tuple[Case, ...], shape: Shape) -> list[Resu
     ctx.set_forkserver_preload(["keel.model", "keel.parallel.topology", __name__])
     results = ctx.SimpleQueue()
     indices = [CASES.index(case) for case in cases]
-    mp.start_processes(_worker, args=(indices, free_port(), shape, results), nprocs=world, start_method="forkserver")
+    mp.start_processes(
+        _worker,
+        args=(indices, free_port(), shape, results),
+        nprocs=world,
+        start_method="forkserver",
+    )
     per_case: dict[int, dict[int, object]] = {index: {} for index in indices}
     for _ in range(world * len(cases)):
         index, rank, got = results.get()
@@ -333,24 +399,33 @@ def measure_all(cases: list[Case] | tuple[Case, ...], shape: Shape) -> list[Resu
 
 
 def _result(case: Case, per_rank: dict, shape: Shape) -> Result:
-    if case.analytic is None:  # the step judged its own routing: report rank 0's calls against rank 0's minimum
+    if (
+        case.analytic is None
+    ):  # the step judged its own routing: report rank 0's calls against rank 0's minimum
         calls, analytic = per_rank[0]
         return Result(case, tuple(calls), analytic)
     if any(calls != per_rank[0] for calls in per_rank.values()):
-        raise RuntimeError(f"{case.name}: ranks issued different collectives; per-rank volume is not uniform")
+        raise RuntimeError(
+            f"{case.name}: ranks issued different collectives; per-rank volume is not uniform"
+        )
     return Result(case, tuple(per_rank[0]), case.analytic(shape, case.world))
 
 
 def report(result: Result, shape: Shape) -> bool:
     """Print the per-op table and the verdict; True if the ratio lies in [0.95, 1.05]."""
-    kinds = {shape.batch * shape.seq_len * shape.dim: "activation [b, s, h]",
-             shape.batch * shape.seq_len: "loss statistic [b, s]", shape.dim: "norm grad [h]"}
+    kinds = {
+        shape.batch * shape.seq_len * shape.dim: "activation [b, s, h]",
+        shape.batch * shape.seq_len: "loss statistic [b, s]",
+        shape.dim: "norm grad [h]",
+    }
     print(f"\n== {result.case.name} (world {result.case.world}) ==")
     print(f"{'op':<24}{'elements':>10}{'calls':>7}{'logical MiB':>13}{'per-rank MiB':>14}  tensor")
     for (op, numel), n in sorted(Counter((c.op, c.numel) for c in result.calls).items()):
         same = [c for c in result.calls if (c.op, c.numel) == (op, numel)]
         logical, moved = sum(c.logical_bytes for c in same), sum(c.rank_bytes for c in same)
-        print(f"{op:<24}{numel:>10}{n:>7}{logical / MiB:>13.4f}{moved / MiB:>14.4f}  {kinds.get(numel, '?')}")
+        print(
+            f"{op:<24}{numel:>10}{n:>7}{logical / MiB:>13.4f}{moved / MiB:>14.4f}  {kinds.get(numel, '?')}"
+        )
     analytic = result.analytic
     print(f"measured per rank:  {result.measured / MiB:10.4f} MiB")
     print(f"analytic per rank:  {analytic.bytes / MiB:10.4f} MiB = {analytic.formula}")
@@ -359,9 +434,11 @@ def report(result: Result, shape: Shape) -> bool:
     rest = result.measured - analytic.bytes - sum(nbytes for _, nbytes in analytic.extras)
     print(f"  unexplained (measured - formula - terms above): {rest:.0f} B")
     high, low = result.ratio <= LIMIT_HIGH, result.ratio >= LIMIT_LOW
-    print(f"measured / analytic = {result.ratio:.4f}   "
-          f"<= {LIMIT_HIGH}: {'ok' if high else 'FAIL (more traffic than Megatron needs)'}   "
-          f">= {LIMIT_LOW}: {'ok' if low else 'FAIL (wrapper missed calls, or the formula is wrong)'}")
+    print(
+        f"measured / analytic = {result.ratio:.4f}   "
+        f"<= {LIMIT_HIGH}: {'ok' if high else 'FAIL (more traffic than Megatron needs)'}   "
+        f">= {LIMIT_LOW}: {'ok' if low else 'FAIL (wrapper missed calls, or the formula is wrong)'}"
+    )
     return high and low
 
 
@@ -375,9 +452,11 @@ def parse_args(argv: list[str] | None) -> Shape:
 
 def main(argv: list[str] | None = None) -> int:
     shape = parse_args(argv)
-    print(f"one step (forward + backward, fp32) of CausalLM: b={shape.batch} s={shape.seq_len} h={shape.dim} "
-          f"L={shape.n_layers} heads={shape.n_heads} kv_heads={shape.n_kv_heads} vocab={shape.vocab}; "
-          "per-rank bytes by ring costs (all-reduce 2(t-1)/t, all-gather / reduce-scatter (t-1)/t)")
+    print(
+        f"one step (forward + backward, fp32) of CausalLM: b={shape.batch} s={shape.seq_len} h={shape.dim} "
+        f"L={shape.n_layers} heads={shape.n_heads} kv_heads={shape.n_kv_heads} vocab={shape.vocab}; "
+        "per-rank bytes by ring costs (all-reduce 2(t-1)/t, all-gather / reduce-scatter (t-1)/t)"
+    )
     worlds = sorted({case.world for case in CASES})
     results = [r for w in worlds for r in measure_all([c for c in CASES if c.world == w], shape)]
     ok = [report(result, shape) for result in results]

@@ -23,7 +23,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-FIXED_MIB = 96  # measured 63 MiB: transformers' tokenizer and config code on first use (imports, protobuf)
+FIXED_MIB = (
+    96  # measured 63 MiB: transformers' tokenizer and config code on first use (imports, protobuf)
+)
 
 
 def write_checkpoint(run_dir: Path, dim: int, layers: int, vocab: int, tp: int) -> dict:
@@ -37,8 +39,14 @@ def write_checkpoint(run_dir: Path, dim: int, layers: int, vocab: int, tp: int) 
     from keel.run_dir import COMPLETE, LATEST, tag_for
     from keel.training.checkpoint.store import TrainState
 
-    model = {"dim": dim, "n_layers": layers, "n_heads": 8, "n_kv_heads": 4, "vocab_size": vocab,
-             "tie_embeddings": False}
+    model = {
+        "dim": dim,
+        "n_layers": layers,
+        "n_heads": 8,
+        "n_kv_heads": 4,
+        "vocab_size": vocab,
+        "tie_embeddings": False,
+    }
     cfg = build_config({"model": model, "parallel": {"tp": tp}})
     run_dir.mkdir(parents=True)
     filler = " the quick brown fox jumps over the lazy dog" * 3
@@ -51,15 +59,20 @@ def write_checkpoint(run_dir: Path, dim: int, layers: int, vocab: int, tp: int) 
     tag_dir.mkdir(parents=True)
     total = 0
     for rank in range(tp):
-        state = CausalLM(cfg.model, seed=0, parallel=LayerParallel.without_groups(tp=tp, tp_rank=rank)).state_dict()
+        state = CausalLM(
+            cfg.model, seed=0, parallel=LayerParallel.without_groups(tp=tp, tp_rank=rank)
+        ).state_dict()
         torch.save({"module": state}, tag_dir / f"mp_rank_{rank:02d}_model_states.pt")
         total += sum(v.numel() * 4 for k, v in state.items())
         del state
     largest = vocab * dim * 4  # the unsharded embedding (and untied head): the largest tensor
     files = {p.name: p.stat().st_size for p in sorted(tag_dir.iterdir())}
     topology = {"world_size": tp, "tp": tp, "pp": 1, "dp": 1, "ep": 1, "sp": 1, "zero_stage": 0}
-    (tag_dir / COMPLETE).write_text(json.dumps({"tag": tag_for(1), **asdict(TrainState(step=1)),
-                                                "topology": topology, "files": files}))
+    (tag_dir / COMPLETE).write_text(
+        json.dumps(
+            {"tag": tag_for(1), **asdict(TrainState(step=1)), "topology": topology, "files": files}
+        )
+    )
     (run_dir / "checkpoints" / LATEST).write_text(tag_for(1))
     return {"largest_mib": largest / 2**20, "model_mib": total / 2**20}
 
@@ -81,9 +94,13 @@ print(json.dumps({'baseline_mib': base, 'peak_mib': rss('VmHWM')}))
 
 
 def measure(run_dir: Path, out_dir: Path, shard_mib: float) -> dict:
-    proc = subprocess.run([sys.executable, "-c", _MEASURE, str(run_dir), str(out_dir), str(shard_mib)],
-                          capture_output=True, text=True, cwd=REPO, env={"PYTHONPATH": str(REPO),
-                                                                         "PATH": "/usr/bin:/bin"})
+    proc = subprocess.run(
+        [sys.executable, "-c", _MEASURE, str(run_dir), str(out_dir), str(shard_mib)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+    )
     if proc.returncode:
         raise RuntimeError(proc.stderr[-3000:])
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -95,8 +112,14 @@ def run(dim: int, layers: int, vocab: int, tp: int, shard_mib: float) -> dict:
         got = measure(Path(tmp) / "run", Path(tmp) / "hf", shard_mib)
     above = got["peak_mib"] - got["baseline_mib"]
     bound = 2 * max(sizes["largest_mib"], shard_mib) + FIXED_MIB
-    return {**sizes, **got, "shard_mib": shard_mib, "peak_above_baseline_mib": above, "bound_mib": bound,
-            "verdict": "PASS" if above <= bound else "FAIL"}
+    return {
+        **sizes,
+        **got,
+        "shard_mib": shard_mib,
+        "peak_above_baseline_mib": above,
+        "bound_mib": bound,
+        "verdict": "PASS" if above <= bound else "FAIL",
+    }
 
 
 def main() -> None:
@@ -108,7 +131,9 @@ def main() -> None:
     parser.add_argument("--shard-mib", type=float, default=64)
     args = parser.parse_args()
     result = run(args.dim, args.layers, args.vocab, args.tp, args.shard_mib)
-    print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items()))
+    print(
+        " ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items())
+    )
 
 
 if __name__ == "__main__":

@@ -38,13 +38,16 @@ PERTURBATIONS = (1e-7, 3e-7)
 UNIT_ROUNDOFF = {"bf16": 2.0**-8, "fp16": 2.0**-11}  # 2^-p for p significand bits (8 and 11)
 
 
-def grad_norms(cfg: ModelConfig, seed: int, perturbation: float, data: list[list[torch.Tensor]]) -> list[float]:
+def grad_norms(
+    cfg: ModelConfig, seed: int, perturbation: float, data: list[list[torch.Tensor]]
+) -> list[float]:
     """Per-step clipped-gradient norms; `data[step]` is that step's micro-batches (tokens + next-token labels)."""
     return train(cfg, seed, perturbation, data)[1]
 
 
-def train(cfg: ModelConfig, seed: int, perturbation: float,
-          data: list[list[torch.Tensor]]) -> tuple[list[float], list[float]]:
+def train(
+    cfg: ModelConfig, seed: int, perturbation: float, data: list[list[torch.Tensor]]
+) -> tuple[list[float], list[float]]:
     """Per-step (losses, clipped-gradient norms); the loss is the mean over the step's micro-batches."""
     model = CausalLM(cfg, seed=seed)
     if perturbation:
@@ -52,7 +55,9 @@ def train(cfg: ModelConfig, seed: int, perturbation: float,
         with torch.no_grad():
             for param in model.parameters():
                 param.mul_(1 + perturbation * torch.randn(param.shape, generator=noise))
-    optimizer = torch.optim.AdamW(weight_decay_groups(model, 0.1), lr=LR, betas=(0.9, 0.95), eps=1e-8)
+    optimizer = torch.optim.AdamW(
+        weight_decay_groups(model, 0.1), lr=LR, betas=(0.9, 0.95), eps=1e-8
+    )
     losses, norms = [], []
     for step in range(STEPS):
         for group in optimizer.param_groups:
@@ -81,24 +86,36 @@ def test_batches(cache_dir: Path) -> list[list[torch.Tensor]]:
     corpus = [str(stdlib / name / "*.py") for name in ("json", "email", "http")]
     prepared = ensure_prepared(corpus, cache_dir, CFG.vocab_size, progress=False)
     defaults = RunConfig()
-    samples = PackedSamples(IndexedDataset(prepared.data_prefix), SEQ, "train", defaults.data.val_fraction)
+    samples = PackedSamples(
+        IndexedDataset(prepared.data_prefix), SEQ, "train", defaults.data.val_fraction
+    )
     order = GlobalSampleOrder(len(samples), defaults.train.seed)
-    return [step_batch(order, samples, step * GLOBAL_BATCH, GLOBAL_BATCH, MICRO_BATCH, 0, 1) for step in range(STEPS)]
+    return [
+        step_batch(order, samples, step * GLOBAL_BATCH, GLOBAL_BATCH, MICRO_BATCH, 0, 1)
+        for step in range(STEPS)
+    ]
 
 
 def main() -> None:
     with tempfile.TemporaryDirectory() as cache_dir:
-        datasets = {"random tokens": random_batches(), "tests' batches": test_batches(Path(cache_dir))}
+        datasets = {
+            "random tokens": random_batches(),
+            "tests' batches": test_batches(Path(cache_dir)),
+        }
     for data_name, data in datasets.items():
         for name, cfg in (("dense", CFG), ("moe", MOE_CFG)):
             worst = 0.0
             for seed in (RunConfig().train.seed, 0, 1, 2):  # the first is the tests' model seed
                 clean = grad_norms(cfg, seed, 0.0, data)
                 for eps in PERTURBATIONS:
-                    ratios = [abs(a - b) / b for a, b in zip(grad_norms(cfg, seed, eps, data), clean)]
+                    ratios = [
+                        abs(a - b) / b for a, b in zip(grad_norms(cfg, seed, eps, data), clean)
+                    ]
                     worst = max(worst, *ratios[1:])
-                    print(f"{data_name} {name} seed {seed} eps {eps:.0e}: |Δ grad norm| / grad norm per step: "
-                          + " ".join(f"{r:.1e}" for r in ratios))
+                    print(
+                        f"{data_name} {name} seed {seed} eps {eps:.0e}: |Δ grad norm| / grad norm per step: "
+                        + " ".join(f"{r:.1e}" for r in ratios)
+                    )
             print(f"{data_name} {name}: largest after step 1: {worst:.1e}")
     data, seed = datasets["tests' batches"], RunConfig().train.seed
     clean = train(CFG, seed, 0.0, data)
@@ -106,9 +123,12 @@ def main() -> None:
         moved = train(CFG, seed, u, data)
         for what, got, want in zip(("loss", "grad norm"), moved, clean):
             ratios = [abs(a - b) / b for a, b in zip(got, want)]
-            print(f"format unit roundoff: tests' batches dense, weights scaled by 1 + u·N(0,1), u = {fmt}'s {u:.2e}: "
-                  f"|Δ {what}| / {what} per step: " + " ".join(f"{r:.1e}" for r in ratios)
-                  + f"; in units of u: step 1 {ratios[0] / u:.2g}, largest {max(ratios) / u:.2g}")
+            print(
+                f"format unit roundoff: tests' batches dense, weights scaled by 1 + u·N(0,1), u = {fmt}'s {u:.2e}: "
+                f"|Δ {what}| / {what} per step: "
+                + " ".join(f"{r:.1e}" for r in ratios)
+                + f"; in units of u: step 1 {ratios[0] / u:.2g}, largest {max(ratios) / u:.2g}"
+            )
 
 
 if __name__ == "__main__":

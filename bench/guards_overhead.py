@@ -38,14 +38,35 @@ sys.path.insert(0, str(REPO))
 
 from keel.training.observe.metrics import read_metrics  # noqa: E402
 
-WIDTHS = ["model.dim=2048", "model.n_heads=32", "model.n_kv_heads=8", "model.ffn_multiple_of=256",
-          "model.tie_embeddings=true", "data.tokenizer_vocab_size=32000", "data.seq_len=128",
-          "train.global_batch_size=2", "train.micro_batch_size=1", "train.eval_interval=0", "checkpoint.interval=0",
-          "train.warmup_steps=5", "logging.log_interval=1000"]
-OFF = ["stability.spike=false", "stability.loss_check_interval=0", "stability.checksum_interval=0",
-       "stability.watchdog_timeout=0", "stability.straggler_interval=0", "stability.monitor_interval=0",
-       "stability.tensorboard=false", "stability.localize_nonfinite=false"]
-PERIODIC, CHECKSUM = 50, 100  # the default intervals: loss outlier, monitor, straggler line / checksums
+WIDTHS = [
+    "model.dim=2048",
+    "model.n_heads=32",
+    "model.n_kv_heads=8",
+    "model.ffn_multiple_of=256",
+    "model.tie_embeddings=true",
+    "data.tokenizer_vocab_size=32000",
+    "data.seq_len=128",
+    "train.global_batch_size=2",
+    "train.micro_batch_size=1",
+    "train.eval_interval=0",
+    "checkpoint.interval=0",
+    "train.warmup_steps=5",
+    "logging.log_interval=1000",
+]
+OFF = [
+    "stability.spike=false",
+    "stability.loss_check_interval=0",
+    "stability.checksum_interval=0",
+    "stability.watchdog_timeout=0",
+    "stability.straggler_interval=0",
+    "stability.monitor_interval=0",
+    "stability.tensorboard=false",
+    "stability.localize_nonfinite=false",
+]
+PERIODIC, CHECKSUM = (
+    50,
+    100,
+)  # the default intervals: loss outlier, monitor, straggler line / checksums
 
 
 def guards_on(scale: int) -> list[str]:
@@ -53,8 +74,12 @@ def guards_on(scale: int) -> list[str]:
     more often, for machines too slow to train 100 steps per run (their own costs do not depend on it)."""
     if scale == 1:
         return []
-    return [f"stability.loss_check_interval={PERIODIC // scale}", f"stability.monitor_interval={PERIODIC // scale}",
-            f"stability.straggler_interval={PERIODIC // scale}", f"stability.checksum_interval={CHECKSUM // scale}"]
+    return [
+        f"stability.loss_check_interval={PERIODIC // scale}",
+        f"stability.monitor_interval={PERIODIC // scale}",
+        f"stability.straggler_interval={PERIODIC // scale}",
+        f"stability.checksum_interval={CHECKSUM // scale}",
+    ]
 
 
 def _children(pid: int) -> list[int]:
@@ -91,7 +116,9 @@ def _rss_mb(pid: int) -> float | None:
 class Sampler(threading.Thread):
     """Polls the ranks' RSS and notes when each metrics record (one per step, written after its checks) appears."""
 
-    def __init__(self, proc: subprocess.Popen, metrics: Path, ranks: int = 2, period: float = 0.003):
+    def __init__(
+        self, proc: subprocess.Popen, metrics: Path, ranks: int = 2, period: float = 0.003
+    ):
         super().__init__(daemon=True)
         self.proc, self.metrics, self.ranks, self.period = proc, metrics, ranks, period
         self.samples: list[tuple[float, dict[int, float]]] = []
@@ -102,9 +129,13 @@ class Sampler(threading.Thread):
         lines = 0
         while self.proc.poll() is None:
             now = time.perf_counter()
-            if len(pids) < self.ranks and self.metrics.exists():  # the ranks are up once rank 0 logs a step
+            if (
+                len(pids) < self.ranks and self.metrics.exists()
+            ):  # the ranks are up once rank 0 logs a step
                 # the rank processes: the descendants holding the most memory
-                pids = sorted(_descendants(self.proc.pid), key=lambda p: _rss_mb(p) or 0)[-self.ranks:]
+                pids = sorted(_descendants(self.proc.pid), key=lambda p: _rss_mb(p) or 0)[
+                    -self.ranks :
+                ]
             if self.metrics.exists():
                 text = self.metrics.read_text()
                 complete = text.count("\n")
@@ -130,11 +161,23 @@ class Sampler(threading.Thread):
 
 
 def run(run_dir: Path, args: argparse.Namespace, guards: list[str]) -> tuple[list[dict], Sampler]:
-    cmd = [sys.executable, "-m", "keel.launcher.cli", "train", "--nproc", "2", "--run-dir", str(run_dir),
-           "--ds-config", str(REPO / "ds_configs" / "zero3.json")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "keel.launcher.cli",
+        "train",
+        "--nproc",
+        "2",
+        "--run-dir",
+        str(run_dir),
+        "--ds-config",
+        str(REPO / "ds_configs" / "zero3.json"),
+    ]
     for item in [*WIDTHS, f"model.n_layers={args.layers}", f"train.steps={args.steps}", *guards]:
         cmd += ["--set", item]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
     sampler = Sampler(proc, run_dir / "metrics.jsonl")
     sampler.start()
     _, err = proc.communicate()
@@ -154,18 +197,32 @@ def own_costs(records: list[dict], warmup: int, periodic: int, checksum: int) ->
     step before a checksum step and the verification inside it (both in step_time_s), plus the comparison after
     it (checks_s)."""
     by_step = {r["step"]: r for r in records if r["step"] > warmup}
-    ordinary = [r for s, r in by_step.items() if s % periodic and (s + 1) % checksum and s % checksum]
+    ordinary = [
+        r for s, r in by_step.items() if s % periodic and (s + 1) % checksum and s % checksum
+    ]
     step = statistics.median(r["step_time_s"] for r in ordinary)
     checks = statistics.median(checks_s(r) for r in ordinary)
-    monitor = [r["step_time_s"] - step for s, r in by_step.items() if s % periodic == 0 and s % checksum]
-    periodic_only = [checks_s(r) - checks for s, r in by_step.items() if s % periodic == 0 and s % checksum]
+    monitor = [
+        r["step_time_s"] - step for s, r in by_step.items() if s % periodic == 0 and s % checksum
+    ]
+    periodic_only = [
+        checks_s(r) - checks for s, r in by_step.items() if s % periodic == 0 and s % checksum
+    ]
     monitor_cost = statistics.fmean(monitor) if monitor else 0.0
     loss_and_straggler = statistics.fmean(periodic_only) if periodic_only else 0.0
-    sums = [(by_step[s - 1]["step_time_s"] - step) + (r["step_time_s"] - step - monitor_cost)
-            + (checks_s(r) - checks - loss_and_straggler)
-            for s, r in by_step.items() if s % checksum == 0 and s - 1 in by_step]
-    return {"step": step, "monitor": monitor_cost if monitor else math.nan, "loss+straggler": loss_and_straggler,
-            "checksums": statistics.fmean(sums) if sums else math.nan}
+    sums = [
+        (by_step[s - 1]["step_time_s"] - step)
+        + (r["step_time_s"] - step - monitor_cost)
+        + (checks_s(r) - checks - loss_and_straggler)
+        for s, r in by_step.items()
+        if s % checksum == 0 and s - 1 in by_step
+    ]
+    return {
+        "step": step,
+        "monitor": monitor_cost if monitor else math.nan,
+        "loss+straggler": loss_and_straggler,
+        "checksums": statistics.fmean(sums) if sums else math.nan,
+    }
 
 
 def checksum_pass(layers: int) -> tuple[float, float]:
@@ -178,8 +235,15 @@ def checksum_pass(layers: int) -> tuple[float, float]:
     from keel.model import CausalLM
     from keel.training.guards.consistency import Checksummer
 
-    cfg = ModelConfig(vocab_size=32000, dim=2048, n_layers=layers, n_heads=32, n_kv_heads=8, ffn_multiple_of=256,
-                      tie_embeddings=True)
+    cfg = ModelConfig(
+        vocab_size=32000,
+        dim=2048,
+        n_layers=layers,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_multiple_of=256,
+        tie_embeddings=True,
+    )
     n_params = sum(p.numel() for p in CausalLM(cfg).parameters())
     state = [torch.randn(n_params // 2) for _ in range(4)]
     summer = Checksummer()
@@ -191,11 +255,20 @@ def checksum_pass(layers: int) -> tuple[float, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=2, help="model.n_layers (the 1B config's widths, fewer layers)")
-    parser.add_argument("--steps", type=int, default=100, help="per run; ≥ 100 / interval-scale so every check runs")
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=2,
+        help="model.n_layers (the 1B config's widths, fewer layers)",
+    )
+    parser.add_argument(
+        "--steps", type=int, default=100, help="per run; ≥ 100 / interval-scale so every check runs"
+    )
     parser.add_argument("--repeats", type=int, default=2, help="off/on pairs, alternating")
     parser.add_argument("--warmup", type=int, default=10, help="first steps left out of the means")
-    parser.add_argument("--interval-scale", type=int, default=1, help="run the periodic checks k times as often")
+    parser.add_argument(
+        "--interval-scale", type=int, default=1, help="run the periodic checks k times as often"
+    )
     args = parser.parse_args()
     k = args.interval_scale
     periodic, checksum = PERIODIC // k, CHECKSUM // k
@@ -216,26 +289,42 @@ def main() -> None:
     off, on = statistics.fmean(means["off"]), statistics.fmean(means["on"])
     spread = max(abs(m / off - 1) for m in means["off"] + means["on"])
     ratio = on / off
-    verdict = "inconclusive (A/B spread > ±3%)" if spread > 0.03 else ("meets" if ratio <= 1.03 else "misses")
-    print(f"{args.layers} layer(s) of llama_1b's widths, ZeRO-3 fp32, 2 ranks, seq 128, global batch 2; "
-          f"{args.repeats} alternating off/on pair(s) of {args.steps} steps (first {args.warmup} left out); "
-          f"periodic checks every {periodic}, checksums every {checksum} steps")
-    print(f"  mean s/step, checks included: off {off:.3f}  on {on:.3f}  (runs: off "
-          f"{', '.join(f'{m:.3f}' for m in means['off'])}; on {', '.join(f'{m:.3f}' for m in means['on'])})")
-    print(f"  on / off: {ratio:.3f}  target <= 1.03{' (checks ' + str(k) + 'x as often)' if k > 1 else ''}: "
-          f"{verdict} (largest run deviation {spread:.1%})")
+    verdict = (
+        "inconclusive (A/B spread > ±3%)"
+        if spread > 0.03
+        else ("meets" if ratio <= 1.03 else "misses")
+    )
+    print(
+        f"{args.layers} layer(s) of llama_1b's widths, ZeRO-3 fp32, 2 ranks, seq 128, global batch 2; "
+        f"{args.repeats} alternating off/on pair(s) of {args.steps} steps (first {args.warmup} left out); "
+        f"periodic checks every {periodic}, checksums every {checksum} steps"
+    )
+    print(
+        f"  mean s/step, checks included: off {off:.3f}  on {on:.3f}  (runs: off "
+        f"{', '.join(f'{m:.3f}' for m in means['off'])}; on {', '.join(f'{m:.3f}' for m in means['on'])})"
+    )
+    print(
+        f"  on / off: {ratio:.3f}  target <= 1.03{' (checks ' + str(k) + 'x as often)' if k > 1 else ''}: "
+        f"{verdict} (largest run deviation {spread:.1%})"
+    )
     for c in costs:
         amortized = (c["monitor"] + c["loss+straggler"]) / PERIODIC + c["checksums"] / CHECKSUM
-        print(f"  own cost per check (ordinary step {c['step']:.3f} s): monitor {c['monitor']:+.3f} s, loss outlier + "
-              f"straggler {c['loss+straggler']:+.3f} s, checksums {c['checksums']:+.3f} s -> at the default "
-              f"intervals {amortized:+.4f} s/step = {amortized / c['step']:+.2%}")
+        print(
+            f"  own cost per check (ordinary step {c['step']:.3f} s): monitor {c['monitor']:+.3f} s, loss outlier + "
+            f"straggler {c['loss+straggler']:+.3f} s, checksums {c['checksums']:+.3f} s -> at the default "
+            f"intervals {amortized:+.4f} s/step = {amortized / c['step']:+.2%}"
+        )
     mb, seconds = checksum_pass(args.layers)
-    print(f"  one checksum pass over a rank's state ({mb:.0f} MB), measured in this process: {seconds:.3f} s "
-          f"({mb / 1024 / seconds:.2f} GB/s); the at-rest check makes 2 per check")
+    print(
+        f"  one checksum pass over a rank's state ({mb:.0f} MB), measured in this process: {seconds:.3f} s "
+        f"({mb / 1024 / seconds:.2f} GB/s); the at-rest check makes 2 per check"
+    )
     for checking, ordinary in extra_peak:
         extra = checking - ordinary
-        print(f"  peak RSS of one rank: checking steps {checking:.0f} MB, ordinary steps {ordinary:.0f} MB, extra "
-              f"{extra:+.0f} MB = {extra / ordinary:+.2%} (target <= 2%)")
+        print(
+            f"  peak RSS of one rank: checking steps {checking:.0f} MB, ordinary steps {ordinary:.0f} MB, extra "
+            f"{extra:+.0f} MB = {extra / ordinary:+.2%} (target <= 2%)"
+        )
 
 
 if __name__ == "__main__":

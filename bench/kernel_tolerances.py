@@ -47,15 +47,17 @@ def emulated_fused_ce(h, w, labels, vocab):
     chunk = min(rows, 1 << (math.ceil(rows / math.ceil(w.shape[0] / dim)) - 1).bit_length())
     grad_h, grad_w, losses = torch.zeros_like(h), torch.zeros_like(w), torch.zeros(rows)
     for start in range(0, rows, chunk):
-        h_chunk, target = h[start:start + chunk], labels[start:start + chunk]
+        h_chunk, target = h[start : start + chunk], labels[start : start + chunk]
         z = (h_chunk @ w.t()).float()[:, :vocab]
         lse = torch.logsumexp(z, -1, keepdim=True)
         smooth = (1 - SMOOTHING) * F.one_hot(target, vocab).float() + SMOOTHING / vocab
-        losses[start:start + chunk] = (lse.squeeze(-1) - (smooth * z).sum(-1)) + Z_LOSS * lse.squeeze(-1) ** 2
+        losses[start : start + chunk] = (
+            lse.squeeze(-1) - (smooth * z).sum(-1)
+        ) + Z_LOSS * lse.squeeze(-1) ** 2
         dz = torch.zeros(len(target), w.shape[0])
         dz[:, :vocab] = (torch.exp(z - lse) * (1 + 2 * Z_LOSS * lse) - smooth) / rows
         dz = dz.to(h.dtype)
-        grad_h[start:start + chunk] = dz @ w
+        grad_h[start : start + chunk] = dz @ w
         grad_w += dz.t() @ h_chunk  # summed over chunks in the weight's dtype
     return losses.mean(), grad_h, grad_w
 
@@ -76,13 +78,17 @@ def emulated_norm_swiglu(x, w, b, eps=1e-5):
     return norm, act, (d_act * silu).to(x.dtype), dx_norm.to(x.dtype) + dx_act.to(x.dtype), grad_w
 
 
-def usage(name: str, got: torch.Tensor, ref: torch.Tensor, rtol: float, atol: float, summed=None) -> str:
+def usage(
+    name: str, got: torch.Tensor, ref: torch.Tensor, rtol: float, atol: float, summed=None
+) -> str:
     got, ref = got.float(), ref.float()
     err = (got - ref).abs()
     used = (err / (atol + rtol * ref.abs()).clamp_min(1e-38)).max().item()
     alone = (err / (rtol * ref.abs()).clamp_min(1e-38)).max().item()
-    line = f"  {name:<8} max|ref| {ref.abs().max().item():.2e}  max err {err.max().item():.2e}  used {used:6.1%}  " \
-           f"(rtol alone: {alone:.3g}x)"
+    line = (
+        f"  {name:<8} max|ref| {ref.abs().max().item():.2e}  max err {err.max().item():.2e}  used {used:6.1%}  "
+        f"(rtol alone: {alone:.3g}x)"
+    )
     if summed is not None:
         line += f"  summed magnitudes / max|ref| {summed.max().item() / ref.abs().max().item():.2f}"
     return line
@@ -102,8 +108,12 @@ def ce_case(rows, dim, vocab, dtype, fused):
     summed = [None, dz @ w0.float().abs(), dz.T @ h0.float().abs()]
     got = fused(h0, w0, labels, vocab)
     tol = TOL[dtype]
-    return [usage(name, o.detach().reshape(r.shape), r.detach(), tol, tol * r.abs().max().item(), s)
-            for name, o, r, s in zip(("loss", "h.grad", "w.grad"), got, (loss.reshape(1), h.grad, w.grad), summed)]
+    return [
+        usage(name, o.detach().reshape(r.shape), r.detach(), tol, tol * r.abs().max().item(), s)
+        for name, o, r, s in zip(
+            ("loss", "h.grad", "w.grad"), got, (loss.reshape(1), h.grad, w.grad), summed
+        )
+    ]
 
 
 def liger_fused(h0, w0, labels, vocab):
@@ -118,13 +128,21 @@ def liger_fused(h0, w0, labels, vocab):
 def main() -> int:
     if sys.argv[1:] == ["--interpreted"]:  # the child: Liger's own kernel under TRITON_INTERPRET=1
         for rows, dim, vocab in CE_SHAPES:
-            print(f"fused linear + CE {rows}x{dim}x{vocab} float32, Liger's kernel under the Triton interpreter")
+            print(
+                f"fused linear + CE {rows}x{dim}x{vocab} float32, Liger's kernel under the Triton interpreter"
+            )
             print("\n".join(ce_case(rows, dim, vocab, torch.float32, liger_fused)), flush=True)
         return 0
     for dtype in (torch.float32, torch.bfloat16):
         for rows, dim, vocab in CE_SHAPES:
             print(f"fused linear + CE {rows}x{dim}x{vocab} {str(dtype)[6:]}, emulated")
-            print("\n".join(ce_case(rows, dim, vocab, dtype, lambda h, w, y, v: emulated_fused_ce(h, w, y, v))))
+            print(
+                "\n".join(
+                    ce_case(
+                        rows, dim, vocab, dtype, lambda h, w, y, v: emulated_fused_ce(h, w, y, v)
+                    )
+                )
+            )
         for rows, width in NORM_SHAPES:
             print(f"RMSNorm + SwiGLU {rows}x{width} {str(dtype)[6:]}, emulated")
             g = torch.Generator().manual_seed(0)
@@ -136,11 +154,23 @@ def main() -> int:
             ((norm.float() * 1.5).sum() + (act.float() ** 2).sum()).backward()
             refs = (norm, act, b.grad, x.grad, w.grad)
             tol, rtol = TOL[dtype], ELEMENTWISE_RTOL[dtype]
-            for i, (name, got, ref) in enumerate(zip(("norm", "act", "b.grad", "x.grad", "w.grad"),
-                                                     emulated_norm_swiglu(x0, w0, b0), refs)):
+            for i, (name, got, ref) in enumerate(
+                zip(
+                    ("norm", "act", "b.grad", "x.grad", "w.grad"),
+                    emulated_norm_swiglu(x0, w0, b0),
+                    refs,
+                )
+            ):
                 elementwise = i < 3
-                print(usage(name, got, ref.detach(), rtol if elementwise else tol,
-                            0.0 if elementwise else tol * ref.abs().max().item()))
+                print(
+                    usage(
+                        name,
+                        got,
+                        ref.detach(),
+                        rtol if elementwise else tol,
+                        0.0 if elementwise else tol * ref.abs().max().item(),
+                    )
+                )
     try:
         import liger_kernel  # noqa: F401
         import triton  # noqa: F401
@@ -148,7 +178,9 @@ def main() -> int:
         print("liger-kernel/triton not installed: Liger's own kernel not measured")
         return 0
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, __file__, "--interpreted"], env=env, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, __file__, "--interpreted"], env=env, capture_output=True, text=True
+    )
     print(proc.stdout + (proc.stderr[-2000:] if proc.returncode else ""), end="")
     return proc.returncode
 

@@ -39,7 +39,9 @@ from keel.parallel.cross_entropy import vocab_parallel_cross_entropy  # noqa: E4
 Inputs = list[torch.Tensor]
 
 
-def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def rope(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
@@ -67,16 +69,25 @@ def make_inputs(name: str, args: argparse.Namespace, device: str, dtype: torch.d
     if name == "rope":
         s = min(t, 2048)
         b, heads = max(1, t // s), d // hd
-        angles = torch.arange(s).float()[:, None] * (1e-4 ** (torch.arange(hd) % (hd // 2) / (hd // 2)))
-        return [rand(b, heads, s, hd), rand(b, max(1, heads // 4), s, hd), angles.cos().to(device, dtype),
-                angles.sin().to(device, dtype)]
+        angles = torch.arange(s).float()[:, None] * (
+            1e-4 ** (torch.arange(hd) % (hd // 2) / (hd // 2))
+        )
+        return [
+            rand(b, heads, s, hd),
+            rand(b, max(1, heads // 4), s, hd),
+            angles.cos().to(device, dtype),
+            angles.sin().to(device, dtype),
+        ]
     if name == "swiglu":
         return [rand(t, args.ffn), rand(t, args.ffn)]
     labels = torch.randint(0, args.vocab, (t,), generator=g).to(device)
     if name == "ce":
         return [rand(t, args.vocab), labels]
-    return [rand(t, d), (torch.randn(args.vocab, d, generator=g) * 0.02).to(device, dtype).requires_grad_(),
-            labels]
+    return [
+        rand(t, d),
+        (torch.randn(args.vocab, d, generator=g) * 0.02).to(device, dtype).requires_grad_(),
+        labels,
+    ]
 
 
 def liger_variant(name: str) -> Callable | None:
@@ -133,7 +144,9 @@ def sync(device: str) -> None:
 
 
 def peak_bytes(fn: Callable, inputs: Inputs, device: str) -> int:
-    for t in inputs:  # the previous call's gradients are freed before the baseline, not inside the call
+    for (
+        t
+    ) in inputs:  # the previous call's gradients are freed before the baseline, not inside the call
         t.grad = None
     if device == "cuda":
         torch.cuda.synchronize()
@@ -152,20 +165,35 @@ def main() -> None:
     p.add_argument("--ffn", type=int, default=2816)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--repeats", type=int, default=20)
-    p.add_argument("--precision", choices=("fp32", "bf16"), default=None, help="default: bf16 on CUDA, fp32 on CPU")
+    p.add_argument(
+        "--precision",
+        choices=("fp32", "bf16"),
+        default=None,
+        help="default: bf16 on CUDA, fp32 on CPU",
+    )
     p.add_argument("--kernels", default="rmsnorm,rope,swiglu,ce,linear-ce")
     args = p.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.precision or ("bf16" if device == "cuda" else "fp32")]
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[
+        args.precision or ("bf16" if device == "cuda" else "fp32")
+    ]
     norm = RMSNorm(args.dim).to(device, dtype)
 
     def rmsnorm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return torch.func.functional_call(norm, {"weight": weight}, (x,))
 
-    functions = {"rmsnorm": rmsnorm, "rope": rope, "swiglu": swiglu, "ce": ce, "linear-ce": linear_ce}
-    print(f"device {device} ({torch.cuda.get_device_name() if device == 'cuda' else os.cpu_count()} "
-          f"{'GPU' if device == 'cuda' else 'CPUs'}), {dtype}, tokens {args.tokens}, dim {args.dim}, ffn {args.ffn}, "
-          f"vocab {args.vocab}, {args.repeats} interleaved repeats, torch {torch.__version__}")
+    functions = {
+        "rmsnorm": rmsnorm,
+        "rope": rope,
+        "swiglu": swiglu,
+        "ce": ce,
+        "linear-ce": linear_ce,
+    }
+    print(
+        f"device {device} ({torch.cuda.get_device_name() if device == 'cuda' else os.cpu_count()} "
+        f"{'GPU' if device == 'cuda' else 'CPUs'}), {dtype}, tokens {args.tokens}, dim {args.dim}, ffn {args.ffn}, "
+        f"vocab {args.vocab}, {args.repeats} interleaved repeats, torch {torch.__version__}"
+    )
     header = f"{'kernel':<10}{'variant':<10}{'fwd+bwd ms':>12}{'speedup':>10}{'peak MiB':>10}{'x eager':>10}"
     print(header)
     for name in args.kernels.split(","):
@@ -189,8 +217,10 @@ def main() -> None:
         base_t, base_m = statistics.median(times["eager"]), max(peaks["eager"], 1)
         for variant in variants:
             t = statistics.median(times[variant])
-            print(f"{name:<10}{variant:<10}{t * 1e3:>12.3f}{base_t / t:>9.2f}x{peaks[variant] / 2**20:>10.1f}"
-                  f"{peaks[variant] / base_m:>9.2f}x")
+            print(
+                f"{name:<10}{variant:<10}{t * 1e3:>12.3f}{base_t / t:>9.2f}x{peaks[variant] / 2**20:>10.1f}"
+                f"{peaks[variant] / base_m:>9.2f}x"
+            )
         if liger is None:
             why = "no CUDA" if device == "cpu" else "liger-kernel not importable"
             print(f"{name:<10}{'liger':<10}  not run: {why}")

@@ -40,8 +40,15 @@ class Case:
     tp: int
 
 
-CASES = {c.name: c for c in (Case("tp2", "zero0", 2), Case("zero1", "zero1", 1), Case("zero2", "zero2", 1),
-                             Case("zero3", "zero3", 1))}
+CASES = {
+    c.name: c
+    for c in (
+        Case("tp2", "zero0", 2),
+        Case("zero1", "zero1", 1),
+        Case("zero2", "zero2", 1),
+        Case("zero3", "zero3", 1),
+    )
+}
 
 
 def _status(field: str) -> int:
@@ -87,8 +94,14 @@ def _live_storage_bytes(engine) -> int:
 
 
 def _rank(rank: int, case: Case, layers: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE="2",
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE="2",
+    )
     import deepspeed
     import torch
     import torch.distributed as dist
@@ -103,10 +116,24 @@ def _rank(rank: int, case: Case, layers: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=2)
     deepspeed.init_distributed("gloo", auto_mpi_discovery=False, verbose=False)
     dp = 2 // case.tp
-    model_cfg = ModelConfig(vocab_size=32000, dim=2048, n_layers=layers, n_heads=32, n_kv_heads=8,
-                            ffn_multiple_of=256, rope_theta=500000.0, tie_embeddings=True)
-    train = TrainConfig(steps=1, global_batch_size=dp, micro_batch_size=1, lr_schedule="constant", warmup_steps=0,
-                        ds_config=f"ds_configs/{case.ds_config}.json")
+    model_cfg = ModelConfig(
+        vocab_size=32000,
+        dim=2048,
+        n_layers=layers,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_multiple_of=256,
+        rope_theta=500000.0,
+        tie_embeddings=True,
+    )
+    train = TrainConfig(
+        steps=1,
+        global_batch_size=dp,
+        micro_batch_size=1,
+        lr_schedule="constant",
+        warmup_steps=0,
+        ds_config=f"ds_configs/{case.ds_config}.json",
+    )
     cfg = RunConfig(model=model_cfg, data=DataConfig(seq_len=128), train=train)
     cfg.parallel.tp = case.tp
     validate(cfg, world_size=2)
@@ -123,19 +150,34 @@ def _rank(rank: int, case: Case, layers: int, port: int, out: str) -> None:
     _reset_peak()
     engine = build_engine(cfg, ds_raw, topology, model=model)
     engine_peak = _status("VmHWM")
-    tokens = torch.randint(0, model_cfg.vocab_size, (1, 129), generator=torch.Generator().manual_seed(rank))
+    tokens = torch.randint(
+        0, model_cfg.vocab_size, (1, 129), generator=torch.Generator().manual_seed(rank)
+    )
     loss = engine(tokens[:, :-1].to(engine.device), tokens[:, 1:].to(engine.device))
     engine.backward(loss)
     engine.step()
     live = _live_storage_bytes(engine)
     rss = _status("VmRSS")
     share = predicted.share
-    report = dict(rank=rank, imported=imported, resettable=resettable, build_peak=build_peak,
-                  engine_peak=engine_peak, live=live, rss=rss, params=predicted.params, grads=predicted.grads,
-                  optimizer=predicted.optimizer, buckets=predicted.buckets, total=predicted.total,
-                  largest_fp32=4 * share.largest, n_params=share.total,
-                  real_params=sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel()
-                                  for p in engine.module.parameters()))
+    report = dict(
+        rank=rank,
+        imported=imported,
+        resettable=resettable,
+        build_peak=build_peak,
+        engine_peak=engine_peak,
+        live=live,
+        rss=rss,
+        params=predicted.params,
+        grads=predicted.grads,
+        optimizer=predicted.optimizer,
+        buckets=predicted.buckets,
+        total=predicted.total,
+        largest_fp32=4 * share.largest,
+        n_params=share.total,
+        real_params=sum(
+            p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in engine.module.parameters()
+        ),
+    )
     Path(out, f"{rank}.json").write_text(json.dumps(report))
     dist.destroy_process_group()
 
@@ -146,7 +188,9 @@ def run_case(case: Case, layers: int) -> list[dict]:
     from keel.launcher.local import free_port
 
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(_rank, args=(case, layers, free_port(), out), nprocs=2, start_method="spawn")
+        mp.start_processes(
+            _rank, args=(case, layers, free_port(), out), nprocs=2, start_method="spawn"
+        )
         return [json.loads(Path(out, f"{r}.json").read_text()) for r in range(2)]
 
 
@@ -161,25 +205,35 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--cases", default=",".join(CASES))
     args = parser.parse_args()
-    print(f"llama_1b widths, n_layers={args.layers}, seq 128, micro-batch 1, fp32, CPU/gloo, 2 ranks; MiB per rank")
-    head = (f"{'case':6} {'rank':>4} {'import':>7} {'build':>7} {'target':>7} {'engine':>7} {'live':>7} "
-            f"{'rss-imp':>7} {'model':>7} {'(param':>7} {'grad':>6} {'optim':>6} {'bucket)':>7}  verdict")
+    print(
+        f"llama_1b widths, n_layers={args.layers}, seq 128, micro-batch 1, fp32, CPU/gloo, 2 ranks; MiB per rank"
+    )
+    head = (
+        f"{'case':6} {'rank':>4} {'import':>7} {'build':>7} {'target':>7} {'engine':>7} {'live':>7} "
+        f"{'rss-imp':>7} {'model':>7} {'(param':>7} {'grad':>6} {'optim':>6} {'bucket)':>7}  verdict"
+    )
     print(head)
     failed = False
     for name in args.cases.split(","):
         for r in run_case(CASES[name], args.layers):
             ok = verdicts(r)
             failed |= not all(ok)
-            verdict = " ".join(f"{what}:{'PASS' if good else 'FAIL'}"
-                               for what, good in zip(("build", "live", "rss"), ok, strict=True))
+            verdict = " ".join(
+                f"{what}:{'PASS' if good else 'FAIL'}"
+                for what, good in zip(("build", "live", "rss"), ok, strict=True)
+            )
             m = {k: r[k] / MiB for k in r if isinstance(r[k], int)}
-            print(f"{name:6} {r['rank']:>4} {m['imported']:7.0f} {m['build_peak'] - m['imported']:7.0f} "
-                  f"{(r['params'] + r['largest_fp32']) / MiB:7.0f} {m['engine_peak'] - m['imported']:7.0f} "
-                  f"{m['live']:7.0f} {m['rss'] - m['imported']:7.0f} {m['total']:7.0f} {m['params']:7.0f} "
-                  f"{m['grads']:6.0f} {m['optimizer']:6.0f} {m['buckets']:7.0f}  {verdict}"
-                  + ("" if r["resettable"] else " (VmHWM not resettable)"))
+            print(
+                f"{name:6} {r['rank']:>4} {m['imported']:7.0f} {m['build_peak'] - m['imported']:7.0f} "
+                f"{(r['params'] + r['largest_fp32']) / MiB:7.0f} {m['engine_peak'] - m['imported']:7.0f} "
+                f"{m['live']:7.0f} {m['rss'] - m['imported']:7.0f} {m['total']:7.0f} {m['params']:7.0f} "
+                f"{m['grads']:6.0f} {m['optimizer']:6.0f} {m['buckets']:7.0f}  {verdict}"
+                + ("" if r["resettable"] else " (VmHWM not resettable)")
+            )
             if r["real_params"] != r["n_params"]:
-                print(f"  model counts {r['n_params']} parameters, the engine holds {r['real_params']}")
+                print(
+                    f"  model counts {r['n_params']} parameters, the engine holds {r['real_params']}"
+                )
                 failed = True
     print("FAIL" if failed else "PASS")
     sys.exit(1 if failed else 0)

@@ -22,13 +22,24 @@ def main(run_dir: Path) -> None:
     records = read_metrics(run_dir / "metrics.jsonl")
     peaks = [r["gpu_mem_peak_gib"] for r in records if "gpu_mem_peak_gib" in r]
     p = cfg.parallel
-    batch = [ds.get(k) for k in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")]
-    dp = batch[0] // (batch[1] * batch[2]) if all(isinstance(v, int) for v in batch) else 1  # resolved in the run
+    batch = [
+        ds.get(k)
+        for k in (
+            "train_batch_size",
+            "train_micro_batch_size_per_gpu",
+            "gradient_accumulation_steps",
+        )
+    ]
+    dp = (
+        batch[0] // (batch[1] * batch[2]) if all(isinstance(v, int) for v in batch) else 1
+    )  # resolved in the run
     model = estimate(cfg, ds, Layout(tp=p.tp, pp=p.pp, dp=dp, ep=p.ep, sp=p.sp))
     measured = f"{max(peaks):.3f} GiB" if peaks else "n/a (no CUDA peak recorded)"
-    print(f"{run_dir.name}: ZeRO-{model.stage} {model.precision} | model: params {model.params / GIB:.3f} + grads "
-          f"{model.grads / GIB:.3f} + optimizer {model.optimizer / GIB:.3f} + buckets {model.buckets / GIB:.3f} = "
-          f"{model.total / GIB:.3f} GiB | measured peak {measured}")
+    print(
+        f"{run_dir.name}: ZeRO-{model.stage} {model.precision} | model: params {model.params / GIB:.3f} + grads "
+        f"{model.grads / GIB:.3f} + optimizer {model.optimizer / GIB:.3f} + buckets {model.buckets / GIB:.3f} = "
+        f"{model.total / GIB:.3f} GiB | measured peak {measured}"
+    )
 
 
 if __name__ == "__main__":

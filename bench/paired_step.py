@@ -22,9 +22,11 @@ from keel.training.trainer import Trainer
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 # GEMMs and attention, their autograd nodes included ("autograd::engine::evaluate_function: MmBackward0")
-KERNELS = re.compile(r"(?:autograd::engine::evaluate_function: )?(?:aten::(?:mm|bmm|addmm|baddbmm|addbmm|matmul|"
-                     r"linear|_?scaled_dot_product\w*|_flash_attention\w*|_efficient_attention\w*)|"
-                     r"(?:Mm|Addmm|Bmm|Baddbmm|Addbmm)Backward\d*|ScaledDotProduct\w*Backward\d*)")
+KERNELS = re.compile(
+    r"(?:autograd::engine::evaluate_function: )?(?:aten::(?:mm|bmm|addmm|baddbmm|addbmm|matmul|"
+    r"linear|_?scaled_dot_product\w*|_flash_attention\w*|_efficient_attention\w*)|"
+    r"(?:Mm|Addmm|Bmm|Baddbmm|Addbmm)Backward\d*|ScaledDotProduct\w*Backward\d*)"
+)
 
 
 def sync(device: torch.device) -> None:
@@ -32,7 +34,9 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def matmul_peak(dtype: torch.dtype, device: torch.device, budget_s: float = 1.0) -> tuple[float, int]:
+def matmul_peak(
+    dtype: torch.dtype, device: torch.device, budget_s: float = 1.0
+) -> tuple[float, int]:
     """Best FLOP/s of a square matmul over sizes 512..4096; stops growing once one product takes > budget_s / 4."""
     best, best_n = 0.0, 0
     for n in (512, 1024, 2048, 4096):
@@ -97,8 +101,13 @@ class PairedTrainer(Trainer):
     trainer changes; the loop is `Trainer.fit`.
     """
 
-    def pair(self, reference: Callable[[int], float], warmup: int, timed: int, profiled: int) -> None:
-        self.reference, self.phases = reference, ["warmup"] * warmup + ["timed"] * timed + ["profile"] * profiled
+    def pair(
+        self, reference: Callable[[int], float], warmup: int, timed: int, profiled: int
+    ) -> None:
+        self.reference, self.phases = (
+            reference,
+            ["warmup"] * warmup + ["timed"] * timed + ["profile"] * profiled,
+        )
         self.keel, self.ref = Side(), Side()
         self._open: tuple[str, float, object] | None = None
 
@@ -166,12 +175,14 @@ def describe(args, trainer: PairedTrainer, n_params: int, ref_optimizer: str) ->
     engine = trainer.engine
     zero = engine.zero_optimization_stage()
     overlap = engine.zero_overlap_comm() if zero else "n/a"
-    return (f"{args.ranks} rank(s) | {n_params / 1e6:.2f}M params, dim {args.dim}, {args.layers} layers, "
-            f"{args.heads}/{args.kv_heads} heads, vocab {args.vocab}, seq {args.seq_len}, global batch "
-            f"{args.global_batch} (micro {args.micro_batch}, accumulation {engine.gradient_accumulation_steps()}) | "
-            f"{args.precision}, {Path(args.ds_config).name} (ZeRO-{zero}, overlap_comm {overlap}) | optimizer: Keel "
-            f"{type(engine.optimizer).__name__}, ref {ref_optimizer} | {engine.device}, {torch.get_num_threads()} "
-            f"threads per rank")
+    return (
+        f"{args.ranks} rank(s) | {n_params / 1e6:.2f}M params, dim {args.dim}, {args.layers} layers, "
+        f"{args.heads}/{args.kv_heads} heads, vocab {args.vocab}, seq {args.seq_len}, global batch "
+        f"{args.global_batch} (micro {args.micro_batch}, accumulation {engine.gradient_accumulation_steps()}) | "
+        f"{args.precision}, {Path(args.ds_config).name} (ZeRO-{zero}, overlap_comm {overlap}) | optimizer: Keel "
+        f"{type(engine.optimizer).__name__}, ref {ref_optimizer} | {engine.device}, {torch.get_num_threads()} "
+        f"threads per rank"
+    )
 
 
 def hf_model(trainer: PairedTrainer, initial: torch.nn.Module):
@@ -198,51 +209,92 @@ def reference_batches(trainer: PairedTrainer) -> Callable[[int], list[torch.Tens
     t, topo = trainer.cfg.train, trainer.topology
 
     def batches(i: int) -> list[torch.Tensor]:
-        return [mb.to(trainer.engine.device) for mb in step_batch(trainer.order, trainer.train_samples,
-                i * t.global_batch_size, t.global_batch_size, t.micro_batch_size, topo.dp_rank, topo.dp_size)]
+        return [
+            mb.to(trainer.engine.device)
+            for mb in step_batch(
+                trainer.order,
+                trainer.train_samples,
+                i * t.global_batch_size,
+                t.global_batch_size,
+                t.micro_batch_size,
+                topo.dp_rank,
+                topo.dp_size,
+            )
+        ]
 
     return batches
 
 
 def spread(values: list[float]) -> str:
     q = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else values * 3
-    return f"median {statistics.median(values):.3f} (IQR {q[0]:.3f}-{q[2]:.3f}, range {min(values):.3f}-" \
-           f"{max(values):.3f}, {len(values)} pairs)"
+    return (
+        f"median {statistics.median(values):.3f} (IQR {q[0]:.3f}-{q[2]:.3f}, range {min(values):.3f}-"
+        f"{max(values):.3f}, {len(values)} pairs)"
+    )
 
 
-def report(trainer: PairedTrainer, ref_name: str, peaks: dict[str, tuple[float, int]], precision: str,
-           ref_losses: list[float], keel_losses: list[float], header: str) -> None:
+def report(
+    trainer: PairedTrainer,
+    ref_name: str,
+    peaks: dict[str, tuple[float, int]],
+    precision: str,
+    ref_losses: list[float],
+    keel_losses: list[float],
+    header: str,
+) -> None:
     """The table and ratio lines; tokens are global (all ranks), peaks summed over ranks."""
     from keel.model import flops_per_token
 
     cfg, keel, ref = trainer.cfg, trainer.keel, trainer.ref
-    fpt, tokens = flops_per_token(cfg.model, cfg.data.seq_len), cfg.train.global_batch_size * cfg.data.seq_len
+    fpt, tokens = (
+        flops_per_token(cfg.model, cfg.data.seq_len),
+        cfg.train.global_batch_size * cfg.data.seq_len,
+    )
     print(f"\n{header}")
     cols = ("tokens/s", "step ms", *(f"MFU {n}" for n in peaks), "out-kern ms", "kernels ms")
     print(f"{'':<20}" + "".join(f"{c:>13}" for c in cols))
     for name, side in (("Keel (trainer step)", keel), (ref_name, ref)):
         step_s = statistics.median(side.times)
-        prof = [statistics.median(x[i] for x in side.profiled) * 1e3 if side.profiled else float("nan")
-                for i in (0, 1)]
-        cells = (f"{tokens / step_s:,.0f}", f"{step_s * 1e3:,.1f}",
-                 *(f"{fpt * tokens / step_s / peak:.1%}" for peak, _ in peaks.values()), *(f"{v:,.1f}" for v in prof))
+        prof = [
+            statistics.median(x[i] for x in side.profiled) * 1e3 if side.profiled else float("nan")
+            for i in (0, 1)
+        ]
+        cells = (
+            f"{tokens / step_s:,.0f}",
+            f"{step_s * 1e3:,.1f}",
+            *(f"{fpt * tokens / step_s / peak:.1%}" for peak, _ in peaks.values()),
+            *(f"{v:,.1f}" for v in prof),
+        )
         print(f"{name:<20}" + "".join(f"{c:>13}" for c in cells))
-    print(f"Keel/ref tokens/s: {spread([r / k for k, r in zip(keel.times, ref.times)])}; "
-          f"total-time ratio {sum(ref.times) / sum(keel.times):.3f}")
+    print(
+        f"Keel/ref tokens/s: {spread([r / k for k, r in zip(keel.times, ref.times)])}; "
+        f"total-time ratio {sum(ref.times) / sum(keel.times):.3f}"
+    )
     if keel.profiled:
-        print(f"Keel/ref self CPU time outside GEMM/attention per step (target <= 0.5): "
-              f"{spread([k[0] / r[0] for k, r in zip(keel.profiled, ref.profiled)])}; profiled wall ms Keel "
-              f"{statistics.median(k[2] for k in keel.profiled) * 1e3:,.1f}, ref "
-              f"{statistics.median(r[2] for r in ref.profiled) * 1e3:,.1f}")
+        print(
+            f"Keel/ref self CPU time outside GEMM/attention per step (target <= 0.5): "
+            f"{spread([k[0] / r[0] for k, r in zip(keel.profiled, ref.profiled)])}; profiled wall ms Keel "
+            f"{statistics.median(k[2] for k in keel.profiled) * 1e3:,.1f}, ref "
+            f"{statistics.median(r[2] for r in ref.profiled) * 1e3:,.1f}"
+        )
     for name, (flops, n) in peaks.items():
         marker = "  <- MFU of this run" if name == precision else ""
-        print(f"peak {name} matmul: {flops / 1e12:.4f} TFLOP/s ({n}x{n}, best of repeats, summed over ranks){marker}")
-    print(f"MFU = flops_per_token x tokens/s / peak; flops_per_token = 6N + 12*L*d*T = {fpt / 1e6:.2f} MFLOP "
-          "(PaLM appendix B, no causal-mask discount); out-kern = profiler self CPU outside GEMM/SDPA")
+        print(
+            f"peak {name} matmul: {flops / 1e12:.4f} TFLOP/s ({n}x{n}, best of repeats, summed over ranks){marker}"
+        )
+    print(
+        f"MFU = flops_per_token x tokens/s / peak; flops_per_token = 6N + 12*L*d*T = {fpt / 1e6:.2f} MFLOP "
+        "(PaLM appendix B, no causal-mask discount); out-kern = profiler self CPU outside GEMM/SDPA"
+    )
     if keel.warmup:
         compiled = compile_setting(cfg.model.compile) == "true"
-        print(f"model.compile={compile_setting(cfg.model.compile)}: Keel's first step took {keel.warmup[0]:.1f} s"
-              f"{' (compilation included)' if compiled else ''}")
-    print(f"first-step loss: Keel {keel_losses[0]:.6f}  ref {ref_losses[0]:.6f}  "
-          f"|diff| {abs(keel_losses[0] - ref_losses[0]):.2e}; last paired: Keel {keel_losses[len(ref_losses) - 1]:.6f}"
-          f"  ref {ref_losses[-1]:.6f}", flush=True)
+        print(
+            f"model.compile={compile_setting(cfg.model.compile)}: Keel's first step took {keel.warmup[0]:.1f} s"
+            f"{' (compilation included)' if compiled else ''}"
+        )
+    print(
+        f"first-step loss: Keel {keel_losses[0]:.6f}  ref {ref_losses[0]:.6f}  "
+        f"|diff| {abs(keel_losses[0] - ref_losses[0]):.2e}; last paired: Keel {keel_losses[len(ref_losses) - 1]:.6f}"
+        f"  ref {ref_losses[-1]:.6f}",
+        flush=True,
+    )

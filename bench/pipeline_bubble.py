@@ -72,7 +72,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from statistics import median
 
-from pipeline_schedule_model import SCHEDULES, STAGES_PER_RANK, analytic_idle, check_1f1b, min_micro_batches, runs_with
+from pipeline_schedule_model import (
+    SCHEDULES,
+    STAGES_PER_RANK,
+    analytic_idle,
+    check_1f1b,
+    min_micro_batches,
+    runs_with,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = "worker"
@@ -86,17 +93,21 @@ ON_CPU_QUIET = 0.9  # below this, with a core per rank, other processes were tak
 # judged: other processes' time inside a rank's compute is not bubble (measured 2026-12-03 on the shared 2-core
 # machine, on-cpu 0.72-0.90: deviations up to +0.39, and idle rising with m in one of three runs).
 TRACK_TOLERANCE = 0.15
-ANALYTIC_LABEL = {"1f1b": "(p-1)/(m+p-1)",
-                  "dualpipev": "replay of DeepSpeed's DualPipeVSchedule, fwd 1 / bwd 2 per stage, p2p free "
-                               "(bench/pipeline_schedule_model.py)",
-                  "interleaved": "replay of Keel's InterleavedSchedule, v=2, fwd 1 / bwd 2 per stage, p2p free; "
-                                 "equals (p-1)/(v*m+p-1)"}
+ANALYTIC_LABEL = {
+    "1f1b": "(p-1)/(m+p-1)",
+    "dualpipev": "replay of DeepSpeed's DualPipeVSchedule, fwd 1 / bwd 2 per stage, p2p free "
+    "(bench/pipeline_schedule_model.py)",
+    "interleaved": "replay of Keel's InterleavedSchedule, v=2, fwd 1 / bwd 2 per stage, p2p free; "
+    "equals (p-1)/(v*m+p-1)",
+}
 
 
 @dataclass(frozen=True)
 class Shape:
     dim: int = 256
-    n_layers: int = 8  # a multiple of every stage count (p; 2p under DualPipeV and interleaved): equal blocks
+    n_layers: int = (
+        8  # a multiple of every stage count (p; 2p under DualPipeV and interleaved): equal blocks
+    )
     vocab: int = 512
     seq_len: int = 128
     micro_batch: int = 4
@@ -109,7 +120,15 @@ class StageClock:
     """Time this rank spends in forward/backward instructions (of both its stages under DualPipeV) during one
     `train_batch`."""
 
-    P2P = ("SendActivation", "RecvActivation", "SendGrad", "RecvGrad", "CommitP2P", "AwaitTransfer", "WaitP2P")
+    P2P = (
+        "SendActivation",
+        "RecvActivation",
+        "SendGrad",
+        "RecvGrad",
+        "CommitP2P",
+        "AwaitTransfer",
+        "WaitP2P",
+    )
 
     def __init__(self, engine) -> None:
         from deepspeed.runtime.pipe.schedule import BackwardPass, ForwardPass
@@ -117,8 +136,16 @@ class StageClock:
         self.reset()
         table = engine._INSTRUCTION_MAP
         compute = {kind: self._timed(table[kind]) for kind in (ForwardPass, BackwardPass)}
-        p2p = {kind: self._p2p_timed(function) for kind, function in table.items() if kind.__name__ in self.P2P}
-        engine._INSTRUCTION_MAP = {**table, **compute, **p2p}  # instance copy; the class is untouched
+        p2p = {
+            kind: self._p2p_timed(function)
+            for kind, function in table.items()
+            if kind.__name__ in self.P2P
+        }
+        engine._INSTRUCTION_MAP = {
+            **table,
+            **compute,
+            **p2p,
+        }  # instance copy; the class is untouched
 
     def reset(self) -> None:
         self.busy_wall = self.busy_cpu = self.p2p_wall = 0.0
@@ -127,6 +154,7 @@ class StageClock:
 
     def _p2p_timed(self, instruction):
         """Time in p2p instructions (posting, sending, waiting): part of a rank's idle, shown on its own."""
+
         def run(engine, **kwargs):
             wall = time.perf_counter()
             instruction(engine, **kwargs)
@@ -163,10 +191,19 @@ def run_rank(schedule: str, p: int, ms: list[int], shape: Shape, out: Path) -> N
     setup_logging(dist.get_rank())
     cfg = RunConfig()
     cfg.model = ModelConfig(vocab_size=shape.vocab, dim=shape.dim, n_layers=shape.n_layers)
-    cfg.parallel.pp, cfg.parallel.pipeline_partition, cfg.parallel.pipeline_schedule = p, "type:Block", schedule
+    cfg.parallel.pp, cfg.parallel.pipeline_partition, cfg.parallel.pipeline_schedule = (
+        p,
+        "type:Block",
+        schedule,
+    )
     cfg.parallel.virtual_stages = STAGES_PER_RANK["interleaved"]
-    cfg.train.micro_batch_size, cfg.train.global_batch_size = shape.micro_batch, shape.micro_batch * ms[0]
-    topology = Topology.from_env(pp=p, pipeline_schedule=schedule, virtual_stages=cfg.parallel.virtual_stages)
+    cfg.train.micro_batch_size, cfg.train.global_batch_size = (
+        shape.micro_batch,
+        shape.micro_batch * ms[0],
+    )
+    topology = Topology.from_env(
+        pp=p, pipeline_schedule=schedule, virtual_stages=cfg.parallel.virtual_stages
+    )
     engine = build_engine(cfg, load_ds_config(REPO / "ds_configs" / "zero0.json"), topology)
     clock = StageClock(engine)
     tokens = torch.Generator().manual_seed(0)
@@ -174,17 +211,28 @@ def run_rank(schedule: str, p: int, ms: list[int], shape: Shape, out: Path) -> N
     for m in ms:
         engine.set_train_batch_size(m * shape.micro_batch)
         for step in range(shape.warmup + shape.steps):
-            batches = [torch.randint(0, shape.vocab, (shape.micro_batch, shape.seq_len + 1), generator=tokens)
-                       for _ in range(m)]
+            batches = [
+                torch.randint(
+                    0, shape.vocab, (shape.micro_batch, shape.seq_len + 1), generator=tokens
+                )
+                for _ in range(m)
+            ]
             clock.reset()
             dist.barrier()
             start = time.perf_counter()
             engine.train_batch(data_iter=iter([(b[:, :-1], b[:, 1:]) for b in batches]))
             if step >= shape.warmup:
-                records.append({"m": m, "busy_wall": clock.busy_wall, "busy_cpu": clock.busy_cpu,
-                                "p2p_wall": clock.p2p_wall,
-                                "compute_end": clock.last_end - start, "step": time.perf_counter() - start,
-                                "instructions": clock.instructions})
+                records.append(
+                    {
+                        "m": m,
+                        "busy_wall": clock.busy_wall,
+                        "busy_cpu": clock.busy_cpu,
+                        "p2p_wall": clock.p2p_wall,
+                        "compute_end": clock.last_end - start,
+                        "step": time.perf_counter() - start,
+                        "instructions": clock.instructions,
+                    }
+                )
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, records)
     if dist.get_rank() == 0:
@@ -198,17 +246,34 @@ def launch(p: int, ms: list[int], shape: Shape, schedule: str = "1f1b") -> list[
     """Run p ranks with torchrun; return per pipeline rank (tp = dp = 1) the list of per-step records."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "records.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(p),
-               __file__, WORKER, json.dumps({"schedule": schedule, "p": p, "ms": ms, "shape": asdict(shape),
-                                             "out": str(out)})]
-        env = {**os.environ, "OMP_NUM_THREADS": "1",
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            str(p),
+            __file__,
+            WORKER,
+            json.dumps(
+                {"schedule": schedule, "p": p, "ms": ms, "shape": asdict(shape), "out": str(out)}
+            ),
+        ]
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        }
         proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True)
         if proc.returncode != 0 or not out.exists():
             text = proc.stdout + proc.stderr
-            first = text.find("Traceback")  # the failing rank's own error, not torchrun's summary after it
-            raise RuntimeError(f"{schedule} p={p} ranks failed (exit {proc.returncode}):\n"
-                               f"{text[first:first + 6000] if first >= 0 else text[-6000:]}")
+            first = text.find(
+                "Traceback"
+            )  # the failing rank's own error, not torchrun's summary after it
+            raise RuntimeError(
+                f"{schedule} p={p} ranks failed (exit {proc.returncode}):\n"
+                f"{text[first : first + 6000] if first >= 0 else text[-6000:]}"
+            )
         return json.loads(out.read_text())
 
 
@@ -217,14 +282,20 @@ class Row:
     schedule: str
     p: int
     m: int
-    analytic: float  # mean idle over ranks on one device per rank (pipeline_schedule_model.analytic_idle)
+    analytic: (
+        float  # mean idle over ranks on one device per rank (pipeline_schedule_model.analytic_idle)
+    )
     idle_wall: list[float]  # per rank: 1 - wall busy / phase
     idle_cpu: list[float]  # per rank: 1 - CPU busy / phase
     slot_ms: list[float]  # per rank: wall fwd+bwd per micro-batch (both stages under DualPipeV), ms
     phase_ms: float  # pipeline phase per step
-    on_cpu: float  # CPU busy / wall busy, all ranks and steps: 1.0 when every rank has a core to itself
+    on_cpu: (
+        float  # CPU busy / wall busy, all ranks and steps: 1.0 when every rank has a core to itself
+    )
     tail_share: float  # (step - phase) / step: optimizer, grad sync and loss broadcast, excluded
-    p2p_share: list[float]  # per rank: time in p2p instructions (sends, receives, waits) / phase, inside the idle
+    p2p_share: list[
+        float
+    ]  # per rank: time in p2p instructions (sends, receives, waits) / phase, inside the idle
 
     @property
     def mean_wall(self) -> float:
@@ -238,23 +309,37 @@ class Row:
 def summarize(p: int, m: int, stages: list[list[dict]], schedule: str = "1f1b") -> Row:
     """Per rank, the median over measured steps (a step disturbed by another process does not skew it)."""
     stages = [[r for r in records if r["m"] == m] for records in stages]
-    per_micro_batch = 2 * STAGES_PER_RANK[schedule]  # one forward and one backward per stage a rank holds
+    per_micro_batch = (
+        2 * STAGES_PER_RANK[schedule]
+    )  # one forward and one backward per stage a rank holds
     if any(r["instructions"] != per_micro_batch * m for records in stages for r in records):
-        raise RuntimeError(f"{schedule} p={p} m={m}: a rank did not run one forward and one backward per "
-                           f"micro-batch on each of its {STAGES_PER_RANK[schedule]} stage(s)")
+        raise RuntimeError(
+            f"{schedule} p={p} m={m}: a rank did not run one forward and one backward per "
+            f"micro-batch on each of its {STAGES_PER_RANK[schedule]} stage(s)"
+        )
     steps = list(zip(*stages))  # steps[i][s]: rank s in step i
     # a step's phase ends when its last rank to compute finishes (starts are barrier-aligned)
     phases = [max(r["compute_end"] for r in step) for step in steps]
 
     def per_rank(value) -> list[float]:
-        return [median(value(step[s], phase) for step, phase in zip(steps, phases)) for s in range(p)]
+        return [
+            median(value(step[s], phase) for step, phase in zip(steps, phases)) for s in range(p)
+        ]
 
-    return Row(schedule, p, m, analytic_idle(schedule, p, m), per_rank(lambda r, phase: 1 - r["busy_wall"] / phase),
-               per_rank(lambda r, phase: 1 - r["busy_cpu"] / phase),
-               per_rank(lambda r, phase: 1e3 * r["busy_wall"] / m), 1e3 * median(phases),
-               sum(r["busy_cpu"] for step in steps for r in step) / sum(r["busy_wall"] for step in steps for r in step),
-               median(1 - phase / max(r["step"] for r in step) for step, phase in zip(steps, phases)),
-               per_rank(lambda r, phase: r.get("p2p_wall", 0.0) / phase))
+    return Row(
+        schedule,
+        p,
+        m,
+        analytic_idle(schedule, p, m),
+        per_rank(lambda r, phase: 1 - r["busy_wall"] / phase),
+        per_rank(lambda r, phase: 1 - r["busy_cpu"] / phase),
+        per_rank(lambda r, phase: 1e3 * r["busy_wall"] / m),
+        1e3 * median(phases),
+        sum(r["busy_cpu"] for step in steps for r in step)
+        / sum(r["busy_wall"] for step in steps for r in step),
+        median(1 - phase / max(r["step"] for r in step) for step, phase in zip(steps, phases)),
+        per_rank(lambda r, phase: r.get("p2p_wall", 0.0) / phase),
+    )
 
 
 def measure(p: int, ms: list[int], shape: Shape, schedule: str = "1f1b") -> list[Row]:
@@ -268,33 +353,45 @@ def report(rows: list[Row], cores: int, skipped: dict[str, list[str]] | None = N
     for schedule in dict.fromkeys([r.schedule for r in rows] + list(skipped)):
         label = ANALYTIC_LABEL[schedule]
         print(f"\n{schedule}: analytic = {label}")
-        print(f"{'p':>2} {'m':>3} {'idle/rank (wall busy)':>24} {'wall':>6} {'cpu':>6} {'analytic':>9} "
-              f"{'wall/an':>8} {'cpu/an':>7} {'on-cpu':>7} {'phase ms':>9} {'tail':>5}  fwd+bwd ms/mb per rank"
-              "  p2p share per rank")
+        print(
+            f"{'p':>2} {'m':>3} {'idle/rank (wall busy)':>24} {'wall':>6} {'cpu':>6} {'analytic':>9} "
+            f"{'wall/an':>8} {'cpu/an':>7} {'on-cpu':>7} {'phase ms':>9} {'tail':>5}  fwd+bwd ms/mb per rank"
+            "  p2p share per rank"
+        )
         for r in (r for r in rows if r.schedule == schedule):
-            print(f"{r.p:>2} {r.m:>3} {fmt(f'{x:.3f}' for x in r.idle_wall):>24} {r.mean_wall:>6.3f} "
-                  f"{r.mean_cpu:>6.3f} {r.analytic:>9.3f} {r.mean_wall / r.analytic:>8.2f} "
-                  f"{r.mean_cpu / r.analytic:>7.2f} {r.on_cpu:>7.2f} {r.phase_ms:>9.0f} {r.tail_share:>5.0%}  "
-                  f"{fmt(f'{x:.0f}' for x in r.slot_ms):>22}  {fmt(f'{x:.3f}' for x in r.p2p_share)}")
+            print(
+                f"{r.p:>2} {r.m:>3} {fmt(f'{x:.3f}' for x in r.idle_wall):>24} {r.mean_wall:>6.3f} "
+                f"{r.mean_cpu:>6.3f} {r.analytic:>9.3f} {r.mean_wall / r.analytic:>8.2f} "
+                f"{r.mean_cpu / r.analytic:>7.2f} {r.on_cpu:>7.2f} {r.phase_ms:>9.0f} {r.tail_share:>5.0%}  "
+                f"{fmt(f'{x:.0f}' for x in r.slot_ms):>22}  {fmt(f'{x:.3f}' for x in r.p2p_share)}"
+            )
         for line in skipped.get(schedule, []):
             print(f"skipped: {line}")
-    print("\nwall / cpu: mean over pipeline ranks of 1 - busy/phase, busy = time in forward+backward instructions "
-          "by perf_counter / by thread CPU time; on-cpu: CPU busy / wall busy; tail: share of the step after the "
-          "phase (grad sync, optimizer, loss broadcast), excluded from the phase; p2p share: time in p2p instructions "
-          "(posting, transfer, waiting for a neighbour) / phase, part of the idle.")
+    print(
+        "\nwall / cpu: mean over pipeline ranks of 1 - busy/phase, busy = time in forward+backward instructions "
+        "by perf_counter / by thread CPU time; on-cpu: CPU busy / wall busy; tail: share of the step after the "
+        "phase (grad sync, optimizer, loss broadcast), excluded from the phase; p2p share: time in p2p instructions "
+        "(posting, transfer, waiting for a neighbour) / phase, part of the idle."
+    )
     compare(rows)
     for line in judge(rows, cores):
         print(line)
-    disturbed = [f"{r.schedule} p={r.p} m={r.m}" for r in rows if r.p <= cores and r.on_cpu < ON_CPU_QUIET]
+    disturbed = [
+        f"{r.schedule} p={r.p} m={r.m}" for r in rows if r.p <= cores and r.on_cpu < ON_CPU_QUIET
+    ]
     if disturbed:
-        print(f"WARNING: {', '.join(disturbed)}: on-cpu < {ON_CPU_QUIET} although each rank could have a core, so "
-              "other processes took the cores mid-compute; those rows overstate the bubble. Rerun on a quiet machine.")
+        print(
+            f"WARNING: {', '.join(disturbed)}: on-cpu < {ON_CPU_QUIET} although each rank could have a core, so "
+            "other processes took the cores mid-compute; those rows overstate the bubble. Rerun on a quiet machine."
+        )
     crowded = sorted({r.p for r in rows if r.p > cores})
     if crowded:
-        print(f"NOTE: p={', '.join(map(str, crowded))} runs more ranks than the {cores} CPU cores here: ranks "
-              "share cores, so the model's one-device-per-rank assumption fails. The phase is stretched to at "
-              "least the total work over the cores, wall busy includes time descheduled inside compute, CPU busy "
-              "excludes it; neither is the per-device bubble. Judge those rows by their trend only.")
+        print(
+            f"NOTE: p={', '.join(map(str, crowded))} runs more ranks than the {cores} CPU cores here: ranks "
+            "share cores, so the model's one-device-per-rank assumption fails. The phase is stretched to at "
+            "least the total work over the cores, wall busy includes time descheduled inside compute, CPU busy "
+            "excludes it; neither is the per-device bubble. Judge those rows by their trend only."
+        )
 
 
 def judge(rows: list[Row], cores: int) -> list[str]:
@@ -305,19 +402,26 @@ def judge(rows: list[Row], cores: int) -> list[str]:
     lines = []
     for schedule in dict.fromkeys(r.schedule for r in rows):
         for p in sorted({r.p for r in rows if r.schedule == schedule and r.p <= cores}):
-            group = sorted((r for r in rows if r.schedule == schedule and r.p == p), key=lambda r: r.m)
+            group = sorted(
+                (r for r in rows if r.schedule == schedule and r.p == p), key=lambda r: r.m
+            )
             quiet = [r for r in group if r.on_cpu >= ON_CPU_QUIET]
             noisy = [f"m={r.m}" for r in group if r.on_cpu < ON_CPU_QUIET]
             head = f"verdict {schedule} p={p}:"
             if len(quiet) >= 2:
                 falls = all(b.mean_wall < a.mean_wall for a, b in zip(quiet, quiet[1:]))
-                head += (f" idle {'falls' if falls else 'does NOT fall'} with m ("
-                         + " -> ".join(f"{r.mean_wall:.3f}" for r in quiet) + ");")
+                head += (
+                    f" idle {'falls' if falls else 'does NOT fall'} with m ("
+                    + " -> ".join(f"{r.mean_wall:.3f}" for r in quiet)
+                    + ");"
+                )
             if quiet:
                 worst = max(quiet, key=lambda r: abs(r.mean_wall - r.analytic))
                 gap = worst.mean_wall - worst.analytic
-                head += (f" {'tracks' if abs(gap) <= TRACK_TOLERANCE else 'does NOT track'} the analytic idle "
-                         f"within {TRACK_TOLERANCE} (largest gap {gap:+.3f} at m={worst.m})")
+                head += (
+                    f" {'tracks' if abs(gap) <= TRACK_TOLERANCE else 'does NOT track'} the analytic idle "
+                    f"within {TRACK_TOLERANCE} (largest gap {gap:+.3f} at m={worst.m})"
+                )
             else:
                 head += " nothing judged"
             if noisy:
@@ -332,29 +436,45 @@ def compare(rows: list[Row]) -> None:
     by_key = {(r.schedule, r.p, r.m): r for r in rows}
     for other in (s for s in SCHEDULES if s != "1f1b"):
         for p in sorted({r.p for r in rows}):
-            pairs = [(by_key[("1f1b", p, m)], r) for (schedule, q, m), r in by_key.items()
-                     if schedule == other and q == p and ("1f1b", p, m) in by_key]
+            pairs = [
+                (by_key[("1f1b", p, m)], r)
+                for (schedule, q, m), r in by_key.items()
+                if schedule == other and q == p and ("1f1b", p, m) in by_key
+            ]
             if pairs:
-                print(f"p={p} {other} vs 1f1b, wall idle (analytic) and phase ms: " + "; ".join(
-                    f"m={d.m}: {d.mean_wall:.3f} ({d.analytic:.3f}) vs {o.mean_wall:.3f} ({o.analytic:.3f}), "
-                    f"{d.phase_ms:.0f} vs {o.phase_ms:.0f} ms" for o, d in pairs))
+                print(
+                    f"p={p} {other} vs 1f1b, wall idle (analytic) and phase ms: "
+                    + "; ".join(
+                        f"m={d.m}: {d.mean_wall:.3f} ({d.analytic:.3f}) vs {o.mean_wall:.3f} ({o.analytic:.3f}), "
+                        f"{d.phase_ms:.0f} vs {o.phase_ms:.0f} ms"
+                        for o, d in pairs
+                    )
+                )
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--schedules", default=",".join(SCHEDULES),
-                    help=f"parallel.pipeline_schedule values, comma-separated (of {', '.join(SCHEDULES)})")
+    ap.add_argument(
+        "--schedules",
+        default=",".join(SCHEDULES),
+        help=f"parallel.pipeline_schedule values, comma-separated (of {', '.join(SCHEDULES)})",
+    )
     ap.add_argument("--p", default="2,4", help="pipeline ranks, comma-separated")
-    ap.add_argument("--m", default="1,2,4,8", help="micro-batches per step, comma-separated (DualPipeV and "
-                    "interleaved run only those >= 2p, interleaved only multiples of p)")
+    ap.add_argument(
+        "--m",
+        default="1,2,4,8",
+        help="micro-batches per step, comma-separated (DualPipeV and "
+        "interleaved run only those >= 2p, interleaved only multiples of p)",
+    )
     defaults = Shape()
     for name in ("dim", "n_layers", "vocab", "seq_len", "micro_batch", "steps", "warmup"):
         ap.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
     return ap.parse_args(argv)
 
 
-def plan(schedules: list[str], ps: list[int], ms: list[int]) -> tuple[list[tuple[str, int, list[int]]],
-                                                                      dict[str, list[str]]]:
+def plan(
+    schedules: list[str], ps: list[int], ms: list[int]
+) -> tuple[list[tuple[str, int, list[int]]], dict[str, list[str]]]:
     """(schedule, p, the m values it can run) to launch, and per schedule what was skipped and why."""
     runs, skipped = [], {}
     for schedule in schedules:
@@ -365,7 +485,8 @@ def plan(schedules: list[str], ps: list[int], ms: list[int]) -> tuple[list[tuple
             if len(kept) < len(ms):
                 skipped.setdefault(schedule, []).append(
                     f"p={p} m={','.join(str(m) for m in ms if m not in kept)}: {schedule} needs {need}"
-                    + ("" if kept else f"; nothing left to run at p={p} (pass --m with {need})"))
+                    + ("" if kept else f"; nothing left to run at p={p} (pass --m with {need})")
+                )
             if kept:
                 runs.append((schedule, p, kept))
     return runs, skipped
@@ -373,33 +494,47 @@ def plan(schedules: list[str], ps: list[int], ms: list[int]) -> tuple[list[tuple
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == [WORKER]:  # one rank, started by `launch` (options here would collide with torchrun's)
+    if argv[:1] == [
+        WORKER
+    ]:  # one rank, started by `launch` (options here would collide with torchrun's)
         job = json.loads(argv[1])
         run_rank(job["schedule"], job["p"], job["ms"], Shape(**job["shape"]), Path(job["out"]))
     args = parse_args(argv)
     schedules = args.schedules.split(",")
     ps, ms = [int(x) for x in args.p.split(",")], [int(x) for x in args.m.split(",")]
     if set(schedules) - set(SCHEDULES):
-        raise SystemExit(f"--schedules {args.schedules}: each must be one of {', '.join(SCHEDULES)}")
+        raise SystemExit(
+            f"--schedules {args.schedules}: each must be one of {', '.join(SCHEDULES)}"
+        )
     shape = Shape(**{k: getattr(args, k) for k in Shape.__dataclass_fields__})
     counts = sorted({STAGES_PER_RANK[schedule] * p for schedule in schedules for p in ps})
     if any(shape.n_layers % count for count in counts):
-        raise SystemExit(f"--n-layers {shape.n_layers} must be a multiple of every stage count {counts} (p, and 2p "
-                         "under DualPipeV and interleaved: balanced stages)")
-    check_1f1b([(p, m) for p in ps for m in ms])  # the replay behind the DualPipeV column reproduces the formula
+        raise SystemExit(
+            f"--n-layers {shape.n_layers} must be a multiple of every stage count {counts} (p, and 2p "
+            "under DualPipeV and interleaved: balanced stages)"
+        )
+    check_1f1b(
+        [(p, m) for p in ps for m in ms]
+    )  # the replay behind the DualPipeV column reproduces the formula
     runs, skipped = plan(schedules, ps, ms)
     cores = len(os.sched_getaffinity(0))
-    print(f"pipeline bubble: Keel pp=p ({', '.join(schedules)}), tp=dp=1, fp32 ZeRO-0, gloo, 1 thread per rank, "
-          f"{cores} CPU cores; dim={shape.dim} layers={shape.n_layers} vocab={shape.vocab} micro-batch="
-          f"{shape.micro_batch}x{shape.seq_len} tokens; {shape.steps} measured steps per m after {shape.warmup} "
-          "warmup")
-    print(f"analytic check: the replay of DeepSpeed's 1F1B TrainSchedule (forward 1, backward 2, p2p free) gives "
-          f"(p-1)/(m+p-1) on every rank at every (p, m) here: {', '.join(f'({p}, {m})' for p in ps for m in ms)}")
+    print(
+        f"pipeline bubble: Keel pp=p ({', '.join(schedules)}), tp=dp=1, fp32 ZeRO-0, gloo, 1 thread per rank, "
+        f"{cores} CPU cores; dim={shape.dim} layers={shape.n_layers} vocab={shape.vocab} micro-batch="
+        f"{shape.micro_batch}x{shape.seq_len} tokens; {shape.steps} measured steps per m after {shape.warmup} "
+        "warmup"
+    )
+    print(
+        f"analytic check: the replay of DeepSpeed's 1F1B TrainSchedule (forward 1, backward 2, p2p free) gives "
+        f"(p-1)/(m+p-1) on every rank at every (p, m) here: {', '.join(f'({p}, {m})' for p in ps for m in ms)}"
+    )
     start, load = time.perf_counter(), os.getloadavg()[0]
     rows = [row for schedule, p, kept in runs for row in measure(p, kept, shape, schedule)]
     report(rows, cores, skipped)
-    print(f"1-minute load average before / after: {load:.1f} / {os.getloadavg()[0]:.1f} on {cores} cores (this "
-          f"bench itself adds up to max(p) = {max(ps)}); took {time.perf_counter() - start:.0f} s")
+    print(
+        f"1-minute load average before / after: {load:.1f} / {os.getloadavg()[0]:.1f} on {cores} cores (this "
+        f"bench itself adds up to max(p) = {max(ps)}); took {time.perf_counter() - start:.0f} s"
+    )
     return 0
 
 

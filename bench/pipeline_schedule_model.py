@@ -30,7 +30,9 @@ from keel.config.schema import PIPELINE_SCHEDULES
 from keel.engine.memory_model import rank_stages
 
 FORWARD_COST, BACKWARD_COST = 1.0, 2.0
-SCHEDULES = PIPELINE_SCHEDULES  # a schedule Keel gains needs a replay here too (`instruction_streams`)
+SCHEDULES = (
+    PIPELINE_SCHEDULES  # a schedule Keel gains needs a replay here too (`instruction_streams`)
+)
 # DualPipeV: rank r holds stage r (phase 0) and 2p-1-r (phase 1); interleaved: v = 2 (parallel.virtual_stages
 # default) stages r and r+p; Keel's memory model says how many
 STAGES_PER_RANK = {schedule: len(rank_stages(1, schedule)[0]) for schedule in SCHEDULES}
@@ -57,9 +59,13 @@ def instruction_streams(schedule: str, p: int, m: int, chunks: int = 2) -> list[
     def interleaved(micro_batches: int, stages: int, stage_id: int):
         return interleaved_schedule_class()(micro_batches, stages, stage_id, chunks)
 
-    kind = {"1f1b": TrainSchedule, "dualpipev": DualPipeVSchedule, "interleaved": interleaved}[schedule]
-    return [[cmd for step in kind(micro_batches=m, stages=p, stage_id=rank).steps() for cmd in step]
-            for rank in range(p)]
+    kind = {"1f1b": TrainSchedule, "dualpipev": DualPipeVSchedule, "interleaved": interleaved}[
+        schedule
+    ]
+    return [
+        [cmd for step in kind(micro_batches=m, stages=p, stage_id=rank).steps() for cmd in step]
+        for rank in range(p)
+    ]
 
 
 def _channel(cmd, rank: int, schedule: str, p: int) -> tuple[str, int, int, int]:
@@ -72,17 +78,22 @@ def _channel(cmd, rank: int, schedule: str, p: int) -> tuple[str, int, int, int]
     if schedule == "interleaved":
         phase, downstream, upstream = -1, (rank + 1) % p, (rank - 1) % p
     else:
-        downstream = rank + 1 if phase == 0 else rank - 1  # DualPipeVEngine._downstream_stage; 1F1B is phase 0
+        downstream = (
+            rank + 1 if phase == 0 else rank - 1
+        )  # DualPipeVEngine._downstream_stage; 1F1B is phase 0
         upstream = rank - 1 if phase == 0 else rank + 1
     if isinstance(cmd, (SendActivation, RecvActivation)):
-        sender, receiver = (rank, downstream) if isinstance(cmd, SendActivation) else (upstream, rank)
+        sender, receiver = (
+            (rank, downstream) if isinstance(cmd, SendActivation) else (upstream, rank)
+        )
         return "act", phase, sender, receiver
     sender, receiver = (rank, upstream) if not isinstance(cmd, RecvGrad) else (downstream, rank)
     return "grad", phase, sender, receiver
 
 
-def _ops(stream: list, rank: int, forward: float, backward: float, deferred: bool, schedule: str,
-         p: int) -> list[tuple]:
+def _ops(
+    stream: list, rank: int, forward: float, backward: float, deferred: bool, schedule: str, p: int
+) -> list[tuple]:
     """("compute", cost) | ("send", channel) | ("recv", channel, index) | ("commit",); without CommitP2P in the
     schedule, every send and receive is committed at once."""
     from deepspeed.runtime.pipe import schedule as ds
@@ -96,7 +107,9 @@ def _ops(stream: list, rank: int, forward: float, backward: float, deferred: boo
         elif isinstance(cmd, (ds.SendActivation, ds.SendGrad, ds.RecvActivation, ds.RecvGrad)):
             channel = _channel(cmd, rank, schedule, p)
             if isinstance(cmd, (ds.RecvActivation, ds.RecvGrad)):
-                ops.append(("recv", channel, received[channel]))  # the n-th receive takes the n-th send
+                ops.append(
+                    ("recv", channel, received[channel])
+                )  # the n-th receive takes the n-th send
                 received[channel] += 1
             else:
                 ops.append(("send", channel))
@@ -105,15 +118,26 @@ def _ops(stream: list, rank: int, forward: float, backward: float, deferred: boo
     return ops
 
 
-def simulate(schedule: str, p: int, m: int, forward: float = FORWARD_COST,
-             backward: float = BACKWARD_COST, chunks: int = 2) -> list[float]:
+def simulate(
+    schedule: str,
+    p: int,
+    m: int,
+    forward: float = FORWARD_COST,
+    backward: float = BACKWARD_COST,
+    chunks: int = 2,
+) -> list[float]:
     """Per pipeline rank, the idle fraction of the compute phase of one step (see the module docstring)."""
     from deepspeed.runtime.pipe.schedule import CommitP2P
 
     streams = instruction_streams(schedule, p, m, chunks)
     deferred = any(isinstance(cmd, CommitP2P) for stream in streams for cmd in stream)
-    ops = [_ops(stream, rank, forward, backward, deferred, schedule, p) for rank, stream in enumerate(streams)]
-    sent: dict[tuple, list[float]] = defaultdict(list)  # channel -> issue time of each send, in order
+    ops = [
+        _ops(stream, rank, forward, backward, deferred, schedule, p)
+        for rank, stream in enumerate(streams)
+    ]
+    sent: dict[tuple, list[float]] = defaultdict(
+        list
+    )  # channel -> issue time of each send, in order
     clock, busy, compute_end, pc = [0.0] * p, [0.0] * p, [0.0] * p, [0] * p
     sends: list[list[tuple]] = [[] for _ in range(p)]  # queued, not yet issued
     recvs: list[list[tuple]] = [[] for _ in range(p)]  # queued (channel, index), not yet complete
@@ -171,4 +195,6 @@ def check_1f1b(cases: list[tuple[int, int]]) -> None:
     for p, m in cases:
         idle, formula = simulate("1f1b", p, m), (p - 1) / (m + p - 1)
         if any(abs(x - formula) > 1e-9 for x in idle):
-            raise AssertionError(f"1F1B replay p={p} m={m}: idle per rank {idle}, formula {formula}")
+            raise AssertionError(
+                f"1F1B replay p={p} m={m}: idle per rank {idle}, formula {formula}"
+            )

@@ -28,15 +28,26 @@ REPORT_FILE = "preflight.json"  # keel.tools.preflight.report.REPORT_FILE
 def measure(config: str | None, nproc: int) -> tuple[float, float, bool]:
     """(checks' seconds from preflight.json, whole command's seconds, healthy) for one `keel preflight`."""
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "keel.launcher.cli", "preflight", *([config] if config else []),
-               "--nproc", str(nproc), "--run-dir", tmp]
+        cmd = [
+            sys.executable,
+            "-m",
+            "keel.launcher.cli",
+            "preflight",
+            *([config] if config else []),
+            "--nproc",
+            str(nproc),
+            "--run-dir",
+            tmp,
+        ]
         start = time.perf_counter()
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
         whole = time.perf_counter() - start
         report_path = Path(tmp) / REPORT_FILE
         if not report_path.exists():
-            raise RuntimeError(f"keel preflight exited {proc.returncode} without {REPORT_FILE}:\n"
-                               f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+            raise RuntimeError(
+                f"keel preflight exited {proc.returncode} without {REPORT_FILE}:\n"
+                f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+            )
         report = json.loads(report_path.read_text())
         return report["elapsed_s"], whole, report["healthy"]
 
@@ -49,10 +60,14 @@ def main() -> int:
     args = p.parse_args()
     runs = [measure(args.config, args.nproc) for _ in range(args.repeats)]
     for i, (checks, whole, healthy) in enumerate(runs, start=1):
-        print(f"run {i}: checks {checks:.2f} s, whole command {whole:.1f} s, {'healthy' if healthy else 'NOT healthy'}")
+        print(
+            f"run {i}: checks {checks:.2f} s, whole command {whole:.1f} s, {'healthy' if healthy else 'NOT healthy'}"
+        )
     checks, whole = statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
-    print(f"keel preflight {args.config or '(tiny built-in config)'} --nproc {args.nproc}: checks {checks:.2f} s, "
-          f"whole command {whole:.1f} s (medians of {len(runs)}); the checks are {checks / whole:.0%} of it")
+    print(
+        f"keel preflight {args.config or '(tiny built-in config)'} --nproc {args.nproc}: checks {checks:.2f} s, "
+        f"whole command {whole:.1f} s (medians of {len(runs)}); the checks are {checks / whole:.0%} of it"
+    )
     return 0
 
 

@@ -67,17 +67,33 @@ def run_arm(args: argparse.Namespace) -> None:
     files = default_corpus_files() if args.input == "default" else [Path(args.input)]
     tokenizer = load_tokenizer(args.tokenizer)
     start = time.perf_counter()
-    prepared = prepare_corpus(files, Path(args.out), tokenizer.vocab_size, progress=False, tokenizer=tokenizer,
-                              workers=args.workers)
+    prepared = prepare_corpus(
+        files,
+        Path(args.out),
+        tokenizer.vocab_size,
+        progress=False,
+        tokenizer=tokenizer,
+        workers=args.workers,
+    )
     seconds = time.perf_counter() - start
-    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    print(json.dumps({
-        "seconds": seconds, "cpu": own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime,
-        "tokens": prepared.num_tokens, "docs": prepared.num_docs,
-        "bytes": sum(f.stat().st_size for f in files),
-        "rss_parent": own.ru_maxrss * 1024, "rss_worker": children.ru_maxrss * 1024,
-        "digest": _digest(prepared.data_prefix),
-    }))
+    own, children = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    print(
+        json.dumps(
+            {
+                "seconds": seconds,
+                "cpu": own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime,
+                "tokens": prepared.num_tokens,
+                "docs": prepared.num_docs,
+                "bytes": sum(f.stat().st_size for f in files),
+                "rss_parent": own.ru_maxrss * 1024,
+                "rss_worker": children.ru_maxrss * 1024,
+                "digest": _digest(prepared.data_prefix),
+            }
+        )
+    )
 
 
 def _digest(prefix: Path) -> str:
@@ -91,7 +107,9 @@ def _digest(prefix: Path) -> str:
 
 def _spin(seconds: list) -> None:
     start, x = time.perf_counter(), 0
-    for i in range(15_000_000):  # ~0.5 s: long against the fork and join it is timed with (0.1 s read 1.35 idle)
+    for i in range(
+        15_000_000
+    ):  # ~0.5 s: long against the fork and join it is timed with (0.1 s read 1.35 idle)
         x += i
     seconds.append(time.perf_counter() - start)
 
@@ -115,8 +133,19 @@ def parallel_capacity(workers: int) -> float:
 
 
 def _arm(input_: str, tokenizer: Path, workers: int, out: Path) -> dict:
-    cmd = [sys.executable, __file__, "--arm", "--input", input_, "--tokenizer", str(tokenizer), "--workers",
-           str(workers), "--out", str(out)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--arm",
+        "--input",
+        input_,
+        "--tokenizer",
+        str(tokenizer),
+        "--workers",
+        str(workers),
+        "--out",
+        str(out),
+    ]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if done.returncode:
@@ -124,7 +153,9 @@ def _arm(input_: str, tokenizer: Path, workers: int, out: Path) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _best_of(repeats: int, input_: str, tokenizer: Path, workers: int, out: Path) -> dict[int, dict]:
+def _best_of(
+    repeats: int, input_: str, tokenizer: Path, workers: int, out: Path
+) -> dict[int, dict]:
     """Alternate the arms `repeats` times (1, N, 1, N, ...) and keep each one's fastest run (a shared machine's
     other load only ever slows a run down) and its highest peak RSS."""
     best: dict[int, dict] = {}
@@ -142,13 +173,23 @@ def _best_of(repeats: int, input_: str, tokenizer: Path, workers: int, out: Path
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size-mb", type=float, default=1000, help="generated JSON-lines size (MB)")
-    parser.add_argument("--fixed-mb", type=float, default=20, help="the small file that measures fixed memory")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--size-mb", type=float, default=1000, help="generated JSON-lines size (MB)"
+    )
+    parser.add_argument(
+        "--fixed-mb", type=float, default=20, help="the small file that measures fixed memory"
+    )
     parser.add_argument("--workers", type=int, default=0, help="the N arm (default: every core)")
     parser.add_argument("--vocab-size", type=int, default=4096)
-    parser.add_argument("--repeats", type=int, default=3, help="alternating runs per arm; the fastest counts")
-    parser.add_argument("--cache-dir", default="~/.cache/keel", help="where the default corpus's tokenizer is")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="alternating runs per arm; the fastest counts"
+    )
+    parser.add_argument(
+        "--cache-dir", default="~/.cache/keel", help="where the default corpus's tokenizer is"
+    )
     parser.add_argument("--arm", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--input", help=argparse.SUPPRESS)
     parser.add_argument("--tokenizer", help=argparse.SUPPRESS)
@@ -162,8 +203,11 @@ def main() -> None:
 
     workers = args.workers or default_workers()
     tokenizer = ensure_prepared(["default"], args.cache_dir, args.vocab_size).tokenizer_path
-    print(f"cores available: {default_workers()} | N = {workers} workers | tokenizer {tokenizer} "
-          f"(threads pinned to 1) | cpu: {_cpu_name()} | load average {os.getloadavg()[0]:.1f} at start", flush=True)
+    print(
+        f"cores available: {default_workers()} | N = {workers} workers | tokenizer {tokenizer} "
+        f"(threads pinned to 1) | cpu: {_cpu_name()} | load average {os.getloadavg()[0]:.1f} at start",
+        flush=True,
+    )
     rows = []
     with tempfile.TemporaryDirectory(prefix="keel-bench-prepare-") as tmp:
         root = Path(tmp)
@@ -171,28 +215,48 @@ def main() -> None:
         t = time.perf_counter()
         generate_jsonl(big, args.size_mb)
         generate_jsonl(small, args.fixed_mb, seed=1)
-        print(f"generated {big.stat().st_size / MB:.0f} MB of JSON lines in {time.perf_counter() - t:.1f} s",
-              flush=True)
+        print(
+            f"generated {big.stat().st_size / MB:.0f} MB of JSON lines in {time.perf_counter() - t:.1f} s",
+            flush=True,
+        )
         fixed = {w: _arm(str(small), tokenizer, w, root / f"fixed{w}") for w in (1, workers)}
-        for name, input_ in (("default corpus", "default"), (f"jsonl {args.size_mb:g} MB", str(big))):
+        for name, input_ in (
+            ("default corpus", "default"),
+            (f"jsonl {args.size_mb:g} MB", str(big)),
+        ):
             before = parallel_capacity(workers)
             arms = _best_of(args.repeats, input_, tokenizer, workers, root / str(len(rows)))
             free = min(before, after := parallel_capacity(workers))
             rows.append((name, arms))
             _print_rows(name, arms, fixed, workers, check_memory=input_ != "default", free=free)
-            print(f"cores free for {workers} CPU-bound processes: {before:.2f} before, {after:.2f} after (an idle "
-                  f"machine gives {workers}; below {0.9 * workers:.1f} the speed-up is inconclusive)", flush=True)
+            print(
+                f"cores free for {workers} CPU-bound processes: {before:.2f} before, {after:.2f} after (an idle "
+                f"machine gives {workers}; below {0.9 * workers:.1f} the speed-up is inconclusive)",
+                flush=True,
+            )
     print()
-    print(f"speed-up target >= 1.7x at 2 workers on 2 cores; memory target: peak <= fixed + {BYTES_PER_DOC} B/doc "
-          f"(fixed = the same arm on a {args.fixed_mb:g} MB file)")
+    print(
+        f"speed-up target >= 1.7x at 2 workers on 2 cores; memory target: peak <= fixed + {BYTES_PER_DOC} B/doc "
+        f"(fixed = the same arm on a {args.fixed_mb:g} MB file)"
+    )
 
 
-def _print_rows(name: str, arms: dict[int, dict], fixed: dict[int, dict], workers: int, check_memory: bool,
-                free: float) -> None:
+def _print_rows(
+    name: str,
+    arms: dict[int, dict],
+    fixed: dict[int, dict],
+    workers: int,
+    check_memory: bool,
+    free: float,
+) -> None:
     one = arms[1]
-    print(f"\n{name}: {one['bytes'] / MB:.1f} MB, {one['docs']:,} documents, {one['tokens']:,} tokens")
-    print(f"{'workers':>7} {'seconds':>8} {'cpu s':>7} {'tokens/s':>11} {'speed-up':>8} {'identical':>9} "
-          f"{'rss MB':>7} {'fixed+12B/doc':>13} {'worker rss':>10} {'fixed+12B/doc':>13} verdict")
+    print(
+        f"\n{name}: {one['bytes'] / MB:.1f} MB, {one['docs']:,} documents, {one['tokens']:,} tokens"
+    )
+    print(
+        f"{'workers':>7} {'seconds':>8} {'cpu s':>7} {'tokens/s':>11} {'speed-up':>8} {'identical':>9} "
+        f"{'rss MB':>7} {'fixed+12B/doc':>13} {'worker rss':>10} {'fixed+12B/doc':>13} verdict"
+    )
     for w, arm in sorted(arms.items()):
         speed_up = one["seconds"] / arm["seconds"]
         same = arm["digest"] == one["digest"]
@@ -200,22 +264,34 @@ def _print_rows(name: str, arms: dict[int, dict], fixed: dict[int, dict], worker
         limit_worker = fixed[w]["rss_worker"] + BYTES_PER_DOC * arm["docs"]
         # the default corpus's documents are whole files (up to 0.75 MB): the encoding process's peak follows the
         # largest one, not the corpus size, so only the generated file is held to the per-document target
-        ok_mem = not check_memory or (arm["rss_parent"] <= limit_parent
-                                      and (w == 1 or arm["rss_worker"] <= limit_worker))
+        ok_mem = not check_memory or (
+            arm["rss_parent"] <= limit_parent and (w == 1 or arm["rss_worker"] <= limit_worker)
+        )
         if w == 1 or workers != 2:
             speed = "-"
         elif free < 0.9 * workers:  # another job holds the cores the workers would use
             speed = "inconclusive"
         else:
             speed = "PASS" if speed_up >= 1.7 else "FAIL"
-        verdict = (f"identical:{'PASS' if same else 'FAIL'} memory:{'PASS' if ok_mem else 'FAIL'}"
-                   + (f" speed:{speed}" if w > 1 else ""))
-        limits = (f"{limit_parent / MB:13.0f}", f"{limit_worker / MB:13.0f}") if check_memory else (f"{'n/a':>13}",) * 2
-        worker_rss = f"{arm['rss_worker'] / MB:10.0f} {limits[1]}" if w > 1 else f"{'-':>10} {'-':>13}"
+        verdict = (
+            f"identical:{'PASS' if same else 'FAIL'} memory:{'PASS' if ok_mem else 'FAIL'}"
+            + (f" speed:{speed}" if w > 1 else "")
+        )
+        limits = (
+            (f"{limit_parent / MB:13.0f}", f"{limit_worker / MB:13.0f}")
+            if check_memory
+            else (f"{'n/a':>13}",) * 2
+        )
+        worker_rss = (
+            f"{arm['rss_worker'] / MB:10.0f} {limits[1]}" if w > 1 else f"{'-':>10} {'-':>13}"
+        )
         rate = arm["tokens"] / arm["seconds"]
-        print(f"{w:>7} {arm['seconds']:8.2f} {arm['cpu']:7.1f} {rate:11,.0f} {speed_up:7.2f}x "
-              f"{'yes' if same else 'NO':>9} {arm['rss_parent'] / MB:7.0f} {limits[0]} {worker_rss} "
-              f"{verdict}", flush=True)
+        print(
+            f"{w:>7} {arm['seconds']:8.2f} {arm['cpu']:7.1f} {rate:11,.0f} {speed_up:7.2f}x "
+            f"{'yes' if same else 'NO':>9} {arm['rss_parent'] / MB:7.0f} {limits[0]} {worker_rss} "
+            f"{verdict}",
+            flush=True,
+        )
 
 
 def _cpu_name() -> str:

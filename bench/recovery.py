@@ -56,11 +56,29 @@ sys.path.insert(0, str(REPO))
 from keel.training.observe.metrics import read_metrics  # noqa: E402
 from tests.netns import RDZV_PORT, TwoNodes, cmdline, node_env, torchrun_cmd  # noqa: E402
 
-MODEL = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "data.seq_len=64",
-         "data.tokenizer_vocab_size=512", "train.global_batch_size=8", "train.micro_batch_size=2",
-         "train.warmup_steps=2", "train.lr=0.01", "train.eval_interval=0", "logging.log_interval=1"]
-PHASES = ("failure detected", "old group gone", "workers restarted", "universal conversion", "engine built",
-          "checkpoint loaded", "first step")
+MODEL = [
+    "model.dim=64",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "data.seq_len=64",
+    "data.tokenizer_vocab_size=512",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=2",
+    "train.warmup_steps=2",
+    "train.lr=0.01",
+    "train.eval_interval=0",
+    "logging.log_interval=1",
+]
+PHASES = (
+    "failure detected",
+    "old group gone",
+    "workers restarted",
+    "universal conversion",
+    "engine built",
+    "checkpoint loaded",
+    "first step",
+)
 
 
 def corpus() -> str:
@@ -69,7 +87,9 @@ def corpus() -> str:
 
 
 def entry_pids(run_dir: Path) -> set[int]:
-    out = subprocess.run(["pgrep", "-f", f"keel.training.entry {run_dir}"], capture_output=True, text=True).stdout
+    out = subprocess.run(
+        ["pgrep", "-f", f"keel.training.entry {run_dir}"], capture_output=True, text=True
+    ).stdout
     return {int(pid) for pid in out.split()}
 
 
@@ -125,16 +145,27 @@ def import_time(n: int = 2) -> float:
     """Yardstick: seconds for `n` concurrent fresh Pythons to import torch and DeepSpeed (what a restarted
     worker does before anything else)."""
     start = time.monotonic()
-    procs = [subprocess.Popen([sys.executable, "-c", "import torch, deepspeed"], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL) for _ in range(n)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", "import torch, deepspeed"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for _ in range(n)
+    ]
     for proc in procs:
         proc.wait()
     return time.monotonic() - start
 
 
 def keel_args(run_dir: Path, args) -> list[str]:
-    sets = [*MODEL, f"train.steps={args.steps}", f"checkpoint.interval={args.interval}", f"data.corpus={corpus()}",
-            f"data.cache_dir={args.cache_dir}"]
+    sets = [
+        *MODEL,
+        f"train.steps={args.steps}",
+        f"checkpoint.interval={args.interval}",
+        f"data.corpus={corpus()}",
+        f"data.cache_dir={args.cache_dir}",
+    ]
     cmd = ["--run-dir", str(run_dir), "--ds-config", str(REPO / "ds_configs" / args.ds_config)]
     for item in sets:
         cmd += ["--set", item]
@@ -148,12 +179,29 @@ class Local:
 
     def __init__(self, workdir: Path, run_dir: Path, args):
         self.run_dir = run_dir
-        cmd = [sys.executable, "-u", "-m", "keel.launcher.cli", "train", "--nproc", "2", "--max-restarts", "2",
-               *keel_args(run_dir, args)]
+        cmd = [
+            sys.executable,
+            "-u",
+            "-m",
+            "keel.launcher.cli",
+            "train",
+            "--nproc",
+            "2",
+            "--max-restarts",
+            "2",
+            *keel_args(run_dir, args),
+        ]
         self.log_file = open(workdir / f"{run_dir.name}.log", "w")
-        self.survivor = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                         start_new_session=True)
+        self.survivor = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+            start_new_session=True,
+        )
         self.output = Output(self.survivor, self.log_file)
         self.output.start()
         self.victim = None
@@ -162,8 +210,9 @@ class Local:
         return self.survivor.poll() is None
 
     def worker_pids(self) -> set[int]:
-        out = subprocess.run(["pgrep", "-f", f"keel.training.entry {self.run_dir}"], capture_output=True,
-                             text=True).stdout
+        out = subprocess.run(
+            ["pgrep", "-f", f"keel.training.entry {self.run_dir}"], capture_output=True, text=True
+        ).stdout
         return {int(pid) for pid in out.split()}
 
     def ready(self) -> bool:
@@ -198,13 +247,26 @@ class NetnsNodes:
         run_id = f"keel-bench-{uuid.uuid4().hex[:8]}"
         program = ["-m", "keel.launcher.cli", "train", *keel_args(run_dir, args)]
         self.log_files, self.procs = {}, {}
-        for name in ("b", "a"):  # B first: it retries until A's store is up, so the first round has both
+        for name in (
+            "b",
+            "a",
+        ):  # B first: it retries until A's store is up, so the first round has both
             node = self.nodes[name]
             self.log_files[name] = open(workdir / f"{run_dir.name}.node_{name}.log", "w")
-            cmd = torchrun_cmd(node, endpoint, run_id, is_host=name == "a", program=program, max_restarts=2)
+            cmd = torchrun_cmd(
+                node, endpoint, run_id, is_host=name == "a", program=program, max_restarts=2
+            )
             stdout = subprocess.PIPE if name == "a" else self.log_files[name]
-            self.procs[name] = self.nodes.popen(name, cmd, cwd=REPO, env=node_env(node, REPO), stdout=stdout,
-                                                stderr=subprocess.STDOUT, text=True, bufsize=1)
+            self.procs[name] = self.nodes.popen(
+                name,
+                cmd,
+                cwd=REPO,
+                env=node_env(node, REPO),
+                stdout=stdout,
+                stderr=subprocess.STDOUT,
+                text=True,
+                bufsize=1,
+            )
         self.survivor = self.procs["a"]
         self.output = Output(self.survivor, self.log_files["a"])
         self.output.start()
@@ -213,11 +275,16 @@ class NetnsNodes:
         return all(p.poll() is None for p in self.procs.values())
 
     def worker_pids(self) -> set[int]:
-        return {pid for pid in self.nodes.pids("a")
-                if "keel.launcher.cli" in (c := cmdline(pid)) and "torch.distributed.run" not in c}
+        return {
+            pid
+            for pid in self.nodes.pids("a")
+            if "keel.launcher.cli" in (c := cmdline(pid)) and "torch.distributed.run" not in c
+        }
 
     def ready(self) -> bool:
-        return bool(self.worker_pids()) and any("keel.launcher.cli" in cmdline(p) for p in self.nodes.pids("b"))
+        return bool(self.worker_pids()) and any(
+            "keel.launcher.cli" in cmdline(p) for p in self.nodes.pids("b")
+        )
 
     def kill(self) -> None:
         self.nodes.kill_all("b")
@@ -236,12 +303,16 @@ def run_once(workdir: Path, args, index: int) -> dict:
         deadline = time.monotonic() + 600
         ready = False
         while True:
-            ready = ready or job.ready()  # checked until true only: it is slow, and the kill must not wait
+            ready = (
+                ready or job.ready()
+            )  # checked until true only: it is slow, and the kill must not wait
             records = read_metrics(run_dir / "metrics.jsonl")
             if ready and records and records[-1]["step"] >= args.kill_at:
                 break
             if not job.alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"the run never reached step {args.kill_at}; see the logs in {workdir}")
+                raise RuntimeError(
+                    f"the run never reached step {args.kill_at}; see the logs in {workdir}"
+                )
             time.sleep(0.02)
         old = job.worker_pids()
         t_kill = time.monotonic()
@@ -249,7 +320,9 @@ def run_once(workdir: Path, args, index: int) -> dict:
         kill_step = records[-1]["step"]
         times: dict[str, float] = {}
         stop = threading.Event()
-        watcher = threading.Thread(target=watch_pids, args=(job.worker_pids, old, t_kill, times, stop), daemon=True)
+        watcher = threading.Thread(
+            target=watch_pids, args=(job.worker_pids, old, t_kill, times, stop), daemon=True
+        )
         watcher.start()
         code = job.survivor.wait(timeout=900)
         stop.set()
@@ -265,10 +338,14 @@ def run_once(workdir: Path, args, index: int) -> dict:
     ckpt_step = int(resumed[1].group(2))
     first = output.first(rf"^step\s+{ckpt_step + 1}/", resumed[0])
     if first is None:
-        raise RuntimeError(f"no step {ckpt_step + 1} line after the resume; see the logs in {workdir}")
-    for phase, pattern in (("failure detected", r"failed \(exitcode"),
-                           ("universal conversion", r"converting to a universal checkpoint"),
-                           ("engine built", r"\[keel r0\] world=\d+ ")):
+        raise RuntimeError(
+            f"no step {ckpt_step + 1} line after the resume; see the logs in {workdir}"
+        )
+    for phase, pattern in (
+        ("failure detected", r"failed \(exitcode"),
+        ("universal conversion", r"converting to a universal checkpoint"),
+        ("engine built", r"\[keel r0\] world=\d+ "),
+    ):
         found = output.first(pattern, t_kill)
         if found is not None:
             times[phase] = found[0] - t_kill
@@ -277,25 +354,41 @@ def run_once(workdir: Path, args, index: int) -> dict:
     times["first step"] = first[0] - t_kill
     records = read_metrics(run_dir / "metrics.jsonl")
     if [r["step"] for r in records] != list(range(1, args.steps + 1)):
-        raise RuntimeError(f"metrics.jsonl does not hold steps 1..{args.steps} once each; see {run_dir}")
+        raise RuntimeError(
+            f"metrics.jsonl does not hold steps 1..{args.steps} once each; see {run_dir}"
+        )
     discarded = read_metrics(run_dir / "metrics.discarded.jsonl")
     last_trained = max([kill_step, *(r["step"] for r in discarded)])
     step_time = statistics.median(r["step_time_s"] for r in records)
-    return {"times": times, "kill_step": kill_step, "ckpt_step": ckpt_step, "lost": last_trained - ckpt_step,
-            "last_trained": last_trained, "step_time": step_time, "what": job.what,
-            "world": int(world[1].group(1)) if world else None}
+    return {
+        "times": times,
+        "kill_step": kill_step,
+        "ckpt_step": ckpt_step,
+        "lost": last_trained - ckpt_step,
+        "last_trained": last_trained,
+        "step_time": step_time,
+        "what": job.what,
+        "world": int(world[1].group(1)) if world else None,
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--kill-at", type=int, default=12, help="SIGKILL rank 1 once metrics.jsonl has this step")
+    parser.add_argument(
+        "--kill-at", type=int, default=12, help="SIGKILL rank 1 once metrics.jsonl has this step"
+    )
     parser.add_argument("--interval", type=int, default=5, help="checkpoint.interval")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--ds-config", default="zero1.json", help="a file in ds_configs/")
-    parser.add_argument("--cache-dir", default="~/.cache/keel", help="prepared data (reused across runs)")
-    parser.add_argument("--two-nodes", action="store_true",
-                        help="two network-namespace nodes (needs root and `ip`); kill all of node B instead")
+    parser.add_argument(
+        "--cache-dir", default="~/.cache/keel", help="prepared data (reused across runs)"
+    )
+    parser.add_argument(
+        "--two-nodes",
+        action="store_true",
+        help="two network-namespace nodes (needs root and `ip`); kill all of node B instead",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the run dirs and logs (printed)")
     args = parser.parse_args()
     if not 0 < args.kill_at < args.steps:
@@ -307,10 +400,13 @@ def main() -> None:
             result = run_once(workdir, args, i)
             results.append(result)
             t = result["times"]
-            print(f"run {i + 1}/{args.repeats}: {result['what']} at step {result['kill_step']} "
-                  f"(last step trained {result['last_trained']}); resumed from step {result['ckpt_step']} at world "
-                  f"size {result['world']}; steps lost {result['lost']}; median step time "
-                  f"{result['step_time'] * 1e3:.0f} ms; seconds after the kill:", flush=True)
+            print(
+                f"run {i + 1}/{args.repeats}: {result['what']} at step {result['kill_step']} "
+                f"(last step trained {result['last_trained']}); resumed from step {result['ckpt_step']} at world "
+                f"size {result['world']}; steps lost {result['lost']}; median step time "
+                f"{result['step_time'] * 1e3:.0f} ms; seconds after the kill:",
+                flush=True,
+            )
             for phase in PHASES:
                 if phase in t:
                     print(f"    {phase + ':':22s}{t[phase]:7.2f} s", flush=True)
@@ -321,8 +417,10 @@ def main() -> None:
             import shutil
 
             shutil.rmtree(workdir, ignore_errors=True)
-    print(f"yardstick: 2 concurrent fresh `import torch, deepspeed`: {import_time():.2f} s "
-          f"(part of 'engine built'; Keel's restart backoff adds 1 s on the first restart)")
+    print(
+        f"yardstick: 2 concurrent fresh `import torch, deepspeed`: {import_time():.2f} s "
+        f"(part of 'engine built'; Keel's restart backoff adds 1 s on the first restart)"
+    )
     if len(results) > 1:
         print(f"median over {len(results)} runs (seconds after the kill):")
         for phase in PHASES:

@@ -44,7 +44,9 @@ class _Engine:
 
     def __init__(self, million: float, width: int = 4096):
         rows = max(1, int(million * 1e6) // width // 8)
-        self.module = torch.nn.Sequential(*[torch.nn.Linear(width, rows, bias=False) for _ in range(8)])
+        self.module = torch.nn.Sequential(
+            *[torch.nn.Linear(width, rows, bias=False) for _ in range(8)]
+        )
         self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=1e-3)
         for p in self.module.parameters():
             p.grad = torch.zeros_like(p)
@@ -63,7 +65,9 @@ def _timed(fn, repeats: int) -> list[float]:
 
 
 def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world)
+    )
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     control = comm.world_control()
@@ -78,7 +82,9 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) 
     def all_reduce() -> None:
         comm.all_reduce(torch.tensor([0], dtype=torch.int64), control, "sum")
 
-    times: dict[str, list[float]] = {k: [] for k in ("check", "isfinite", "torch.save", "gate", "all_reduce")}
+    times: dict[str, list[float]] = {
+        k: [] for k in ("check", "isfinite", "torch.save", "gate", "all_reduce")
+    }
     path = Path(args.dir) / f"state_check_rank{rank}.pt"
     for _ in range(args.repeats):  # interleaved: the machine's noise hits every method alike
         dist.barrier()
@@ -104,21 +110,33 @@ def main() -> None:
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="where torch.save writes")
     args = parser.parse_args()
     out = Path(tempfile.mkdtemp()) / "times.pt"
-    mp.start_processes(_rank, args=(args.ranks, free_port(), args, str(out)), nprocs=args.ranks,
-                       start_method="spawn")
+    mp.start_processes(
+        _rank,
+        args=(args.ranks, free_port(), args, str(out)),
+        nprocs=args.ranks,
+        start_method="spawn",
+    )
     got = torch.load(out)
     gb, times = got["bytes"] / 1e9, got["times"]
-    print(f"state per rank: {gb:.2f} GB ({args.params:g}M fp32 params + AdamW moments), {args.ranks} ranks, "
-          f"{args.repeats} interleaved repeats, 1 thread per rank")
+    print(
+        f"state per rank: {gb:.2f} GB ({args.params:g}M fp32 params + AdamW moments), {args.ranks} ranks, "
+        f"{args.repeats} interleaved repeats, 1 thread per rank"
+    )
     speed = {}
     for name in ("check", "isfinite", "torch.save"):
         speed[name] = gb / min(times[name])
-        print(f"  {name:11s} {speed[name]:7.2f} GB/s best, {gb / statistics.median(times[name]):7.2f} GB/s median")
-    print(f"  check / isfinite speed: {speed['check'] / speed['isfinite']:.1f}x; check / torch.save speed: "
-          f"{speed['check'] / speed['torch.save']:.1f}x")
+        print(
+            f"  {name:11s} {speed[name]:7.2f} GB/s best, {gb / statistics.median(times[name]):7.2f} GB/s median"
+        )
+    print(
+        f"  check / isfinite speed: {speed['check'] / speed['isfinite']:.1f}x; check / torch.save speed: "
+        f"{speed['check'] / speed['torch.save']:.1f}x"
+    )
     gate, reduce = statistics.median(times["gate"]), statistics.median(times["all_reduce"])
-    print(f"  save gate (check + 1-int all-reduce): {gate * 1e3:.1f} ms median, of which the all-reduce "
-          f"{reduce * 1e3:.2f} ms; {gate / statistics.median(times['torch.save']):.3f} of torch.save's time")
+    print(
+        f"  save gate (check + 1-int all-reduce): {gate * 1e3:.1f} ms median, of which the all-reduce "
+        f"{reduce * 1e3:.2f} ms; {gate / statistics.median(times['torch.save']):.3f} of torch.save's time"
+    )
 
 
 if __name__ == "__main__":

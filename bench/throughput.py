@@ -65,29 +65,63 @@ SHAPES = {1: (256, 4, 256, 4), 2: (512, 8, 512, 2)}
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--ranks", type=int, choices=(1, 2), default=1,
-                   help="1: Keel vs a plain HF loop in this process; 2: Keel vs HF + DeepSpeed on 2 gloo ranks")
-    p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="ds_configs/zeroN.json (default: 0, 1 for 2 ranks)")
-    p.add_argument("--ds-config", help="DeepSpeed JSON (overrides --zero); its bf16.enabled is set from --precision")
-    p.add_argument("--overlap-comm", choices=("on", "off"), help="set zero_optimization.overlap_comm in the JSON")
+    p.add_argument(
+        "--ranks",
+        type=int,
+        choices=(1, 2),
+        default=1,
+        help="1: Keel vs a plain HF loop in this process; 2: Keel vs HF + DeepSpeed on 2 gloo ranks",
+    )
+    p.add_argument(
+        "--zero",
+        type=int,
+        choices=(0, 1, 2, 3),
+        help="ds_configs/zeroN.json (default: 0, 1 for 2 ranks)",
+    )
+    p.add_argument(
+        "--ds-config",
+        help="DeepSpeed JSON (overrides --zero); its bf16.enabled is set from --precision",
+    )
+    p.add_argument(
+        "--overlap-comm",
+        choices=("on", "off"),
+        help="set zero_optimization.overlap_comm in the JSON",
+    )
     p.add_argument("--dim", type=int)
     p.add_argument("--layers", type=int)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=4096, help="model vocabulary (the tokenizer's is at most 4096)")
+    p.add_argument(
+        "--vocab", type=int, default=4096, help="model vocabulary (the tokenizer's is at most 4096)"
+    )
     p.add_argument("--seq-len", type=int)
     p.add_argument("--micro-batch", type=int)
-    p.add_argument("--global-batch", type=int, help="default: micro-batch x ranks (no accumulation)")
-    p.add_argument("--steps", "--pairs", type=int, default=12, help="timed A/B pairs (>= 10 for a real figure)")
+    p.add_argument(
+        "--global-batch", type=int, help="default: micro-batch x ranks (no accumulation)"
+    )
+    p.add_argument(
+        "--steps", "--pairs", type=int, default=12, help="timed A/B pairs (>= 10 for a real figure)"
+    )
     p.add_argument("--warmup", type=int, default=3, help="untimed pairs before timing")
-    p.add_argument("--profile-steps", type=int, default=3, help="profiled pairs after the timed ones (0: none)")
+    p.add_argument(
+        "--profile-steps", type=int, default=3, help="profiled pairs after the timed ones (0: none)"
+    )
     p.add_argument("--precision", choices=sorted(DTYPES), default="fp32")
-    p.add_argument("--corpus", default="default",
-                   help="comma-separated files/globs (relative: to the stdlib), or 'default' as `keel train`")
-    p.add_argument("--cache-dir", default="~/.cache/keel", help="prepared-corpus cache (data.cache_dir)")
+    p.add_argument(
+        "--corpus",
+        default="default",
+        help="comma-separated files/globs (relative: to the stdlib), or 'default' as `keel train`",
+    )
+    p.add_argument(
+        "--cache-dir", default="~/.cache/keel", help="prepared-corpus cache (data.cache_dir)"
+    )
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--compile", action="store_true", help="Keel with model.compile (each block torch.compile'd); "
-                   "the first step's time, compilation included, is printed")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="Keel with model.compile (each block torch.compile'd); "
+        "the first step's time, compilation included, is printed",
+    )
     args = p.parse_args(argv)
     dim, layers, seq, micro = SHAPES[args.ranks]
     args.dim, args.layers = args.dim or dim, args.layers or layers
@@ -100,7 +134,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def corpus_spec(text: str) -> list[str]:
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    return [e if e == "default" or Path(e).is_absolute() else str(stdlib / e) for e in text.split(",")]
+    return [
+        e if e == "default" or Path(e).is_absolute() else str(stdlib / e) for e in text.split(",")
+    ]
 
 
 def patched_ds(raw: dict, args: argparse.Namespace) -> dict:
@@ -109,7 +145,10 @@ def patched_ds(raw: dict, args: argparse.Namespace) -> dict:
     if "fp16" in ds:
         ds["fp16"] = {**ds["fp16"], "enabled": False}
     if args.overlap_comm:
-        ds["zero_optimization"] = {**ds.get("zero_optimization", {}), "overlap_comm": args.overlap_comm == "on"}
+        ds["zero_optimization"] = {
+            **ds.get("zero_optimization", {}),
+            "overlap_comm": args.overlap_comm == "on",
+        }
     return ds
 
 
@@ -117,16 +156,31 @@ def write_run(args: argparse.Namespace, run_dir: Path) -> Path:
     """A `keel train` run dir (config, DeepSpeed JSON, prepared data) made by Keel's own launcher code."""
     from keel.launcher.run_spec import build_run, prepare_data, write_run_dir
 
-    sets = {"model.dim": args.dim, "model.n_layers": args.layers, "model.n_heads": args.heads,
-            "model.n_kv_heads": args.kv_heads, "model.vocab_size": args.vocab, "model.compile": str(args.compile),
-            "data.seq_len": args.seq_len, "data.tokenizer_vocab_size": min(args.vocab, 4096),
-            "data.corpus": json.dumps(corpus_spec(args.corpus)), "data.cache_dir": args.cache_dir,
-            # one trailing step closes the last timed Keel iteration (and holds the final checkpoint save)
-            "train.steps": args.warmup + args.steps + args.profile_steps + 1, "train.seed": args.seed,
-            "train.global_batch_size": args.global_batch, "train.micro_batch_size": args.micro_batch,
-            "train.lr_schedule": "constant", "train.warmup_steps": 0, "train.eval_interval": 0,
-            "checkpoint.interval": 0, "checkpoint.resume": "false"}
-    spec = build_run(None, [f"{k}={v}" for k, v in sets.items()], args.ds_config, str(run_dir), args.ranks)
+    sets = {
+        "model.dim": args.dim,
+        "model.n_layers": args.layers,
+        "model.n_heads": args.heads,
+        "model.n_kv_heads": args.kv_heads,
+        "model.vocab_size": args.vocab,
+        "model.compile": str(args.compile),
+        "data.seq_len": args.seq_len,
+        "data.tokenizer_vocab_size": min(args.vocab, 4096),
+        "data.corpus": json.dumps(corpus_spec(args.corpus)),
+        "data.cache_dir": args.cache_dir,
+        # one trailing step closes the last timed Keel iteration (and holds the final checkpoint save)
+        "train.steps": args.warmup + args.steps + args.profile_steps + 1,
+        "train.seed": args.seed,
+        "train.global_batch_size": args.global_batch,
+        "train.micro_batch_size": args.micro_batch,
+        "train.lr_schedule": "constant",
+        "train.warmup_steps": 0,
+        "train.eval_interval": 0,
+        "checkpoint.interval": 0,
+        "checkpoint.resume": "false",
+    }
+    spec = build_run(
+        None, [f"{k}={v}" for k, v in sets.items()], args.ds_config, str(run_dir), args.ranks
+    )
     spec.ds_raw = patched_ds(spec.ds_raw, args)
     prepare_data(spec)
     write_run_dir(spec)
@@ -139,15 +193,20 @@ def hf_step(trainer: PairedTrainer, hf, dtype: torch.dtype) -> Callable[[int], f
     from keel.model import causal_lm_loss
 
     t = trainer.cfg.train
-    with torch.no_grad():  # parameters only: HF's RoPE inv_freq stays fp32, as Keel's tables are computed in fp32
+    with (
+        torch.no_grad()
+    ):  # parameters only: HF's RoPE inv_freq stays fp32, as Keel's tables are computed in fp32
         for p in hf.parameters():
             p.data = p.data.to(dtype)
     params = [p for p in hf.parameters() if p.requires_grad]  # a tied weight appears once
     masters = params if dtype == torch.float32 else [p.detach().float().clone() for p in params]
-    groups = [{"params": [m for m in masters if m.ndim >= 2], "weight_decay": t.weight_decay},
-              {"params": [m for m in masters if m.ndim < 2], "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=tuple(t.betas), eps=t.eps, weight_decay=t.weight_decay,
-                                  foreach=True)
+    groups = [
+        {"params": [m for m in masters if m.ndim >= 2], "weight_decay": t.weight_decay},
+        {"params": [m for m in masters if m.ndim < 2], "weight_decay": 0.0},
+    ]
+    optimizer = torch.optim.AdamW(
+        groups, lr=t.lr, betas=tuple(t.betas), eps=t.eps, weight_decay=t.weight_decay, foreach=True
+    )
     scheduler = build_scheduler(optimizer, t)
     batches = reference_batches(trainer)
 
@@ -155,7 +214,9 @@ def hf_step(trainer: PairedTrainer, hf, dtype: torch.dtype) -> Callable[[int], f
         micro = batches(i)
         total = 0.0
         for mb in micro:  # HF's own `labels=` loss shifts them again; these are shifted already
-            loss = causal_lm_loss(hf(input_ids=mb[:, :-1], use_cache=False).logits, mb[:, 1:]) / len(micro)
+            loss = causal_lm_loss(
+                hf(input_ids=mb[:, :-1], use_cache=False).logits, mb[:, 1:]
+            ) / len(micro)
             loss.backward()
             total = total + loss.detach()
         if masters is not params:
@@ -179,8 +240,13 @@ def single_process_env() -> None:
     """What a launcher would export for a world of one; values already set are kept."""
     from keel.launcher.local import free_port
 
-    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port())), ("RANK", "0"),
-                       ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+    for key, value in (
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", str(free_port())),
+        ("RANK", "0"),
+        ("WORLD_SIZE", "1"),
+        ("LOCAL_RANK", "0"),
+    ):
         os.environ.setdefault(key, value)
 
 
@@ -195,21 +261,33 @@ def run_single(args: argparse.Namespace, run_dir: Path) -> None:
     trainer, initial = build_keel(run_dir)
     hf, n_params = hf_model(trainer, initial), num_params(initial)
     del initial
-    trainer.pair(hf_step(trainer, hf, DTYPES[args.precision]), args.warmup, args.steps, args.profile_steps)
+    trainer.pair(
+        hf_step(trainer, hf, DTYPES[args.precision]), args.warmup, args.steps, args.profile_steps
+    )
     engine = trainer.engine
     header = describe(args, trainer, n_params, "AdamW(foreach=True)") + f" | keel from {REPO}"
     # peak = best rate seen; measured before and after training, as load from other tenants only ever slows it
     peaks = {name: matmul_peak(dt, engine.device) for name, dt in DTYPES.items()}
     trainer.fit()
     peaks = {name: max(peaks[name], matmul_peak(dt, engine.device)) for name, dt in DTYPES.items()}
-    report(trainer, "HF Llama + AdamW", peaks, args.precision, trainer.ref.losses, trainer.keel.losses, header)
+    report(
+        trainer,
+        "HF Llama + AdamW",
+        peaks,
+        args.precision,
+        trainer.ref.losses,
+        trainer.keel.losses,
+        header,
+    )
 
 
 def main() -> None:
     from keel.training.entry import exit_now
 
     args = parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="keel-throughput-"))  # the run dir: config, metrics, the final checkpoint
+    tmp = Path(
+        tempfile.mkdtemp(prefix="keel-throughput-")
+    )  # the run dir: config, metrics, the final checkpoint
     try:
         run_dir = write_run(args, tmp / "run")
         if args.ranks > 1:

@@ -21,7 +21,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from paired_step import DTYPES, build_keel, describe, hf_model, matmul_peak, reference_batches, report
+from paired_step import (
+    DTYPES,
+    build_keel,
+    describe,
+    hf_model,
+    matmul_peak,
+    reference_batches,
+    report,
+)
 
 
 def ds_step(trainer, hf) -> tuple[Callable[[int], float], object]:
@@ -36,12 +44,19 @@ def ds_step(trainer, hf) -> tuple[Callable[[int], float], object]:
     cfg, topo, t = trainer.cfg, trainer.topology, trainer.cfg.train
     ds = resolve_ds_config(read_run_dir(trainer.run_dir)[1], cfg, topo.dp_size)
     params = [p for p in hf.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": t.weight_decay},
-              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=tuple(t.betas), eps=t.eps, weight_decay=t.weight_decay,
-                                  foreach=True)
-    engine, _, _, _ = deepspeed.initialize(model=hf, optimizer=optimizer, config=ds,
-                                           lr_scheduler=lambda opt: build_scheduler(opt, t, dp=topo.dp_size))
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": t.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    optimizer = torch.optim.AdamW(
+        groups, lr=t.lr, betas=tuple(t.betas), eps=t.eps, weight_decay=t.weight_decay, foreach=True
+    )
+    engine, _, _, _ = deepspeed.initialize(
+        model=hf,
+        optimizer=optimizer,
+        config=ds,
+        lr_scheduler=lambda opt: build_scheduler(opt, t, dp=topo.dp_size),
+    )
     batches = reference_batches(trainer)
 
     def step(i: int) -> float:
@@ -58,8 +73,13 @@ def ds_step(trainer, hf) -> tuple[Callable[[int], float], object]:
 
 
 def _rank(rank: int, run_dir: str, args: argparse.Namespace, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(args.ranks),
-                      LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(args.ranks),
+        LOCAL_RANK=str(rank),
+    )
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.ranks))
     from keel.engine.distributed import init_distributed, setup_logging
     from keel.model import num_params
@@ -80,10 +100,21 @@ def _rank(rank: int, run_dir: str, args: argparse.Namespace, port: int) -> None:
     ref_losses = torch.tensor(trainer.ref.losses, dtype=torch.float64)
     dist.all_reduce(ref_losses)
     if rank == 0:
-        header = describe(args, trainer, n_params, f"DeepSpeed {type(ref_engine.optimizer).__name__} over "
-                          "AdamW(foreach=True)")
-        report(trainer, "HF + DeepSpeed", peaks, args.precision, (ref_losses / args.ranks).tolist(),
-               trainer.keel.losses, header)
+        header = describe(
+            args,
+            trainer,
+            n_params,
+            f"DeepSpeed {type(ref_engine.optimizer).__name__} over AdamW(foreach=True)",
+        )
+        report(
+            trainer,
+            "HF + DeepSpeed",
+            peaks,
+            args.precision,
+            (ref_losses / args.ranks).tolist(),
+            trainer.keel.losses,
+            header,
+        )
     dist.barrier()
     exit_now(0)  # gloo can abort in its destructors at interpreter exit
 
@@ -103,4 +134,6 @@ def launch(run_dir: Path, args: argparse.Namespace) -> None:
 
     from keel.launcher.local import free_port
 
-    mp.start_processes(_rank, args=(str(run_dir), args, free_port()), nprocs=args.ranks, start_method="spawn")
+    mp.start_processes(
+        _rank, args=(str(run_dir), args, free_port()), nprocs=args.ranks, start_method="spawn"
+    )

@@ -44,7 +44,9 @@ def build(prefix: Path, sequences: int, mean_tokens: int, seed: int = 0) -> int:
     with open(lengths_path, "wb+") as lengths, open(f"{prefix}.bin", "wb") as tokens:
         total = 0
         for first in range(0, sequences, layout.CHUNK):
-            chunk = rng.integers(1, 2 * mean_tokens, min(layout.CHUNK, sequences - first), dtype=np.int32)
+            chunk = rng.integers(
+                1, 2 * mean_tokens, min(layout.CHUNK, sequences - first), dtype=np.int32
+            )
             lengths.write(chunk.astype("<i4").tobytes())
             tokens.write(rng.integers(0, VOCAB, int(chunk.sum()), dtype=np.uint16).tobytes())
             total += int(chunk.sum())
@@ -81,7 +83,9 @@ def main() -> None:
     parser.add_argument("--sequences", type=int, default=20_000_000)
     parser.add_argument("--tokens", type=int, default=50, help="mean ids per sequence")
     parser.add_argument("--dir", default="/tmp/keel-token-bench")
-    parser.add_argument("--keep", action="store_true", help="keep the files (and reuse them next time)")
+    parser.add_argument(
+        "--keep", action="store_true", help="keep the files (and reuse them next time)"
+    )
     args = parser.parse_args()
     root = Path(args.dir)
     root.mkdir(parents=True, exist_ok=True)
@@ -93,12 +97,18 @@ def main() -> None:
             build(prefix, args.sequences, args.tokens)
             print(f"built in {time.perf_counter() - started:.1f} s")
         dataset = IndexedDataset(prefix, vocab_size=VOCAB)
-        print(f"{args.sequences:,} sequences, {dataset.num_tokens:,} ids: index {idx.stat().st_size / 2**20:.0f} MiB,"
-              f" .bin {bin_.stat().st_size / 2**30:.2f} GiB | load average {os.getloadavg()[0]:.1f}")
+        print(
+            f"{args.sequences:,} sequences, {dataset.num_tokens:,} ids: index {idx.stat().st_size / 2**20:.0f} MiB,"
+            f" .bin {bin_.stat().st_size / 2**30:.2f} GiB | load average {os.getloadavg()[0]:.1f}"
+        )
         rows = [
             ("pre-launch: whole index streamed", lambda: check_index(prefix), (idx,)),
             ("pre-launch: 4 MiB id sample", lambda: check_id_sample(dataset, VOCAB), (bin_,)),
-            ("full pass (validate): index + every id", lambda: dataset.validate(VOCAB), (idx, bin_)),
+            (
+                "full pass (validate): index + every id",
+                lambda: dataset.validate(VOCAB),
+                (idx, bin_),
+            ),
         ]
         results = {}
         for name, fn, files in rows:
@@ -109,12 +119,16 @@ def main() -> None:
         index_cold = results["pre-launch: whole index streamed"][0]
         gib = bin_.stat().st_size / 2**30
         rate = gib / max(full_cold - index_cold, 1e-9)
-        print(f"full pass id throughput (cold): {rate:.2f} GiB/s -> {40 / rate:.0f} s for a 20B-token uint16 corpus "
-              f"(40 GiB), {600 / rate / 60:.0f} min for 300B")
+        print(
+            f"full pass id throughput (cold): {rate:.2f} GiB/s -> {40 / rate:.0f} s for a 20B-token uint16 corpus "
+            f"(40 GiB), {600 / rate / 60:.0f} min for 300B"
+        )
         for shape in [(4, 2, 33), (8, 4, 4097), (16, 1, 8193), (4, 8, 8193)]:
             ids = shape[0] * shape[1] * shape[2]
-            print(f"at-sample check, {shape[0]} micro-batches of [{shape[1]}, {shape[2]}] ({ids:,} ids): "
-                  f"{batch_check_ms(shape):.3f} ms")
+            print(
+                f"at-sample check, {shape[0]} micro-batches of [{shape[1]}, {shape[2]}] ({ids:,} ids): "
+                f"{batch_check_ms(shape):.3f} ms"
+            )
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)

@@ -81,7 +81,9 @@ class RunDir:
         object.__setattr__(self, "root", Path(self.root))
 
     @property
-    def config(self) -> Path:  # the resolved RunConfig, written by the launcher before any rank starts
+    def config(
+        self,
+    ) -> Path:  # the resolved RunConfig, written by the launcher before any rank starts
         return self.root / "config.yaml"
 
     @property
@@ -205,12 +207,22 @@ class AnomalyLog:
         self.rank = rank
         self.events: list[dict[str, Any]] = []  # this process's events, for the end-of-run summary
 
-    def record(self, kind: str, step: int, all_ranks: bool = False, **fields: Any) -> dict[str, Any]:
-        event = {"kind": kind, "step": step, "time": time.time(), "rank": self.rank,
-                 "host": socket.gethostname(), **fields}
+    def record(
+        self, kind: str, step: int, all_ranks: bool = False, **fields: Any
+    ) -> dict[str, Any]:
+        event = {
+            "kind": kind,
+            "step": step,
+            "time": time.time(),
+            "rank": self.rank,
+            "host": socket.gethostname(),
+            **fields,
+        }
         self.events.append(event)
         if self.rank == 0 or all_ranks:
-            with open(self.path, "a") as f:  # one short line per write: appends of whole lines do not interleave
+            with open(
+                self.path, "a"
+            ) as f:  # one short line per write: appends of whole lines do not interleave
                 f.write(json.dumps(event, default=str) + "\n")
         return event
 

@@ -15,7 +15,9 @@ FAULT_ROWS = pytest.StashKey[list[tuple[str, str, str]]]()
 
 
 def pytest_addoption(parser):
-    parser.addoption("--slow", action="store_true", help="also run the long multi-process tests (CI does)")
+    parser.addoption(
+        "--slow", action="store_true", help="also run the long multi-process tests (CI does)"
+    )
 
 
 def pytest_collection_modifyitems(config, items):
@@ -25,13 +27,17 @@ def pytest_collection_modifyitems(config, items):
             if "slow" in item.keywords:
                 item.add_marker(skip)
     if not _cuda_available():
-        skip_gpu = pytest.mark.skip(reason="needs CUDA: torch sees no GPU here (bench/device_check.sh runs these)")
+        skip_gpu = pytest.mark.skip(
+            reason="needs CUDA: torch sees no GPU here (bench/device_check.sh runs these)"
+        )
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip_gpu)
     # the runs the selected tests' modules declare train in shared launches (tests/keel_runs.py)
     modules = {item.module for item in items if item.get_closest_marker("skip") is None}
-    config.stash[DECLARED_RUNS] = [run for module in modules for run in getattr(module, "KEEL_RUNS", [])]
+    config.stash[DECLARED_RUNS] = [
+        run for module in modules for run in getattr(module, "KEEL_RUNS", [])
+    ]
 
 
 def pytest_collection_finish(session):
@@ -51,7 +57,9 @@ def fault_rows(items) -> list[tuple[str, str, str]]:
     for item in items:
         for mark in item.iter_markers("fault"):
             if len(mark.args) != 2 or not all(isinstance(a, str) and a for a in mark.args):
-                raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.fault takes (fault, action), two strings")
+                raise pytest.UsageError(
+                    f"{item.nodeid}: @pytest.mark.fault takes (fault, action), two strings"
+                )
             rows.append((item.nodeid, *mark.args))
     return rows
 
@@ -62,13 +70,19 @@ def pytest_terminal_summary(terminalreporter, config):
     cache = config.stash.get(RUN_CACHE, None)
     if cache is None or not cache.launches:
         return
-    terminalreporter.write_line(f"keel runs: {sum(len(n) for _, n, _ in cache.launches)} runs in "
-                                f"{len(cache.launches)} shared launches")
+    terminalreporter.write_line(
+        f"keel runs: {sum(len(n) for _, n, _ in cache.launches)} runs in "
+        f"{len(cache.launches)} shared launches"
+    )
     for world, names, seconds in cache.launches:
-        terminalreporter.write_line(f"  {world} rank(s), {len(names)} run(s), {seconds:.1f} s: {', '.join(names)}")
+        terminalreporter.write_line(
+            f"  {world} rank(s), {len(names)} run(s), {seconds:.1f} s: {', '.join(names)}"
+        )
     if cache.undeclared:
-        terminalreporter.write_line(f"keel runs not declared in KEEL_RUNS (each got a launch of its own): "
-                                    f"{cache.undeclared}")
+        terminalreporter.write_line(
+            f"keel runs not declared in KEEL_RUNS (each got a launch of its own): "
+            f"{cache.undeclared}"
+        )
 
 
 def _fault_matrix(terminalreporter, rows: list[tuple[str, str, str]]) -> None:
@@ -79,11 +93,16 @@ def _fault_matrix(terminalreporter, rows: list[tuple[str, str, str]]) -> None:
     for outcome in ("passed", "failed", "skipped", "error"):
         for report in terminalreporter.stats.get(outcome, []):
             nodeid = getattr(report, "nodeid", "")
-            if outcome_of.get(nodeid) not in ("failed", "error"):  # a failed call outranks a passed setup
+            if outcome_of.get(nodeid) not in (
+                "failed",
+                "error",
+            ):  # a failed call outranks a passed setup
                 outcome_of[nodeid] = outcome
     terminalreporter.write_sep("-", f"fault matrix ({len(rows)} rows)")
     for nodeid, fault, action in rows:
-        terminalreporter.write_line(f"{outcome_of.get(nodeid, 'not run'):8} {fault} -> {action}  [{nodeid}]")
+        terminalreporter.write_line(
+            f"{outcome_of.get(nodeid, 'not run'):8} {fault} -> {action}  [{nodeid}]"
+        )
 
 
 def _kernel_tests_summary(terminalreporter) -> None:
@@ -92,25 +111,37 @@ def _kernel_tests_summary(terminalreporter) -> None:
     reasons: set[str] = set()
     for outcome in ("passed", "failed", "skipped"):
         for report in terminalreporter.stats.get(outcome, []):
-            if "test_kernels.py" in getattr(report, "nodeid", "") and report.when in ("call", "setup"):
+            if "test_kernels.py" in getattr(report, "nodeid", "") and report.when in (
+                "call",
+                "setup",
+            ):
                 outcomes[outcome] = outcomes.get(outcome, 0) + 1
                 if outcome == "skipped" and isinstance(report.longrepr, tuple):
                     reasons.add(report.longrepr[2].removeprefix("Skipped: "))
     if outcomes:
-        terminalreporter.write_line("kernel tests: " + ", ".join(f"{n} {k}" for k, n in sorted(outcomes.items()))
-                                    + (f" ({'; '.join(sorted(reasons))})" if reasons else ""))
+        terminalreporter.write_line(
+            "kernel tests: "
+            + ", ".join(f"{n} {k}" for k, n in sorted(outcomes.items()))
+            + (f" ({'; '.join(sorted(reasons))})" if reasons else "")
+        )
 
 
 @pytest.fixture(scope="session")
 def small_corpus() -> list[str]:
     """A few real stdlib packages: enough text for a 512-token vocabulary, quick to tokenize."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    return [str(stdlib / "json" / "*.py"), str(stdlib / "email" / "*.py"), str(stdlib / "http" / "*.py")]
+    return [
+        str(stdlib / "json" / "*.py"),
+        str(stdlib / "email" / "*.py"),
+        str(stdlib / "http" / "*.py"),
+    ]
 
 
 @pytest.fixture(scope="session")
 def runs(request, tmp_path_factory, small_corpus) -> RunCache:
-    cache = RunCache(tmp_path_factory.mktemp("runs"), tmp_path_factory.mktemp("data_cache"), small_corpus)
+    cache = RunCache(
+        tmp_path_factory.mktemp("runs"), tmp_path_factory.mktemp("data_cache"), small_corpus
+    )
     cache.declare(request.config.stash.get(DECLARED_RUNS, []))
     request.config.stash[RUN_CACHE] = cache
     return cache

@@ -25,16 +25,40 @@ from keel.run_dir import COMPLETE, LATEST, tag_for
 from keel.training.checkpoint.store import TrainState
 
 EXPERT_KEY = "deepspeed_moe.experts.deepspeed_experts"
-TINY_MODEL = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=300, vocab_pad_multiple=64)
+TINY_MODEL = dict(
+    dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=300, vocab_pad_multiple=64
+)
 
 
 def sample_docs(n: int = 60) -> list[str]:
-    words = ["def", "return", "class", "import", "self", "value", "json", "None", "12345", "Ä€漢字", "  ", "\n\t"]
-    return [" ".join(words[(i * 7 + j * 3) % len(words)] for j in range(40)) + "\n" for i in range(n)]
+    words = [
+        "def",
+        "return",
+        "class",
+        "import",
+        "self",
+        "value",
+        "json",
+        "None",
+        "12345",
+        "Ä€漢字",
+        "  ",
+        "\n\t",
+    ]
+    return [
+        " ".join(words[(i * 7 + j * 3) % len(words)] for j in range(40)) + "\n" for i in range(n)
+    ]
 
 
-def write_run(run_dir: Path, model: dict | None = None, tp: int = 1, pp: int = 1, step: int = 5,
-              complete: bool = True, tokenizer: Path | None = None) -> tuple[RunConfig, CausalLM]:
+def write_run(
+    run_dir: Path,
+    model: dict | None = None,
+    tp: int = 1,
+    pp: int = 1,
+    step: int = 5,
+    complete: bool = True,
+    tokenizer: Path | None = None,
+) -> tuple[RunConfig, CausalLM]:
     """A run dir with one checkpoint at `step`; returns the run's config and its tp = 1 model (the reference)."""
     cfg = build_config({"model": {**TINY_MODEL, **(model or {})}, "parallel": {"tp": tp, "pp": pp}})
     run_dir.mkdir(parents=True)
@@ -46,24 +70,51 @@ def write_run(run_dir: Path, model: dict | None = None, tp: int = 1, pp: int = 1
     tag_dir = run_dir / "checkpoints" / tag_for(step)
     tag_dir.mkdir(parents=True)
     for rank in range(tp):
-        state = CausalLM(cfg.model, seed=7, parallel=LayerParallel.without_groups(tp=tp, tp_rank=rank)).state_dict()
+        state = CausalLM(
+            cfg.model, seed=7, parallel=LayerParallel.without_groups(tp=tp, tp_rank=rank)
+        ).state_dict()
         if pp == 1:
-            for key in [k for k in state if EXPERT_KEY in k]:  # DeepSpeed: one file per expert of each MoE layer
-                block, expert = int(key.split(".")[1]) - 1, int(key.split(EXPERT_KEY + ".")[1].split(".")[0])
+            for key in [
+                k for k in state if EXPERT_KEY in k
+            ]:  # DeepSpeed: one file per expert of each MoE layer
+                block, expert = (
+                    int(key.split(".")[1]) - 1,
+                    int(key.split(EXPERT_KEY + ".")[1].split(".")[0]),
+                )
                 path = tag_dir / f"layer_{block}_expert_{expert}_mp_rank_{rank:02d}_model_states.pt"
-                torch.save({**(torch.load(path) if path.is_file() else {}), key: state.pop(key)}, path)
-            torch.save({"module": state, "ds_version": "0.19.8"}, tag_dir / f"mp_rank_{rank:02d}_model_states.pt")
+                torch.save(
+                    {**(torch.load(path) if path.is_file() else {}), key: state.pop(key)}, path
+                )
+            torch.save(
+                {"module": state, "ds_version": "0.19.8"},
+                tag_dir / f"mp_rank_{rank:02d}_model_states.pt",
+            )
             continue
         for index in range(cfg.model.n_layers + 3):
             prefix = f"layers.{index}."
-            layer = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-            if cfg.model.tie_embeddings and index == cfg.model.n_layers + 2:  # the pipeline's tied copy
+            layer = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+            if (
+                cfg.model.tie_embeddings and index == cfg.model.n_layers + 2
+            ):  # the pipeline's tied copy
                 layer = {"tok_embeddings.weight": layer["output.weight"]}
             torch.save(layer, tag_dir / f"layer_{index:02d}-model_{rank:02d}-model_states.pt")
     if complete:
         files = {p.name: p.stat().st_size for p in sorted(tag_dir.iterdir())}
-        topology = {"world_size": tp * pp, "tp": tp, "pp": pp, "dp": 1, "ep": 1, "sp": 1, "zero_stage": 0}
-        manifest = {"tag": tag_for(step), **asdict(TrainState(step=step)), "topology": topology, "files": files}
+        topology = {
+            "world_size": tp * pp,
+            "tp": tp,
+            "pp": pp,
+            "dp": 1,
+            "ep": 1,
+            "sp": 1,
+            "zero_stage": 0,
+        }
+        manifest = {
+            "tag": tag_for(step),
+            **asdict(TrainState(step=step)),
+            "topology": topology,
+            "files": files,
+        }
         (tag_dir / COMPLETE).write_text(json.dumps(manifest))
         (run_dir / "checkpoints" / LATEST).write_text(tag_for(step))
     return cfg, CausalLM(cfg.model, seed=7).eval()

@@ -61,20 +61,43 @@ def tiny_overrides(corpus: list[str], cache_dir: Path, **changes: Any) -> list[s
     return [f"{k}={v}" for k, v in values.items()]
 
 
-def keel_train(run_dir: Path, nproc: int, overrides: list[str], ds_config: str = ZERO0,
-               timeout: int = 600, expect_code: int = 0) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "keel.launcher.cli", "train", "--nproc", str(nproc), "--run-dir", str(run_dir),
-           "--ds-config", str(REPO / ds_config)]
+def keel_train(
+    run_dir: Path,
+    nproc: int,
+    overrides: list[str],
+    ds_config: str = ZERO0,
+    timeout: int = 600,
+    expect_code: int = 0,
+) -> subprocess.CompletedProcess:
+    cmd = [
+        sys.executable,
+        "-m",
+        "keel.launcher.cli",
+        "train",
+        "--nproc",
+        str(nproc),
+        "--run-dir",
+        str(run_dir),
+        "--ds-config",
+        str(REPO / ds_config),
+    ]
     for item in overrides:
         cmd += ["--set", item]
-    return _checked(subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO), expect_code,
-                    "keel train")
+    return _checked(
+        subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO),
+        expect_code,
+        "keel train",
+    )
 
 
-def _checked(proc: subprocess.CompletedProcess, expect_code: int, what: str) -> subprocess.CompletedProcess:
+def _checked(
+    proc: subprocess.CompletedProcess, expect_code: int, what: str
+) -> subprocess.CompletedProcess:
     if proc.returncode != expect_code:
-        raise AssertionError(f"{what} exited {proc.returncode}, expected {expect_code}:\n"
-                             f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+        raise AssertionError(
+            f"{what} exited {proc.returncode}, expected {expect_code}:\n"
+            f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+        )
     return proc
 
 
@@ -92,7 +115,9 @@ def losses(run_dir: Path) -> list[float]:
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     ckpt = run_dir / "checkpoints"
     tag = (ckpt / "latest").read_text().strip()
-    state = torch.load(ckpt / tag / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+    state = torch.load(
+        ckpt / tag / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False
+    )
     return state["module"]
 
 
@@ -104,21 +129,39 @@ class Run:
     nproc: int
     ds_config: str = ZERO0
     changes: tuple[tuple[str, str], ...] = ()
-    resume_at: int = 0  # > 0: stop with a checkpoint every this many steps, and resume, until the end
+    resume_at: int = (
+        0  # > 0: stop with a checkpoint every this many steps, and resume, until the end
+    )
     ds_patch: str = ""  # JSON merged into the DeepSpeed config's sections (e.g. {"fp16": {...}})
     expect_code: int = 0  # the exit code the run ends with: non-zero for a run a guard stops
 
     @staticmethod
-    def of(name: str, nproc: int, ds_config: str = ZERO0, resume_at: int = 0, ds_patch: dict | None = None,
-           expect_code: int = 0, **changes: Any) -> Run:
+    def of(
+        name: str,
+        nproc: int,
+        ds_config: str = ZERO0,
+        resume_at: int = 0,
+        ds_patch: dict | None = None,
+        expect_code: int = 0,
+        **changes: Any,
+    ) -> Run:
         text = {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in changes.items()}
         patch = json.dumps(ds_patch, sort_keys=True) if ds_patch else ""
-        return Run(name, nproc, ds_config, tuple(sorted(text.items())), resume_at, patch, expect_code)
+        return Run(
+            name, nproc, ds_config, tuple(sorted(text.items())), resume_at, patch, expect_code
+        )
 
     @property
     def key(self) -> tuple:
         """What makes two runs the same run (the name is only a label for its directory)."""
-        return self.nproc, self.ds_config, self.changes, self.resume_at, self.ds_patch, self.expect_code
+        return (
+            self.nproc,
+            self.ds_config,
+            self.changes,
+            self.resume_at,
+            self.ds_patch,
+            self.expect_code,
+        )
 
     def ds_config_file(self, run_dir: Path) -> Path:
         """The DeepSpeed JSON to train with: the named one, or a patched copy beside the run dir."""
@@ -140,24 +183,39 @@ class RunCache:
         self.root, self.cache_dir, self.corpus = root, cache_dir, corpus
         self._done: dict[tuple, Path] = {}
         self._declared: dict[tuple, Run] = {}
-        self.launches: list[tuple[int, list[str], float]] = []  # (world size, run names, seconds) per launch
+        self.launches: list[
+            tuple[int, list[str], float]
+        ] = []  # (world size, run names, seconds) per launch
         self.undeclared: list[str] = []
 
     def declare(self, runs: list[Run]) -> None:
         for run in runs:
             self._declared.setdefault(run.key, run)
 
-    def get(self, name: str, nproc: int, ds_config: str = ZERO0, resume_at: int = 0, ds_patch: dict | None = None,
-            expect_code: int = 0, **changes: Any) -> Path:
+    def get(
+        self,
+        name: str,
+        nproc: int,
+        ds_config: str = ZERO0,
+        resume_at: int = 0,
+        ds_patch: dict | None = None,
+        expect_code: int = 0,
+        **changes: Any,
+    ) -> Path:
         return self.run(Run.of(name, nproc, ds_config, resume_at, ds_patch, expect_code, **changes))
 
     def run(self, wanted: Run) -> Path:
         if wanted.key not in self._done:
             if wanted.key not in self._declared:
                 self.undeclared.append(wanted.name)
-            batch = [wanted] + [r for k, r in self._declared.items()
-                                if r.nproc == wanted.nproc and k not in self._done and k != wanted.key]
-            self._launch(sorted(batch, key=lambda run: run.expect_code == 0))  # stopped runs first (see above)
+            batch = [wanted] + [
+                r
+                for k, r in self._declared.items()
+                if r.nproc == wanted.nproc and k not in self._done and k != wanted.key
+            ]
+            self._launch(
+                sorted(batch, key=lambda run: run.expect_code == 0)
+            )  # stopped runs first (see above)
         return self._done[wanted.key]
 
     def overrides(self, **changes: Any) -> list[str]:
@@ -169,26 +227,42 @@ class RunCache:
         dirs = []
         for run in batch:
             run_dir = self.root / f"{run.name}-{len(self._done) + len(dirs)}"
-            changes = dict(run.changes) | ({"train.exit_after": run.resume_at} if run.resume_at else {})
+            changes = dict(run.changes) | (
+                {"train.exit_after": run.resume_at} if run.resume_at else {}
+            )
             self.root.mkdir(parents=True, exist_ok=True)
-            spec = build_run(None, self.overrides(**changes), str(run.ds_config_file(run_dir)), str(run_dir),
-                             run.nproc)
+            spec = build_run(
+                None,
+                self.overrides(**changes),
+                str(run.ds_config_file(run_dir)),
+                str(run_dir),
+                run.nproc,
+            )
             prepare_data(spec)
             write_run_dir(spec)
             dirs += [run_dir] * (-(-spec.cfg.train.steps // run.resume_at) if run.resume_at else 1)
-        code = (f"import sys; from keel.launcher.local import launch_local; "
-                f"sys.exit(launch_local([__import__('pathlib').Path(d) for d in sys.argv[1:]], {batch[0].nproc}))")
+        code = (
+            f"import sys; from keel.launcher.local import launch_local; "
+            f"sys.exit(launch_local([__import__('pathlib').Path(d) for d in sys.argv[1:]], {batch[0].nproc}))"
+        )
         start = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-c", code, *map(str, dirs)], capture_output=True, text=True,
-                              timeout=1200, cwd=REPO)
+        proc = subprocess.run(
+            [sys.executable, "-c", code, *map(str, dirs)],
+            capture_output=True,
+            text=True,
+            timeout=1200,
+            cwd=REPO,
+        )
         what = f"{batch[0].nproc}-rank launch of {[r.name for r in batch]}"
         _checked(proc, max(run.expect_code for run in batch), what)
         self.launches.append((batch[0].nproc, [r.name for r in batch], time.perf_counter() - start))
         for run, run_dir in zip(batch, dict.fromkeys(dirs)):
             code = summary_exit_code(run_dir)
             if code != run.expect_code:
-                raise AssertionError(f"run {run.name} in the {what} ended with exit code {code}, expected "
-                                     f"{run.expect_code}:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+                raise AssertionError(
+                    f"run {run.name} in the {what} ended with exit code {code}, expected "
+                    f"{run.expect_code}:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+                )
             self._done[run.key] = run_dir
 
 
@@ -197,5 +271,7 @@ def summary_exit_code(run_dir: Path) -> int | None:
     path = run_dir / "summary.md"
     if not path.is_file():
         return None
-    found = re.search(r"^- status: stopped early \(exit code (\d+)\)", path.read_text(), re.MULTILINE)
+    found = re.search(
+        r"^- status: stopped early \(exit code (\d+)\)", path.read_text(), re.MULTILINE
+    )
     return int(found.group(1)) if found else 0

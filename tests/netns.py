@@ -37,7 +37,9 @@ class NetnsUnavailable(RuntimeError):
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     proc = subprocess.run(["ip", *args], capture_output=True, text=True)
     if check and proc.returncode != 0:
-        raise NetnsUnavailable(f"`ip {' '.join(args)}` failed (exit {proc.returncode}): {proc.stderr.strip()}")
+        raise NetnsUnavailable(
+            f"`ip {' '.join(args)}` failed (exit {proc.returncode}): {proc.stderr.strip()}"
+        )
     return proc
 
 
@@ -98,7 +100,9 @@ class TwoNodes:
             except subprocess.TimeoutExpired:
                 pass
         for netns in self._created:
-            for _ in range(20):  # a process that is still exiting keeps the namespace busy for a moment
+            for _ in range(
+                20
+            ):  # a process that is still exiting keeps the namespace busy for a moment
                 if _ip("netns", "del", netns, check=False).returncode == 0:
                     break
                 self._kill_pids(netns)
@@ -110,8 +114,9 @@ class TwoNodes:
     # -- processes ----------------------------------------------------------------------------------------------
     def popen(self, name: str, cmd: list[str], **kwargs) -> subprocess.Popen:
         """Start `cmd` inside node `name`'s namespace, in a new session (its own process group)."""
-        proc = subprocess.Popen(["ip", "netns", "exec", self.nodes[name].netns, *cmd], start_new_session=True,
-                                **kwargs)
+        proc = subprocess.Popen(
+            ["ip", "netns", "exec", self.nodes[name].netns, *cmd], start_new_session=True, **kwargs
+        )
         self._procs.append(proc)
         return proc
 
@@ -152,16 +157,28 @@ def _kill_group(proc: subprocess.Popen) -> None:
         pass
 
 
-def torchrun_cmd(node: Node, endpoint: str, run_id: str, is_host: bool, program: list[str],
-                 max_restarts: int = 3) -> list[str]:
+def torchrun_cmd(
+    node: Node, endpoint: str, run_id: str, is_host: bool, program: list[str], max_restarts: int = 3
+) -> list[str]:
     """torchrun for one node of an elastic 1..2-node job, one rank per node. `is_host`: this node's agent hosts
     the c10d rendezvous store (the endpoint is its address, which torch cannot recognise from the hostname
     because both namespaces share one). `--local_addr` makes the node advertise its veth address, which then
     becomes MASTER_ADDR when it is node rank 0."""
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc_per_node=1",
-            "--rdzv_backend=c10d", f"--rdzv_endpoint={endpoint}", f"--rdzv_id={run_id}",
-            f"--rdzv_conf={RDZV_CONF},is_host={int(is_host)}", f"--local_addr={node.addr}",
-            f"--max_restarts={max_restarts}", "--monitor_interval=1", *program]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1:2",
+        "--nproc_per_node=1",
+        "--rdzv_backend=c10d",
+        f"--rdzv_endpoint={endpoint}",
+        f"--rdzv_id={run_id}",
+        f"--rdzv_conf={RDZV_CONF},is_host={int(is_host)}",
+        f"--local_addr={node.addr}",
+        f"--max_restarts={max_restarts}",
+        "--monitor_interval=1",
+        *program,
+    ]
 
 
 def node_env(node: Node, repo) -> dict[str, str]:
@@ -169,13 +186,20 @@ def node_env(node: Node, repo) -> dict[str, str]:
     drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME")
     env = {k: v for k, v in os.environ.items() if k not in drop}
     path = os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))
-    env.update(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=node.ifname,
-               PYTHONUNBUFFERED="1", PYTHONPATH=path)
+    env.update(
+        TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+        OMP_NUM_THREADS="1",
+        GLOO_SOCKET_IFNAME=node.ifname,
+        PYTHONUNBUFFERED="1",
+        PYTHONPATH=path,
+    )
     return env
 
 
 def cmdline(pid: int) -> str:
     try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        return (
+            Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        )
     except OSError:
         return ""

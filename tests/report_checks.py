@@ -14,5 +14,10 @@ def assert_png_drawn(path: Path) -> None:
     height, width = pixels.shape[:2]
     assert width == SIZE[0] * DPI and height >= SIZE[1] * DPI, (path.name, pixels.shape)
     rgb = pixels[..., :3]
-    assert rgb.std() > 0.05, (path.name, float(rgb.std()))  # lines, text and axes on white, not an empty canvas
-    assert (rgb.reshape(-1, 3).std(axis=1) > 0.1).mean() > 0.002, path.name  # some coloured (plotted) pixels
+    assert rgb.std() > 0.05, (
+        path.name,
+        float(rgb.std()),
+    )  # lines, text and axes on white, not an empty canvas
+    assert (rgb.reshape(-1, 3).std(axis=1) > 0.1).mean() > 0.002, (
+        path.name
+    )  # some coloured (plotted) pixels

@@ -25,7 +25,18 @@ import time
 from pathlib import Path
 
 PACKAGES = ["slurmctld", "slurmd", "slurm-client", "munge"]
-BINARIES = ["munged", "mungekey", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "sinfo", "squeue", "scancel"]
+BINARIES = [
+    "munged",
+    "mungekey",
+    "slurmctld",
+    "slurmd",
+    "sbatch",
+    "srun",
+    "scontrol",
+    "sinfo",
+    "squeue",
+    "scancel",
+]
 
 
 def missing_binaries() -> list[str]:
@@ -44,7 +55,9 @@ def ensure_installed(timeout: int = 600) -> str | None:
     install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *PACKAGES]
     proc = subprocess.run(install, capture_output=True, text=True, env=env, timeout=timeout)
     if proc.returncode != 0:  # maybe the package lists are missing or stale
-        subprocess.run(["apt-get", "update", "-q"], capture_output=True, text=True, env=env, timeout=timeout)
+        subprocess.run(
+            ["apt-get", "update", "-q"], capture_output=True, text=True, env=env, timeout=timeout
+        )
         proc = subprocess.run(install, capture_output=True, text=True, env=env, timeout=timeout)
     if proc.returncode != 0 or missing_binaries():
         return f"apt-get could not install {' '.join(PACKAGES)}: {(proc.stderr or proc.stdout).strip()[-500:]}"
@@ -94,7 +107,8 @@ class SlurmCluster:
         nodes = "\n".join(
             f"NodeName={name} NodeHostname=localhost NodeAddr=127.0.0.1 Port={port} CPUs={self.cpus_per_node} "
             "State=UNKNOWN"
-            for name, port in zip(self.nodes, node_ports))
+            for name, port in zip(self.nodes, node_ports)
+        )
         self.conf.write_text(f"""\
 ClusterName=keeltest
 SlurmctldHost=localhost(127.0.0.1)
@@ -135,8 +149,14 @@ PartitionName=debug Nodes={",".join(self.nodes)} Default=YES MaxTime=INFINITE St
 
     def _spawn(self, name: str, cmd: list[str]) -> subprocess.Popen:
         log = open(self.root / "log" / f"{name}.out", "w")
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env,
-                                cwd=self.root)
+        proc = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=self.env,
+            cwd=self.root,
+        )
         log.close()
         self._daemons.append((name, proc))
         return proc
@@ -146,12 +166,25 @@ PartitionName=debug Nodes={",".join(self.nodes)} Default=YES MaxTime=INFINITE St
         munge_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(munge_dir, 0o755)  # munged refuses a socket directory that others cannot reach
         key = munge_dir / "munge.key"
-        subprocess.run([_binary("mungekey"), "--create", "--force", f"--keyfile={key}"], check=True,
-                       capture_output=True)
+        subprocess.run(
+            [_binary("mungekey"), "--create", "--force", f"--keyfile={key}"],
+            check=True,
+            capture_output=True,
+        )
         os.chmod(key, 0o600)
-        self._spawn("munged", [_binary("munged"), "--foreground", "--force", f"--socket={self.munge_socket}",
-                               f"--key-file={key}", f"--pid-file={munge_dir}/munged.pid",
-                               f"--log-file={self.root}/log/munged.log", f"--seed-file={munge_dir}/munged.seed"])
+        self._spawn(
+            "munged",
+            [
+                _binary("munged"),
+                "--foreground",
+                "--force",
+                f"--socket={self.munge_socket}",
+                f"--key-file={key}",
+                f"--pid-file={munge_dir}/munged.pid",
+                f"--log-file={self.root}/log/munged.log",
+                f"--seed-file={munge_dir}/munged.seed",
+            ],
+        )
         self._wait(lambda: self.munge_socket.exists(), 10, "munged did not create its socket")
 
     def start(self, timeout: float = 60) -> SlurmCluster:
@@ -162,7 +195,9 @@ PartitionName=debug Nodes={",".join(self.nodes)} Default=YES MaxTime=INFINITE St
             self._spawn("slurmctld", [_binary("slurmctld"), "-D", "-c", "-i", "-f", str(self.conf)])
             for name in self.nodes:
                 (self.root / "spool" / name).mkdir(parents=True, exist_ok=True)
-                self._spawn(f"slurmd.{name}", [_binary("slurmd"), "-D", "-N", name, "-f", str(self.conf)])
+                self._spawn(
+                    f"slurmd.{name}", [_binary("slurmd"), "-D", "-N", name, "-f", str(self.conf)]
+                )
             self._wait(self._nodes_idle, timeout, "the nodes did not become idle")
         except BaseException:
             self.stop()
@@ -171,7 +206,9 @@ PartitionName=debug Nodes={",".join(self.nodes)} Default=YES MaxTime=INFINITE St
         return self
 
     def _nodes_idle(self) -> bool:
-        out = self.run(["sinfo", "--noheader", "--Node", "--format=%N %t"], check=False).stdout.split()
+        out = self.run(
+            ["sinfo", "--noheader", "--Node", "--format=%N %t"], check=False
+        ).stdout.split()
         states = dict(zip(out[::2], out[1::2]))
         return all(states.get(n) == "idle" for n in self.nodes)
 
@@ -186,8 +223,12 @@ PartitionName=debug Nodes={",".join(self.nodes)} Default=YES MaxTime=INFINITE St
             time.sleep(0.3)
 
     # -- use ----------------------------------------------------------------------------------------------------
-    def run(self, cmd: list[str], check: bool = True, timeout: float = 60, **kwargs) -> subprocess.CompletedProcess:
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=self.env, timeout=timeout, **kwargs)
+    def run(
+        self, cmd: list[str], check: bool = True, timeout: float = 60, **kwargs
+    ) -> subprocess.CompletedProcess:
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, env=self.env, timeout=timeout, **kwargs
+        )
         if check and proc.returncode != 0:
             raise SlurmError(f"{' '.join(cmd)} exited {proc.returncode}: {proc.stderr.strip()}")
         return proc
@@ -203,8 +244,17 @@ PartitionName=debug Nodes={",".join(self.nodes)} Default=YES MaxTime=INFINITE St
 
     def wait_job(self, job_id: int | str, timeout: float, until=None) -> dict[str, str]:
         """Poll until `until(job)` (default: the job has ended); returns the last `scontrol show job`."""
-        ended = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
-                 "DEADLINE", "PREEMPTED"}
+        ended = {
+            "COMPLETED",
+            "FAILED",
+            "CANCELLED",
+            "TIMEOUT",
+            "NODE_FAIL",
+            "OUT_OF_MEMORY",
+            "BOOT_FAIL",
+            "DEADLINE",
+            "PREEMPTED",
+        }
         until = until or (lambda j: j["JobState"] in ended)
         deadline = time.monotonic() + timeout
         while True:
@@ -212,8 +262,10 @@ PartitionName=debug Nodes={",".join(self.nodes)} Default=YES MaxTime=INFINITE St
             if until(job):
                 return job
             if time.monotonic() > deadline:
-                raise SlurmError(f"job {job_id} still {job.get('JobState')} after {timeout:.0f} s: {job}\n"
-                                 f"{self.logs()}")
+                raise SlurmError(
+                    f"job {job_id} still {job.get('JobState')} after {timeout:.0f} s: {job}\n"
+                    f"{self.logs()}"
+                )
             time.sleep(0.5)
 
     def logs(self, tail: int = 3000) -> str:

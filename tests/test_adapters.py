@@ -28,7 +28,10 @@ from keel.launcher.local import free_port
 DS_CONFIGS = Path(__file__).resolve().parents[1] / "ds_configs"
 MODEL = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_pad_multiple=1)
 KINDS = ["zero0", "zero1", "zero2", "zero3", "fp16", "bf16", "moe", "pipeline", "dualpipev"]
-PIPELINES = ("pipeline", "dualpipev")  # DeepSpeed's PipelineEngine, and its DualPipeVEngine (two stages on one rank)
+PIPELINES = (
+    "pipeline",
+    "dualpipev",
+)  # DeepSpeed's PipelineEngine, and its DualPipeVEngine (two stages on one rank)
 
 
 def _batches(n: int = 2) -> list[torch.Tensor]:
@@ -44,10 +47,24 @@ def _engine(kind: str):
 
     moe = dict(moe_experts=4, moe_top_k=2) if kind == "moe" else {}
     schedule = "dualpipev" if kind == "dualpipev" else "1f1b"
-    cfg = RunConfig(model=ModelConfig(**MODEL, **moe), parallel=ParallelConfig(pipeline_schedule=schedule),
-                    train=TrainConfig(global_batch_size=4, micro_batch_size=2, lr=1e-2, warmup_steps=0, grad_clip=1.0))
-    ds_name = {"zero0": "zero0", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3", "fp16": "fp16",
-               "bf16": "bf16", "moe": "zero1", "pipeline": "zero1", "dualpipev": "zero1"}[kind]
+    cfg = RunConfig(
+        model=ModelConfig(**MODEL, **moe),
+        parallel=ParallelConfig(pipeline_schedule=schedule),
+        train=TrainConfig(
+            global_batch_size=4, micro_batch_size=2, lr=1e-2, warmup_steps=0, grad_clip=1.0
+        ),
+    )
+    ds_name = {
+        "zero0": "zero0",
+        "zero1": "zero1",
+        "zero2": "zero2",
+        "zero3": "zero3",
+        "fp16": "fp16",
+        "bf16": "bf16",
+        "moe": "zero1",
+        "pipeline": "zero1",
+        "dualpipev": "zero1",
+    }[kind]
     ds = json.loads((DS_CONFIGS / f"{ds_name}.json").read_text())
     if kind == "fp16":  # a scale the first steps cannot overflow, so the gate is asked on both
         ds["fp16"]["initial_scale_power"] = 8
@@ -78,7 +95,12 @@ def _snapshot(engine) -> list[torch.Tensor]:
     with deepspeed.zero.GatheredParameters(params, enabled=engine.zero_optimization_stage() == 3):
         values = [p.detach().float().clone() for p in params]
     optimizer = dsi.inner_optimizer(engine)
-    moments = [t.detach().clone() for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
+    moments = [
+        t.detach().clone()
+        for state in optimizer.state.values()
+        for t in state.values()
+        if torch.is_tensor(t)
+    ]
     return values + moments
 
 
@@ -91,13 +113,17 @@ def _probe_kind(kind: str) -> dict:
     engine = _engine(kind)
     dsi.check_engine(engine)
     gate = StepGate(engine, single_control())
-    seen: dict = {"adamw": {k: engine.basic_optimizer.defaults.get(k) for k in ("foreach", "fused")}}
+    seen: dict = {
+        "adamw": {k: engine.basic_optimizer.defaults.get(k) for k in ("foreach", "fused")}
+    }
     wrapped_calls = []
 
     def before_model_step() -> None:  # gradients reduced, not yet consumed by the step
         wrapped_calls.append(1)
         grads = [dsi.local_grad(p) for p in engine.module.parameters()]
-        seen["local_grad_norm"] = math.sqrt(sum(float(g.float().pow(2).sum()) for g in grads if g is not None))
+        seen["local_grad_norm"] = math.sqrt(
+            sum(float(g.float().pow(2).sum()) for g in grads if g is not None)
+        )
 
     dsi.wrap_model_step(engine, before_model_step)
 
@@ -109,6 +135,7 @@ def _probe_kind(kind: str) -> dict:
                 summed = dsi.pipeline_summed_loss(engine)
                 seen["pipeline_loss"] = None if summed is None else float(summed)
             return Decision(action)
+
         return inner
 
     before = _snapshot(engine)
@@ -117,17 +144,28 @@ def _probe_kind(kind: str) -> dict:
     params = list(engine.module.parameters())
     held = [dsi.master_state(engine, p) for p in params]  # world size 1: every part is local
     seen["master_keys"] = sorted({k for h in held for k in h})
-    truth = [h.get("param", h.get("fp32")) for h in held]  # the working copy is the master rounded to its dtype
+    truth = [
+        h.get("param", h.get("fp32")) for h in held
+    ]  # the working copy is the master rounded to its dtype
     seen["master_matches"] = all(t is not None for t in truth) and all(
-        torch.equal(t.to(p.dtype).float().reshape(-1)[:v.numel()], v.reshape(-1))
-        for t, v, p in zip(truth, after, params))
-    stepped = {"changed": len(after) > len(before) and not all(torch.equal(a, b) for a, b in zip(before, after)),
-               "applied": engine.was_step_applied(), "lr_steps": engine.lr_scheduler.last_epoch}
+        torch.equal(t.to(p.dtype).float().reshape(-1)[: v.numel()], v.reshape(-1))
+        for t, v, p in zip(truth, after, params)
+    )
+    stepped = {
+        "changed": len(after) > len(before)
+        and not all(torch.equal(a, b) for a, b in zip(before, after)),
+        "applied": engine.was_step_applied(),
+        "lr_steps": engine.lr_scheduler.last_epoch,
+    }
     _run_step(engine, gate, decide(Action.SKIP))  # now with Adam moments to leave alone
     again = _snapshot(engine)
-    vetoed = {"unchanged": len(again) == len(after) and all(torch.equal(a, b) for a, b in zip(after, again)),
-              "applied": engine.was_step_applied(), "lr_steps": engine.lr_scheduler.last_epoch,
-              "consulted": gate.consulted}
+    vetoed = {
+        "unchanged": len(again) == len(after)
+        and all(torch.equal(a, b) for a, b in zip(after, again)),
+        "applied": engine.was_step_applied(),
+        "lr_steps": engine.lr_scheduler.last_epoch,
+        "consulted": gate.consulted,
+    }
     missing = {}
     for internal in probes.INTERNALS:  # take each needed internal away: check_engine must name it
         if not internal.applies(engine):
@@ -141,9 +179,15 @@ def _probe_kind(kind: str) -> dict:
             missing[internal.name] = str(exc)
         finally:
             object.__setattr__(internal, "probe", original)
-    return {"seen": seen, "vetoed": vetoed, "stepped": stepped, "missing": missing,
-            "model_step_wrapped": len(wrapped_calls), "wraps": probes.wraps_optimizer(engine),
-            "seam": _checkpoint_seam(engine)}
+    return {
+        "seen": seen,
+        "vetoed": vetoed,
+        "stepped": stepped,
+        "missing": missing,
+        "model_step_wrapped": len(wrapped_calls),
+        "wraps": probes.wraps_optimizer(engine),
+        "seam": _checkpoint_seam(engine),
+    }
 
 
 def _checkpoint_seam(engine) -> dict:
@@ -160,11 +204,17 @@ def _checkpoint_seam(engine) -> dict:
         with dsi.route_checkpoint_writes(engine, route):
             engine.save_checkpoint(tmp, tag="probe", save_latest=False)
         on_disk = sorted(p.name for p in (Path(tmp) / "probe").rglob("*") if p.is_file())
-    return {"routed": sorted(routed), "on_disk": on_disk, "restored": "save" not in vars(engine.checkpoint_engine)}
+    return {
+        "routed": sorted(routed),
+        "on_disk": on_disk,
+        "restored": "save" not in vars(engine.checkpoint_engine),
+    }
 
 
 def _worker(_rank: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
+    )
     from keel.engine.distributed import init_distributed
 
     init_distributed()
@@ -183,21 +233,32 @@ def probed(tmp_path_factory) -> dict:
 def test_internals_are_present_and_do_what_keel_needs(probed, kind):
     got = probed[kind]
     seen = got["seen"]
-    if got["wraps"]:  # DeepSpeed's wrappers report the norm before the update; fp32 ZeRO-0 is Keel's own clipper
+    if got[
+        "wraps"
+    ]:  # DeepSpeed's wrappers report the norm before the update; fp32 ZeRO-0 is Keel's own clipper
         assert seen["norm"] is not None and math.isfinite(seen["norm"]) and seen["norm"] > 0, seen
     else:
         assert kind == "zero0" and seen["norm"] is None
     assert (seen["scale"] is not None) == (kind == "fp16")
     if kind == "fp16":
-        assert seen["scale"] == 2.0 ** 8
+        assert seen["scale"] == 2.0**8
     if kind in PIPELINES:
         assert seen["pipeline_loss"] is not None and math.isfinite(seen["pipeline_loss"])
     assert got["model_step_wrapped"] == 2  # the hook ran inside both steps
-    assert seen["adamw"] == {"foreach": None, "fused": True}  # torch's fused AdamW, not its per-parameter loop
+    assert seen["adamw"] == {
+        "foreach": None,
+        "fused": True,
+    }  # torch's fused AdamW, not its per-parameter loop
     # this rank's source of truth and its state (fp32 partitions, or the parameter at plain ZeRO-0), as views
-    assert seen["master_matches"] and {"exp_avg", "exp_avg_sq"} <= set(seen["master_keys"]), seen["master_keys"]
+    assert seen["master_matches"] and {"exp_avg", "exp_avg_sq"} <= set(seen["master_keys"]), seen[
+        "master_keys"
+    ]
     assert ("param" in seen["master_keys"]) == (kind == "zero0")
-    if kind in ("zero1", "zero2", "zero3"):  # local gradient shards (here the whole): DeepSpeed's own norm
+    if kind in (
+        "zero1",
+        "zero2",
+        "zero3",
+    ):  # local gradient shards (here the whole): DeepSpeed's own norm
         assert seen["local_grad_norm"] == pytest.approx(seen["norm"], rel=1e-5)
 
 
@@ -211,8 +272,15 @@ def test_every_checkpoint_file_goes_through_the_checkpoint_engine_seam(probed, k
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_vetoed_step_changes_nothing_and_an_allowed_one_updates(probed, kind):
     vetoed, stepped = probed[kind]["vetoed"], probed[kind]["stepped"]
-    assert stepped["applied"] and stepped["changed"] and stepped["lr_steps"] == 1  # params moved, moments created
-    assert vetoed["consulted"] and not vetoed["applied"] and vetoed["unchanged"] and vetoed["lr_steps"] == 1
+    assert (
+        stepped["applied"] and stepped["changed"] and stepped["lr_steps"] == 1
+    )  # params moved, moments created
+    assert (
+        vetoed["consulted"]
+        and not vetoed["applied"]
+        and vetoed["unchanged"]
+        and vetoed["lr_steps"] == 1
+    )
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -232,8 +300,9 @@ def test_a_missing_internal_fails_in_one_line_naming_it(probed, kind):
 
 def test_torch_internals_are_present_and_named_when_missing(monkeypatch):
     check_torch()
-    sched = torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1.0),
-                                              lambda step: 0.5)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1.0), lambda step: 0.5
+    )
     set_last_lr(sched, [0.25])
     assert sched.get_last_lr() == [0.25]
     name, _, _ = TORCH_INTERNALS[0]

@@ -46,13 +46,26 @@ def _awkward_state() -> dict:
     """What DeepSpeed's state dicts contain, and what changes torch.save's bytes if a copy gets it wrong."""
     flat = torch.arange(12, dtype=torch.float32)
     weight = torch.nn.Parameter(torch.randn(3, 4))
-    module = collections.OrderedDict(w=flat[2:8].view(2, 3), b=flat[8:], t=flat[1:7:2])  # views of one storage
+    module = collections.OrderedDict(
+        w=flat[2:8].view(2, 3), b=flat[8:], t=flat[1:7:2]
+    )  # views of one storage
     module._metadata = collections.OrderedDict({"": {"version": 1}})
-    tied, placeholder = torch.randn(5, requires_grad=True), torch.empty(0)  # ZeRO-3's tied placeholders: one storage
-    return {"module": module, "param": weight, "tied": [tied, tied],
-            "empty": [placeholder, placeholder.detach(), torch.empty(0)],
-            "half": torch.randn(4).half(), "groups": ({"lr": 0.1, "params": [0, 1]},), "rng": np.random.get_state(),
-            "strided": torch.randn(4, 4).t(), "name": "x", "step": 3}
+    tied, placeholder = (
+        torch.randn(5, requires_grad=True),
+        torch.empty(0),
+    )  # ZeRO-3's tied placeholders: one storage
+    return {
+        "module": module,
+        "param": weight,
+        "tied": [tied, tied],
+        "empty": [placeholder, placeholder.detach(), torch.empty(0)],
+        "half": torch.randn(4).half(),
+        "groups": ({"lr": 0.1, "params": [0, 1]},),
+        "rng": np.random.get_state(),
+        "strided": torch.randn(4, 4).t(),
+        "name": "x",
+        "step": 3,
+    }
 
 
 def test_the_snapshot_serializes_to_the_originals_bytes_after_the_original_changes(tmp_path):
@@ -64,13 +77,29 @@ def test_the_snapshot_serializes_to_the_originals_bytes_after_the_original_chang
     snapshot.wait()
     buffers = {k: b.data_ptr() for k, b in snapshot._buffers.items()}
     with torch.no_grad():  # training goes on: every original tensor changes in place
-        for t in (state["module"]["w"], state["param"], state["tied"][0], state["half"], state["strided"]):
+        for t in (
+            state["module"]["w"],
+            state["param"],
+            state["tied"][0],
+            state["half"],
+            state["strided"],
+        ):
             t.add_(1)
     assert _saved_bytes(copied, tmp_path / "async" / "file.pt") == expected
-    assert copied["tied"][0] is copied["tied"][1] and copied["module"]._metadata == state["module"]._metadata
-    assert snapshot.nbytes == sum(len(t.untyped_storage()) for t in (state["module"]["w"], state["param"],
-                                                                       state["tied"][0], state["half"],
-                                                                       state["strided"]))
+    assert (
+        copied["tied"][0] is copied["tied"][1]
+        and copied["module"]._metadata == state["module"]._metadata
+    )
+    assert snapshot.nbytes == sum(
+        len(t.untyped_storage())
+        for t in (
+            state["module"]["w"],
+            state["param"],
+            state["tied"][0],
+            state["half"],
+            state["strided"],
+        )
+    )
     snapshot.begin()  # the next save of the same shapes reuses every buffer
     snapshot.copy(state, "file.pt")
     snapshot.wait()
@@ -115,18 +144,27 @@ class _Engine:
     def save_checkpoint(self, save_dir, tag, client_state, save_latest):
         path = Path(save_dir) / tag
         path.mkdir(parents=True, exist_ok=True)
-        self.checkpoint_engine.save({"module": {"w": self.weights}, **client_state},
-                                    str(path / "mp_rank_00_model_states.pt"))
-        self.checkpoint_engine.save({"optimizer": self.weights[:10]}, str(path / "zero_pp_rank_0_optim_states.pt"))
+        self.checkpoint_engine.save(
+            {"module": {"w": self.weights}, **client_state},
+            str(path / "mp_rank_00_model_states.pt"),
+        )
+        self.checkpoint_engine.save(
+            {"optimizer": self.weights[:10]}, str(path / "zero_pp_rank_0_optim_states.pt")
+        )
 
 
 def _tag_files(directory: Path, tag: str) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted((directory / tag).iterdir()) if p.name != COMPLETE}
+    return {
+        p.name: p.read_bytes() for p in sorted((directory / tag).iterdir()) if p.name != COMPLETE
+    }
 
 
 def test_an_async_save_publishes_what_a_synchronous_save_would(tmp_path):
     engine, topology = _Engine(), Topology.from_env()
-    sync, background = Checkpointer(tmp_path / "sync", 2, topology), Checkpointer(tmp_path / "async", 2, topology)
+    sync, background = (
+        Checkpointer(tmp_path / "sync", 2, topology),
+        Checkpointer(tmp_path / "async", 2, topology),
+    )
     saver = AsyncCheckpointer(background, pin=False)
     for step in (10, 20, 30):
         state = TrainState(step=step, consumed_samples=8 * step)
@@ -139,18 +177,25 @@ def test_an_async_save_publishes_what_a_synchronous_save_would(tmp_path):
         saver.finish()
         [outcome] = saver.poll()
         assert outcome.ok and outcome.tag == f"step{step:08d}"
-        assert _tag_files(tmp_path / "async", outcome.tag) == _tag_files(tmp_path / "sync", outcome.tag)
+        assert _tag_files(tmp_path / "async", outcome.tag) == _tag_files(
+            tmp_path / "sync", outcome.tag
+        )
     assert background.complete_tags() == sync.complete_tags() == ["step00000020", "step00000030"]
     mine, theirs = background.read_manifest("step00000030"), sync.read_manifest("step00000030")
     assert mine == theirs and mine["step"] == 30  # the same bytes: the same sizes and sha256 too
     for name, digest in mine["sha256"].items():
-        assert hashlib.sha256((tmp_path / "async" / "step00000030" / name).read_bytes()).hexdigest() == digest
+        assert (
+            hashlib.sha256((tmp_path / "async" / "step00000030" / name).read_bytes()).hexdigest()
+            == digest
+        )
     assert not any(p.name.startswith(".") for p in (tmp_path / "async" / "step00000030").iterdir())
     assert saver.poll() == []  # nothing pending: no collective either
 
 
-@pytest.mark.fault("a background checkpoint write fails (disk full)",
-                   "the save is discarded on every rank: not published, its directory removed; latest stays")
+@pytest.mark.fault(
+    "a background checkpoint write fails (disk full)",
+    "the save is discarded on every rank: not published, its directory removed; latest stays",
+)
 def test_a_failed_background_write_publishes_nothing(tmp_path):
     engine = _Engine()
     checkpointer = Checkpointer(tmp_path, 3, Topology.from_env())
@@ -162,9 +207,14 @@ def test_a_failed_background_write_publishes_nothing(tmp_path):
     saver.finish()
     ok, outcome = saver.poll()
     assert ok.ok and ok.step == 10
-    assert not outcome.ok and "rank 0: OSError" in outcome.error and "No space left" in outcome.error
+    assert (
+        not outcome.ok and "rank 0: OSError" in outcome.error and "No space left" in outcome.error
+    )
     assert not (tmp_path / "step00000020").exists()
-    assert checkpointer.latest_tag() == "step00000010" and (tmp_path / "latest").read_text() == "step00000010"
+    assert (
+        checkpointer.latest_tag() == "step00000010"
+        and (tmp_path / "latest").read_text() == "step00000010"
+    )
 
 
 # -- real engines, one spawned rank -------------------------------------------------------------------------------
@@ -189,7 +239,10 @@ def _compare_kind(kind: str, root: Path) -> dict:
     engine = _engine(kind)
     topology = Topology.from_env()
     _train_step(engine, 1)
-    sync, background = Checkpointer(root / kind / "sync", 1, topology), Checkpointer(root / kind / "async", 1, topology)
+    sync, background = (
+        Checkpointer(root / kind / "sync", 1, topology),
+        Checkpointer(root / kind / "async", 1, topology),
+    )
     state = TrainState(step=1, consumed_samples=4)
     sync.save(engine, state)
     tag = background.begin("step00000001")
@@ -201,14 +254,19 @@ def _compare_kind(kind: str, root: Path) -> dict:
     for name in sorted(set(_tag_files(sync.directory, "step00000001")) | set(report.files)):
         a, b = sync.directory / "step00000001" / name, tag / name
         size, digest = report.files.get(name, (None, None))
-        got["files"][name] = {"equal": a.is_file() and b.is_file() and a.read_bytes() == b.read_bytes(),
-                              "size": a.stat().st_size if a.is_file() else -1, "reported": size,
-                              "sha256": b.is_file() and digest == hashlib.sha256(b.read_bytes()).hexdigest()}
+        got["files"][name] = {
+            "equal": a.is_file() and b.is_file() and a.read_bytes() == b.read_bytes(),
+            "size": a.stat().st_size if a.is_file() else -1,
+            "reported": size,
+            "sha256": b.is_file() and digest == hashlib.sha256(b.read_bytes()).hexdigest(),
+        }
     return got
 
 
 def _worker(_rank: int, port: int, root: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
+    )
     from keel.engine.distributed import init_distributed
 
     init_distributed()
@@ -229,37 +287,59 @@ def test_async_files_equal_a_synchronous_saves_byte_for_byte(compared, kind):
     got = compared[kind]
     assert got["error"] == ""
     files = got["files"]
-    assert "keel_rng_rank0.pt" in files and any(name.endswith("model_states.pt") for name in files), files
+    assert "keel_rng_rank0.pt" in files and any(
+        name.endswith("model_states.pt") for name in files
+    ), files
     if kind in ("zero1", "zero2", "zero3", "bf16", "moe", "pipeline"):
         assert any("optim_states" in name for name in files), files
     for name, file in files.items():
         assert file["equal"] and file["reported"] == file["size"] and file["sha256"], (name, file)
-    assert got["snapshot_bytes"] <= sum(f["size"] for f in files.values())  # one host copy of the rank's files
+    assert got["snapshot_bytes"] <= sum(
+        f["size"] for f in files.values()
+    )  # one host copy of the rank's files
 
 
 # -- a crash while a writer is paused, then resume (multi-process) ------------------------------------------------
-REFERENCE = Run.of("zero0", 2)  # shared with tests/test_keel_train.py: TINY, 10 steps, saved only at the end
+REFERENCE = Run.of(
+    "zero0", 2
+)  # shared with tests/test_keel_train.py: TINY, 10 steps, saved only at the end
 KEEL_RUNS = [REFERENCE]
 
 
 @pytest.mark.slow
-@pytest.mark.fault("every rank crashes while rank 1's checkpoint writer is paused mid-save",
-                   "the save is never published; resume loads the previous one and ends bitwise at the uninterrupted "
-                   "run's weights")
+@pytest.mark.fault(
+    "every rank crashes while rank 1's checkpoint writer is paused mid-save",
+    "the save is never published; resume loads the previous one and ends bitwise at the uninterrupted "
+    "run's weights",
+)
 def test_a_crash_during_a_background_write_resumes_bitwise(runs, tmp_path):
     reference = runs.run(REFERENCE)
     run_dir = tmp_path / "crashed"
     common = dict(checkpoint__async_save="true", checkpoint__interval=3)
     # saves at 3 (published before the next), 6 (rank 1 pauses 120 s before renaming its file), crash after step 7
-    keel_train(run_dir, 2, runs.overrides(**common, faults__save_stall_rank=1, faults__save_stall_s=120,
-                                          faults__save_stall_step=6, faults__crash_step=7), expect_code=1)
+    keel_train(
+        run_dir,
+        2,
+        runs.overrides(
+            **common,
+            faults__save_stall_rank=1,
+            faults__save_stall_s=120,
+            faults__save_stall_step=6,
+            faults__crash_step=7,
+        ),
+        expect_code=1,
+    )
     ckpt = run_dir / "checkpoints"
     assert (ckpt / "latest").read_text() == "step00000003"
-    assert (ckpt / "step00000003" / COMPLETE).is_file() and not (ckpt / "step00000006" / COMPLETE).exists()
+    assert (ckpt / "step00000003" / COMPLETE).is_file() and not (
+        ckpt / "step00000006" / COMPLETE
+    ).exists()
     # rank 1's writer had written its file aside and was paused before renaming it into place
     assert (ckpt / "step00000006" / ".async_rank1" / "keel_rng_rank1.pt").is_file()
     assert not (ckpt / "step00000006" / "keel_rng_rank1.pt").exists()
-    keel_train(run_dir, 2, runs.overrides(**common))  # resumes from step 3, saves 6 (again), 9 and 10
+    keel_train(
+        run_dir, 2, runs.overrides(**common)
+    )  # resumes from step 3, saves 6 (again), 9 and 10
     assert json.loads((ckpt / "step00000010" / COMPLETE).read_text())["step"] == 10
     assert not (ckpt / "step00000006" / ".async_rank1").exists()
     want, got = final_weights(reference), final_weights(run_dir)
@@ -278,14 +358,22 @@ def test_a_rollback_first_concludes_the_pending_background_save(failed):
     class Checkpoints:
         def background(self, wait=False, final=False):
             calls.append(("background", wait))
-            return Decision(Action.STOP, "checkpoint step00000006 could not be saved", 8) if failed else Decision()
+            return (
+                Decision(Action.STOP, "checkpoint step00000006 could not be saved", 8)
+                if failed
+                else Decision()
+            )
 
         def rollback(self, state, rewind, *args):
             calls.append("rollback")
             return TrainState(step=3)
 
     trainer = object.__new__(Trainer)  # the decision logic alone: no engine
-    trainer.cfg, trainer.guards, trainer.checkpoints = build_config({}), SimpleNamespace(last_event=None), Checkpoints()
+    trainer.cfg, trainer.guards, trainer.checkpoints = (
+        build_config({}),
+        SimpleNamespace(last_event=None),
+        Checkpoints(),
+    )
     watchdog = SimpleNamespace(phase=lambda name, timeout: contextlib.nullcontext())
     got = trainer._act(Decision(Action.ROLLBACK, "loss spikes"), TrainState(step=7), None, watchdog)
     if failed:

@@ -17,10 +17,17 @@ from keel.launcher.run_spec import build_run, prepare_data
 from tests.keel_runs import Run, final_weights, losses, tiny_overrides
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
-BLEND = json.dumps([{"path": str(STDLIB / "json" / "*.py"), "weight": 0.7},
-                    {"path": [str(STDLIB / "email" / "*.py"), str(STDLIB / "http" / "*.py")], "weight": 0.3}])
+BLEND = json.dumps(
+    [
+        {"path": str(STDLIB / "json" / "*.py"), "weight": 0.7},
+        {"path": [str(STDLIB / "email" / "*.py"), str(STDLIB / "http" / "*.py")], "weight": 0.3},
+    ]
+)
 CHANGES = {"data__corpus": BLEND, "data__document_mask": True}
-KEEL_RUNS = [Run.of("blend-whole", 1, **CHANGES), Run.of("blend-resumed", 1, resume_at=5, **CHANGES)]
+KEEL_RUNS = [
+    Run.of("blend-whole", 1, **CHANGES),
+    Run.of("blend-resumed", 1, resume_at=5, **CHANGES),
+]
 
 
 def test_weighted_corpus_prepares_sources_with_one_tokenizer(tmp_path: Path) -> None:
@@ -31,8 +38,12 @@ def test_weighted_corpus_prepares_sources_with_one_tokenizer(tmp_path: Path) -> 
     assert [s["weight"] for s in data["sources"]] == pytest.approx([0.7, 0.3])
     assert data["blend"]["schedule_samples"] == 80 and data["blend"]["num_samples"] == 80 + 64 * 8
     assert [s["realised_share"] for s in data["sources"]] == pytest.approx([0.7, 0.3], abs=0.01)
-    tokenizers = {(Path(s["prefix"]).parent / "tokenizer.model").read_bytes() for s in data["sources"]}
-    assert tokenizers == {Path(data["tokenizer"]).read_bytes()}  # every source tokenized with the union's
+    tokenizers = {
+        (Path(s["prefix"]).parent / "tokenizer.model").read_bytes() for s in data["sources"]
+    }
+    assert tokenizers == {
+        Path(data["tokenizer"]).read_bytes()
+    }  # every source tokenized with the union's
     train, order, val = open_splits(data, 32, 0.01, seed=5)
     ids = order.sample_ids(range(1000))
     first_source = np.array(ids) < len(train.sources[0])
@@ -41,18 +52,41 @@ def test_weighted_corpus_prepares_sources_with_one_tokenizer(tmp_path: Path) -> 
 
 
 def test_bad_weighted_entries_are_one_line(tmp_path: Path) -> None:
-    for bad, match in ([{"path": "a"}], "expected \\{path"), ([{"path": "a", "weight": -1}], "positive"):
+    for bad, match in (
+        ([{"path": "a"}], "expected \\{path"),
+        ([{"path": "a", "weight": -1}], "positive"),
+    ):
         with pytest.raises(ConfigError, match=match):
-            build_run(None, tiny_overrides([], tmp_path, data__corpus=json.dumps(bad)), None, str(tmp_path), 1)
-    tiny = json.dumps([{"path": str(STDLIB / "json" / "*.py"), "weight": 1},
-                       {"path": str(STDLIB / "this.py"), "weight": 1}])
-    spec = build_run(None, tiny_overrides([], tmp_path / "c", data__corpus=tiny, data__seq_len=4096), None,
-                     str(tmp_path / "s"), 1)
+            build_run(
+                None,
+                tiny_overrides([], tmp_path, data__corpus=json.dumps(bad)),
+                None,
+                str(tmp_path),
+                1,
+            )
+    tiny = json.dumps(
+        [
+            {"path": str(STDLIB / "json" / "*.py"), "weight": 1},
+            {"path": str(STDLIB / "this.py"), "weight": 1},
+        ]
+    )
+    spec = build_run(
+        None,
+        tiny_overrides([], tmp_path / "c", data__corpus=tiny, data__seq_len=4096),
+        None,
+        str(tmp_path / "s"),
+        1,
+    )
     with pytest.raises(DataError, match="this.py"):  # the source too small for seq_len is named
         prepare_data(spec)
     with pytest.raises(ConfigError, match="document_mask"):
-        build_run(None, tiny_overrides(["default"], tmp_path, data__document_mask=True, parallel__pp=2), None,
-                  str(tmp_path / "r"), 2)
+        build_run(
+            None,
+            tiny_overrides(["default"], tmp_path, data__document_mask=True, parallel__pp=2),
+            None,
+            str(tmp_path / "r"),
+            2,
+        )
 
 
 @pytest.mark.slow

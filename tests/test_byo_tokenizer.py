@@ -32,7 +32,12 @@ from tests.keel_runs import keel_train, tiny_overrides
 from tests.test_data_prepare import write_corpus
 from tests.test_data_tokenizer import synthetic_docs
 
-TEXTS = ["def f(x):\n    return x  # two  spaces\n", "ünïcødé and emoji 😀", "", "hello world " * 40]
+TEXTS = [
+    "def f(x):\n    return x  # two  spaces\n",
+    "ünïcødé and emoji 😀",
+    "",
+    "hello world " * 40,
+]
 
 
 def byte_level_bpe(specials: list[str], docs: list[str]) -> RustTokenizer:
@@ -40,8 +45,11 @@ def byte_level_bpe(specials: list[str], docs: list[str]) -> RustTokenizer:
     tok = RustTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(docs, trainer)
     return tok
 
@@ -60,20 +68,40 @@ def made(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     # a directory whose tokenizer_config.json names unconventional special tokens (and no pad)
     named = byte_level_bpe(["<|start|>", "<|stop|>"], docs)
     out["dir"] = root / "hf_dir"
-    PreTrainedTokenizerFast(tokenizer_object=named, bos_token="<|start|>", eos_token="<|stop|>").save_pretrained(
-        str(out["dir"]))
+    PreTrainedTokenizerFast(
+        tokenizer_object=named, bos_token="<|start|>", eos_token="<|stop|>"
+    ).save_pretrained(str(out["dir"]))
     out["json_no_eos"] = root / "no_eos" / "tokenizer.json"
     out["json_no_eos"].parent.mkdir()
     named.save(str(out["json_no_eos"]))
     # a sentencepiece model with its own id layout (pad 0, unk 1, eos 2, no bos), lossless so text round-trips
     out["sp"] = root / "spm.model"
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(docs), model_prefix=str(root / "spm"), vocab_size=300,
-                                   model_type="bpe", byte_fallback=True, pad_id=0, unk_id=1, bos_id=-1, eos_id=2,
-                                   normalization_rule_name="identity", remove_extra_whitespaces=False,
-                                   add_dummy_prefix=False, minloglevel=2)
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(docs),
+        model_prefix=str(root / "spm"),
+        vocab_size=300,
+        model_type="bpe",
+        byte_fallback=True,
+        pad_id=0,
+        unk_id=1,
+        bos_id=-1,
+        eos_id=2,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        add_dummy_prefix=False,
+        minloglevel=2,
+    )
     out["sp_no_eos"] = root / "no_eos.model"
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(docs), model_prefix=str(root / "no_eos"), vocab_size=300,
-                                   model_type="bpe", byte_fallback=True, bos_id=-1, eos_id=-1, minloglevel=2)
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(docs),
+        model_prefix=str(root / "no_eos"),
+        vocab_size=300,
+        model_type="bpe",
+        byte_fallback=True,
+        bos_id=-1,
+        eos_id=-1,
+        minloglevel=2,
+    )
     return out
 
 
@@ -90,8 +118,15 @@ def test_tokenizer_json_encodes_like_tokenizers(made: dict[str, Path]) -> None:
     tok = load_tokenizer(made["json"])
     reference = RustTokenizer.from_file(str(made["json"]))
     assert isinstance(tok, HFTokenizer) and tok.kind == "hf"
-    assert (tok.vocab_size, tok.bos_id, tok.eos_id, tok.pad_id) == (reference.get_vocab_size(), 0, 1, 2)
-    assert [tok.encode(t) for t in TEXTS] == [reference.encode(t, add_special_tokens=False).ids for t in TEXTS]
+    assert (tok.vocab_size, tok.bos_id, tok.eos_id, tok.pad_id) == (
+        reference.get_vocab_size(),
+        0,
+        1,
+        2,
+    )
+    assert [tok.encode(t) for t in TEXTS] == [
+        reference.encode(t, add_special_tokens=False).ids for t in TEXTS
+    ]
     for threads in (1, None):
         assert tok.encode_batch(TEXTS, num_threads=threads) == [tok.encode(t) for t in TEXTS]
     assert [tok.decode(tok.encode(t)) for t in TEXTS] == TEXTS
@@ -106,7 +141,9 @@ def test_hf_directory_encodes_like_transformers(made: dict[str, Path]) -> None:
     assert (tok.bos_id, tok.eos_id) == (reference.bos_token_id, reference.eos_token_id) == (0, 1)
     assert tok.pad_id is reference.pad_token_id is None
     assert tok.vocab_size == len(reference)
-    assert [tok.encode(t) for t in TEXTS] == [reference.encode(t, add_special_tokens=False) for t in TEXTS]
+    assert [tok.encode(t) for t in TEXTS] == [
+        reference.encode(t, add_special_tokens=False) for t in TEXTS
+    ]
     assert [tok.decode(tok.encode(t)) for t in TEXTS] == TEXTS
 
 
@@ -119,16 +156,28 @@ def test_directories_of_a_sentencepiece_model(made: dict[str, Path], tmp_path: P
     bare.mkdir()
     (bare / "tokenizer.model").write_bytes(made["sp"].read_bytes())
     tok = load_tokenizer(bare)
-    assert tok.kind == "sentencepiece" and tok.encode(TEXTS[0]) == load_tokenizer(made["sp"]).encode(TEXTS[0])
+    assert tok.kind == "sentencepiece" and tok.encode(TEXTS[0]) == load_tokenizer(
+        made["sp"]
+    ).encode(TEXTS[0])
     slow = tmp_path / "slow"
     slow.mkdir()
     (slow / "tokenizer.model").write_bytes(made["sp"].read_bytes())
-    (slow / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "LlamaTokenizer", "eos_token": "</s>", "bos_token": None, "pad_token": "<pad>"}))
+    (slow / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "LlamaTokenizer",
+                "eos_token": "</s>",
+                "bos_token": None,
+                "pad_token": "<pad>",
+            }
+        )
+    )
     tok = load_tokenizer(slow)
     reference = AutoTokenizer.from_pretrained(str(slow), local_files_only=True)
     assert (tok.kind, tok.bos_id, tok.eos_id, tok.pad_id) == ("hf", None, 2, 0)
-    assert [tok.encode(t) for t in TEXTS] == [reference.encode(t, add_special_tokens=False) for t in TEXTS]
+    assert [tok.encode(t) for t in TEXTS] == [
+        reference.encode(t, add_special_tokens=False) for t in TEXTS
+    ]
 
 
 @pytest.mark.parametrize("kind", ["sp", "json", "dir"])
@@ -152,7 +201,9 @@ def test_sha256_covers_the_tokenizer_files_only(made: dict[str, Path], tmp_path:
     (directory / "config.json").write_text("{}")
     assert source_sha256(directory) == before
     config = json.loads((directory / "tokenizer_config.json").read_text())
-    (directory / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "<|start|>"}))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps({**config, "eos_token": "<|start|>"})
+    )
     assert source_sha256(directory) != before
     assert load_tokenizer(directory).eos_id == 0
 
@@ -166,8 +217,9 @@ def test_documents_are_never_truncated(made: dict[str, Path], tmp_path: Path) ->
 
 
 @pytest.mark.parametrize("kind", ["sp", "json", "dir"])
-def test_prepare_with_a_given_tokenizer(made: dict[str, Path], kind: str, tmp_path: Path,
-                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_prepare_with_a_given_tokenizer(
+    made: dict[str, Path], kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     files = write_corpus(tmp_path / "corpus", n_files=6)
     source = made[kind]
     given = load_tokenizer(source)
@@ -176,12 +228,20 @@ def test_prepare_with_a_given_tokenizer(made: dict[str, Path], kind: str, tmp_pa
         raise AssertionError("trained a tokenizer although one was given")
 
     monkeypatch.setattr(source_mod, "train_tokenizer", no_training)
-    prepared = ensure_prepared([str(tmp_path / "corpus")], tmp_path / "cache", 4096, progress=False,
-                               tokenizer=source)
+    prepared = ensure_prepared(
+        [str(tmp_path / "corpus")], tmp_path / "cache", 4096, progress=False, tokenizer=source
+    )
     copy = load_tokenizer(prepared.tokenizer_path)
-    assert prepared.tokenizer_path.parent == prepared.data_prefix.parent  # the entry holds its tokenizer
-    assert (copy.kind, copy.vocab_size, copy.bos_id, copy.eos_id, copy.pad_id) == \
-        (given.kind, given.vocab_size, given.bos_id, given.eos_id, given.pad_id)
+    assert (
+        prepared.tokenizer_path.parent == prepared.data_prefix.parent
+    )  # the entry holds its tokenizer
+    assert (copy.kind, copy.vocab_size, copy.bos_id, copy.eos_id, copy.pad_id) == (
+        given.kind,
+        given.vocab_size,
+        given.bos_id,
+        given.eos_id,
+        given.pad_id,
+    )
     ds = IndexedDataset(prepared.data_prefix)
     docs = list(iter_documents(sorted(files)))
     assert len(ds) == len(docs) and ds.vocab_size == given.vocab_size
@@ -189,24 +249,49 @@ def test_prepare_with_a_given_tokenizer(made: dict[str, Path], kind: str, tmp_pa
         assert ds[i].tolist() == given.encode(doc) + [given.eos_id]
         assert given.decode(ds[i][:-1].tolist()) == doc
     # the same tokenizer finds the entry whatever data.tokenizer_vocab_size says; another tokenizer re-prepares
-    again = ensure_prepared([str(tmp_path / "corpus")], tmp_path / "cache", 300, progress=False, tokenizer=source)
+    again = ensure_prepared(
+        [str(tmp_path / "corpus")], tmp_path / "cache", 300, progress=False, tokenizer=source
+    )
     assert again == prepared
     other = made["json" if kind != "json" else "sp"]
-    assert ensure_prepared([str(tmp_path / "corpus")], tmp_path / "cache", 4096, progress=False,
-                           tokenizer=other).data_prefix.parent != prepared.data_prefix.parent
+    assert (
+        ensure_prepared(
+            [str(tmp_path / "corpus")], tmp_path / "cache", 4096, progress=False, tokenizer=other
+        ).data_prefix.parent
+        != prepared.data_prefix.parent
+    )
 
 
-def test_special_ids_and_vocab_reach_the_model_and_the_record(made: dict[str, Path], tmp_path: Path) -> None:
+def test_special_ids_and_vocab_reach_the_model_and_the_record(
+    made: dict[str, Path], tmp_path: Path
+) -> None:
     write_corpus(tmp_path / "corpus", n_files=4)
-    spec = build_run(None, [f"data.corpus=[{tmp_path / 'corpus'}]", f"data.cache_dir={tmp_path / 'cache'}",
-                            f"data.tokenizer={made['dir']}"], None, str(tmp_path / "run"), 1)
+    spec = build_run(
+        None,
+        [
+            f"data.corpus=[{tmp_path / 'corpus'}]",
+            f"data.cache_dir={tmp_path / 'cache'}",
+            f"data.tokenizer={made['dir']}",
+        ],
+        None,
+        str(tmp_path / "run"),
+        1,
+    )
     prepare_data(spec)
     tok = load_tokenizer(made["dir"])
     m = spec.cfg.model
     assert (m.vocab_size, m.bos_id, m.eos_id, m.pad_id) == (tok.vocab_size, 0, 1, -1)
     info = spec.data["tokenizer_info"]
-    assert info == {**info, "source": str(made["dir"]), "kind": "hf", "sha256": source_sha256(made["dir"]),
-                    "vocab_size": tok.vocab_size, "bos_id": 0, "eos_id": 1, "pad_id": None}
+    assert info == {
+        **info,
+        "source": str(made["dir"]),
+        "kind": "hf",
+        "sha256": source_sha256(made["dir"]),
+        "vocab_size": tok.vocab_size,
+        "bos_id": 0,
+        "eos_id": 1,
+        "pad_id": None,
+    }
 
 
 @pytest.mark.fault("resume with another tokenizer", "refused in one line before any rank")
@@ -224,9 +309,13 @@ def test_resume_with_another_tokenizer_is_refused(made: dict[str, Path], tmp_pat
     same = build_run(None, base + [f"data.tokenizer={made['json']}"], None, str(run), 1)
     prepare_data(same)  # the same tokenizer resumes
     changed = build_run(None, base + [f"data.tokenizer={made['sp']}"], None, str(run), 1)
-    with pytest.raises(ConfigError, match=r"checkpoints in .* were trained with tokenizer .*tokenizer\.json"):
+    with pytest.raises(
+        ConfigError, match=r"checkpoints in .* were trained with tokenizer .*tokenizer\.json"
+    ):
         prepare_data(changed)
-    fresh = build_run(None, base + [f"data.tokenizer={made['sp']}", "checkpoint.resume=false"], None, str(run), 1)
+    fresh = build_run(
+        None, base + [f"data.tokenizer={made['sp']}", "checkpoint.resume=false"], None, str(run), 1
+    )
     prepare_data(fresh)
 
 
@@ -259,43 +348,84 @@ BAD_INPUTS = {
 
 @pytest.mark.parametrize("case", list(BAD_INPUTS))
 @pytest.mark.fault("missing or unusable tokenizer", "one line naming it; exit 2")
-def test_bad_tokenizer_is_one_line(made: dict[str, Path], case: str, tmp_path: Path,
-                                   capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_tokenizer_is_one_line(
+    made: dict[str, Path], case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     write_corpus(tmp_path / "corpus", n_files=2)
     bad = _write_bad(tmp_path, made, case)
     with pytest.raises(SystemExit) as exit_info:
-        keel_main(["train", "--nproc", "1", "--run-dir", str(tmp_path / "run"),
-                   "--set", f"data.corpus=[{tmp_path / 'corpus'}]", "--set", f"data.cache_dir={tmp_path / 'cache'}",
-                   "--set", f"data.tokenizer={bad}"])
+        keel_main(
+            [
+                "train",
+                "--nproc",
+                "1",
+                "--run-dir",
+                str(tmp_path / "run"),
+                "--set",
+                f"data.corpus=[{tmp_path / 'corpus'}]",
+                "--set",
+                f"data.cache_dir={tmp_path / 'cache'}",
+                "--set",
+                f"data.tokenizer={bad}",
+            ]
+        )
     err = capsys.readouterr().err.strip()
     assert exit_info.value.code == 2
-    assert len(err.splitlines()) == 1 and err.startswith("keel: error: ") and BAD_INPUTS[case] in err, err
+    assert (
+        len(err.splitlines()) == 1 and err.startswith("keel: error: ") and BAD_INPUTS[case] in err
+    ), err
     assert not (tmp_path / "run").exists()  # refused before anything was written or launched
 
 
-@pytest.mark.parametrize(("override", "message"), [
-    ("model.vocab_size=100", "model.vocab_size=100 is smaller than the tokenizer's"),
-    ("model.eos_id=5", "model.eos_id=5 differs from the tokenizer's (1"),
-])
-@pytest.mark.fault("model vocabulary or special ids disagree with the tokenizer", "one line naming the field")
-def test_model_tokenizer_mismatch_is_one_line(made: dict[str, Path], override: str, message: str,
-                                              tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("model.vocab_size=100", "model.vocab_size=100 is smaller than the tokenizer's"),
+        ("model.eos_id=5", "model.eos_id=5 differs from the tokenizer's (1"),
+    ],
+)
+@pytest.mark.fault(
+    "model vocabulary or special ids disagree with the tokenizer", "one line naming the field"
+)
+def test_model_tokenizer_mismatch_is_one_line(
+    made: dict[str, Path], override: str, message: str, tmp_path: Path
+) -> None:
     write_corpus(tmp_path / "corpus", n_files=2)
-    spec = build_run(None, [f"data.corpus=[{tmp_path / 'corpus'}]", f"data.cache_dir={tmp_path / 'cache'}",
-                            f"data.tokenizer={made['json']}", override], None, str(tmp_path / "run"), 1)
+    spec = build_run(
+        None,
+        [
+            f"data.corpus=[{tmp_path / 'corpus'}]",
+            f"data.cache_dir={tmp_path / 'cache'}",
+            f"data.tokenizer={made['json']}",
+            override,
+        ],
+        None,
+        str(tmp_path / "run"),
+        1,
+    )
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         prepare_data(spec)
 
 
-def test_vocab_size_setting_applies_only_when_training(made: dict[str, Path], tmp_path: Path) -> None:
+def test_vocab_size_setting_applies_only_when_training(
+    made: dict[str, Path], tmp_path: Path
+) -> None:
     with pytest.raises(ConfigError, match="data.tokenizer_vocab_size: 100 is too small"):
         build_run(None, ["data.tokenizer_vocab_size=100"], None, str(tmp_path / "run"), 1)
-    build_run(None, ["data.tokenizer_vocab_size=100", f"data.tokenizer={made['sp']}"], None, str(tmp_path / "run"), 1)
+    build_run(
+        None,
+        ["data.tokenizer_vocab_size=100", f"data.tokenizer={made['sp']}"],
+        None,
+        str(tmp_path / "run"),
+        1,
+    )
     with pytest.raises(ConfigError, match="data.tokenizer: empty"):
         build_run(None, ["data.tokenizer=''"], None, str(tmp_path / "run"), 1)
 
 
-def test_relative_path_is_taken_from_the_config_directory(made: dict[str, Path], tmp_path: Path) -> None:
+def test_relative_path_is_taken_from_the_config_directory(
+    made: dict[str, Path], tmp_path: Path
+) -> None:
     assert resolve_tokenizer_path("train", tmp_path) is None
     assert resolve_tokenizer_path(made["sp"].name, made["sp"].parent) == made["sp"]
     with pytest.raises(DataError, match="does not exist"):
@@ -306,11 +436,24 @@ def test_relative_path_is_taken_from_the_config_directory(made: dict[str, Path],
 def test_keel_train_with_a_given_hf_tokenizer(made: dict[str, Path], tmp_path: Path) -> None:
     write_corpus(tmp_path / "corpus", n_files=12)
     run = tmp_path / "run"
-    keel_train(run, 1, tiny_overrides([str(tmp_path / "corpus")], tmp_path / "cache", data__tokenizer=made["dir"],
-                                      train__steps=4, train__warmup_steps=1))
+    keel_train(
+        run,
+        1,
+        tiny_overrides(
+            [str(tmp_path / "corpus")],
+            tmp_path / "cache",
+            data__tokenizer=made["dir"],
+            train__steps=4,
+            train__warmup_steps=1,
+        ),
+    )
     info = json.loads((run / "data.json").read_text())["tokenizer_info"]
     tok = load_tokenizer(made["dir"])
-    assert (info["source"], info["kind"], info["sha256"]) == (str(made["dir"]), "hf", source_sha256(made["dir"]))
+    assert (info["source"], info["kind"], info["sha256"]) == (
+        str(made["dir"]),
+        "hf",
+        source_sha256(made["dir"]),
+    )
     assert (info["vocab_size"], info["eos_id"]) == (tok.vocab_size, 1)
     import yaml
 

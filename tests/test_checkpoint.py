@@ -37,7 +37,9 @@ class FakeEngine:
         self.checkpoint_engine.save(client_state, str(path / "mp_rank_00_model_states.pt"))
 
 
-@pytest.mark.fault("crash while writing a checkpoint", "half-written checkpoint never chosen; latest kept")
+@pytest.mark.fault(
+    "crash while writing a checkpoint", "half-written checkpoint never chosen; latest kept"
+)
 def test_latest_skips_half_written_and_prunes(tmp_path):
     ckpt = Checkpointer(tmp_path, keep_last=2, topology=Topology.from_env())
     engine = FakeEngine()
@@ -80,26 +82,38 @@ def test_metrics_rewind_on_resume_keeps_discarded_records(tmp_path):
     writer = MetricsWriter(tmp_path, True, resumed_step=10, log_interval=100, total_steps=20)
     writer.close()
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == list(range(1, 11))
-    assert [r["step"] for r in read_metrics(tmp_path / "metrics.discarded.jsonl")] == list(range(11, 16))
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.discarded.jsonl")] == list(
+        range(11, 16)
+    )
 
 
-@pytest.mark.fault("checkpoint file truncated or missing", "chosen checkpoint refused in one line; exit 6")
+@pytest.mark.fault(
+    "checkpoint file truncated or missing", "chosen checkpoint refused in one line; exit 6"
+)
 def test_agreed_tag_is_verified_against_the_manifest_file_list(tmp_path):
     """One process is rank 0 and its only verifier: a listed file truncated (or gone) stops the choice — the
     checkpoint is set aside, and with none left the run stops rather than start from step 0."""
     ckpt = Checkpointer(tmp_path, keep_last=3, topology=Topology.from_env())
     ckpt.save(FakeEngine(), TrainState(step=10, consumed_samples=80))
     manifest = ckpt.read_manifest("step00000010")
-    assert set(manifest["files"]) == {"mp_rank_00_model_states.pt", "keel_rng_rank0.pt"} == set(manifest["sha256"])
+    assert (
+        set(manifest["files"])
+        == {"mp_rank_00_model_states.pt", "keel_rng_rank0.pt"}
+        == set(manifest["sha256"])
+    )
     assert ckpt.agreed_latest() == "step00000010"
     assert ckpt.agreed_at_or_before(9) is None
     shard = tmp_path / "step00000010" / "mp_rank_00_model_states.pt"
     shard.write_bytes(shard.read_bytes()[:-1])
     (tmp_path / "step00000010" / "keel_rng_rank0.pt").unlink()
-    with pytest.raises(NoIntactCheckpoint, match="every checkpoint in .* is corrupt .step00000010 set aside") as err:
+    with pytest.raises(
+        NoIntactCheckpoint, match="every checkpoint in .* is corrupt .step00000010 set aside"
+    ) as err:
         ckpt.agreed_latest()
     assert err.value.exit_code == 6
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step00000010.corrupt"]  # kept; `latest` had no target
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "step00000010.corrupt"
+    ]  # kept; `latest` had no target
 
 
 class DropoutModel(torch.nn.Module):
@@ -125,7 +139,13 @@ def test_rng_state_restores_every_stream_and_reports_what_an_old_checkpoint_lack
     want = model.draw()
     model.draw()
     assert rng_state.restore(saved, model) == []
-    assert torch.equal(model.draw(), want)  # the sharded dropout stream and the default one both resumed
-    old = {k: saved[k] for k in ("python", "numpy", "torch")}  # a checkpoint from before the new fields
+    assert torch.equal(
+        model.draw(), want
+    )  # the sharded dropout stream and the default one both resumed
+    old = {
+        k: saved[k] for k in ("python", "numpy", "torch")
+    }  # a checkpoint from before the new fields
     assert rng_state.restore(old, DropoutModel()) == ["sharded"]
-    assert rng_state.restore(old, torch.nn.Linear(2, 2)) == []  # no dropout stream: nothing is missing
+    assert (
+        rng_state.restore(old, torch.nn.Linear(2, 2)) == []
+    )  # no dropout stream: nothing is missing

@@ -10,13 +10,21 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from keel.training.guards.consistency import CHUNK_WORDS, Checksummer, checksum
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.uint8])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.uint8]
+)
 @pytest.mark.parametrize("chunk_words", [4, CHUNK_WORDS])
 def test_every_single_bit_flip_changes_the_checksum(dtype, chunk_words):
     """Every bit of every element of a small tensor, over several chunks (chunk_words=4) and one; the random bits
     include large words, so the int64 sums wrap around."""
     gen = torch.Generator().manual_seed(0)
-    raw = torch.randint(0, 256, (24 * torch.empty((), dtype=dtype).element_size(),), dtype=torch.uint8, generator=gen)
+    raw = torch.randint(
+        0,
+        256,
+        (24 * torch.empty((), dtype=dtype).element_size(),),
+        dtype=torch.uint8,
+        generator=gen,
+    )
     tensor = raw.view(dtype)
     summer = Checksummer(chunk_words)
     clean = int(summer.checksum(tensor))
@@ -44,8 +52,11 @@ class LargestAllocation(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs))
-                  if isinstance(a, torch.Tensor)}
+        inputs = {
+            a.untyped_storage().data_ptr()
+            for a in torch.utils._pytree.tree_leaves((args, kwargs))
+            if isinstance(a, torch.Tensor)
+        }
         for t in torch.utils._pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
                 self.largest = max(self.largest, t.untyped_storage().nbytes())

@@ -22,14 +22,27 @@ from tests.test_pipeline_schedules import SCHEDULES
 
 pytestmark = pytest.mark.slow
 
-ALL_GUARDS = dict(parallel__tp=2, logging__collective_trace="true", train__eval_interval=5, checkpoint__interval=5,
-                  stability__checksum_interval=2, stability__loss_check_interval=2,
-                  stability__straggler_interval=2, stability__monitor_interval=2)
-TRACED = {"4d": Run.of("4d", 8, "ds_configs/zero1.json", **FOUR_D),
-          "tp2sp2ep2": Run.of("tp2sp2ep2", 8, "ds_configs/zero2.json", **TP_SP_EP),
-          "all-guards": Run.of("all-guards", 4, "ds_configs/zero1.json", **ALL_GUARDS),
-          **{f"{name}-all-guards": Run.of(f"{name}-all-guards", 4, "ds_configs/zero1.json", **ALL_GUARDS, **schedule)
-             for name, schedule in SCHEDULES.items()}}
+ALL_GUARDS = dict(
+    parallel__tp=2,
+    logging__collective_trace="true",
+    train__eval_interval=5,
+    checkpoint__interval=5,
+    stability__checksum_interval=2,
+    stability__loss_check_interval=2,
+    stability__straggler_interval=2,
+    stability__monitor_interval=2,
+)
+TRACED = {
+    "4d": Run.of("4d", 8, "ds_configs/zero1.json", **FOUR_D),
+    "tp2sp2ep2": Run.of("tp2sp2ep2", 8, "ds_configs/zero2.json", **TP_SP_EP),
+    "all-guards": Run.of("all-guards", 4, "ds_configs/zero1.json", **ALL_GUARDS),
+    **{
+        f"{name}-all-guards": Run.of(
+            f"{name}-all-guards", 4, "ds_configs/zero1.json", **ALL_GUARDS, **schedule
+        )
+        for name, schedule in SCHEDULES.items()
+    },
+}
 KEEL_RUNS = list(TRACED.values())
 
 Call = tuple[str, str, str, int]  # op, channel, dtype, numel
@@ -49,17 +62,23 @@ def divergences(traces: dict[int, list[dict]]) -> list[str]:
     for rank, entries in traces.items():
         for e in entries:
             key = (e["group"], tuple(e["ranks"]))
-            per_group[key].setdefault(rank, []).append((e["op"], e["channel"], e["dtype"], e["numel"]))
+            per_group[key].setdefault(rank, []).append(
+                (e["op"], e["channel"], e["dtype"], e["numel"])
+            )
     problems = []
     for (name, ranks), calls in sorted(per_group.items()):
         sequences = {rank: calls.get(rank, []) for rank in ranks}
         reference_rank = ranks[0]
         for rank, seq in sequences.items():
             if seq != sequences[reference_rank]:
-                first = next((i for i, (a, b) in enumerate(zip(seq, sequences[reference_rank])) if a != b),
-                             min(len(seq), len(sequences[reference_rank])))
-                problems.append(f"group {name} {list(ranks)}: rank {rank} differs from rank {reference_rank} at call "
-                                f"{first} ({len(seq)} vs {len(sequences[reference_rank])} calls)")
+                first = next(
+                    (i for i, (a, b) in enumerate(zip(seq, sequences[reference_rank])) if a != b),
+                    min(len(seq), len(sequences[reference_rank])),
+                )
+                problems.append(
+                    f"group {name} {list(ranks)}: rank {rank} differs from rank {reference_rank} at call "
+                    f"{first} ({len(seq)} vs {len(sequences[reference_rank])} calls)"
+                )
                 break
     return problems
 
@@ -67,8 +86,14 @@ def divergences(traces: dict[int, list[dict]]) -> list[str]:
 @pytest.mark.fault("ranks issue different collectives", "trace comparison names the divergence")
 def test_divergence_is_found():
     """The comparison can fail: an extra call, a different size, or another channel on one rank."""
-    call = {"op": "all_reduce_max", "group": "world", "ranks": [0, 1], "channel": "control", "dtype": "int64",
-            "numel": 2}
+    call = {
+        "op": "all_reduce_max",
+        "group": "world",
+        "ranks": [0, 1],
+        "channel": "control",
+        "dtype": "int64",
+        "numel": 2,
+    }
     same = {0: [call, call], 1: [call, call]}
     assert divergences(same) == []
     assert divergences({0: [call, call], 1: [call]}) != []
@@ -87,10 +112,20 @@ def test_every_rank_issues_the_same_collectives(runs, name):
     channels = {e["channel"] for entries in traces.values() for e in entries}
     assert channels == {"device", "control"}
     # the step's agreement (decision, preemption flag, exit code, data-stop sample) is one small control collective
-    steps = max(json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines())
+    steps = max(
+        json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+    )
     for rank, entries in traces.items():
-        agreements = [e for e in entries if e["group"] == "world" and e["op"] == "all_reduce_max"
-                      and e["channel"] == "control" and e["numel"] == 4]
+        agreements = [
+            e
+            for e in entries
+            if e["group"] == "world"
+            and e["op"] == "all_reduce_max"
+            and e["channel"] == "control"
+            and e["numel"] == 4
+        ]
         assert len(agreements) == steps, (rank, len(agreements), steps)
-        control_tensors = [e for e in entries if e["channel"] == "control" and e["dtype"] != "object"]
+        control_tensors = [
+            e for e in entries if e["channel"] == "control" and e["dtype"] != "object"
+        ]
         assert all(e["device"] == "cpu" for e in control_tensors)

@@ -19,10 +19,31 @@ KEEL = Path(__file__).resolve().parents[1] / "keel"
 COMM = KEEL / "parallel" / "comm.py"
 DIST_MODULES = {"torch.distributed", "deepspeed.comm"}
 COLLECTIVES = {
-    "all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_object", "all_gather_into_tensor",
-    "_all_gather_base", "all_to_all", "all_to_all_single", "broadcast", "broadcast_object_list", "barrier",
-    "monitored_barrier", "reduce", "reduce_scatter", "reduce_scatter_tensor", "_reduce_scatter_base", "gather",
-    "gather_object", "scatter", "scatter_object_list", "send", "recv", "isend", "irecv", "batch_isend_irecv",
+    "all_reduce",
+    "all_reduce_coalesced",
+    "all_gather",
+    "all_gather_object",
+    "all_gather_into_tensor",
+    "_all_gather_base",
+    "all_to_all",
+    "all_to_all_single",
+    "broadcast",
+    "broadcast_object_list",
+    "barrier",
+    "monitored_barrier",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "_reduce_scatter_base",
+    "gather",
+    "gather_object",
+    "scatter",
+    "scatter_object_list",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "batch_isend_irecv",
     "inference_all_reduce",
 }
 
@@ -63,13 +84,16 @@ def test_no_collective_outside_comm():
     for path in sorted(KEEL.rglob("*.py")):
         if path == COMM:
             continue
-        offenders += [f"{path.relative_to(KEEL.parent)}:{line}: {call}"
-                      for line, call in direct_collectives(path.read_text())]
-    assert not offenders, ("collectives must go through keel/parallel/comm.py with a channel:\n"
-                           + "\n".join(offenders))
+        offenders += [
+            f"{path.relative_to(KEEL.parent)}:{line}: {call}"
+            for line, call in direct_collectives(path.read_text())
+        ]
+    assert not offenders, (
+        "collectives must go through keel/parallel/comm.py with a channel:\n" + "\n".join(offenders)
+    )
 
 
-OLD_PIPELINE_LOSS = '''
+OLD_PIPELINE_LOSS = """
 import torch.distributed as dist
 
 def _pipeline_loss(self):
@@ -78,31 +102,46 @@ def _pipeline_loss(self):
     if summed is not None:
         local = summed.detach().float()
     dist.all_reduce(local)
-'''
+"""
 
 
-@pytest.mark.parametrize("source, expected", [
-    (OLD_PIPELINE_LOSS, [(9, "dist.all_reduce")]),
-    ("import torch\ntorch.distributed.barrier()\n", [(2, "torch.distributed.barrier")]),
-    ("from torch.distributed import all_gather_object as g\ng([], 1)\n", [(2, "all_gather_object")]),
-    ("from torch import distributed\ndistributed.broadcast(t, 0)\n", [(2, "distributed.broadcast")]),
-    ("import deepspeed.comm as dc\ndc.all_reduce(t)\n", [(2, "dc.all_reduce")]),
-    ("import torch.distributed as dist\ndist.get_rank()\ncomm.all_reduce(t, g)\n", []),
-])
+@pytest.mark.parametrize(
+    "source, expected",
+    [
+        (OLD_PIPELINE_LOSS, [(9, "dist.all_reduce")]),
+        ("import torch\ntorch.distributed.barrier()\n", [(2, "torch.distributed.barrier")]),
+        (
+            "from torch.distributed import all_gather_object as g\ng([], 1)\n",
+            [(2, "all_gather_object")],
+        ),
+        (
+            "from torch import distributed\ndistributed.broadcast(t, 0)\n",
+            [(2, "distributed.broadcast")],
+        ),
+        ("import deepspeed.comm as dc\ndc.all_reduce(t)\n", [(2, "dc.all_reduce")]),
+        ("import torch.distributed as dist\ndist.get_rank()\ncomm.all_reduce(t, g)\n", []),
+    ],
+)
 def test_the_lint_sees_direct_collectives(source, expected):
     assert direct_collectives(source) == expected
 
 
 def test_a_tensor_on_the_wrong_device_for_its_channel_is_refused():
     gpu_world = comm.Group("world", (0, 1), 0, comm.DEVICE, device_type="cuda")
-    with pytest.raises(RuntimeError, match="needs a cuda tensor, got one on cpu"):  # the old pipeline loss on GPUs
+    with pytest.raises(
+        RuntimeError, match="needs a cuda tensor, got one on cpu"
+    ):  # the old pipeline loss on GPUs
         comm.check("all_reduce_sum", gpu_world, torch.zeros(()))
     control = comm.Group("world", (0, 1), 0, comm.CONTROL, device_type="cuda")
-    with pytest.raises(RuntimeError, match="control channel .* needs a cpu tensor, got one on meta"):
+    with pytest.raises(
+        RuntimeError, match="control channel .* needs a cpu tensor, got one on meta"
+    ):
         comm.check("all_reduce_max", control, torch.zeros((), device="meta"))
     with pytest.raises(RuntimeError, match="Python objects belongs on the control channel"):
         comm.check("all_gather_object", gpu_world, None)
-    comm.check("all_reduce_max", control, torch.zeros(2, dtype=torch.int64))  # right device: accepted
+    comm.check(
+        "all_reduce_max", control, torch.zeros(2, dtype=torch.int64)
+    )  # right device: accepted
     comm.check("all_gather_object", control, None)
 
 

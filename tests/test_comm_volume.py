@@ -23,13 +23,17 @@ def bench(monkeypatch):
 def test_tp_collective_volume_matches_megatron(bench):
     shape = bench.Shape()
     names = [case.name for case in bench.CASES]
-    assert any("sequence parallel on" in n for n in names) and any("sequence parallel off" in n for n in names)
+    assert any("sequence parallel on" in n for n in names) and any(
+        "sequence parallel off" in n for n in names
+    )
     assert any(n.startswith("ep=") for n in names) and any("Ulysses" in n for n in names)
     assert {case.world for case in bench.CASES} == {2}
     for case, result in zip(bench.CASES, bench.measure_all(bench.CASES, shape)):
         assert result.case is case
         assert result.calls, f"{case.name}: the recorder saw no collective"
-        assert 0.95 <= result.ratio <= 1.05, f"{case.name}: measured / analytic = {result.ratio:.4f}"
+        assert 0.95 <= result.ratio <= 1.05, (
+            f"{case.name}: measured / analytic = {result.ratio:.4f}"
+        )
 
 
 def test_recorder_patches_only_inside_its_block(bench):

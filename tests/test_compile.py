@@ -22,7 +22,9 @@ def _train(compiled: bool, steps: int = 3) -> tuple[list[float], list[torch.Tens
     if compiled:
         compile_blocks(model.layers)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    data = torch.randint(0, CFG.vocab_size, (steps, 4, 33), generator=torch.Generator().manual_seed(0))
+    data = torch.randint(
+        0, CFG.vocab_size, (steps, 4, 33), generator=torch.Generator().manual_seed(0)
+    )
     losses, grads = [], []
     for batch in data:
         optimizer.zero_grad()
@@ -43,11 +45,19 @@ def test_compiled_blocks_match_eager():
         torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-5)
 
 
-@pytest.mark.parametrize("parallel, model, named", [
-    (dict(tp=2), {}, "parallel.tp"), (dict(pp=2), {}, "parallel.pp"), (dict(sp=2), {}, "parallel.sp"),
-    ({}, dict(moe_experts=4), "model.moe_experts")])
+@pytest.mark.parametrize(
+    "parallel, model, named",
+    [
+        (dict(tp=2), {}, "parallel.tp"),
+        (dict(pp=2), {}, "parallel.pp"),
+        (dict(sp=2), {}, "parallel.sp"),
+        ({}, dict(moe_experts=4), "model.moe_experts"),
+    ],
+)
 def test_compile_refuses_what_it_is_not_proven_on(parallel, model, named):
-    cfg = RunConfig(model=dataclasses.replace(CFG, compile=True, **model), parallel=ParallelConfig(**parallel))
+    cfg = RunConfig(
+        model=dataclasses.replace(CFG, compile=True, **model), parallel=ParallelConfig(**parallel)
+    )
     with pytest.raises(ConfigError, match=rf"model\.compile: .*{named}"):
         validate(cfg, world_size=2)
 
@@ -67,7 +77,8 @@ def test_build_model_compiles_the_blocks_when_asked():
         model = build_model(RunConfig(model=dataclasses.replace(CFG, compile=compiled)))
         seen: list[bool] = []
         model.layers[1].attention.register_forward_pre_hook(
-            lambda m, a, seen=seen: seen.append(torch.compiler.is_compiling()))
+            lambda m, a, seen=seen: seen.append(torch.compiler.is_compiling())
+        )
         model(torch.zeros(1, 8, dtype=torch.long))
         assert seen == [compiled]
 
@@ -84,18 +95,34 @@ def test_auto_compiles_only_where_it_was_measured_to_win(monkeypatch):
     assert should_compile(RunConfig(model=big, train=long_run), 1, "fp32")[0]
     for cfg, stage, precision, why in [
         (RunConfig(model=big, train=TrainConfig(steps=300)), 1, "fp32", "train.steps < 1000"),
-        (RunConfig(model=dataclasses.replace(big, dim=128), train=long_run), 1, "fp32", "model.dim < 256"),
+        (
+            RunConfig(model=dataclasses.replace(big, dim=128), train=long_run),
+            1,
+            "fp32",
+            "model.dim < 256",
+        ),
         (RunConfig(model=big, train=long_run), 3, "fp32", "ZeRO-3"),
         (RunConfig(model=big, train=long_run), 1, "bf16", "bf16"),
-        (RunConfig(model=big, train=long_run, parallel=ParallelConfig(tp=2)), 1, "fp32", "parallel.tp"),
+        (
+            RunConfig(model=big, train=long_run, parallel=ParallelConfig(tp=2)),
+            1,
+            "fp32",
+            "parallel.tp",
+        ),
     ]:
         compiled, reason = should_compile(cfg, stage, precision)
         assert not compiled and why in reason, reason
     assert should_compile(RunConfig(model=dataclasses.replace(CFG, compile="true")), 1, "fp32") == (
-        True, "model.compile=true")
-    assert not should_compile(RunConfig(model=dataclasses.replace(big, compile=False), train=long_run), 1, "fp32")[0]
+        True,
+        "model.compile=true",
+    )
+    assert not should_compile(
+        RunConfig(model=dataclasses.replace(big, compile=False), train=long_run), 1, "fp32"
+    )[0]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert "CUDA" in should_compile(RunConfig(model=big, train=long_run), 1, "fp32")[1]
-    assert build_config({"model": {"compile": True}}).model.compile == "True"  # YAML's boolean, read as a setting
+    assert (
+        build_config({"model": {"compile": True}}).model.compile == "True"
+    )  # YAML's boolean, read as a setting
     with pytest.raises(ConfigError, match="model.compile: expected auto, true or false"):
         validate(build_config({"model": {"compile": "sometimes"}}), 1)

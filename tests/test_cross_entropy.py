@@ -13,7 +13,11 @@ import torch.nn.functional as F
 
 from keel.launcher.local import free_port
 from keel.model import causal_lm_loss
-from keel.parallel.cross_entropy import cross_entropy_reference, vocab_parallel_cross_entropy, vocab_range
+from keel.parallel.cross_entropy import (
+    cross_entropy_reference,
+    vocab_parallel_cross_entropy,
+    vocab_range,
+)
 from keel.parallel.topology import Topology
 
 B, S = 2, 8
@@ -45,8 +49,12 @@ CASES = [(eps, z) for eps in (0.0, 0.1) for z in (0.0, 1e-4, 0.1)]
 @pytest.mark.parametrize("eps,z", CASES)
 def test_matches_reference_with_padding_and_ignored_tokens(eps, z):
     logits, labels = make_inputs(vocab_size=50, padded=64)
-    ref_loss, ref_grad = loss_and_grad(lambda x: cross_entropy_reference(x, labels, 50, eps, z), logits)
-    loss, grad = loss_and_grad(lambda x: vocab_parallel_cross_entropy(x, labels, None, 0, 50, eps, z), logits)
+    ref_loss, ref_grad = loss_and_grad(
+        lambda x: cross_entropy_reference(x, labels, 50, eps, z), logits
+    )
+    loss, grad = loss_and_grad(
+        lambda x: vocab_parallel_cross_entropy(x, labels, None, 0, 50, eps, z), logits
+    )
     assert loss.dtype == torch.float32 and loss.shape == ()
     torch.testing.assert_close(loss, ref_loss, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(grad, ref_grad, atol=1e-7, rtol=1e-5)
@@ -72,15 +80,21 @@ def test_reference_is_pytorch_cross_entropy():
 def test_equals_causal_lm_loss_without_padding():
     logits, labels = make_inputs(vocab_size=64, padded=64)
     ref_loss, ref_grad = loss_and_grad(lambda x: causal_lm_loss(x, labels), logits)
-    loss, grad = loss_and_grad(lambda x: vocab_parallel_cross_entropy(x, labels, None, 0, 64), logits)
+    loss, grad = loss_and_grad(
+        lambda x: vocab_parallel_cross_entropy(x, labels, None, 0, 64), logits
+    )
     torch.testing.assert_close(loss, ref_loss, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(grad, ref_grad, atol=1e-7, rtol=1e-5)
 
 
 def test_bf16_input_gives_fp32_loss_and_bf16_grad():
     logits, labels = make_inputs(vocab_size=50, padded=64, dtype=torch.bfloat16)
-    ref_loss, ref_grad = loss_and_grad(lambda x: cross_entropy_reference(x, labels, 50, 0.1, 1e-4), logits)
-    loss, grad = loss_and_grad(lambda x: vocab_parallel_cross_entropy(x, labels, None, 0, 50, 0.1, 1e-4), logits)
+    ref_loss, ref_grad = loss_and_grad(
+        lambda x: cross_entropy_reference(x, labels, 50, 0.1, 1e-4), logits
+    )
+    loss, grad = loss_and_grad(
+        lambda x: vocab_parallel_cross_entropy(x, labels, None, 0, 50, 0.1, 1e-4), logits
+    )
     assert loss.dtype == torch.float32 and grad.dtype == torch.bfloat16
     torch.testing.assert_close(loss, ref_loss, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(grad.float(), ref_grad.float(), atol=1e-4, rtol=1e-2)
@@ -90,7 +104,8 @@ def test_gradcheck_in_double():
     logits, labels = make_inputs(vocab_size=10, padded=12)
     logits = logits[..., :12].double().requires_grad_()
     assert torch.autograd.gradcheck(
-        lambda x: vocab_parallel_cross_entropy(x, labels, None, 0, 10, 0.1, 0.1, reentrant=True), (logits,)
+        lambda x: vocab_parallel_cross_entropy(x, labels, None, 0, 10, 0.1, 0.1, reentrant=True),
+        (logits,),
     )
 
 
@@ -101,7 +116,9 @@ def test_backward_in_place_matches_reentrant_and_a_second_backward_fails_loudly(
     grads = []
     for reentrant in (False, True):
         x = logits.clone().requires_grad_()
-        vocab_parallel_cross_entropy(x, labels, None, 0, 50, 0.1, 1e-3, reentrant=reentrant).backward()
+        vocab_parallel_cross_entropy(
+            x, labels, None, 0, 50, 0.1, 1e-3, reentrant=reentrant
+        ).backward()
         grads.append(x.grad)
     assert torch.equal(grads[0], grads[1])
     x = logits.clone().requires_grad_()
@@ -135,7 +152,10 @@ def test_consumed_logits_become_the_softmax_with_the_same_loss_and_gradients():
         loss.backward()
         results.append((loss.detach(), h.grad))
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
-    for kept in (logits.clone().requires_grad_(), logits.bfloat16()):  # a leaf; a dtype the loss must upcast
+    for kept in (
+        logits.clone().requires_grad_(),
+        logits.bfloat16(),
+    ):  # a leaf; a dtype the loss must upcast
         before = kept.detach().clone()
         vocab_parallel_cross_entropy(kept, labels, None, 0, 50, consume=True)
         assert torch.equal(kept.detach(), before)
@@ -166,9 +186,14 @@ def test_vocab_range():
 #   empty:  true vocab 45 padded to 64, so with 4 ranks the last shard is all padding.
 
 PADDED, EPS, Z = 64, 0.1, 1e-4
-COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_to_all_single", "broadcast",
-               "reduce_scatter_tensor")
-
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_to_all_single",
+    "broadcast",
+    "reduce_scatter_tensor",
+)
 
 
 def _record_collectives(log: list[tuple[str, int]]) -> None:
@@ -188,7 +213,9 @@ def _record_collectives(log: list[tuple[str, int]]) -> None:
 
 def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
     """One rank: for each case, shard the logits over the TP group, take loss and gradient, log the collectives."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+    )
     try:
         topology = Topology.from_env(tp=2)
         cases = {  # name: (group, rank in it, its size, true vocab, data seed)
@@ -206,8 +233,14 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
             shard = logits[..., start:end].clone().requires_grad_()
             loss = vocab_parallel_cross_entropy(shard, labels, group, start, vocab, EPS, Z)
             (2.5 * loss).backward()
-            results[case] = {"loss": loss.detach(), "grad": shard.grad, "start": start, "vocab": vocab,
-                             "seed": seed, "communicated": list(log)}
+            results[case] = {
+                "loss": loss.detach(),
+                "grad": shard.grad,
+                "start": start,
+                "vocab": vocab,
+                "seed": seed,
+                "communicated": list(log),
+            }
         torch.save(results, f"{out_dir}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -221,7 +254,12 @@ def parallel_run(request, tmp_path_factory) -> list[dict]:
     # A forkserver imports torch (and this module) once, then forks every rank from that clean single-threaded
     # process: as safe as spawn, without each rank paying seconds of torch import.
     mp.get_context("forkserver").set_forkserver_preload([__name__])
-    mp.start_processes(_worker, args=(world_size, free_port(), str(out)), nprocs=world_size, start_method="forkserver")
+    mp.start_processes(
+        _worker,
+        args=(world_size, free_port(), str(out)),
+        nprocs=world_size,
+        start_method="forkserver",
+    )
     return [torch.load(out / f"rank{r}.pt") for r in range(world_size)]
 
 
@@ -234,12 +272,15 @@ def test_parallel_loss_and_gradient_match_reference(parallel_run, case):
     for seed, shards in replicas.items():
         vocab = shards[0]["vocab"]
         logits, labels = make_inputs(vocab, PADDED, seed=seed)
-        reference = functools.partial(cross_entropy_reference, labels=labels, vocab_size=vocab, label_smoothing=EPS,
-                                      z_loss=Z)
+        reference = functools.partial(
+            cross_entropy_reference, labels=labels, vocab_size=vocab, label_smoothing=EPS, z_loss=Z
+        )
         ref_loss, ref_grad = loss_and_grad(reference, logits)
         for shard in shards:
             torch.testing.assert_close(shard["loss"], ref_loss, atol=1e-6, rtol=1e-6)
-        grad = torch.cat([shard["grad"] for shard in sorted(shards, key=lambda r: r["start"])], dim=-1)
+        grad = torch.cat(
+            [shard["grad"] for shard in sorted(shards, key=lambda r: r["start"])], dim=-1
+        )
         torch.testing.assert_close(grad, ref_grad, atol=1e-6, rtol=1e-5)
 
 

@@ -44,7 +44,9 @@ def test_realised_shares_within_one_point_over_10k(weights: list[float]) -> None
     assert lag.max() <= 0.5 + len(w) / 2 + 1e-9
     # ordinals count each source's samples in order
     for s in range(len(w)):
-        np.testing.assert_array_equal(index["ordinal"][index["source"] == s], np.arange(int(counts[-1, s])))
+        np.testing.assert_array_equal(
+            index["ordinal"][index["source"] == s], np.arange(int(counts[-1, s]))
+        )
 
 
 def test_same_weights_same_order_and_prefix_stable() -> None:
@@ -71,7 +73,9 @@ def test_index_is_cached_atomically(tmp_path: Path) -> None:
     w = normalized_weights([0.7, 0.3])
     path = ensure_blend_index(tmp_path / "blend.npy", w, 1000)
     mtime = path.stat().st_mtime_ns
-    assert ensure_blend_index(path, w, 500) == path and path.stat().st_mtime_ns == mtime  # long enough: reused
+    assert (
+        ensure_blend_index(path, w, 500) == path and path.stat().st_mtime_ns == mtime
+    )  # long enough: reused
     np.testing.assert_array_equal(np.load(path, mmap_mode="r"), build_blend(w, 1000))
     path.write_bytes(b"garbage")
     ensure_blend_index(path, w, 1000)
@@ -81,7 +85,10 @@ def test_index_is_cached_atomically(tmp_path: Path) -> None:
 
 def test_blended_batches_follow_the_index_and_wrap_small_sources() -> None:
     w = normalized_weights([0.8, 0.2])
-    sources = [FakeSource(500, 1), FakeSource(7, 2)]  # the second source is far smaller than its share
+    sources = [
+        FakeSource(500, 1),
+        FakeSource(7, 2),
+    ]  # the second source is far smaller than its share
     samples = BlendedSamples(sources)
     index = build_blend(w, 100)  # short horizon: later steps extend it in memory
     order = BlendedOrder(index, w, samples, seed=3)
@@ -89,9 +96,13 @@ def test_blended_batches_follow_the_index_and_wrap_small_sources() -> None:
     tags = rows[:, 0] // 1000
     np.testing.assert_array_equal(tags, build_blend(w, 400)["source"] + 1)
     small = rows[tags == 2, 0] % 1000
-    assert len(small) == 80 and sorted(small[:7]) == list(range(7))  # each epoch of the small source is a permutation
+    assert len(small) == 80 and sorted(small[:7]) == list(
+        range(7)
+    )  # each epoch of the small source is a permutation
     assert not np.array_equal(small[:7], small[7:14])  # reshuffled per epoch
     # the same (seed, weights) in a fresh order, from the middle: the same samples (exact resume)
     again = BlendedOrder(build_blend(w, 100), w, samples, seed=3)
     assert again.sample_ids(range(200, 240)) == order.sample_ids(range(200, 240))
-    assert BlendedOrder(index, w, samples, seed=4).sample_ids(range(40)) != order.sample_ids(range(40))
+    assert BlendedOrder(index, w, samples, seed=4).sample_ids(range(40)) != order.sample_ids(
+        range(40)
+    )

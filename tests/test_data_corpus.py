@@ -38,14 +38,20 @@ def test_globs_paths_and_dirs(tree: Path, monkeypatch: pytest.MonkeyPatch) -> No
         tree / "b.txt",
         tree / "sub/e.md",
     ]
-    assert resolve_corpus(["sub"], tree) == [tree / "sub/c.txt", tree / "sub/deep/d.txt", tree / "sub/e.md"]
+    assert resolve_corpus(["sub"], tree) == [
+        tree / "sub/c.txt",
+        tree / "sub/deep/d.txt",
+        tree / "sub/e.md",
+    ]
     monkeypatch.chdir(tree)
     assert resolve_corpus(["**/*.md"]) == [tree / "sub/e.md"]
 
 
 @pytest.mark.parametrize("entry", ["x/*.txt", "missing.txt", "*.json"])
 def test_unmatched_entry_raises_naming_it(tree: Path, entry: str) -> None:
-    with pytest.raises(DataError, match=re.escape(f"data.corpus: no files match '{entry}'")) as info:
+    with pytest.raises(
+        DataError, match=re.escape(f"data.corpus: no files match '{entry}'")
+    ) as info:
         resolve_corpus(["a.txt", entry], tree)
     assert "\n" not in str(info.value)
 
@@ -61,7 +67,9 @@ def test_plain_files_are_whole_documents(tmp_path: Path) -> None:
 def test_jsonl_yields_text_field(tmp_path: Path) -> None:
     rows = [{"text": "first doc", "id": 1}, {"text": ""}, {"body": "x", "text": "second\ndoc"}]
     path = tmp_path / "data.jsonl"
-    path.write_text("\n".join(json.dumps(r) for r in rows[:2]) + "\n\n" + json.dumps(rows[2]) + "\n")
+    path.write_text(
+        "\n".join(json.dumps(r) for r in rows[:2]) + "\n\n" + json.dumps(rows[2]) + "\n"
+    )
     assert list(iter_documents([path])) == ["first doc", "second\ndoc"]
     other = tmp_path / "other.jsonl"
     other.write_text(json.dumps({"content": "hello"}) + "\n")

@@ -10,14 +10,23 @@ from keel.data import DataError, IndexedDataset, IndexedDatasetWriter, best_dtyp
 
 @pytest.mark.parametrize(
     ("vocab", "dtype"),
-    [(2, np.uint8), (256, np.uint8), (257, np.uint16), (4096, np.uint16), (65536, np.uint16), (70000, np.int32),
-     (2**31, np.int32)],
+    [
+        (2, np.uint8),
+        (256, np.uint8),
+        (257, np.uint16),
+        (4096, np.uint16),
+        (65536, np.uint16),
+        (70000, np.int32),
+        (2**31, np.int32),
+    ],
 )
 def test_best_dtype(vocab: int, dtype: type) -> None:
     assert best_dtype(vocab) == np.dtype(dtype)
 
 
-@pytest.mark.parametrize(("vocab", "dtype"), [(200, np.uint8), (4096, np.uint16), (70000, np.int32)])
+@pytest.mark.parametrize(
+    ("vocab", "dtype"), [(200, np.uint8), (4096, np.uint16), (70000, np.int32)]
+)
 def test_round_trip(tmp_path, vocab: int, dtype: type) -> None:
     rng = np.random.default_rng(0)
     docs = [rng.integers(0, vocab, size=n) for n in (5, 0, 17, 1, 300)]
@@ -29,15 +38,26 @@ def test_round_trip(tmp_path, vocab: int, dtype: type) -> None:
     assert ds.tokens.dtype == np.dtype(dtype)
     assert (tmp_path / "d.bin").stat().st_size == ds.num_tokens * np.dtype(dtype).itemsize
     assert len(ds) == len(docs) and ds.vocab_size == vocab and ds.num_tokens == sum(map(len, docs))
-    assert ds.doc_offsets.tolist() == np.concatenate([[0], np.cumsum([len(d) for d in docs])]).tolist()
+    assert (
+        ds.doc_offsets.tolist() == np.concatenate([[0], np.cumsum([len(d) for d in docs])]).tolist()
+    )
     for i, doc in enumerate(docs):
         np.testing.assert_array_equal(ds[i], doc)
     np.testing.assert_array_equal(ds[-1], docs[-1])
     with pytest.raises(IndexError):
         ds[len(docs)]
-    assert ds.document_start_at(0) == 0 and ds.document_start_at(ds.num_tokens - 1) == ds.doc_offsets[-2]
-    assert ds.document_start_at(22) == 22 and ds.document_start_at(21) == 5  # documents start at 0 5 5 22 23
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.bin", "d.idx", "d.json"]  # no temporaries left
+    assert (
+        ds.document_start_at(0) == 0
+        and ds.document_start_at(ds.num_tokens - 1) == ds.doc_offsets[-2]
+    )
+    assert (
+        ds.document_start_at(22) == 22 and ds.document_start_at(21) == 5
+    )  # documents start at 0 5 5 22 23
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "d.bin",
+        "d.idx",
+        "d.json",
+    ]  # no temporaries left
     assert ds.metadata["num_docs"] == 5 and ds.metadata["vocab_size"] == vocab
     ds.validate()
     np.testing.assert_array_equal(pickle.loads(pickle.dumps(ds))[4], docs[4])
@@ -58,8 +78,10 @@ def test_bulk_add_matches_one_by_one(tmp_path) -> None:
         writer.add_documents(np.array([5, 6]), np.array([2]))
     for suffix in (".bin", ".idx"):
         assert (tmp_path / f"one{suffix}").read_bytes() == (tmp_path / f"bulk{suffix}").read_bytes()
-    with pytest.raises(DataError, match="document 5: token id 10 is outside"), \
-            IndexedDatasetWriter(tmp_path / "bad", 10) as writer:
+    with (
+        pytest.raises(DataError, match="document 5: token id 10 is outside"),
+        IndexedDatasetWriter(tmp_path / "bad", 10) as writer,
+    ):
         writer.add_documents(np.array([1, 2, 3, 4, 10]), np.array([4, 0, 0, 0, 0, 1]))
 
 
@@ -110,11 +132,17 @@ def _rewrite(path, edit) -> None:
         (".idx", lambda b: b[:-8] + (2).to_bytes(8, "little"), "document indices run 0..2"),
         (".bin", lambda b: b[:-2], "holds 118 bytes, its index expects 120"),  # truncated tokens
         (".bin", lambda b: b + b"\0\0", "holds 122 bytes"),  # tokens beyond the index
-        (".json", lambda b: b.replace(b'"num_docs": 3', b'"num_docs": 4'), "records 60 tokens in 4 documents"),
+        (
+            ".json",
+            lambda b: b.replace(b'"num_docs": 3', b'"num_docs": 4'),
+            "records 60 tokens in 4 documents",
+        ),
         (".json", lambda b: b[:10], "not valid JSON"),
     ],
 )
-@pytest.mark.fault("corrupt .bin/.idx/sidecar token file", "one line naming the file and the mismatch")
+@pytest.mark.fault(
+    "corrupt .bin/.idx/sidecar token file", "one line naming the file and the mismatch"
+)
 def test_corrupt_files_raise_one_line(written, suffix: str, edit, match: str) -> None:
     _rewrite(written.with_name(written.name + suffix), edit)
     with pytest.raises(DataError, match=match) as info:
@@ -125,13 +153,19 @@ def test_corrupt_files_raise_one_line(written, suffix: str, edit, match: str) ->
 def test_validate_finds_what_opening_does_not_look_at(written) -> None:
     """Opening checks sizes and end points only; validate() streams pointers, documents and ids."""
     idx = written.with_name(written.name + ".idx")
-    pointers = 34 + 4 * 3  # header + int32 lengths; the second pointer says 'sequence 1 starts at byte 4'
-    _rewrite(idx, lambda b: b[:pointers + 8] + (4).to_bytes(8, "little") + b[pointers + 16:])
+    pointers = (
+        34 + 4 * 3
+    )  # header + int32 lengths; the second pointer says 'sequence 1 starts at byte 4'
+    _rewrite(idx, lambda b: b[: pointers + 8] + (4).to_bytes(8, "little") + b[pointers + 16 :])
     with pytest.raises(DataError, match="pointers do not follow the sequence lengths"):
         IndexedDataset(written).validate()
-    _rewrite(idx, lambda b: b[:pointers + 8] + (20).to_bytes(8, "little") + b[pointers + 16:])  # repaired
+    _rewrite(
+        idx, lambda b: b[: pointers + 8] + (20).to_bytes(8, "little") + b[pointers + 16 :]
+    )  # repaired
     IndexedDataset(written).validate()
-    with pytest.raises(DataError, match=r"token 55 is id 25, outside the tokenizer's vocabulary \[0, 25\)"):
+    with pytest.raises(
+        DataError, match=r"token 55 is id 25, outside the tokenizer's vocabulary \[0, 25\)"
+    ):
         IndexedDataset(written).validate(vocab_size=25)
 
 

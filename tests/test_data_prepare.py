@@ -23,11 +23,17 @@ from keel.data.tokenizer import Tokenizer, train_tokenizer
 
 def write_corpus(root: Path, n_files: int = 12, seed: int = 0) -> list[Path]:
     rng = random.Random(seed)
-    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 8))) for _ in range(300)]
+    words = [
+        "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 8)))
+        for _ in range(300)
+    ]
     root.mkdir(parents=True, exist_ok=True)
     files = []
     for i in range(n_files):
-        lines = [" ".join(rng.choice(words) for _ in range(rng.randint(3, 12))) for _ in range(rng.randint(10, 60))]
+        lines = [
+            " ".join(rng.choice(words) for _ in range(rng.randint(3, 12)))
+            for _ in range(rng.randint(10, 60))
+        ]
         path = root / f"doc{i:02d}.txt"
         path.write_text("\n".join(lines) + "\n")
         files.append(path)
@@ -73,7 +79,9 @@ def test_ensure_prepared_caches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(prepare_mod, "prepare_corpus", no_tokenizing)
     second = ensure_prepared(["corpus/*.txt"], cache, 400, base_dir=tmp_path, progress=False)
     assert second == first
-    assert [p.name for p in cache.iterdir()] == [first.data_prefix.parent.name]  # no temp dirs left over
+    assert [p.name for p in cache.iterdir()] == [
+        first.data_prefix.parent.name
+    ]  # no temp dirs left over
     monkeypatch.undo()
 
     # Anything the output depends on changes the key.
@@ -125,21 +133,32 @@ def test_default_corpus_prepares(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def given_tokenizer(tmp_path_factory) -> Tokenizer:
     root = tmp_path_factory.mktemp("given")
-    return train_tokenizer((f.read_text() for f in write_corpus(root / "corpus")), 400, root / "tokenizer")
+    return train_tokenizer(
+        (f.read_text() for f in write_corpus(root / "corpus")), 400, root / "tokenizer"
+    )
 
 
 def _token_bytes(prefix: Path) -> dict[str, bytes]:
     return {suffix: Path(f"{prefix}{suffix}").read_bytes() for suffix in (".bin", ".idx", ".json")}
 
 
-def test_workers_write_byte_identical_files(tmp_path: Path, given_tokenizer: Tokenizer,
-                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_workers_write_byte_identical_files(
+    tmp_path: Path, given_tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
     files = write_corpus(tmp_path / "corpus", n_files=30)
-    monkeypatch.setattr(prepare_mod, "_BATCH_CHARS", 3000)  # dozens of batches, finishing out of order
+    monkeypatch.setattr(
+        prepare_mod, "_BATCH_CHARS", 3000
+    )  # dozens of batches, finishing out of order
     outputs = {}
     for workers in (1, 2, 3):
-        prepared = prepare_corpus(files, tmp_path / f"w{workers}", 400, progress=False, tokenizer=given_tokenizer,
-                                  workers=workers)
+        prepared = prepare_corpus(
+            files,
+            tmp_path / f"w{workers}",
+            400,
+            progress=False,
+            tokenizer=given_tokenizer,
+            workers=workers,
+        )
         outputs[workers] = _token_bytes(prepared.data_prefix)
         assert prepared.num_docs == 30
     assert outputs[1] == outputs[2] == outputs[3]
@@ -147,8 +166,9 @@ def test_workers_write_byte_identical_files(tmp_path: Path, given_tokenizer: Tok
     assert given_tokenizer.decode(ds[29][:-1].tolist()) == files[29].read_text()
 
 
-def test_given_tokenizer_reads_the_corpus_once(tmp_path: Path, given_tokenizer: Tokenizer,
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_given_tokenizer_reads_the_corpus_once(
+    tmp_path: Path, given_tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
     files = write_corpus(tmp_path / "corpus")
     reads: list[Path] = []
     real = prepare_mod.iter_documents
@@ -158,16 +178,30 @@ def test_given_tokenizer_reads_the_corpus_once(tmp_path: Path, given_tokenizer: 
         return real(files_, text_field)
 
     monkeypatch.setattr(prepare_mod, "iter_documents", counting)
-    monkeypatch.setattr(prepare_mod, "train_tokenizer", lambda *a, **k: pytest.fail("trained a tokenizer"))
-    prepared = ensure_prepared([str(tmp_path / "corpus")], tmp_path / "cache", 4096, progress=False,
-                               tokenizer=given_tokenizer, workers=2)
-    assert sorted(reads) == sorted(files + [tmp_path / "corpus" / "empty.txt"])  # every file exactly once
+    monkeypatch.setattr(
+        prepare_mod, "train_tokenizer", lambda *a, **k: pytest.fail("trained a tokenizer")
+    )
+    prepared = ensure_prepared(
+        [str(tmp_path / "corpus")],
+        tmp_path / "cache",
+        4096,
+        progress=False,
+        tokenizer=given_tokenizer,
+        workers=2,
+    )
+    assert sorted(reads) == sorted(
+        files + [tmp_path / "corpus" / "empty.txt"]
+    )  # every file exactly once
     assert prepared.tokenizer_path == given_tokenizer.model_path and prepared.vocab_size == 400
     meta = IndexedDataset(prepared.data_prefix).metadata
-    assert meta["eos_id"] == given_tokenizer.eos_id and meta["tokenizer"] == str(given_tokenizer.model_path)
+    assert meta["eos_id"] == given_tokenizer.eos_id and meta["tokenizer"] == str(
+        given_tokenizer.model_path
+    )
 
 
-def test_compressed_and_parquet_inputs_give_the_same_tokens(tmp_path: Path, given_tokenizer: Tokenizer) -> None:
+def test_compressed_and_parquet_inputs_give_the_same_tokens(
+    tmp_path: Path, given_tokenizer: Tokenizer
+) -> None:
     import gzip
     import json
 
@@ -181,24 +215,44 @@ def test_compressed_and_parquet_inputs_give_the_same_tokens(tmp_path: Path, give
     (tmp_path / "in" / "a.jsonl").write_bytes(lines)
     (tmp_path / "in" / "b.jsonl.gz").write_bytes(gzip.compress(lines))
     (tmp_path / "in" / "c.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(lines))
-    pq.write_table(pa.table({"id": list(range(len(docs))), "text": docs}), tmp_path / "in" / "d.parquet",
-                   row_group_size=5)  # 3 row groups
+    pq.write_table(
+        pa.table({"id": list(range(len(docs))), "text": docs}),
+        tmp_path / "in" / "d.parquet",
+        row_group_size=5,
+    )  # 3 row groups
     assert pq.ParquetFile(tmp_path / "in" / "d.parquet").num_row_groups == 3
     (tmp_path / "in" / "e.txt.gz").write_bytes(gzip.compress(docs[0].encode()))
-    (tmp_path / "in" / "f.txt.zst").write_bytes(zstandard.ZstdCompressor().compress(docs[1].encode()))
+    (tmp_path / "in" / "f.txt.zst").write_bytes(
+        zstandard.ZstdCompressor().compress(docs[1].encode())
+    )
     names = ["a.jsonl", "b.jsonl.gz", "c.jsonl.zst", "d.parquet"]
     for name in names:
         assert list(iter_documents([tmp_path / "in" / name])) == docs, name
-    assert list(iter_documents([tmp_path / "in" / "e.txt.gz", tmp_path / "in" / "f.txt.zst"])) == docs[:2]
-    prepared = [prepare_corpus([tmp_path / "in" / name], tmp_path / name, 400, progress=False,
-                               tokenizer=given_tokenizer, workers=2) for name in names]
+    assert (
+        list(iter_documents([tmp_path / "in" / "e.txt.gz", tmp_path / "in" / "f.txt.zst"]))
+        == docs[:2]
+    )
+    prepared = [
+        prepare_corpus(
+            [tmp_path / "in" / name],
+            tmp_path / name,
+            400,
+            progress=False,
+            tokenizer=given_tokenizer,
+            workers=2,
+        )
+        for name in names
+    ]
     assert len({Path(f"{p.data_prefix}.bin").read_bytes() for p in prepared}) == 1
 
 
-@pytest.mark.parametrize(("name", "content", "match"), [
-    ("x.jsonl.gz", b"not gzip at all", r"x\.jsonl\.gz is damaged"),
-    ("x.parquet", b"PAR1 not parquet", r"cannot read .*x\.parquet as parquet"),
-])
+@pytest.mark.parametrize(
+    ("name", "content", "match"),
+    [
+        ("x.jsonl.gz", b"not gzip at all", r"x\.jsonl\.gz is damaged"),
+        ("x.parquet", b"PAR1 not parquet", r"cannot read .*x\.parquet as parquet"),
+    ],
+)
 @pytest.mark.fault("damaged .gz or parquet input", "one line naming the file")
 def test_damaged_inputs_are_one_line(tmp_path: Path, name: str, content: bytes, match: str) -> None:
     (tmp_path / name).write_bytes(content)
@@ -212,7 +266,9 @@ def test_parquet_without_the_text_column(tmp_path: Path) -> None:
     import pyarrow.parquet as pq
 
     pq.write_table(pa.table({"body": ["a"], "n": [1]}), tmp_path / "p.parquet")
-    with pytest.raises(DataError, match=r"no 'text' column \(it has body, n\); set data.text_field"):
+    with pytest.raises(
+        DataError, match=r"no 'text' column \(it has body, n\); set data.text_field"
+    ):
         list(iter_documents([tmp_path / "p.parquet"]))
     with pytest.raises(DataError, match=r"column 'n' is int64, expected strings"):
         list(iter_documents([tmp_path / "p.parquet"], text_field="n"))
@@ -223,7 +279,11 @@ class _FailingTokenizer:
 
     def __init__(self, inner: Tokenizer, how: str) -> None:
         self.inner, self.how = inner, how
-        self.vocab_size, self.eos_id, self.model_path = inner.vocab_size, inner.eos_id, inner.model_path
+        self.vocab_size, self.eos_id, self.model_path = (
+            inner.vocab_size,
+            inner.eos_id,
+            inner.model_path,
+        )
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         if any("POISON" in t for t in texts):
@@ -233,26 +293,47 @@ class _FailingTokenizer:
         return self.inner.encode_batch(texts, num_threads=1)
 
 
-@pytest.mark.parametrize(("how", "error", "match"), [
-    ("raise", DataError, r"tokenizing failed in a worker: ValueError: cannot encode POISON"),
-    ("exit", RuntimeError, r"a tokenizer worker died \(exit code 3\)"),
-])
-@pytest.mark.fault("tokenizer worker raises or dies", "prepare stops in one line; nothing half-written")
-def test_worker_failure_stops_cleanly(tmp_path: Path, given_tokenizer: Tokenizer, how: str, error: type,
-                                      match: str) -> None:
+@pytest.mark.parametrize(
+    ("how", "error", "match"),
+    [
+        ("raise", DataError, r"tokenizing failed in a worker: ValueError: cannot encode POISON"),
+        ("exit", RuntimeError, r"a tokenizer worker died \(exit code 3\)"),
+    ],
+)
+@pytest.mark.fault(
+    "tokenizer worker raises or dies", "prepare stops in one line; nothing half-written"
+)
+def test_worker_failure_stops_cleanly(
+    tmp_path: Path, given_tokenizer: Tokenizer, how: str, error: type, match: str
+) -> None:
     files = write_corpus(tmp_path / "corpus")
     files[5].write_text("POISON\n")
     with pytest.raises(error, match=match):
-        prepare_corpus(files, tmp_path / "out", 400, progress=False, tokenizer=_FailingTokenizer(given_tokenizer, how),
-                       workers=2)
+        prepare_corpus(
+            files,
+            tmp_path / "out",
+            400,
+            progress=False,
+            tokenizer=_FailingTokenizer(given_tokenizer, how),
+            workers=2,
+        )
     assert list((tmp_path / "out").iterdir()) == []  # nothing half-written left behind
 
 
-def test_keel_prepare_workers_on_the_command_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_keel_prepare_workers_on_the_command_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     from keel.launcher.cli import main
 
     write_corpus(tmp_path / "corpus")
-    base = ["prepare", str(tmp_path / "corpus"), "--vocab-size", "400", "--cache-dir", str(tmp_path / "cache")]
+    base = [
+        "prepare",
+        str(tmp_path / "corpus"),
+        "--vocab-size",
+        "400",
+        "--cache-dir",
+        str(tmp_path / "cache"),
+    ]
     with pytest.raises(SystemExit) as exit_info:
         main(base + ["--workers", "0"])
     assert exit_info.value.code == 2 and "--workers: must be >= 1, got 0" in capsys.readouterr().err

@@ -89,7 +89,9 @@ def test_global_order_is_deterministic_permutation_per_epoch() -> None:
     n = 37
     a, b = GlobalSampleOrder(n, seed=7), GlobalSampleOrder(n, seed=7)
     epochs = [[a.sample_id(e * n + i) for i in range(n)] for e in range(4)]
-    assert [b.sample_id(g) for g in reversed(range(4 * n))] == [s for ep in epochs for s in ep][::-1]
+    assert [b.sample_id(g) for g in reversed(range(4 * n))] == [s for ep in epochs for s in ep][
+        ::-1
+    ]
     for ep in epochs:
         assert sorted(ep) == list(range(n))
     assert epochs[0] != epochs[1]
@@ -97,7 +99,9 @@ def test_global_order_is_deterministic_permutation_per_epoch() -> None:
     assert [GlobalSampleOrder(n, seed=8).sample_id(i) for i in range(n)] != epochs[0]
 
 
-def _ids(order: GlobalSampleOrder, batches: list[torch.Tensor], samples: PackedSamples) -> list[int]:
+def _ids(
+    order: GlobalSampleOrder, batches: list[torch.Tensor], samples: PackedSamples
+) -> list[int]:
     """Recover sample ids from batch rows (positional tokens make each row identify its window)."""
     return [int(row[0]) // samples.seq_len for mb in batches for row in mb]
 
@@ -122,7 +126,9 @@ def test_step_is_identical_across_world_sizes(dataset: IndexedDataset, consumed:
             rows += [row for b in batches for row in b]
         assert indices == expected_indices
         assert ids == expected_ids and Counter(ids) == Counter(expected_ids)
-        assert torch.equal(torch.stack(rows), torch.from_numpy(np.stack([samples[i] for i in expected_ids])))
+        assert torch.equal(
+            torch.stack(rows), torch.from_numpy(np.stack([samples[i] for i in expected_ids]))
+        )
 
 
 def test_consecutive_steps_cover_an_epoch_without_repeats(tmp_path: Path) -> None:
@@ -142,7 +148,9 @@ def test_consecutive_steps_cover_an_epoch_without_repeats(tmp_path: Path) -> Non
 def test_batch_geometry_must_divide(dataset: IndexedDataset) -> None:
     samples = PackedSamples(dataset, 16, "train", 0.1)
     order = GlobalSampleOrder(len(samples), seed=0)
-    with pytest.raises(DataError, match=r"multiple of train.micro_batch_size x data-parallel size \(4 x 3 = 12\)"):
+    with pytest.raises(
+        DataError, match=r"multiple of train.micro_batch_size x data-parallel size \(4 x 3 = 12\)"
+    ):
         step_batch(order, samples, 0, 16, 4, 0, 3)
 
 
@@ -158,6 +166,9 @@ def test_out_of_range_token_id_stops_with_the_file_and_sample(tmp_path: Path) ->
     tokens.tofile(bin_path)
     samples = PackedSamples(IndexedDataset(tmp_path / "d"), 16, "train", 0.1)
     assert samples[2].max() < 1000 and samples[4].max() < 1000
-    with pytest.raises(DataError, match=r"d\.bin: train sample 3 \(tokens 48\.\.64\) holds token id 4321, outside "
-                                        r"the vocabulary \[0, 1000\)"):
+    with pytest.raises(
+        DataError,
+        match=r"d\.bin: train sample 3 \(tokens 48\.\.64\) holds token id 4321, outside "
+        r"the vocabulary \[0, 1000\)",
+    ):
         samples[3]

@@ -8,7 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from keel.data import DataError, GlobalSampleOrder, IndexedDataset, IndexedDatasetWriter, PackedSamples, step_batch
+from keel.data import (
+    DataError,
+    GlobalSampleOrder,
+    IndexedDataset,
+    IndexedDatasetWriter,
+    PackedSamples,
+    step_batch,
+)
 from keel.data.token_check import first_bad_row
 from keel.parallel import comm
 from keel.run_dir import ExitCode
@@ -40,29 +47,57 @@ def test_the_batch_check_names_the_global_sample_and_stands_in(corrupt) -> None:
     samples, order, token, sample = corrupt
     for rank in range(DP):
         raw = step_batch(order, samples, GLOBAL, GLOBAL, MICRO, rank, DP, checked=False)
-        batch, stop = check_step_batch(raw, first_bad_row(raw, 1000), 1000, GLOBAL, GLOBAL, MICRO, rank, DP)
+        batch, stop = check_step_batch(
+            raw, first_bad_row(raw, 1000), 1000, GLOBAL, GLOBAL, MICRO, rank, DP
+        )
         if rank == 0:
             assert stop is None and batch is raw
             continue
-        assert (stop.action, stop.exit_code, stop.sample) == (Action.STOP, ExitCode.BAD_DATA, sample)
-        assert int(batch[0][1, 7]) == 0 and int(raw[0][1, 7]) == 1000  # stand-in id where the bad one was
+        assert (stop.action, stop.exit_code, stop.sample) == (
+            Action.STOP,
+            ExitCode.BAD_DATA,
+            sample,
+        )
+        assert (
+            int(batch[0][1, 7]) == 0 and int(raw[0][1, 7]) == 1000
+        )  # stand-in id where the bad one was
         assert all(torch.equal(a, b) for a, b in zip(batch[1:], raw[1:]))
-    with pytest.raises(DataError, match=r"holds token id 1000"):  # the checked read still refuses it on its own
+    with pytest.raises(
+        DataError, match=r"holds token id 1000"
+    ):  # the checked read still refuses it on its own
         step_batch(order, samples, GLOBAL, GLOBAL, MICRO, 1, DP)
 
 
-def test_the_agreement_carries_the_stop_and_every_rank_names_it_the_same(corrupt, monkeypatch) -> None:
+def test_the_agreement_carries_the_stop_and_every_rank_names_it_the_same(
+    corrupt, monkeypatch
+) -> None:
     samples, order, token, sample = corrupt
-    guard_says = [Decision(), Decision(Action.SKIP, reason="spike")]  # rank 0's guards see nothing wrong
-    own = [with_data_stop(guard_says[0], None),
-           with_data_stop(guard_says[1], Decision(Action.STOP, "bad", ExitCode.BAD_DATA, sample=sample))]
+    guard_says = [
+        Decision(),
+        Decision(Action.SKIP, reason="spike"),
+    ]  # rank 0's guards see nothing wrong
+    own = [
+        with_data_stop(guard_says[0], None),
+        with_data_stop(
+            guard_says[1], Decision(Action.STOP, "bad", ExitCode.BAD_DATA, sample=sample)
+        ),
+    ]
     # a second bad sample on another rank, later in the step: the lowest one is named
     other = Decision(Action.STOP, "bad", ExitCode.BAD_DATA, sample=sample + 1)
 
     def codes(d: Decision) -> torch.Tensor:  # what agree() sends for `d`
-        return torch.tensor([int(d.action), 0, d.exit_code, 0 if d.sample is None else step_gate._NO_SAMPLE - d.sample])
+        return torch.tensor(
+            [
+                int(d.action),
+                0,
+                d.exit_code,
+                0 if d.sample is None else step_gate._NO_SAMPLE - d.sample,
+            ]
+        )
 
-    def all_reduce_max(tensor: torch.Tensor, group, op: str = "sum") -> torch.Tensor:  # three ranks' MAX
+    def all_reduce_max(
+        tensor: torch.Tensor, group, op: str = "sum"
+    ) -> torch.Tensor:  # three ranks' MAX
         assert op == "max" and tensor.numel() == 4  # still one small all-reduce per step
         return torch.stack([codes(d) for d in own + [other]]).max(dim=0).values
 
@@ -70,11 +105,17 @@ def test_the_agreement_carries_the_stop_and_every_rank_names_it_the_same(corrupt
     lines = []
     for mine in own + [other]:
         agreed, preempted = step_gate.agree(mine, False, comm.single("world", comm.CONTROL))
-        assert (agreed.action, agreed.exit_code, agreed.sample, preempted) == (Action.STOP, ExitCode.BAD_DATA, sample,
-                                                                               False)
+        assert (agreed.action, agreed.exit_code, agreed.sample, preempted) == (
+            Action.STOP,
+            ExitCode.BAD_DATA,
+            sample,
+            False,
+        )
         lines.append(named_stop(agreed, samples, order, step=2).reason)
     assert len(set(lines)) == 1
-    assert lines[0] == (f"{samples.dataset.prefix}.bin: token {token} is id 1000, outside the tokenizer's vocabulary "
-                        f"[0, 1000) (byte {2 * token}, sequence {token // 100}, document {token // 100}, train sample "
-                        f"{order.sample_id(sample)} (global sample {sample}), step 2); the file changed or is corrupt "
-                        "where the pre-launch sample did not look; fix or regenerate it")
+    assert lines[0] == (
+        f"{samples.dataset.prefix}.bin: token {token} is id 1000, outside the tokenizer's vocabulary "
+        f"[0, 1000) (byte {2 * token}, sequence {token // 100}, document {token // 100}, train sample "
+        f"{order.sample_id(sample)} (global sample {sample}), step 2); the file changed or is corrupt "
+        "where the pre-launch sample did not look; fix or regenerate it"
+    )

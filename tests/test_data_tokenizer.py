@@ -10,10 +10,16 @@ from keel.data import DataError, SentencePieceTokenizer, Tokenizer, train_tokeni
 
 def synthetic_docs(n_docs: int = 40, seed: int = 0) -> list[str]:
     rng = random.Random(seed)
-    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 8))) for _ in range(300)]
+    words = [
+        "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 8)))
+        for _ in range(300)
+    ]
     docs = []
     for _ in range(n_docs):
-        lines = [" ".join(rng.choice(words) for _ in range(rng.randint(3, 12))) for _ in range(rng.randint(5, 30))]
+        lines = [
+            " ".join(rng.choice(words) for _ in range(rng.randint(3, 12)))
+            for _ in range(rng.randint(5, 30))
+        ]
         docs.append("\n".join("    " * rng.randint(0, 2) + line for line in lines) + "\n")
     return docs
 
@@ -84,5 +90,12 @@ def test_trained_tokenizer_reports_its_identity(tokenizer: Tokenizer) -> None:
 
     record = tokenizer.record()
     assert isinstance(tokenizer, SentencePieceTokenizer) and tokenizer.pad_id is None
-    assert record == {"path": str(tokenizer.path), "kind": "sentencepiece", "vocab_size": 400, "bos_id": 1,
-                      "eos_id": 2, "pad_id": None, "sha256": hashlib.sha256(tokenizer.path.read_bytes()).hexdigest()}
+    assert record == {
+        "path": str(tokenizer.path),
+        "kind": "sentencepiece",
+        "vocab_size": 400,
+        "bos_id": 1,
+        "eos_id": 2,
+        "pad_id": None,
+        "sha256": hashlib.sha256(tokenizer.path.read_bytes()).hexdigest(),
+    }

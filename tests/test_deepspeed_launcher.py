@@ -23,7 +23,9 @@ def test_hostfile_parsing_and_command(tmp_path):
     cmd = deepspeed_command(["--run-dir", "r"], str(hostfile), True, 1, "node1", 29501)
     assert cmd[-4:] == ["keel.launcher.cli", "train", "--run-dir", "r"]
     assert {"--no_ssh", "--no_local_rank", "--module"} <= set(cmd)
-    assert cmd[cmd.index("--node_rank") + 1] == "1" and cmd[cmd.index("--master_addr") + 1] == "node1"
+    assert (
+        cmd[cmd.index("--node_rank") + 1] == "1" and cmd[cmd.index("--master_addr") + 1] == "node1"
+    )
     hostfile.write_text("node1 8\n")
     with pytest.raises(ConfigError, match="expected 'hostname slots=N'"):
         hostfile_slots(hostfile)
@@ -34,9 +36,27 @@ def test_deepspeed_launcher_no_ssh_on_localhost(runs, tmp_path):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=2\n")
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "keel.launcher.cli", "train", "--launcher", "deepspeed", "--hostfile", str(hostfile),
-           "--no-ssh", "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", "29517",
-           "--run-dir", str(run_dir), "--ds-config", str(REPO / "ds_configs" / "zero0.json")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "keel.launcher.cli",
+        "train",
+        "--launcher",
+        "deepspeed",
+        "--hostfile",
+        str(hostfile),
+        "--no-ssh",
+        "--node-rank",
+        "0",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        "29517",
+        "--run-dir",
+        str(run_dir),
+        "--ds-config",
+        str(REPO / "ds_configs" / "zero0.json"),
+    ]
     for item in runs.overrides():
         cmd += ["--set", item]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=600)

@@ -21,8 +21,10 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 README_MAX_LINES = 250
 
-MONTHS = ("January|February|March|April|May|June|July|August|September|October|November|December|"
-          "Jan|Feb|Mar|Apr|Jun|Jul|Aug|Sep|Sept|Oct|Nov|Dec")
+MONTHS = (
+    "January|February|March|April|May|June|July|August|September|October|November|December|"
+    "Jan|Feb|Mar|Apr|Jun|Jul|Aug|Sep|Sept|Oct|Nov|Dec"
+)
 DATED = [
     ("a date", re.compile(r"\b(?:19|20)\d\d-(?:0[1-9]|1[0-2])-(?:0[1-9]|[12]\d|3[01])\b")),
     ("a date", re.compile(r"\b(?:19|20)\d\d(?:0[1-9]|1[0-2])(?:0[1-9]|[12]\d|3[01])\b")),
@@ -44,16 +46,21 @@ def pages(repo: Path) -> list[Path]:
 
 def readme_length_problems(repo: Path) -> list[str]:
     lines = len((repo / "README.md").read_text().splitlines())
-    return [f"README.md has {lines} lines; keep it at most {README_MAX_LINES} (move topics to docs/)"] \
-        if lines > README_MAX_LINES else []
+    return (
+        [f"README.md has {lines} lines; keep it at most {README_MAX_LINES} (move topics to docs/)"]
+        if lines > README_MAX_LINES
+        else []
+    )
 
 
 def unlinked_pages(repo: Path) -> list[str]:
     readme = (repo / "README.md").read_text()
     targets = {target.split("#")[0] for target in LINK.findall(readme)}
-    return [f"README.md does not link docs/{page.relative_to(repo / 'docs').as_posix()}"
-            for page in sorted((repo / "docs").rglob("*.md"))
-            if page.relative_to(repo).as_posix() not in targets]
+    return [
+        f"README.md does not link docs/{page.relative_to(repo / 'docs').as_posix()}"
+        for page in sorted((repo / "docs").rglob("*.md"))
+        if page.relative_to(repo).as_posix() not in targets
+    ]
 
 
 def dated_figures(repo: Path) -> list[str]:
@@ -63,8 +70,10 @@ def dated_figures(repo: Path) -> list[str]:
             prose = RESULTS_LINK.sub("results/LINK.md", line)
             for what, pattern in DATED:
                 for hit in pattern.finditer(prose):
-                    problems.append(f"{page.relative_to(repo).as_posix()}:{number}: {what} ({hit.group(0)!r}): "
-                                    "dated figures go to bench/results/<bench>_<cpu|gpu>_<yyyymmdd>.md")
+                    problems.append(
+                        f"{page.relative_to(repo).as_posix()}:{number}: {what} ({hit.group(0)!r}): "
+                        "dated figures go to bench/results/<bench>_<cpu|gpu>_<yyyymmdd>.md"
+                    )
     return problems
 
 
@@ -112,7 +121,11 @@ def test_every_relative_link_reaches_a_file_and_heading():
 def test_bench_results_files_are_named_by_bench_device_and_date():
     results = sorted((REPO / "bench" / "results").glob("*"))
     assert results, "bench/results/ holds no results"
-    bad = [p.name for p in results if not re.fullmatch(r"[a-z0-9_]+_(?:cpu|gpu)_20\d\d[01]\d[0-3]\d\.md", p.name)]
+    bad = [
+        p.name
+        for p in results
+        if not re.fullmatch(r"[a-z0-9_]+_(?:cpu|gpu)_20\d\d[01]\d[0-3]\d\.md", p.name)
+    ]
     assert not bad, f"name results <bench>_<cpu|gpu>_<yyyymmdd>.md: {bad}"
 
 
@@ -121,7 +134,8 @@ OLD_README_LINES = [
     "every multi-process equivalence and fault test: 939 tests (921 passed, 18 skipped) in 1144 s in `.ci/run`'s "
     "fresh venv (measured 2026-12-03 on an AMD EPYC AVX-512 machine, whose first runs also JIT-build DeepSpeed's ops).",
     "machine varies: the run before it, on the same tests but for one fix, took 1660 s, its shared 2-rank launch 632 s",
-    "against 260 s; 694 s at stop 21, before the fault matrix, preflight, token-check, async-checkpoint, stability-knob",
+    "against 260 s; 694 s at stop 21, before the fault matrix, preflight, token-check, async-checkpoint, "
+    "stability-knob",
     "Measured 2026-12-02 on an AMD EPYC (2 cores, AVX-512), fp32, whole trainer step, one interleaved run each",
     "On one H200, measured on November 30, 2026: Keel 89.9k tokens/s, 36.5% MFU.",
 ]
@@ -131,27 +145,46 @@ def test_the_checks_fail_on_the_old_readme(tmp_path: Path):
     """An 821-line README with dated figures, suite-time history and an unlinked page fails every check; the same
     tree with a short, undated README that links its one page passes."""
     (tmp_path / "docs").mkdir()
-    (tmp_path / "docs" / "faults.md").write_text("# Faults\n\nSee [bench](../bench/results/x_cpu_20261203.md).\n")
-    (tmp_path / "README.md").write_text("# Keel\n\n" + "\n".join(OLD_README_LINES) + "\n" + "filler\n" * 814)
+    (tmp_path / "docs" / "faults.md").write_text(
+        "# Faults\n\nSee [bench](../bench/results/x_cpu_20261203.md).\n"
+    )
+    (tmp_path / "README.md").write_text(
+        "# Keel\n\n" + "\n".join(OLD_README_LINES) + "\n" + "filler\n" * 814
+    )
 
-    assert readme_length_problems(tmp_path) == [f"README.md has 821 lines; keep it at most {README_MAX_LINES} "
-                                                "(move topics to docs/)"]
+    assert readme_length_problems(tmp_path) == [
+        f"README.md has 821 lines; keep it at most {README_MAX_LINES} (move topics to docs/)"
+    ]
     assert unlinked_pages(tmp_path) == ["README.md does not link docs/faults.md"]
     found = "\n".join(dated_figures(tmp_path))
     for hit in ("'2026-12-03'", "'939 tests'", "'stop 21'", "'2026-12-02'", "'November 30, 2026'"):
         assert hit in found, (hit, found)
     assert "docs/faults.md" not in found  # a link to a dated results file is not a dated figure
-    assert [p.split(": ")[-1] for p in broken_links(tmp_path)] == ["no such file"]  # the results file is missing
+    assert [p.split(": ")[-1] for p in broken_links(tmp_path)] == [
+        "no such file"
+    ]  # the results file is missing
 
-    (tmp_path / "README.md").write_text("# Keel\n\nThe manual. See [faults](docs/faults.md#faults).\n")
+    (tmp_path / "README.md").write_text(
+        "# Keel\n\nThe manual. See [faults](docs/faults.md#faults).\n"
+    )
     (tmp_path / "bench" / "results").mkdir(parents=True)
     (tmp_path / "bench" / "results" / "x_cpu_20261203.md").write_text("# x\n\n2026-12-03: 1.0\n")
     assert not readme_length_problems(tmp_path) and not unlinked_pages(tmp_path)
     assert not dated_figures(tmp_path) and not broken_links(tmp_path)
 
 
-@pytest.mark.parametrize("text", ["stop 21", "STOP 3", "on 2026-12-02", "20261202", "Dec 2, 2026", "2 December 2026",
-                                  "939 tests"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "stop 21",
+        "STOP 3",
+        "on 2026-12-02",
+        "20261202",
+        "Dec 2, 2026",
+        "2 December 2026",
+        "939 tests",
+    ],
+)
 def test_each_dated_pattern_is_caught(tmp_path: Path, text: str):
     (tmp_path / "docs").mkdir()
     (tmp_path / "README.md").write_text(f"# Keel\n\nmeasured {text}\n")

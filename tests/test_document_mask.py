@@ -24,13 +24,18 @@ def test_layout_from_tokens() -> None:
 def _docs() -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     lengths = [5, 9, 3, 7]
-    return [torch.cat([torch.randint(3, 64, (n - 1,), generator=g), torch.tensor([EOS])]) for n in lengths]
+    return [
+        torch.cat([torch.randint(3, 64, (n - 1,), generator=g), torch.tensor([EOS])])
+        for n in lengths
+    ]
 
 
 @pytest.mark.parametrize("checkpoint_interval", [0, 1])
 def test_packed_window_equals_each_document_alone(checkpoint_interval: int) -> None:
     torch.manual_seed(0)
-    masked = CausalLM(CFG, seed=1, document_eos=EOS, checkpoint_interval=checkpoint_interval).train()
+    masked = CausalLM(
+        CFG, seed=1, document_eos=EOS, checkpoint_interval=checkpoint_interval
+    ).train()
     plain = CausalLM(CFG, seed=1).train()
     docs = _docs()
     window = torch.cat(docs)[None]
@@ -38,7 +43,9 @@ def test_packed_window_equals_each_document_alone(checkpoint_interval: int) -> N
     start = 0
     for doc in docs:
         alone = plain(doc[None])
-        torch.testing.assert_close(logits[0, start:start + len(doc)], alone[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            logits[0, start : start + len(doc)], alone[0], rtol=1e-5, atol=1e-5
+        )
         start += len(doc)
     # gradients: the packed loss summed per token equals the sum of each document's own token losses
     labels = torch.cat([window[:, 1:], torch.full((1, 1), -100)], dim=1)

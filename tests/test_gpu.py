@@ -49,8 +49,21 @@ def test_moe_grouped_gemm_on_cuda_matches_the_expert_loop_in_bf16():
     from keel.model.moe import MoE
 
     torch.manual_seed(0)
-    layer = MoE(ModelConfig(vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, moe_experts=8,
-                            moe_top_k=2)).cuda().bfloat16()
+    layer = (
+        MoE(
+            ModelConfig(
+                vocab_size=64,
+                dim=64,
+                n_layers=2,
+                n_heads=4,
+                n_kv_heads=2,
+                moe_experts=8,
+                moe_top_k=2,
+            )
+        )
+        .cuda()
+        .bfloat16()
+    )
     for p in layer.parameters():
         torch.nn.init.normal_(p, std=0.1)
     x = torch.randn(4, 64, 64, device="cuda", dtype=torch.bfloat16)

@@ -12,12 +12,28 @@ from keel.training.observe.metrics import read_metrics
 from tests.keel_runs import Run
 
 GB = 8  # tests/keel_runs.py TINY global batch
-SPIKES = dict(train__steps=20, checkpoint__interval=5, stability__spike_warmup=5, stability__rollback_window=10,
-              stability__monitor_interval=5, faults__spike_steps="[12, 13, 14]", faults__spike_factor=1000)
-STORM = dict(initial_scale_power=40, hysteresis=1, loss_scale_window=1000)  # every early step overflows
-KEEL_RUNS = [Run.of("spikes", 1, "ds_configs/zero1.json", **SPIKES),
-             Run.of("fp16-storm", 1, "ds_configs/fp16.json", ds_patch={"fp16": STORM},
-                    stability__loss_scale_halvings=4)]
+SPIKES = dict(
+    train__steps=20,
+    checkpoint__interval=5,
+    stability__spike_warmup=5,
+    stability__rollback_window=10,
+    stability__monitor_interval=5,
+    faults__spike_steps="[12, 13, 14]",
+    faults__spike_factor=1000,
+)
+STORM = dict(
+    initial_scale_power=40, hysteresis=1, loss_scale_window=1000
+)  # every early step overflows
+KEEL_RUNS = [
+    Run.of("spikes", 1, "ds_configs/zero1.json", **SPIKES),
+    Run.of(
+        "fp16-storm",
+        1,
+        "ds_configs/fp16.json",
+        ds_patch={"fp16": STORM},
+        stability__loss_scale_halvings=4,
+    ),
+]
 
 
 def events(run_dir, kind):
@@ -31,7 +47,11 @@ def test_spikes_are_skipped_and_a_cluster_rolls_back(runs):
     assert [e["step"] for e in spikes] == [12, 13, 14]
     assert [e["action"] for e in spikes] == ["skip", "skip", "rollback"]
     (rollback,) = events(run, "rollback")
-    assert rollback["to_step"] == 10 and rollback["lr_scale"] == 0.5 and rollback["data_cursor"] == 14 * GB
+    assert (
+        rollback["to_step"] == 10
+        and rollback["lr_scale"] == 0.5
+        and rollback["data_cursor"] == 14 * GB
+    )
     records = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(1, 21))
     after = [r for r in records if r["step"] > 10]
@@ -45,18 +65,33 @@ def test_spikes_are_skipped_and_a_cluster_rolls_back(runs):
     events_tb = EventAccumulator(str(run / "tensorboard"))
     events_tb.Reload()
     tags = set(events_tb.Tags()["scalars"])
-    assert {"train/loss", "train/lr", "train/grad_norm", "params/update_ratio", "grad_norm/block0",
-            "act/block1/std"} <= tags
-    assert [e.step for e in events_tb.Scalars("train/loss")] == list(range(1, 21))  # rolled-back steps replaced
+    assert {
+        "train/loss",
+        "train/lr",
+        "train/grad_norm",
+        "params/update_ratio",
+        "grad_norm/block0",
+        "act/block1/std",
+    } <= tags
+    assert [e.step for e in events_tb.Scalars("train/loss")] == list(
+        range(1, 21)
+    )  # rolled-back steps replaced
 
 
 @pytest.mark.fault("fp16 overflow storm", "steps skipped, loss scale halved, warning to use bf16")
 def test_fp16_overflow_storm_halves_the_scale_and_warns(runs):
-    run = runs.get("fp16-storm", 1, "ds_configs/fp16.json", ds_patch={"fp16": STORM},
-                   stability__loss_scale_halvings=4)
+    run = runs.get(
+        "fp16-storm",
+        1,
+        "ds_configs/fp16.json",
+        ds_patch={"fp16": STORM},
+        stability__loss_scale_halvings=4,
+    )
     records = read_metrics(run / "metrics.jsonl")
     scales = [r["loss_scale"] for r in records]
     skipped = [r["step"] for r in records if r["skipped"]]
-    assert len(skipped) >= 4 and scales[skipped[-1] - 1] < 2.0**40 / 2**3  # each overflow halved the scale
+    assert (
+        len(skipped) >= 4 and scales[skipped[-1] - 1] < 2.0**40 / 2**3
+    )  # each overflow halved the scale
     warnings = events(run, "loss_scale")
     assert warnings and "bf16" in warnings[0]["reason"]

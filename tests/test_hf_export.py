@@ -23,23 +23,58 @@ from tests.keel_runs import REPO, Run, final_weights
 
 STEPS = 3  # few steps: layouts agree to fp32 rounding, which later steps amplify (tests/test_train_equivalence)
 REF_UNTIED = Run.of("hf-ref-untied", 1, train__steps=STEPS, model__tie_embeddings="false")
-TP2PP2 = Run.of("hf-tp2pp2", 4, "ds_configs/zero1.json", train__steps=STEPS, parallel__tp=2, parallel__pp=2,
-                model__tie_embeddings="false")
+TP2PP2 = Run.of(
+    "hf-tp2pp2",
+    4,
+    "ds_configs/zero1.json",
+    train__steps=STEPS,
+    parallel__tp=2,
+    parallel__pp=2,
+    model__tie_embeddings="false",
+)
 REF_TIED = Run.of("hf-ref-tied", 1, train__steps=STEPS)
 ZERO3 = Run.of("hf-zero3", 2, "ds_configs/zero3.json", train__steps=STEPS)
 TP2_ZERO2 = Run.of("hf-tp2-zero2", 2, "ds_configs/zero2.json", train__steps=STEPS, parallel__tp=2)
 TP2_ZERO3 = Run.of("hf-tp2-zero3", 2, "ds_configs/zero3.json", train__steps=STEPS, parallel__tp=2)
-HALF = {precision: Run.of(precision, 2, f"ds_configs/{precision}.json") for precision in ("bf16", "fp16")}  # shared
+HALF = {
+    precision: Run.of(precision, 2, f"ds_configs/{precision}.json")
+    for precision in ("bf16", "fp16")
+}  # shared
 MOE_REF = Run.of("hf-moe-ref", 1, train__steps=STEPS, model__moe_experts=4)
 MOE_EP2 = Run.of("hf-moe-ep2", 2, train__steps=STEPS, model__moe_experts=4, parallel__ep=2)
 # DualPipeV: two stages per rank, and the tied head is the embedding itself on rank 0 (one layer file)
-DUALPIPEV = Run.of("hf-dualpipev", 2, "ds_configs/zero1.json", train__steps=STEPS, parallel__pp=2,
-                   parallel__pipeline_schedule="dualpipev", parallel__pipeline_partition="type:Block")
+DUALPIPEV = Run.of(
+    "hf-dualpipev",
+    2,
+    "ds_configs/zero1.json",
+    train__steps=STEPS,
+    parallel__pp=2,
+    parallel__pipeline_schedule="dualpipev",
+    parallel__pipeline_partition="type:Block",
+)
 # interleaved: rank r holds stages r and r+2; the tied head is rank 1's copy of the embedding (not exported)
-INTERLEAVED = Run.of("hf-interleaved", 2, "ds_configs/zero1.json", train__steps=STEPS, parallel__pp=2,
-                     parallel__pipeline_schedule="interleaved", parallel__pipeline_partition="type:Block")
-KEEL_RUNS = [REF_UNTIED, TP2PP2, REF_TIED, ZERO3, TP2_ZERO2, TP2_ZERO3, *HALF.values(), MOE_REF, MOE_EP2, DUALPIPEV,
-             INTERLEAVED]
+INTERLEAVED = Run.of(
+    "hf-interleaved",
+    2,
+    "ds_configs/zero1.json",
+    train__steps=STEPS,
+    parallel__pp=2,
+    parallel__pipeline_schedule="interleaved",
+    parallel__pipeline_partition="type:Block",
+)
+KEEL_RUNS = [
+    REF_UNTIED,
+    TP2PP2,
+    REF_TIED,
+    ZERO3,
+    TP2_ZERO2,
+    TP2_ZERO3,
+    *HALF.values(),
+    MOE_REF,
+    MOE_EP2,
+    DUALPIPEV,
+    INTERLEAVED,
+]
 
 
 def hf_logits(out_dir, tokens: torch.Tensor) -> torch.Tensor:
@@ -53,17 +88,20 @@ def hf_logits(out_dir, tokens: torch.Tensor) -> torch.Tensor:
 
 def keel_logits(model: CausalLM, tokens: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
-        return model.eval()(tokens)[..., :model.cfg.vocab_size]
+        return model.eval()(tokens)[..., : model.cfg.vocab_size]
 
 
 def some_tokens(vocab: int) -> torch.Tensor:
     return torch.randint(0, vocab, (2, 24), generator=torch.Generator().manual_seed(0))
 
 
-LAYOUTS = [pytest.param(dict(), 1, 1, id="tp1"), pytest.param(dict(tie_embeddings=False), 2, 1, id="tp2-untied"),
-           pytest.param(dict(), 4, 1, id="tp4-replicated-kv"), pytest.param(dict(tie_embeddings=False), 2, 2,
-                                                                            id="tp2pp2-untied"),
-           pytest.param(dict(), 1, 2, id="pp2-tied")]
+LAYOUTS = [
+    pytest.param(dict(), 1, 1, id="tp1"),
+    pytest.param(dict(tie_embeddings=False), 2, 1, id="tp2-untied"),
+    pytest.param(dict(), 4, 1, id="tp4-replicated-kv"),
+    pytest.param(dict(tie_embeddings=False), 2, 2, id="tp2pp2-untied"),
+    pytest.param(dict(), 1, 2, id="pp2-tied"),
+]
 
 
 @pytest.mark.parametrize("model, tp, pp", LAYOUTS)
@@ -74,7 +112,9 @@ def test_export_gathers_tp_and_pp_shards(tmp_path, model, tp, pp):
     result = export_hf(tmp_path / "run", tmp_path / "hf", max_shard_bytes=40_000)
     assert result.shards > 1 and (tmp_path / "hf" / "model.safetensors.index.json").is_file()
     x = some_tokens(cfg.model.vocab_size)
-    torch.testing.assert_close(hf_logits(tmp_path / "hf", x), keel_logits(reference, x), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        hf_logits(tmp_path / "hf", x), keel_logits(reference, x), atol=1e-5, rtol=1e-5
+    )
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert (config["vocab_size"], config["tie_word_embeddings"]) == (300, cfg.model.tie_embeddings)
     assert not list(tmp_path.glob(".hf*"))  # the temp sibling was renamed, not left behind
@@ -95,13 +135,20 @@ def test_moe_exports_as_mixtral(tmp_path, tp):
     assert type(model).__name__ == "MixtralForCausalLM"
     x = some_tokens(cfg.model.vocab_size)
     with torch.no_grad():
-        torch.testing.assert_close(model(input_ids=x).logits, keel_logits(reference, x), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            model(input_ids=x).logits, keel_logits(reference, x), atol=1e-5, rtol=1e-5
+        )
 
 
-@pytest.mark.parametrize("change, message", [(dict(moe_shared_expert=True), "no shared expert"),
-                                             (dict(moe_top_k=1), "moe_top_k=1"),
-                                             (dict(moe_scoring="sigmoid"), "routes by softmax"),
-                                             (dict(moe_every=2), "every Mixtral block is MoE")])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(moe_shared_expert=True), "no shared expert"),
+        (dict(moe_top_k=1), "moe_top_k=1"),
+        (dict(moe_scoring="sigmoid"), "routes by softmax"),
+        (dict(moe_every=2), "every Mixtral block is MoE"),
+    ],
+)
 def test_moe_mixtral_cannot_represent_is_refused(tmp_path, change, message):
     write_run(tmp_path / "run", {**MOE, **change})
     with pytest.raises(ConfigError, match=message):
@@ -118,7 +165,10 @@ def test_exported_tokenizer_encodes_like_keel(tmp_path):
 
     ours = load_tokenizer(tmp_path / "run" / "tok.model")
     theirs = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
-    texts = sample_docs(5) + ["  indented\n\tcode(x)  # trailing  \n\n", "Ä€漢字 unseen ✓ bytes 9876543210"]
+    texts = sample_docs(5) + [
+        "  indented\n\tcode(x)  # trailing  \n\n",
+        "Ä€漢字 unseen ✓ bytes 9876543210",
+    ]
     for text in texts:
         assert theirs(text)["input_ids"] == ours.encode(text)
         assert theirs.decode(ours.encode(text)) == text
@@ -138,7 +188,9 @@ def test_an_hf_tokenizer_the_run_used_is_saved_as_it_is(tmp_path):
     sentencepiece_as_llama(model_file).save_pretrained(str(tmp_path / "hf_tok"))
     write_run(tmp_path / "run", tokenizer=tmp_path / "hf_tok")
     export_hf(tmp_path / "run", tmp_path / "hf")
-    original, exported = (AutoTokenizer.from_pretrained(str(d)) for d in (tmp_path / "hf_tok", tmp_path / "hf"))
+    original, exported = (
+        AutoTokenizer.from_pretrained(str(d)) for d in (tmp_path / "hf_tok", tmp_path / "hf")
+    )
     for text in sample_docs(3) + ["  x = {'a': 1}\n"]:
         assert exported(text)["input_ids"] == original(text)["input_ids"]
 
@@ -186,8 +238,19 @@ def test_a_missing_zero_to_fp32_reader_is_named(monkeypatch):
 
 def test_cli_exit_code_and_one_line(tmp_path):
     write_run(tmp_path / "run", complete=False)
-    proc = subprocess.run([sys.executable, "-m", "keel.launcher.cli", "export", str(tmp_path / "run"),
-                           str(tmp_path / "hf")], capture_output=True, text=True, cwd=REPO)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "keel.launcher.cli",
+            "export",
+            str(tmp_path / "run"),
+            str(tmp_path / "hf"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
     assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0, proc.stderr
     assert "keel: error:" in proc.stderr and not (tmp_path / "hf").exists()
 
@@ -206,10 +269,19 @@ def trained_keel_model(run_dir) -> CausalLM:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("run, reference", [(TP2PP2, REF_UNTIED), (ZERO3, REF_TIED), (TP2_ZERO2, REF_TIED),
-                                            (TP2_ZERO3, REF_TIED), (MOE_EP2, MOE_REF), (DUALPIPEV, REF_TIED),
-                                            (INTERLEAVED, REF_TIED)],
-                         ids=["tp2pp2", "zero3", "tp2-zero2", "tp2-zero3", "moe-ep2", "dualpipev", "interleaved"])
+@pytest.mark.parametrize(
+    "run, reference",
+    [
+        (TP2PP2, REF_UNTIED),
+        (ZERO3, REF_TIED),
+        (TP2_ZERO2, REF_TIED),
+        (TP2_ZERO3, REF_TIED),
+        (MOE_EP2, MOE_REF),
+        (DUALPIPEV, REF_TIED),
+        (INTERLEAVED, REF_TIED),
+    ],
+    ids=["tp2pp2", "zero3", "tp2-zero2", "tp2-zero3", "moe-ep2", "dualpipev", "interleaved"],
+)
 def test_export_of_real_runs_matches_keel(runs, tmp_path, run, reference):
     from transformers import AutoTokenizer
 
@@ -246,9 +318,11 @@ def test_export_peak_rss_is_bounded_by_the_largest_tensor_not_the_model(capsys):
 
     result = run(dim=512, layers=24, vocab=8000, tp=2, shard_mib=16)
     with capsys.disabled():
-        print(f"\nexport peak RSS: {result['peak_above_baseline_mib']:.1f} MiB above baseline for a "
-              f"{result['model_mib']:.1f} MiB model (largest tensor {result['largest_mib']:.1f} MiB, shards "
-              f"{result['shard_mib']:.0f} MiB, bound {result['bound_mib']:.1f} MiB)")
+        print(
+            f"\nexport peak RSS: {result['peak_above_baseline_mib']:.1f} MiB above baseline for a "
+            f"{result['model_mib']:.1f} MiB model (largest tensor {result['largest_mib']:.1f} MiB, shards "
+            f"{result['shard_mib']:.0f} MiB, bound {result['bound_mib']:.1f} MiB)"
+        )
     assert result["verdict"] == "PASS", result
     assert result["peak_above_baseline_mib"] < result["model_mib"] / 2, result
 
@@ -278,11 +352,15 @@ def test_half_precision_runs_export_their_fp32_masters(runs, precision):
     assert ckpt.reads_zero12_master and ckpt.exports_master
     reader = CheckpointReader(ckpt)
     ours = reader.read(list(reader.layouts))
-    theirs = get_fp32_state_dict_from_zero_checkpoint(str(ckpt.tag_dir.parent), tag=ckpt.tag_dir.name)
+    theirs = get_fp32_state_dict_from_zero_checkpoint(
+        str(ckpt.tag_dir.parent), tag=ckpt.tag_dir.name
+    )
     module = final_weights(run_dir)
     half = torch.bfloat16 if precision == "bf16" else torch.float16
     for name, value in ours.items():
         rows = value.shape[0]
         torch.testing.assert_close(value, theirs[name][:rows].float(), atol=0, rtol=0, msg=name)
         torch.testing.assert_close(value.to(half), module[name][:rows], atol=0, rtol=0, msg=name)
-    assert any(not torch.equal(v, v.to(half).float()) for v in ours.values())  # not merely the half weights
+    assert any(
+        not torch.equal(v, v.to(half).float()) for v in ours.values()
+    )  # not merely the half weights

@@ -33,8 +33,13 @@ def save_hf_llama(path: Path, cfg: ModelConfig, seed: int = 0) -> None:
 
     torch.manual_seed(seed)
     hf = LlamaForCausalLM(to_hf_config(cfg))
-    with torch.no_grad():  # HF initialises norms to 1: make them differ, so a norm read wrongly shows; and a
-        for name, param in hf.named_parameters():  # wide embedding puts the loss far from a random init's ln V
+    with (
+        torch.no_grad()
+    ):  # HF initialises norms to 1: make them differ, so a norm read wrongly shows; and a
+        for (
+            name,
+            param,
+        ) in hf.named_parameters():  # wide embedding puts the loss far from a random init's ln V
             if "norm" in name:
                 param.uniform_(0.5, 1.5)
             elif "embed_tokens" in name:
@@ -65,7 +70,9 @@ def test_single_process_loss_equals_hf(tmp_path, tie):
     check_hf_dir(cfg)
     model = CausalLM(cfg, seed=1)
     load_hf_weights(list(enumerate(model.layers)), cfg)
-    rows = torch.randint(0, cfg.vocab_size, (2, SEQ + 1), generator=torch.Generator().manual_seed(3))
+    rows = torch.randint(
+        0, cfg.vocab_size, (2, SEQ + 1), generator=torch.Generator().manual_seed(3)
+    )
     with torch.no_grad():
         ours = model.eval()(rows[:, :-1], labels=rows[:, 1:])
     torch.testing.assert_close(ours, hf_loss(tmp_path / "hf", rows), atol=1e-5, rtol=1e-5)
@@ -91,11 +98,20 @@ def test_tp_shards_are_the_slices_of_the_tp1_load(tmp_path, tp):
                 size = layout.local_shape[layout.dim]
                 padded = list(expected.shape)
                 padded[layout.dim] = size * tp
-                expected = torch.cat([expected, expected.new_zeros(padded[0] - expected.shape[0],
-                                                                   *expected.shape[1:])]) \
-                    if padded[0] != expected.shape[0] else expected
+                expected = (
+                    torch.cat(
+                        [
+                            expected,
+                            expected.new_zeros(padded[0] - expected.shape[0], *expected.shape[1:]),
+                        ]
+                    )
+                    if padded[0] != expected.shape[0]
+                    else expected
+                )
                 expected = expected.narrow(layout.dim, rank * size, size)
-            torch.testing.assert_close(value, expected, atol=0, rtol=0, msg=f"{name} on tp rank {rank}")
+            torch.testing.assert_close(
+                value, expected, atol=0, rtol=0, msg=f"{name} on tp rank {rank}"
+            )
 
 
 def test_flat_windows_equal_the_whole_shard(tmp_path):
@@ -119,7 +135,9 @@ def test_flat_windows_equal_the_whole_shard(tmp_path):
                 torch.testing.assert_close(out, whole[start:end], atol=0, rtol=0, msg=name)
 
 
-@pytest.mark.fault("HF model that does not match the config", "refused naming each mismatched field")
+@pytest.mark.fault(
+    "HF model that does not match the config", "refused naming each mismatched field"
+)
 def test_bad_hf_dirs_are_refused_in_one_line_each(tmp_path):
     cfg = model_cfg()
     save_hf_llama(tmp_path / "hf", cfg)
@@ -127,20 +145,26 @@ def test_bad_hf_dirs_are_refused_in_one_line_each(tmp_path):
     with pytest.raises(ConfigError) as err:
         check_hf_dir(wrong)
     lines = str(err.value).split("; ")  # one line (ConfigError joins a message's lines with "; ")
-    assert len(lines) == 2 and "model.n_kv_heads=4" in lines[0] and "num_key_value_heads=2" in lines[0], lines
+    assert (
+        len(lines) == 2 and "model.n_kv_heads=4" in lines[0] and "num_key_value_heads=2" in lines[0]
+    ), lines
     assert "model.norm_eps=1e-06" in lines[1] and "rms_norm_eps=1e-05" in lines[1]
     with pytest.raises(ConfigError, match="model.vocab_size=512 .* vocab_size=300"):
         check_hf_dir(model_cfg(vocab_size=512, init_from=str(tmp_path / "hf")))
     other = tmp_path / "mistral"
     other.mkdir()
     (other / "config.json").write_text(json.dumps({"architectures": ["MistralForCausalLM"]}))
-    with pytest.raises(ConfigError, match="holds a MistralForCausalLM; Keel loads LlamaForCausalLM"):
+    with pytest.raises(
+        ConfigError, match="holds a MistralForCausalLM; Keel loads LlamaForCausalLM"
+    ):
         check_hf_dir(model_cfg(init_from=str(other)))
     pickled = tmp_path / "pickled"
     pickled.mkdir()
     (pickled / "config.json").write_text((tmp_path / "hf" / "config.json").read_text())
     torch.save({}, pickled / "pytorch_model.bin")
-    with pytest.raises(ConfigError, match="pickle weights .*pytorch_model.bin.*safe_serialization=True"):
+    with pytest.raises(
+        ConfigError, match="pickle weights .*pytorch_model.bin.*safe_serialization=True"
+    ):
         check_hf_dir(model_cfg(init_from=str(pickled)))
     with pytest.raises(ConfigError, match="not a directory"):
         check_hf_dir(model_cfg(init_from=str(tmp_path / "nowhere")))
@@ -157,18 +181,34 @@ def test_keel_train_refuses_a_bad_init_from_before_launch(tmp_path):
     other = tmp_path / "gpt2"
     other.mkdir()
     (other / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
-    cmd = [sys.executable, "-m", "keel.launcher.cli", "train", "--nproc", "1", "--run-dir", str(tmp_path / "run"),
-           "--set", f"model.init_from={other}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "keel.launcher.cli",
+        "train",
+        "--nproc",
+        "1",
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--set",
+        f"model.init_from={other}",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.strip().splitlines() == [f"keel: error: model.init_from: {other} holds a GPT2LMHeadModel; "
-                                                "Keel loads LlamaForCausalLM weights only"]
+    assert proc.stderr.strip().splitlines() == [
+        f"keel: error: model.init_from: {other} holds a GPT2LMHeadModel; "
+        "Keel loads LlamaForCausalLM weights only"
+    ]
     assert not (tmp_path / "run").exists()
 
 
 # -- real runs: the first step's loss is HF's on the same batch -------------------------------------------------
 def tiny_model_cfg(vocab: int) -> ModelConfig:
-    raw = {k.split(".", 1)[1]: v for k, v in TINY.items() if k.startswith("model.") and k != "model.compile"}
+    raw = {
+        k.split(".", 1)[1]: v
+        for k, v in TINY.items()
+        if k.startswith("model.") and k != "model.compile"
+    }
     return build_config({"model": {**raw, "vocab_size": vocab}}).model
 
 
@@ -178,10 +218,15 @@ def init_runs(runs, tmp_path_factory):
     they share their launches)."""
     hf_dir = tmp_path_factory.mktemp("hf_init") / "llama"
     save_hf_llama(hf_dir, tiny_model_cfg(512))
-    common = dict(train__steps=1, train__warmup_steps=0, model__init_from=str(hf_dir), model__vocab_size=512)
-    wanted = {"tp1": Run.of("init-tp1", 1, **common), "tp2": Run.of("init-tp2", 2, parallel__tp=2, **common),
-              "zero3": Run.of("init-zero3", 2, "ds_configs/zero3.json", **common),
-              "pp2": Run.of("init-pp2", 2, parallel__pp=2, **common)}
+    common = dict(
+        train__steps=1, train__warmup_steps=0, model__init_from=str(hf_dir), model__vocab_size=512
+    )
+    wanted = {
+        "tp1": Run.of("init-tp1", 1, **common),
+        "tp2": Run.of("init-tp2", 2, parallel__tp=2, **common),
+        "zero3": Run.of("init-zero3", 2, "ds_configs/zero3.json", **common),
+        "pp2": Run.of("init-pp2", 2, parallel__pp=2, **common),
+    }
     runs.declare(list(wanted.values()))
     return hf_dir, wanted
 
@@ -197,10 +242,16 @@ def test_first_step_loss_is_hf_loss(runs, init_runs, layout):
     hf_dir, wanted = init_runs
     run_dir = runs.run(wanted[layout])
     cfg, _, data = read_run_dir(run_dir)
-    samples = PackedSamples(IndexedDataset(data["prefix"]), cfg.data.seq_len, "train", cfg.data.val_fraction)
+    samples = PackedSamples(
+        IndexedDataset(data["prefix"]), cfg.data.seq_len, "train", cfg.data.val_fraction
+    )
     order = GlobalSampleOrder(len(samples), cfg.train.seed)
-    rows = torch.cat(step_batch(order, samples, 0, cfg.train.global_batch_size, cfg.train.micro_batch_size, 0, 1))
+    rows = torch.cat(
+        step_batch(order, samples, 0, cfg.train.global_batch_size, cfg.train.micro_batch_size, 0, 1)
+    )
     first = read_metrics(run_dir / "metrics.jsonl")[0]["loss"]
     expected = hf_loss(hf_dir, rows.long()).item()
-    assert abs(expected - math.log(cfg.model.vocab_size)) > 0.5  # far from what any random init would give
+    assert (
+        abs(expected - math.log(cfg.model.vocab_size)) > 0.5
+    )  # far from what any random init would give
     assert abs(first - expected) <= 1e-5 * abs(expected), (first, expected)

@@ -28,17 +28,30 @@ from tests.keel_runs import REPO
 STEPS = 6
 MOE = dict(model__moe_experts=4, stability__expert_interval=0)
 HOST_BATCH_CHECK = "data/token_check.py"  # reads the token batch in host memory: no device stall
-MICRO_BATCHES, LAYERS = 4, 2  # tests/keel_runs.py TINY: global batch 8 of micro-batches of 2, 2 blocks
+MICRO_BATCHES, LAYERS = (
+    4,
+    2,
+)  # tests/keel_runs.py TINY: global batch 8 of micro-batches of 2, 2 blocks
 KEEL = str(REPO / "keel") + os.sep
-PLUMBING = ("torch/_tensor.py", "torch/overrides.py", "torch/_compile.py", "torch/_dynamo/",
-            "torch/utils/_python_dispatch.py", __file__)
+PLUMBING = (
+    "torch/_tensor.py",
+    "torch/overrides.py",
+    "torch/_compile.py",
+    "torch/_dynamo/",
+    "torch/utils/_python_dispatch.py",
+    __file__,
+)
 
 
 def _keel_site() -> str | None:
     """The innermost frame that is not torch's dispatch plumbing (or this file), if it is Keel's."""
     for frame in reversed(traceback.extract_stack()):
         if not any(part in frame.filename for part in PLUMBING):
-            return f"{frame.filename.removeprefix(KEEL)}:{frame.lineno}" if frame.filename.startswith(KEEL) else None
+            return (
+                f"{frame.filename.removeprefix(KEEL)}:{frame.lineno}"
+                if frame.filename.startswith(KEEL)
+                else None
+            )
     return None
 
 
@@ -52,7 +65,11 @@ def _count_reads(run_dirs: list[Path]) -> dict[str, int]:
 
     def counted(tensor: torch.Tensor) -> None:
         site = _keel_site()
-        if site and not getattr(tensor, "_keel_control", False) and not site.startswith(HOST_BATCH_CHECK):
+        if (
+            site
+            and not getattr(tensor, "_keel_control", False)
+            and not site.startswith(HOST_BATCH_CHECK)
+        ):
             reads[site] += 1
 
     def tag_control(collective):
@@ -61,14 +78,17 @@ def _count_reads(run_dirs: list[Path]) -> dict[str, int]:
             if group.channel == comm.CONTROL:
                 out._keel_control = True
             return out
+
         return call
 
     for name in ("all_reduce", "broadcast"):
         setattr(comm, name, tag_control(getattr(comm, name)))
     for name in ("tolist", "cpu", "numpy"):
+
         def read(self, *args, _method=getattr(torch.Tensor, name), **kwargs):
             counted(self)
             return _method(self, *args, **kwargs)
+
         setattr(torch.Tensor, name, read)
 
     class ScalarReads(TorchDispatchMode):
@@ -84,8 +104,14 @@ def _count_reads(run_dirs: list[Path]) -> dict[str, int]:
 
 
 def _worker(_rank: int, port: int, run_dirs: list[str], out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
-                      LOCAL_WORLD_SIZE="1")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+        LOCAL_WORLD_SIZE="1",
+    )
     try:
         torch.save({d: _count_reads([Path(d)]) for d in run_dirs}, out)
     finally:
@@ -99,15 +125,28 @@ def reads(runs, tmp_path_factory) -> dict[str, dict[str, int]]:
 
     root = tmp_path_factory.mktemp("host_syncs")
     run_dirs = {}
-    for name, ds, changes in (("zero0", "zero0", {}), ("zero1", "zero1", {}), ("moe", "zero1", MOE)):
-        spec = build_run(None, runs.overrides(train__steps=STEPS, **changes), str(REPO / "ds_configs" / f"{ds}.json"),
-                         str(root / name), 1)
+    for name, ds, changes in (
+        ("zero0", "zero0", {}),
+        ("zero1", "zero1", {}),
+        ("moe", "zero1", MOE),
+    ):
+        spec = build_run(
+            None,
+            runs.overrides(train__steps=STEPS, **changes),
+            str(REPO / "ds_configs" / f"{ds}.json"),
+            str(root / name),
+            1,
+        )
         prepare_data(spec)
         write_run_dir(spec)
         run_dirs[name] = str(root / name)
     out = root / "reads.pt"
-    mp.start_processes(_worker, args=(free_port(), list(run_dirs.values()), str(out)), nprocs=1,
-                       start_method="spawn")
+    mp.start_processes(
+        _worker,
+        args=(free_port(), list(run_dirs.values()), str(out)),
+        nprocs=1,
+        start_method="spawn",
+    )
     counted = torch.load(out)
     return {ds: counted[path] for ds, path in run_dirs.items()}
 
@@ -127,7 +166,9 @@ def test_moe_reads_its_routing_counts_once_per_layer(reads):
     """Routing needs the per-expert row counts on the host (the all-to-all's split sizes): one read per MoE layer
     and micro-batch forward, none in backward; everything else is the step's one read-back."""
     got = dict(reads["moe"])
-    assert sum(got.pop(site) for site in list(got) if site.startswith("training/guards/state.py")) <= 1  # the save
+    assert (
+        sum(got.pop(site) for site in list(got) if site.startswith("training/guards/state.py")) <= 1
+    )  # the save
     step = {site: n for site, n in got.items() if site.startswith("training/trainer.py")}
     routing = {site: n for site, n in got.items() if site.startswith("parallel/experts.py")}
     assert sum(step.values()) <= STEPS and set(got) == set(step) | set(routing), got

@@ -116,8 +116,12 @@ def cycles(graph: Graph) -> list[set[str]]:
 
 def describe(component: set[str], graph: Graph, files: dict[str, Path], root: Path = KEEL) -> str:
     """The component's modules and every import between them, each with the file and line that makes it."""
-    edges = [f"  {a} -> {b}  ({files[a].relative_to(root.parent)}:{graph[a][b]})"
-             for a in sorted(component) for b in sorted(graph[a]) if b in component]
+    edges = [
+        f"  {a} -> {b}  ({files[a].relative_to(root.parent)}:{graph[a][b]})"
+        for a in sorted(component)
+        for b in sorted(graph[a])
+        if b in component
+    ]
     return f"cycle among {sorted(component)}:\n" + "\n".join(edges)
 
 
@@ -143,7 +147,9 @@ def test_checker_sees_lazy_relative_and_from_package_imports(tmp_path):
     assert graph["pkg.sub.b"] == {"pkg.c": 1}
     assert graph["pkg.c"] == {"pkg.a": 2}
     assert cycles(graph) == [{"pkg.a", "pkg.sub.b", "pkg.c"}]
-    assert "pkg/sub/b.py:1" in describe({"pkg.a", "pkg.sub.b", "pkg.c"}, graph, files, pkg).replace("\\", "/")
+    assert "pkg/sub/b.py:1" in describe({"pkg.a", "pkg.sub.b", "pkg.c"}, graph, files, pkg).replace(
+        "\\", "/"
+    )
 
 
 # The house's layers, bottom to top (docs/architecture.md). A module may import its own layer's modules and any
@@ -170,13 +176,16 @@ def room_of(module: str, layers: list[tuple[str, ...]] = LAYERS) -> tuple[int, s
     best: tuple[int, str] | None = None
     for index, rooms in enumerate(layers):
         for room in rooms:
-            if (module == room or module.startswith(room + ".")) and (best is None or len(room) > len(best[1])):
+            if (module == room or module.startswith(room + ".")) and (
+                best is None or len(room) > len(best[1])
+            ):
                 best = (index, room)
     return best
 
 
-def layer_violations(graph: Graph, files: dict[str, Path], root: Path = KEEL,
-                     layers: list[tuple[str, ...]] = LAYERS) -> list[str]:
+def layer_violations(
+    graph: Graph, files: dict[str, Path], root: Path = KEEL, layers: list[tuple[str, ...]] = LAYERS
+) -> list[str]:
     """Every import that climbs a layer or crosses to a peer room, as `file:line: a -> b (why)`."""
     found = []
     for module in sorted(graph):
@@ -188,9 +197,11 @@ def layer_violations(graph: Graph, files: dict[str, Path], root: Path = KEEL,
             if there[0] > here[0] or (there[0] == here[0] and not _inside(here[1], there[1])):
                 why = "climbs" if there[0] > here[0] else "crosses to a peer"
                 where = files[module].relative_to(root.parent)
-                found.append(f"{where}:{line}: {module} -> {target} ({why}: {here[1]} below {there[1]})"
-                             if there[0] > here[0] else f"{where}:{line}: {module} -> {target} ({why}: "
-                             f"{here[1]} and {there[1]})")
+                found.append(
+                    f"{where}:{line}: {module} -> {target} ({why}: {here[1]} below {there[1]})"
+                    if there[0] > here[0]
+                    else f"{where}:{line}: {module} -> {target} ({why}: {here[1]} and {there[1]})"
+                )
     return found
 
 
@@ -218,12 +229,18 @@ def test_layer_check_fails_on_a_planted_upward_import(tmp_path):
         (pkg / folder / "__init__.py").write_text("")
     (pkg / "__init__.py").write_text("")
     (pkg / "training" / "trainer.py").write_text("import os\n")
-    (pkg / "parallel" / "comm.py").write_text("def f():\n    from keel.training.trainer import x\n    return x\n")
+    (pkg / "parallel" / "comm.py").write_text(
+        "def f():\n    from keel.training.trainer import x\n    return x\n"
+    )
     (pkg / "data" / "samples.py").write_text("from keel.model import llama\n")
     (pkg / "model" / "llama.py").write_text("from keel.parallel import comm\n")
     (pkg / "tools" / "report.py").write_text("from keel.parallel.comm import f\n")  # down: allowed
     graph, files = import_graph(pkg)
     found = layer_violations(graph, files, pkg)
     assert len(found) == 2, found
-    assert found[0].startswith("keel/data/samples.py:1: keel.data.samples -> keel.model.llama (crosses to a peer")
-    assert found[1].startswith("keel/parallel/comm.py:2: keel.parallel.comm -> keel.training.trainer (climbs")
+    assert found[0].startswith(
+        "keel/data/samples.py:1: keel.data.samples -> keel.model.llama (crosses to a peer"
+    )
+    assert found[1].startswith(
+        "keel/parallel/comm.py:2: keel.parallel.comm -> keel.training.trainer (climbs"
+    )

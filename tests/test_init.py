@@ -15,7 +15,15 @@ from keel.model.materialize import Placement
 from keel.parallel.layer_parallel import LayerParallel
 from keel.parallel.tensor import FusedColumnParallelLinear, TPContext, mark_sharded
 
-CFG = dict(vocab_size=200, dim=64, n_layers=2, n_heads=8, n_kv_heads=2, vocab_pad_multiple=16, tie_embeddings=False)
+CFG = dict(
+    vocab_size=200,
+    dim=64,
+    n_layers=2,
+    n_heads=8,
+    n_kv_heads=2,
+    vocab_pad_multiple=16,
+    tie_embeddings=False,
+)
 
 
 @pytest.mark.parametrize("init", ["normal", "truncated_normal"])
@@ -25,7 +33,9 @@ def test_tp_shards_are_slices_of_the_tp1_weights(tp_size, init):
     cfg = ModelConfig(**CFG, init=init)
     reference = dict(CausalLM(cfg, seed=9).named_parameters())
     for rank in range(tp_size):
-        model = CausalLM(cfg, seed=9, parallel=LayerParallel.without_groups(tp=tp_size, tp_rank=rank))
+        model = CausalLM(
+            cfg, seed=9, parallel=LayerParallel.without_groups(tp=tp_size, tp_rank=rank)
+        )
         for name, param in model.named_parameters():
             full = reference[name]
             dim = getattr(param, "partition_dim", None)
@@ -35,15 +45,19 @@ def test_tp_shards_are_slices_of_the_tp1_weights(tp_size, init):
                 continue
             width = param.shape[dim]
             start = rank * width
-            if "tok_embeddings" in name or "output" in name:  # vocabulary rows: padding past vocab_size is zero
+            if (
+                "tok_embeddings" in name or "output" in name
+            ):  # vocabulary rows: padding past vocab_size is zero
                 real = max(0, min(width, cfg.vocab_size - start))
-                assert torch.equal(param[:real], full[start:start + real]), name
+                assert torch.equal(param[:real], full[start : start + real]), name
                 assert param[real:].abs().sum() == 0, name
             else:
                 assert torch.equal(param, full.narrow(dim, start, width)), name
 
 
-def _mib_matrix(rows: int, cols: int, dim: int | None, tp_size: int = 2, rank: int = 1) -> torch.nn.Parameter:
+def _mib_matrix(
+    rows: int, cols: int, dim: int | None, tp_size: int = 2, rank: int = 1
+) -> torch.nn.Parameter:
     shape = [rows, cols]
     if dim is not None:
         shape[dim] //= tp_size
@@ -139,7 +153,9 @@ def test_a_flat_window_is_that_slice_of_the_shard(dim):
             assert torch.equal(out, flat[start:end]), (start, end)
 
 
-def _fused(rows: int, cols: int, names: tuple[str, ...], tp_size: int = 2, rank: int = 1) -> torch.nn.Parameter:
+def _fused(
+    rows: int, cols: int, names: tuple[str, ...], tp_size: int = 2, rank: int = 1
+) -> torch.nn.Parameter:
     return FusedColumnParallelLinear(cols, rows, TPContext(rank=rank, size=tp_size), names).weight
 
 
@@ -164,13 +180,24 @@ def test_a_flat_window_of_a_fused_parameter_is_that_slice_of_the_shard():
         half = flat.numel() // 2
         for start, end in [(0, 5000), (half - 4093, half + 130_001), (half, flat.numel())]:
             out = torch.empty(end - start)
-            fill_shard_(fused, 0.02, False, seed=1, index=2, name=fused.part_names, out=out, flat=(start, end))
+            fill_shard_(
+                fused,
+                0.02,
+                False,
+                seed=1,
+                index=2,
+                name=fused.part_names,
+                out=out,
+                flat=(start, end),
+            )
             assert torch.equal(out, flat[start:end]), (start, end)
 
 
 def test_fused_names_must_match_the_parts():
     with pytest.raises(ValueError, match="3 parts"):
-        fill_shard_(_fused(8, 8, ("gate", "up")), 0.02, False, seed=0, index=1, name=("a", "b", "c"))
+        fill_shard_(
+            _fused(8, 8, ("gate", "up")), 0.02, False, seed=0, index=1, name=("a", "b", "c")
+        )
 
 
 def test_state_dict_schema_is_the_same_at_every_tp():
@@ -179,8 +206,12 @@ def test_state_dict_schema_is_the_same_at_every_tp():
     cfg = ModelConfig(**CFG)
     schemas = []
     for tp_size in (1, 2, 4):
-        model = CausalLM(cfg, seed=0, parallel=LayerParallel.without_groups(tp=tp_size, tp_rank=tp_size - 1))
-        schemas.append({name: p.full_shape for name, p in model.named_parameters() if hasattr(p, "full_shape")})
+        model = CausalLM(
+            cfg, seed=0, parallel=LayerParallel.without_groups(tp=tp_size, tp_rank=tp_size - 1)
+        )
+        schemas.append(
+            {name: p.full_shape for name, p in model.named_parameters() if hasattr(p, "full_shape")}
+        )
     assert schemas[0] == schemas[1] == schemas[2]
     kv_dim = cfg.n_kv_heads * cfg.head_dim
     assert schemas[0]["layers.1.attention.wkv.weight"] == (2, kv_dim, cfg.dim)
@@ -191,13 +222,30 @@ def test_fused_weights_keep_the_values_of_the_projections_they_fuse():
     """A seed gives the model it gave before k/v and gate/up were fused: each part draws under its old name
     (an expert's under its global id), whichever tp rank holds it."""
     cfg = ModelConfig(**{**CFG, "moe_experts": 4, "moe_every": 2})
-    model = CausalLM(cfg, seed=6, parallel=LayerParallel.without_groups(tp=2, ep=2, tp_rank=1, ep_rank=1))
+    model = CausalLM(
+        cfg, seed=6, parallel=LayerParallel.without_groups(tp=2, ep=2, tp_rank=1, ep_rank=1)
+    )
     kv_dim = cfg.n_kv_heads * cfg.head_dim
-    cases = [(model.layers[1].attention.wkv.weight, 1, ("attention.wk.weight", "attention.wv.weight"), kv_dim),
-             (model.layers[1].feed_forward.w13.weight, 1, ("feed_forward.w1.weight", "feed_forward.w3.weight"),
-              cfg.ffn_dim),
-             (model.layers[2].feed_forward.local_experts[0].w13.weight, 2,
-              ("feed_forward.experts.2.w1.weight", "feed_forward.experts.2.w3.weight"), cfg.ffn_dim)]
+    cases = [
+        (
+            model.layers[1].attention.wkv.weight,
+            1,
+            ("attention.wk.weight", "attention.wv.weight"),
+            kv_dim,
+        ),
+        (
+            model.layers[1].feed_forward.w13.weight,
+            1,
+            ("feed_forward.w1.weight", "feed_forward.w3.weight"),
+            cfg.ffn_dim,
+        ),
+        (
+            model.layers[2].feed_forward.local_experts[0].w13.weight,
+            2,
+            ("feed_forward.experts.2.w1.weight", "feed_forward.experts.2.w3.weight"),
+            cfg.ffn_dim,
+        ),
+    ]
     for fused, index, names, rows in cases:
         for part, name in enumerate(names):
             single = _mib_matrix(rows, cfg.dim, 0)

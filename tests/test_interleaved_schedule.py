@@ -10,7 +10,12 @@ import pytest
 
 from keel.config import ConfigError, RunConfig
 from keel.config.rules import validate
-from keel.engine.interleaved_schedule import Work, interleaved_schedule_class, megatron_order, timetable
+from keel.engine.interleaved_schedule import (
+    Work,
+    interleaved_schedule_class,
+    megatron_order,
+    timetable,
+)
 from keel.engine.memory_model import rank_stages
 
 GRID = [(p, k * p, v) for p in (2, 3, 4, 8) for v in (2, 3, 4) for k in (1, 2, 3)]
@@ -19,9 +24,24 @@ GRID = [(p, k * p, v) for p in (2, 3, 4, 8) for v in (2, 3, 4) for k in (1, 2, 3
 def test_order_is_megatrons():
     """p=2, m=4, v=2 as Megatron-LM's interleaved schedule runs it on rank 0: 4 warm-up forwards (groups of two
     micro-batches through chunk 0, then chunk 1), one forward one backward, backwards in reverse chunk order."""
-    got = [" ".join(f"{w.kind}{w.chunk}.{w.micro_batch}" for w in it) for it in megatron_order(2, 4, 2, rank=0)]
-    assert got == ["F0.0", "F0.1", "F1.0", "F1.1", "F0.2 B1.0", "F0.3 B1.1", "F1.2 B0.0", "F1.3 B0.1",
-                   "B1.2", "B1.3", "B0.2", "B0.3"]
+    got = [
+        " ".join(f"{w.kind}{w.chunk}.{w.micro_batch}" for w in it)
+        for it in megatron_order(2, 4, 2, rank=0)
+    ]
+    assert got == [
+        "F0.0",
+        "F0.1",
+        "F1.0",
+        "F1.1",
+        "F0.2 B1.0",
+        "F0.3 B1.1",
+        "F1.2 B0.0",
+        "F1.3 B0.1",
+        "B1.2",
+        "B1.3",
+        "B0.2",
+        "B0.3",
+    ]
     assert sum(map(len, megatron_order(2, 4, 2, rank=1))) == 16
 
 
@@ -43,7 +63,9 @@ def test_timetable_runs_everything_once_after_its_input(p, m, v):
             assert made[(stage - 1) % p, Work("F", (stage - 1) // p, work.micro_batch)] < t
         elif work.kind == "B" and stage < v * p - 1:
             assert made[(stage + 1) % p, Work("B", (stage + 1) // p, work.micro_batch)] < t
-        elif work.kind == "B":  # the loss stage: its own forward, earlier or earlier in the same iteration
+        elif (
+            work.kind == "B"
+        ):  # the loss stage: its own forward, earlier or earlier in the same iteration
             assert made[rank, Work("F", work.chunk, work.micro_batch)] <= t
 
 
@@ -54,19 +76,30 @@ def test_each_transfer_is_posted_by_both_ranks_in_the_same_batch(p, m, v, forwar
     to a CommitP2P) that carries transfers between them holds, on each side, exactly the other's sends as its
     receives, buffer for buffer: blocking or grouped p2p (NCCL) then always finds its peer's matching operation."""
     schedule = interleaved_schedule_class()
-    batches = [_batches(schedule(m, p, rank, v, forward_only).steps(), rank, p, m) for rank in range(p)]
+    batches = [
+        _batches(schedule(m, p, rank, v, forward_only).steps(), rank, p, m) for rank in range(p)
+    ]
     pairs = 0
     for a in range(p):
         for b in {(a + 1) % p, (a - 1) % p} - {a}:
-            mine = [sorted((kind, mb, out) for peer, kind, mb, out in batch if peer == b) for batch in batches[a]]
-            theirs = [sorted((kind, mb, not out) for peer, kind, mb, out in batch if peer == a)
-                      for batch in batches[b]]
+            mine = [
+                sorted((kind, mb, out) for peer, kind, mb, out in batch if peer == b)
+                for batch in batches[a]
+            ]
+            theirs = [
+                sorted((kind, mb, not out) for peer, kind, mb, out in batch if peer == a)
+                for batch in batches[b]
+            ]
             assert [x for x in mine if x] == [x for x in theirs if x]
             pairs += sum(map(bool, mine))
     assert pairs > 0
     if not forward_only:
         tail = list(schedule(m, p, 0, v).steps())[-1]
-        assert [type(c).__name__ for c in tail][-3:] == ["ReduceTiedGrads", "ReduceGrads", "OptimizerStep"]
+        assert [type(c).__name__ for c in tail][-3:] == [
+            "ReduceTiedGrads",
+            "ReduceGrads",
+            "OptimizerStep",
+        ]
 
 
 def _batches(steps, rank: int, p: int, m: int) -> list[list[tuple[int, str, int, bool]]]:
@@ -80,7 +113,9 @@ def _batches(steps, rank: int, p: int, m: int) -> list[list[tuple[int, str, int,
             elif name in ("SendActivation", "RecvActivation", "SendGrad", "RecvGrad"):
                 forward, outgoing = name.endswith("Activation"), name.startswith("Send")
                 peer = (rank + 1) % p if forward == outgoing else (rank - 1) % p
-                batches[-1].append((peer, "act" if forward else "grad", cmd.buffer_id % m, outgoing))
+                batches[-1].append(
+                    (peer, "act" if forward else "grad", cmd.buffer_id % m, outgoing)
+                )
     return batches
 
 
@@ -111,16 +146,24 @@ def _config(**parallel) -> RunConfig:
     return cfg
 
 
-@pytest.mark.parametrize("change, field", [
-    (dict(train__global_batch_size=10), "train.global_batch_size"),  # 5 micro-batches: not in groups of 2
-    (dict(train__global_batch_size=12, parallel__pp=4, model__n_layers=8),
-     "parallel.pipeline_schedule=interleaved needs at least"),
-    (dict(train__eval_batches=3), "train.eval_batches"),
-    (dict(train__rampup_start_batch=4, train__rampup_steps=2), "train.rampup_start_batch"),
-    (dict(parallel__virtual_stages=4), "parallel.virtual_stages"),  # 8 stages, 7 layers
-    (dict(model__moe_experts=4), "model.moe_experts"),
-    (dict(parallel__pp=1), "parallel.pp"),
-])
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        (
+            dict(train__global_batch_size=10),
+            "train.global_batch_size",
+        ),  # 5 micro-batches: not in groups of 2
+        (
+            dict(train__global_batch_size=12, parallel__pp=4, model__n_layers=8),
+            "parallel.pipeline_schedule=interleaved needs at least",
+        ),
+        (dict(train__eval_batches=3), "train.eval_batches"),
+        (dict(train__rampup_start_batch=4, train__rampup_steps=2), "train.rampup_start_batch"),
+        (dict(parallel__virtual_stages=4), "parallel.virtual_stages"),  # 8 stages, 7 layers
+        (dict(model__moe_experts=4), "model.moe_experts"),
+        (dict(parallel__pp=1), "parallel.pp"),
+    ],
+)
 def test_bad_interleaved_configs_are_refused_in_one_line(change, field):
     cfg = _config(**change)
     with pytest.raises(ConfigError) as refused:

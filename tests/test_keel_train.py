@@ -18,8 +18,13 @@ KEEL_RUNS = [Run.of("zero0", 2)]
 
 def test_default_run_learns(tmp_path):
     """The README's first command: the tiny default config on the embedded corpus, several local ranks."""
-    proc = subprocess.run([sys.executable, "-m", "keel.launcher.cli", "train", "--run-dir", str(tmp_path)],
-                          capture_output=True, text=True, cwd=REPO, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-m", "keel.launcher.cli", "train", "--run-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(1, 301))
@@ -31,10 +36,17 @@ def test_default_run_learns(tmp_path):
     assert last < first - 2.0, (first, last)
     assert any("val_loss" in r for r in records)
     assert "step    300/300" in proc.stdout
-    assert "| mfu n/a | eta 0s" in proc.stdout  # the step line's last fields (CPU: no peak FLOP/s to divide by)
+    assert (
+        "| mfu n/a | eta 0s" in proc.stdout
+    )  # the step line's last fields (CPU: no peak FLOP/s to divide by)
     # Running the same command again resumes from the final checkpoint and has nothing left to do.
-    again = subprocess.run([sys.executable, "-m", "keel.launcher.cli", "train", "--run-dir", str(tmp_path)],
-                           capture_output=True, text=True, cwd=REPO, timeout=600)
+    again = subprocess.run(
+        [sys.executable, "-m", "keel.launcher.cli", "train", "--run-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=600,
+    )
     assert again.returncode == 0 and "resumed from step00000300" in again.stdout
     assert len(read_metrics(tmp_path / "metrics.jsonl")) == 300
     # keel report: every plot a dense bf16-less run has data for, and the resume at step 300 marked
@@ -46,8 +58,20 @@ def test_default_run_learns(tmp_path):
 
 
 def test_runs_in_place_under_torchrun(runs, tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "keel.launcher.cli",
-           "train", "--run-dir", str(tmp_path), "--ds-config", str(REPO / "ds_configs" / "zero2.json")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "keel.launcher.cli",
+        "train",
+        "--run-dir",
+        str(tmp_path),
+        "--ds-config",
+        str(REPO / "ds_configs" / "zero2.json"),
+    ]
     for item in runs.overrides():
         cmd += ["--set", item]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=600)

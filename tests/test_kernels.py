@@ -18,7 +18,14 @@ import torch
 
 from keel.config import ConfigError, ModelConfig, build_config, validate
 from keel.model import CausalLM
-from keel.model.kernels import fused_linear_cross_entropy, liger_importable, resolve, rms_norm, rotary, silu_mul
+from keel.model.kernels import (
+    fused_linear_cross_entropy,
+    liger_importable,
+    resolve,
+    rms_norm,
+    rotary,
+    silu_mul,
+)
 from keel.parallel.cross_entropy import cross_entropy_reference
 from tests.keel_runs import REPO
 
@@ -96,7 +103,9 @@ print(json.dumps(out))
 
 def _under_triton_interpreter(script: str) -> dict:
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -169,8 +178,11 @@ def test_liger_fused_linear_cross_entropy_matches_the_reference_on_cuda(dtype, r
     seen = []
     for fused in (False, True):
         h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
-        loss = (fused_linear_cross_entropy(h, w, labels, vocab, 0.1, 1e-4) if fused
-                else cross_entropy_reference(h @ w.T, labels, vocab, 0.1, 1e-4))
+        loss = (
+            fused_linear_cross_entropy(h, w, labels, vocab, 0.1, 1e-4)
+            if fused
+            else cross_entropy_reference(h @ w.T, labels, vocab, 0.1, 1e-4)
+        )
         loss.backward()
         seen.append([loss.detach().float(), h.grad.float(), w.grad.float()])
     for ref, got in zip(*seen):  # the loss, then two reductions
@@ -196,10 +208,18 @@ def test_liger_rmsnorm_and_swiglu_match_the_reference_on_cuda(dtype, rows, width
     elementwise = tol if dtype == torch.float32 else BF16_ELEMENTWISE_RTOL
     for ref, got in zip(seen[0][:3], seen[1][:3]):  # norm, act, b.grad: elementwise
         torch.testing.assert_close(got, ref, rtol=elementwise, atol=0.0)
-    for ref, got in zip(seen[0][3:], seen[1][3:]):  # x.grad (terms that cancel), w.grad (a sum over rows)
+    for ref, got in zip(
+        seen[0][3:], seen[1][3:]
+    ):  # x.grad (terms that cancel), w.grad (a sum over rows)
         assert_close_to_scale(got, ref, tol)
-    q, k = torch.randn(2, 4, 9, 16, device="cuda").to(dtype), torch.randn(2, 2, 9, 16, device="cuda").to(dtype)
-    cos, sin = torch.rand(9, 16, device="cuda").to(dtype), torch.rand(9, 16, device="cuda").to(dtype)
+    q, k = (
+        torch.randn(2, 4, 9, 16, device="cuda").to(dtype),
+        torch.randn(2, 2, 9, 16, device="cuda").to(dtype),
+    )
+    cos, sin = (
+        torch.rand(9, 16, device="cuda").to(dtype),
+        torch.rand(9, 16, device="cuda").to(dtype),
+    )
     for ref, got in zip(rotary(q, k, cos, sin, False), rotary(q, k, cos, sin, True)):
         torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol)
 
@@ -208,11 +228,20 @@ def test_liger_rmsnorm_and_swiglu_match_the_reference_on_cuda(dtype, rows, width
 @pytest.mark.parametrize("tied", [True, False])
 def test_model_losses_and_gradients_match_with_liger_kernels_on_cuda(tied):
     """Every Liger kernel at once, the fused head + loss included (tp = 1), with label smoothing and z-loss."""
-    tokens = torch.randint(0, 256, (2, 33), device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))
+    tokens = torch.randint(
+        0, 256, (2, 33), device="cuda", generator=torch.Generator(device="cuda").manual_seed(0)
+    )
     results = []
     for kernels in ("torch", "liger"):
-        cfg = ModelConfig(vocab_size=250, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, kernels=kernels,
-                          tie_embeddings=tied)
+        cfg = ModelConfig(
+            vocab_size=250,
+            dim=64,
+            n_layers=2,
+            n_heads=4,
+            n_kv_heads=2,
+            kernels=kernels,
+            tie_embeddings=tied,
+        )
         model = CausalLM(cfg, seed=0, label_smoothing=0.1, z_loss=1e-4).cuda()
         assert model.loss_fn.fuses_head == (kernels == "liger")
         loss = model(tokens[:, :-1], tokens[:, 1:])

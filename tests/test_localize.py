@@ -34,7 +34,10 @@ def test_poisoned_weight_is_data_at_its_module():
     with torch.no_grad():
         model.layers[2].attention.wo.weight[0, 0] = NAN
     loc = localize(model, micro_batches(), sample_indices=[10, 11, 12, 13])
-    assert (loc.first_bad_module, loc.first_bad_class) == ("layers.2.attention.wo", "RowParallelLinear")
+    assert (loc.first_bad_module, loc.first_bad_class) == (
+        "layers.2.attention.wo",
+        "RowParallelLinear",
+    )
     assert loc.origin_module == "layers.2.attention.wo"
     assert loc.micro_batch == 0 and loc.bad_micro_batches == [0, 1]
     assert math.isnan(loc.loss)
@@ -46,10 +49,15 @@ def test_poisoned_weight_is_data_at_its_module():
     assert loc.reproducible and loc.classification == DATA and loc.replays_nonfinite == 2
     assert loc.samples == [10, 11, 12, 13]  # every row of both micro-batches went bad
     event = loc.event()
-    assert "findings" not in event and json.loads(json.dumps(event))["origin_module"] == "layers.2.attention.wo"
+    assert (
+        "findings" not in event
+        and json.loads(json.dumps(event))["origin_module"] == "layers.2.attention.wo"
+    )
 
 
-@pytest.mark.fault("non-finite embedding row hit by one sample", "localization names the row and the sample")
+@pytest.mark.fault(
+    "non-finite embedding row hit by one sample", "localization names the row and the sample"
+)
 def test_bad_token_names_its_row_and_sample():
     """A non-finite embedding row hit by one sample only: that sample, in the second micro-batch, is named."""
     model = tiny(tie_embeddings=False)
@@ -77,8 +85,13 @@ def test_first_bad_and_origin_differ_when_a_parent_makes_the_value():
     model.layers[0].register_forward_hook(huge)  # the residual stream entering block 1
     model.layers[1].attention.register_forward_hook(huge)  # its attention branch
     loc = localize(model, micro_batches(n=1))
-    assert loc.first_bad_module == "layers.1.ffn_norm"  # first to return a non-finite value: its input was inf
-    assert (loc.origin_module, loc.origin_class) == ("layers.1", "Block")  # finite in, inf out: the add
+    assert (
+        loc.first_bad_module == "layers.1.ffn_norm"
+    )  # first to return a non-finite value: its input was inf
+    assert (loc.origin_module, loc.origin_class) == (
+        "layers.1",
+        "Block",
+    )  # finite in, inf out: the add
     assert loc.classification == DATA
 
 
@@ -92,7 +105,9 @@ def test_transient_fault_in_the_step_is_not_reproduced():
 
     model.layers[1].feed_forward.register_forward_hook(once)
     batches = micro_batches()
-    assert math.isnan(model(batches[0][:, :-1], batches[0][:, 1:]).item())  # the step that was skipped
+    assert math.isnan(
+        model(batches[0][:, :-1], batches[0][:, 1:]).item()
+    )  # the step that was skipped
     loc = localize(model, batches)
     assert loc.first_bad_module is None and loc.bad_micro_batches == [] and loc.samples == []
     assert not loc.reproducible and loc.classification == TRANSIENT and loc.replays_nonfinite == 0
@@ -109,7 +124,9 @@ def test_fault_in_one_replay_only_is_transient_and_reported():
     model.layers[1].feed_forward.register_forward_hook(once)
     loc = localize(model, micro_batches())
     assert loc.classification == TRANSIENT and loc.replays_nonfinite == 1 and not loc.reproducible
-    assert loc.first_bad_module == "layers.1.feed_forward" and loc.micro_batch == 0  # found by the first replay
+    assert (
+        loc.first_bad_module == "layers.1.feed_forward" and loc.micro_batch == 0
+    )  # found by the first replay
 
 
 def test_inf_in_the_loss_only_points_at_the_model():
@@ -117,7 +134,10 @@ def test_inf_in_the_loss_only_points_at_the_model():
     loss_fn = model.loss_fn
     model.loss_fn = lambda logits, labels: loss_fn(logits, labels) + math.inf
     loc = localize(model, micro_batches())
-    assert (loc.first_bad_module, loc.first_bad_class) == (ROOT, "CausalLM")  # every layer's output was finite
+    assert (loc.first_bad_module, loc.first_bad_class) == (
+        ROOT,
+        "CausalLM",
+    )  # every layer's output was finite
     assert loc.origin_module == ROOT
     assert loc.loss == math.inf and loc.findings[0].bad_rows == []
     assert loc.bad_grads == [] and loc.n_bad_grads == 0  # d(loss + inf) = d(loss): finite
@@ -136,7 +156,9 @@ def test_backward_only_nan_is_found_in_the_gradients():
         loc = localize(model, micro_batches())
     assert loc.first_bad_module is None and loc.origin_module is None and math.isfinite(loc.loss)
     assert loc.bad_grads[0] == "layers.2.feed_forward.w2.weight"
-    assert "layers.3.norm.weight" not in loc.bad_grads  # downstream of the NaN: its gradient stays finite
+    assert (
+        "layers.3.norm.weight" not in loc.bad_grads
+    )  # downstream of the NaN: its gradient stays finite
     assert loc.classification == DATA
 
 
@@ -149,7 +171,9 @@ def test_healthy_batch_finds_nothing():
 @pytest.mark.parametrize("checkpoint_interval", [0, 1])
 def test_replay_leaves_grads_hooks_rng_and_modes_alone(checkpoint_interval):
     """What ZeRO-1/2/3 rely on is untouched: `.grad`, post-accumulate hooks, AccumulateGrad hooks, RNG, modes."""
-    model = CausalLM(ModelConfig(**CFG, dropout=0.5), seed=0, checkpoint_interval=checkpoint_interval)
+    model = CausalLM(
+        ModelConfig(**CFG, dropout=0.5), seed=0, checkpoint_interval=checkpoint_interval
+    )
     with torch.no_grad():
         model.layers[2].attention.wo.weight[0, 0] = NAN
     params = [p for p in model.parameters() if p.requires_grad]
@@ -159,8 +183,12 @@ def test_replay_leaves_grads_hooks_rng_and_modes_alone(checkpoint_interval):
     fired = []
     accumulators = []
     for p in params:
-        p.register_post_accumulate_grad_hook(lambda p: fired.append("post"))  # ZeRO's hook on torch >= 2.1
-        accumulator = p.expand_as(p).grad_fn.next_functions[0][0]  # the older AccumulateGrad-node hook
+        p.register_post_accumulate_grad_hook(
+            lambda p: fired.append("post")
+        )  # ZeRO's hook on torch >= 2.1
+        accumulator = p.expand_as(p).grad_fn.next_functions[0][
+            0
+        ]  # the older AccumulateGrad-node hook
         accumulator.register_hook(lambda *grads: fired.append("acc"))
         accumulators.append(accumulator)  # keep the node (and its hook) alive
     model.eval()
@@ -170,7 +198,9 @@ def test_replay_leaves_grads_hooks_rng_and_modes_alone(checkpoint_interval):
 
     loc = localize(model, micro_batches())
 
-    assert loc.first_bad_module == "layers.2.attention.wo" and loc.classification == DATA  # dropout masks agree
+    assert (
+        loc.first_bad_module == "layers.2.attention.wo" and loc.classification == DATA
+    )  # dropout masks agree
     assert fired == []
     for p, before in zip(params, grads_before):
         if before is None:
@@ -191,10 +221,14 @@ def test_both_replays_draw_the_same_dropout_masks():
     losses = []
     model.register_forward_hook(lambda module, args, loss: losses.append(loss.item()))
     localize(model, micro_batches())
-    assert len(losses) == 4 and losses[:2] == losses[2:]  # the second replay saw exactly what the first did
+    assert (
+        len(losses) == 4 and losses[:2] == losses[2:]
+    )  # the second replay saw exactly what the first did
     model.eval()
     batch = micro_batches()[0]
-    assert model(batch[:, :-1], batch[:, 1:]).item() != losses[0]  # and dropout was on in the replay
+    assert (
+        model(batch[:, :-1], batch[:, 1:]).item() != losses[0]
+    )  # and dropout was on in the replay
 
 
 def test_classify_needs_the_same_place_twice():
@@ -210,6 +244,7 @@ def test_classify_needs_the_same_place_twice():
 
 # -- under real DeepSpeed engines ---------------------------------------------------------------------------------
 
+
 def _engine(stage: int, tp: int = 1):
     from keel.config import ParallelConfig, RunConfig, TrainConfig
     from keel.engine.build import build_engine
@@ -217,11 +252,20 @@ def _engine(stage: int, tp: int = 1):
     from keel.parallel.topology import Topology
 
     init_distributed()
-    ds_raw = json.loads((Path(__file__).parents[1] / "ds_configs" / f"zero{stage}.json").read_text())
-    ds_raw["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # partition even tiny params
+    ds_raw = json.loads(
+        (Path(__file__).parents[1] / "ds_configs" / f"zero{stage}.json").read_text()
+    )
+    ds_raw["zero_optimization"]["stage3_param_persistence_threshold"] = (
+        0  # partition even tiny params
+    )
     dp = int(os.environ["WORLD_SIZE"]) // tp
-    cfg = RunConfig(model=ModelConfig(**CFG), parallel=ParallelConfig(tp=tp),
-                    train=TrainConfig(global_batch_size=4 * dp, micro_batch_size=2, lr=1e-2, warmup_steps=0, seed=0))
+    cfg = RunConfig(
+        model=ModelConfig(**CFG),
+        parallel=ParallelConfig(tp=tp),
+        train=TrainConfig(
+            global_batch_size=4 * dp, micro_batch_size=2, lr=1e-2, warmup_steps=0, seed=0
+        ),
+    )
     torch.manual_seed(0)
     return build_engine(cfg, ds_raw, Topology.from_env(tp=tp))
 
@@ -236,7 +280,9 @@ def _step(engine, pair: list[torch.Tensor]) -> None:
 def _zero_worker(rank: int, port: int, stage: int, results: dict) -> None:
     import deepspeed
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
+    )
     batches = micro_batches(n=6, seed=1)
     losses = {}
     for with_localize in (False, True):
@@ -244,11 +290,15 @@ def _zero_worker(rank: int, port: int, stage: int, results: dict) -> None:
         _step(engine, batches[0:2])
         if with_localize:
             results["healthy"] = localize(engine.module, batches[2:4]).event()
-            handle = engine.module.layers[2].attention.wo.register_forward_hook(lambda m, a, out: out * NAN)
+            handle = engine.module.layers[2].attention.wo.register_forward_hook(
+                lambda m, a, out: out * NAN
+            )
             results["poisoned"] = localize(engine.module, batches[2:4]).event()
             handle.remove()
             if stage == 3:  # the embedding's backward release never fires outside engine.backward
-                results["left_gathered"] = [n for n, p in engine.module.named_parameters() if p.numel()]
+                results["left_gathered"] = [
+                    n for n, p in engine.module.named_parameters() if p.numel()
+                ]
                 engine.empty_partition_cache()
                 with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
                     pass  # what checkpoint saving and checksums do: fails while a param is left gathered
@@ -266,32 +316,52 @@ def test_localize_under_zero_leaves_training_unchanged(stage):
     mp.get_context("forkserver").set_forkserver_preload([__name__])
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.start_processes(_zero_worker, args=(free_port(), stage, results), nprocs=1, start_method="forkserver")
+        mp.start_processes(
+            _zero_worker, args=(free_port(), stage, results), nprocs=1, start_method="forkserver"
+        )
         results = dict(results)
     assert results["healthy"]["first_bad_module"] is None
     poisoned = results["poisoned"]
-    assert poisoned["first_bad_module"] == "layers.2.attention.wo" and poisoned["classification"] == DATA
+    assert (
+        poisoned["first_bad_module"] == "layers.2.attention.wo"
+        and poisoned["classification"] == DATA
+    )
     n_params = sum(1 for p in tiny().parameters() if p.requires_grad)
-    assert poisoned["n_bad_grads"] == n_params  # ZeRO-3 too: autograd.grad reaches partitioned params (full grads)
+    assert (
+        poisoned["n_bad_grads"] == n_params
+    )  # ZeRO-3 too: autograd.grad reaches partitioned params (full grads)
     if stage == 3:
         assert results["left_gathered"] == ["layers.0.tok_embeddings.weight"]
     assert results["losses"][True] == results["losses"][False]
 
 
-def _every_rank_worker(rank: int, world: int, port: int, stage: int, tp: int, results: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+def _every_rank_worker(
+    rank: int, world: int, port: int, stage: int, tp: int, results: dict
+) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+    )
     engine = _engine(stage, tp)
     dp_rank = rank // tp  # tp is the innermost grid axis
     batches = micro_batches(n=2, seed=dp_rank)
-    if rank == 0:  # a fault on one rank only: in a column-parallel shard under tp, in its batch under dp
+    if (
+        rank == 0
+    ):  # a fault on one rank only: in a column-parallel shard under tp, in its batch under dp
         # the value part of the fused k/v projection: on AVX-512 CPUs torch 2.13's SDPA returns finite outputs for
         # NaN queries or keys (measured), so only a NaN in v is certain to reach the attention's all-reduce
-        engine.module.layers[2].attention.wkv.register_forward_hook(lambda m, a, out: (out[0], out[1] * NAN))
+        engine.module.layers[2].attention.wkv.register_forward_hook(
+            lambda m, a, out: (out[0], out[1] * NAN)
+        )
     results[rank] = localize(engine.module, batches).event()
     if stage == 3:
         engine.empty_partition_cache()
-    _step(engine, batches)  # the ranks are still in step: a collective after localization does not hang
+    _step(
+        engine, batches
+    )  # the ranks are still in step: a collective after localization does not hang
 
 
 @pytest.mark.slow
@@ -301,8 +371,12 @@ def test_localize_on_every_rank(stage, tp):
     mp.get_context("forkserver").set_forkserver_preload([__name__])
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.start_processes(_every_rank_worker, args=(2, free_port(), stage, tp, results), nprocs=2,
-                           start_method="forkserver")
+        mp.start_processes(
+            _every_rank_worker,
+            args=(2, free_port(), stage, tp, results),
+            nprocs=2,
+            start_method="forkserver",
+        )
         results = dict(results)
     assert results[0]["first_bad_module"] == results[0]["origin_module"] == "layers.2.attention.wkv"
     assert results[0]["classification"] == DATA

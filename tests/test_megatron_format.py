@@ -9,11 +9,20 @@ import pytest
 import torch
 
 import keel.data.indexed as indexed_mod
-from keel.data import DataError, IndexedDataset, IndexedDatasetWriter, Tokenizer, best_dtype, ensure_prepared
+from keel.data import (
+    DataError,
+    IndexedDataset,
+    IndexedDatasetWriter,
+    Tokenizer,
+    best_dtype,
+    ensure_prepared,
+)
 from keel.data.tokenizer import train_tokenizer
 from tests.test_data_prepare import write_corpus
 
-with warnings.catch_warnings():  # "Transformer Engine and Apex are not installed": irrelevant to its data code
+with (
+    warnings.catch_warnings()
+):  # "Transformer Engine and Apex are not installed": irrelevant to its data code
     warnings.simplefilter("ignore")
     from megatron.core.datasets.indexed_dataset import IndexedDataset as MegatronDataset
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
@@ -57,14 +66,18 @@ def test_keel_writes_megatrons_bytes(tmp_path: Path, vocab: int) -> None:
         for doc in docs:
             writer.add_document(doc)
     for suffix in (".bin", ".idx"):
-        assert (tmp_path / f"k{suffix}").read_bytes() == (tmp_path / f"m{suffix}").read_bytes(), suffix
+        assert (tmp_path / f"k{suffix}").read_bytes() == (tmp_path / f"m{suffix}").read_bytes(), (
+            suffix
+        )
 
 
 @pytest.mark.parametrize("dtype", [np.int32, np.uint16, np.int64, np.int16])
 def test_megatron_builder_output_reads_in_keel(tmp_path: Path, dtype: type) -> None:
     docs = _documents(3000, seed=2)
     _megatron_build(tmp_path / "m", docs, dtype)
-    ours = IndexedDataset(tmp_path / "m", vocab_size=3000)  # no sidecar: the vocabulary is the caller's
+    ours = IndexedDataset(
+        tmp_path / "m", vocab_size=3000
+    )  # no sidecar: the vocabulary is the caller's
     assert ours.metadata is None and ours.dtype == np.dtype(dtype) and len(ours) == len(docs)
     assert ours.num_tokens == sum(map(len, docs))
     for i, doc in enumerate(docs):
@@ -93,7 +106,9 @@ def tokenizer(tmp_path_factory) -> Tokenizer:
     return train_tokenizer((f.read_text() for f in files), 400, root / "tokenizer")
 
 
-def _tokenized(prefix: Path, tokenizer: Tokenizer, texts: list[str], extra: list[int] = ()) -> list[np.ndarray]:
+def _tokenized(
+    prefix: Path, tokenizer: Tokenizer, texts: list[str], extra: list[int] = ()
+) -> list[np.ndarray]:
     docs = [np.array(ids + [tokenizer.eos_id]) for ids in tokenizer.encode_batch(texts)]
     docs[-1] = np.concatenate([docs[-1], np.array(extra, dtype=np.int64)])
     _megatron_build(prefix, docs, np.int32)
@@ -101,13 +116,21 @@ def _tokenized(prefix: Path, tokenizer: Tokenizer, texts: list[str], extra: list
 
 
 @pytest.mark.parametrize("suffix", ["", ".bin", ".idx"])
-def test_megatron_token_file_is_a_corpus_used_in_place(tmp_path: Path, tokenizer: Tokenizer, suffix: str,
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    docs = _tokenized(tmp_path / "pile_text_document", tokenizer, ["hello world", "second document here"])
+def test_megatron_token_file_is_a_corpus_used_in_place(
+    tmp_path: Path, tokenizer: Tokenizer, suffix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    docs = _tokenized(
+        tmp_path / "pile_text_document", tokenizer, ["hello world", "second document here"]
+    )
     spec = [str(tmp_path / f"pile_text_document{suffix}")]
     prepared = ensure_prepared(spec, tmp_path / "cache", 4096, progress=False, tokenizer=tokenizer)
-    assert prepared.data_prefix == prepared.sources[0] == tmp_path / "pile_text_document"  # not copied
-    assert prepared.num_tokens == sum(map(len, docs)) and prepared.vocab_size == tokenizer.vocab_size == 400
+    assert (
+        prepared.data_prefix == prepared.sources[0] == tmp_path / "pile_text_document"
+    )  # not copied
+    assert (
+        prepared.num_tokens == sum(map(len, docs))
+        and prepared.vocab_size == tokenizer.vocab_size == 400
+    )
     assert not list((tmp_path / "cache").glob("*/*.bin"))  # nothing re-tokenized
     ds = IndexedDataset(prepared.data_prefix, vocab_size=prepared.vocab_size)
     assert tokenizer.decode(ds[1][:-1].tolist()) == "second document here"
@@ -116,30 +139,50 @@ def test_megatron_token_file_is_a_corpus_used_in_place(tmp_path: Path, tokenizer
         raise AssertionError("re-validated despite a complete cache entry")
 
     monkeypatch.setattr(indexed_mod.IndexedDataset, "validate", no_rescan)
-    assert ensure_prepared(spec, tmp_path / "cache", 4096, progress=False, tokenizer=tokenizer) == prepared
+    assert (
+        ensure_prepared(spec, tmp_path / "cache", 4096, progress=False, tokenizer=tokenizer)
+        == prepared
+    )
 
 
-@pytest.mark.fault("token ids outside the vocabulary", "one line naming file and token; nothing cached")
+@pytest.mark.fault(
+    "token ids outside the vocabulary", "one line naming file and token; nothing cached"
+)
 def test_out_of_vocab_token_file_is_one_line(tmp_path: Path, tokenizer: Tokenizer) -> None:
     _tokenized(tmp_path / "foreign", tokenizer, ["fine", "ends badly"], extra=[7, 400])
-    with pytest.raises(DataError, match=r"foreign\.bin: token \d+ is id 400, outside the tokenizer's vocabulary"
-                       r" \[0, 400\)") as info:
-        ensure_prepared([str(tmp_path / "foreign")], tmp_path / "cache", 4096, progress=False, tokenizer=tokenizer)
+    with pytest.raises(
+        DataError,
+        match=r"foreign\.bin: token \d+ is id 400, outside the tokenizer's vocabulary"
+        r" \[0, 400\)",
+    ) as info:
+        ensure_prepared(
+            [str(tmp_path / "foreign")],
+            tmp_path / "cache",
+            4096,
+            progress=False,
+            tokenizer=tokenizer,
+        )
     assert "\n" not in str(info.value)
     assert [p.name for p in (tmp_path / "cache").iterdir()] == []  # no half-made entry
 
 
-@pytest.mark.parametrize(("make", "entry", "match"), [
-    (["x.bin"], "x.bin", r"names a token file but .*x\.idx is missing"),
-    (["x.idx"], "x", r"names a token file but .*x\.bin is missing"),
-    ([], "nothing_here", r"no files match '.*nothing_here'"),
-])
-def test_bad_prefix_is_one_line(tmp_path: Path, tokenizer: Tokenizer, make: list[str], entry: str,
-                                match: str) -> None:
+@pytest.mark.parametrize(
+    ("make", "entry", "match"),
+    [
+        (["x.bin"], "x.bin", r"names a token file but .*x\.idx is missing"),
+        (["x.idx"], "x", r"names a token file but .*x\.bin is missing"),
+        ([], "nothing_here", r"no files match '.*nothing_here'"),
+    ],
+)
+def test_bad_prefix_is_one_line(
+    tmp_path: Path, tokenizer: Tokenizer, make: list[str], entry: str, match: str
+) -> None:
     for name in make:
         (tmp_path / name).write_bytes(b"\0" * 8)
     with pytest.raises(DataError, match=match) as info:
-        ensure_prepared([str(tmp_path / entry)], tmp_path / "cache", 4096, progress=False, tokenizer=tokenizer)
+        ensure_prepared(
+            [str(tmp_path / entry)], tmp_path / "cache", 4096, progress=False, tokenizer=tokenizer
+        )
     assert "\n" not in str(info.value)
 
 
@@ -148,13 +191,19 @@ def test_truncated_megatron_file_is_one_line(tmp_path: Path, tokenizer: Tokenize
     _tokenized(tmp_path / "t", tokenizer, ["some text", "more text"])
     data = (tmp_path / "t.bin").read_bytes()
     (tmp_path / "t.bin").write_bytes(data[:-4])
-    with pytest.raises(DataError, match=r"t\.bin: re-run `keel prepare` to rebuild it \(holds \d+ bytes, its index"):
-        ensure_prepared([str(tmp_path / "t")], tmp_path / "cache", 4096, progress=False, tokenizer=tokenizer)
+    with pytest.raises(
+        DataError, match=r"t\.bin: re-run `keel prepare` to rebuild it \(holds \d+ bytes, its index"
+    ):
+        ensure_prepared(
+            [str(tmp_path / "t")], tmp_path / "cache", 4096, progress=False, tokenizer=tokenizer
+        )
 
 
 def test_token_file_without_tokenizer_is_refused(tmp_path: Path, tokenizer: Tokenizer) -> None:
     _tokenized(tmp_path / "t", tokenizer, ["some text"])
-    with pytest.raises(DataError, match=r"t is a token file, whose ids mean something only with the tokenizer"):
+    with pytest.raises(
+        DataError, match=r"t is a token file, whose ids mean something only with the tokenizer"
+    ):
         ensure_prepared([str(tmp_path / "t")], tmp_path / "cache", 4096, progress=False)
 
 
@@ -163,11 +212,20 @@ def test_directory_of_token_files_and_sidecars(tmp_path: Path, tokenizer: Tokeni
     (tmp_path / "d").mkdir()
     _tokenized(tmp_path / "d" / "a", tokenizer, ["first"])
     IndexedDatasetWriter(tmp_path / "d" / "b", 400).finalize()  # with a sidecar b.json
-    prepared = ensure_prepared([str(tmp_path / "d")], tmp_path / "cache", 4096, progress=False, tokenizer=tokenizer)
+    prepared = ensure_prepared(
+        [str(tmp_path / "d")], tmp_path / "cache", 4096, progress=False, tokenizer=tokenizer
+    )
     assert prepared.sources == (tmp_path / "d" / "a", tmp_path / "d" / "b")
-    glob_only_bins = ensure_prepared([str(tmp_path / "d" / "*.bin")], tmp_path / "cache", 4096, progress=False,
-                                     tokenizer=tokenizer)
+    glob_only_bins = ensure_prepared(
+        [str(tmp_path / "d" / "*.bin")],
+        tmp_path / "cache",
+        4096,
+        progress=False,
+        tokenizer=tokenizer,
+    )
     assert glob_only_bins.sources == prepared.sources
     (tmp_path / "d" / "orphan.bin").write_bytes(b"\0\0")
     with pytest.raises(DataError, match=r"orphan\.bin has no .*orphan\.idx beside it"):
-        ensure_prepared([str(tmp_path / "d")], tmp_path / "cache", 4096, progress=False, tokenizer=tokenizer)
+        ensure_prepared(
+            [str(tmp_path / "d")], tmp_path / "cache", 4096, progress=False, tokenizer=tokenizer
+        )

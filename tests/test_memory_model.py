@@ -42,7 +42,13 @@ def test_share_counts_this_ranks_experts():
 
 
 def _ds(stage: int, precision: str = "fp32") -> dict:
-    ds = {"zero_optimization": {"stage": stage, "reduce_bucket_size": 1000, "stage3_prefetch_bucket_size": 500}}
+    ds = {
+        "zero_optimization": {
+            "stage": stage,
+            "reduce_bucket_size": 1000,
+            "stage3_prefetch_bucket_size": 500,
+        }
+    }
     if precision != "fp32":
         ds[precision] = {"enabled": True}
     return ds
@@ -53,7 +59,12 @@ def test_zero_stages_partition_what_the_paper_says():
     layout = Layout(dp=4)
     n = param_share(cfg.model, layout).total
     z0, z1, z2, z3 = (estimate(cfg, _ds(stage), layout) for stage in range(4))
-    assert (z0.params, z0.grads, z0.optimizer, z0.buckets) == (4 * n, 4 * n, 8 * n, 0)  # fp32 Adam: 2 moments
+    assert (z0.params, z0.grads, z0.optimizer, z0.buckets) == (
+        4 * n,
+        4 * n,
+        8 * n,
+        0,
+    )  # fp32 Adam: 2 moments
     # ZeRO optimizers keep an fp32 partition of their own (K = 12), divided over dp from stage 1
     assert (z1.params, z1.grads, z1.optimizer) == (4 * n, 4 * n, 12 * -(-n // 4))
     assert (z2.params, z2.grads, z2.optimizer) == (4 * n, 4 * -(-n // 4), z1.optimizer)
@@ -61,12 +72,21 @@ def test_zero_stages_partition_what_the_paper_says():
     assert z1.buckets == z2.buckets == 4 * 1000
     assert z3.buckets == 4 * (1000 + 500 + param_share(cfg.model, layout).largest)
     bf16 = estimate(cfg, _ds(0, "bf16"), layout)
-    assert (bf16.params, bf16.grads, bf16.optimizer) == (2 * n, 2 * n, 12 * n)  # master + moments, as in the paper
+    assert (bf16.params, bf16.grads, bf16.optimizer) == (
+        2 * n,
+        2 * n,
+        12 * n,
+    )  # master + moments, as in the paper
 
 
 def _pipeline_rank(rank: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="4",
-                      LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE="4",
+        LOCAL_RANK=str(rank),
+    )
     dist.init_process_group("gloo", rank=rank, world_size=4)
     try:
         import deepspeed
@@ -75,12 +95,17 @@ def _pipeline_rank(rank: int, port: int) -> None:
         from keel.engine.build import build_model
         from keel.parallel.topology import Topology
 
-        cfg = RunConfig(model=ModelConfig(**MODEL), parallel=ParallelConfig(tp=2, pp=2),
-                        train=TrainConfig(global_batch_size=1, micro_batch_size=1))
+        cfg = RunConfig(
+            model=ModelConfig(**MODEL),
+            parallel=ParallelConfig(tp=2, pp=2),
+            train=TrainConfig(global_batch_size=1, micro_batch_size=1),
+        )
         topology = Topology.from_env(tp=2, pp=2)
         module = build_model(cfg, topology)
         stage = topology.rank_in("pp")
-        share = param_share(cfg.model, Layout(tp=2, pp=2), cfg.parallel.pipeline_partition, stage=stage)
+        share = param_share(
+            cfg.model, Layout(tp=2, pp=2), cfg.parallel.pipeline_partition, stage=stage
+        )
         assert _count(module) == share.total, (rank, _count(module), share)
     finally:
         dist.destroy_process_group()
@@ -91,4 +116,3 @@ def test_share_is_the_real_pipeline_stage_at_tp2_pp2():
     """Each of 4 ranks builds its real tp=2 × pp=2 stage (DeepSpeed's partition) and counts it."""
     mp.get_context("forkserver").set_forkserver_preload([__name__])
     mp.start_processes(_pipeline_rank, args=(free_port(),), nprocs=4, start_method="forkserver")
-

@@ -35,7 +35,9 @@ def tiny(**overrides) -> ModelConfig:
 
 
 def tokens(cfg: ModelConfig, batch: int = 2, seq: int = SEQ, seed: int = 0) -> torch.Tensor:
-    return torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(seed))
+    return torch.randint(
+        0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(seed)
+    )
 
 
 def hf_model(model: CausalLM):
@@ -50,7 +52,10 @@ EQUALITY_CASES = [
     pytest.param(dict(tie_embeddings=True), id="gqa-tied"),
     pytest.param(dict(tie_embeddings=False), id="gqa-untied"),
     pytest.param(dict(n_kv_heads=4, tie_embeddings=True), id="mha-tied"),
-    pytest.param(dict(n_kv_heads=4, tie_embeddings=False, rope_theta=500000.0, norm_eps=1e-6), id="mha-untied"),
+    pytest.param(
+        dict(n_kv_heads=4, tie_embeddings=False, rope_theta=500000.0, norm_eps=1e-6),
+        id="mha-untied",
+    ),
     pytest.param(dict(n_kv_heads=1, ffn_hidden=96), id="mqa"),
 ]
 
@@ -66,7 +71,9 @@ def test_logits_and_loss_match_hf(overrides):
         torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
         # HF shifts labels itself (position t predicts labels[t + 1]); Keel takes targets already aligned
         targets = torch.cat([x[:, 1:], torch.full_like(x[:, :1], -100)], dim=1)
-        torch.testing.assert_close(model(x, labels=targets), hf(input_ids=x, labels=x).loss, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            model(x, labels=targets), hf(input_ids=x, labels=x).loss, atol=1e-5, rtol=1e-5
+        )
         # and with every position supervised, through HF's shift_labels (used in place of labels when given)
         y = tokens(model.cfg, seed=1)
         theirs = hf(input_ids=x, labels=y, shift_labels=y).loss
@@ -270,7 +277,13 @@ def test_dropout_only_in_training():
 
 @pytest.mark.parametrize(
     "field, value",
-    [("vocab_size", 0), ("n_kv_heads", 3), ("norm", "batchnorm"), ("init", "xavier"), ("n_heads", 5)],
+    [
+        ("vocab_size", 0),
+        ("n_kv_heads", 3),
+        ("norm", "batchnorm"),
+        ("init", "xavier"),
+        ("n_heads", 5),
+    ],
 )
 def test_build_rejects_bad_config(field, value):
     with pytest.raises(ConfigError, match=f"model.{field}|model.n_heads"):

@@ -17,7 +17,9 @@ pytest.importorskip("deepspeed")
 
 
 def moe_cfg(**changes) -> ModelConfig:
-    base = dict(vocab_size=64, dim=16, n_layers=2, n_heads=2, n_kv_heads=2, moe_experts=4, moe_top_k=2)
+    base = dict(
+        vocab_size=64, dim=16, n_layers=2, n_heads=2, n_kv_heads=2, moe_experts=4, moe_top_k=2
+    )
     return ModelConfig(**{**base, **changes})
 
 
@@ -67,7 +69,9 @@ def test_bias_steers_choice_but_not_weights():
     router = make_router(moe_top_k=1)
     x = tokens()
     plain = router(x)
-    router.balance_bias[plain.experts.flatten().mode().values] = -10.0  # the most-chosen expert is avoided
+    router.balance_bias[
+        plain.experts.flatten().mode().values
+    ] = -10.0  # the most-chosen expert is avoided
     steered = router(x)
     assert (steered.experts != plain.experts).any()
     scores = torch.nn.functional.linear(x, router.weight).softmax(-1)
@@ -77,7 +81,9 @@ def test_bias_steers_choice_but_not_weights():
 def test_aux_losses_reach_gradients_as_if_added_to_the_loss():
     """`_AttachAuxLoss` (backward-only) gives the gradients of loss + aux, with aux_grad_scale = the loss's."""
     torch.manual_seed(0)
-    layer = MoE(moe_cfg(moe_capacity_factor=1.25, moe_shared_expert=True, moe_z_loss=0.01, moe_aux_loss=0.1))
+    layer = MoE(
+        moe_cfg(moe_capacity_factor=1.25, moe_shared_expert=True, moe_z_loss=0.01, moe_aux_loss=0.1)
+    )
     for p in layer.parameters():
         torch.nn.init.normal_(p, std=0.3)
     x = torch.randn(2, 8, 16, requires_grad=True)
@@ -104,14 +110,22 @@ def test_grouped_gemm_equals_the_expert_loop(case):
     """torch's grouped GEMM (the CUDA bf16 path, forced here: it also runs on CPU in fp32) gives the per-expert
     loop's outputs and gradients, with dropped rows and with experts that receive no rows."""
     torch.manual_seed(0)
-    capacity, shape = {"dropless": (0.0, (2, 12)), "drops": (0.5, (2, 12)), "empty experts": (0.0, (1, 3))}[case]
+    capacity, shape = {
+        "dropless": (0.0, (2, 12)),
+        "drops": (0.5, (2, 12)),
+        "empty experts": (0.0, (1, 3)),
+    }[case]
     layer = MoE(moe_cfg(moe_experts=8, moe_capacity_factor=capacity, moe_shared_expert=True))
     for p in layer.parameters():
         torch.nn.init.normal_(p, std=0.3)
     x, readout = torch.randn(*shape, 16), torch.randn(*shape, 16)
     route = layer.router(x.reshape(-1, 16))
     routed = torch.bincount(route.experts[route.keep], minlength=8)
-    assert {"dropless": route.keep.all(), "drops": (~route.keep).any(), "empty experts": (routed == 0).any()}[case]
+    assert {
+        "dropless": route.keep.all(),
+        "drops": (~route.keep).any(),
+        "empty experts": (routed == 0).any(),
+    }[case]
     results = []
     for grouped in (False, True):
         layer.zero_grad()
@@ -142,19 +156,46 @@ def test_moe_every_places_moe_blocks():
     assert kinds == ["SwiGLU", "MoE", "SwiGLU", "MoE"]
 
 
-@pytest.mark.parametrize("overrides,world,message", [
-    ({"parallel": {"ep": 2}}, 2, "needs a mixture-of-experts model"),
-    ({"parallel": {"ep": 2}, "model": {"moe_experts": 3}}, 2, "must be divisible by parallel.ep=2"),
-    ({"parallel": {"ep": 4}, "model": {"moe_experts": 4}}, 2, "must divide the data-parallel size"),
-    ({"model": {"moe_experts": 4, "moe_top_k": 3}}, 1, "model.moe_top_k"),
-    ({"model": {"moe_experts": 4, "moe_scoring": "relu"}}, 1, "model.moe_scoring"),
-    ({"model": {"moe_experts": 4, "moe_drop_policy": "random"}}, 1, "model.moe_drop_policy"),
-    ({"model": {"moe_experts": 1}}, 1, "needs >= 2 experts"),
-    ({"parallel": {"sp": 2}, "model": {"n_heads": 4, "dim": 64}, "data": {"seq_len": 31}}, 2, "data.seq_len=31"),
-    ({"parallel": {"sp": 4}, "model": {"n_heads": 2, "dim": 64, "n_kv_heads": 2}}, 4, "must divide the attention"),
-    ({"parallel": {"sp": 2, "pp": 2}, "data": {"document_mask": True}}, 4, "data.document_mask with parallel.pp=2"),
-    ({"parallel": {"tp": 2}, "model": {"moe_experts": 4, "moe_ffn_hidden": 33}}, 2, "model.moe_ffn_hidden"),
-])
+@pytest.mark.parametrize(
+    "overrides,world,message",
+    [
+        ({"parallel": {"ep": 2}}, 2, "needs a mixture-of-experts model"),
+        (
+            {"parallel": {"ep": 2}, "model": {"moe_experts": 3}},
+            2,
+            "must be divisible by parallel.ep=2",
+        ),
+        (
+            {"parallel": {"ep": 4}, "model": {"moe_experts": 4}},
+            2,
+            "must divide the data-parallel size",
+        ),
+        ({"model": {"moe_experts": 4, "moe_top_k": 3}}, 1, "model.moe_top_k"),
+        ({"model": {"moe_experts": 4, "moe_scoring": "relu"}}, 1, "model.moe_scoring"),
+        ({"model": {"moe_experts": 4, "moe_drop_policy": "random"}}, 1, "model.moe_drop_policy"),
+        ({"model": {"moe_experts": 1}}, 1, "needs >= 2 experts"),
+        (
+            {"parallel": {"sp": 2}, "model": {"n_heads": 4, "dim": 64}, "data": {"seq_len": 31}},
+            2,
+            "data.seq_len=31",
+        ),
+        (
+            {"parallel": {"sp": 4}, "model": {"n_heads": 2, "dim": 64, "n_kv_heads": 2}},
+            4,
+            "must divide the attention",
+        ),
+        (
+            {"parallel": {"sp": 2, "pp": 2}, "data": {"document_mask": True}},
+            4,
+            "data.document_mask with parallel.pp=2",
+        ),
+        (
+            {"parallel": {"tp": 2}, "model": {"moe_experts": 4, "moe_ffn_hidden": 33}},
+            2,
+            "model.moe_ffn_hidden",
+        ),
+    ],
+)
 def test_bad_moe_and_sequence_parallel_settings_are_one_line_errors(overrides, world, message):
     cfg = build_config(overrides)
     with pytest.raises(ConfigError, match=message.replace(".", r"\.").replace("(", r"\(")) as info:
@@ -167,6 +208,8 @@ def test_example_moe_config_validates_expert_parallel():
 
     from keel.config import load_config
 
-    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "moe.yaml", ["parallel.ep=2"])
+    cfg = load_config(
+        Path(__file__).resolve().parents[1] / "configs" / "moe.yaml", ["parallel.ep=2"]
+    )
     validate(cfg, 2)
     assert cfg.model.moe_experts == 8 and cfg.parallel.ep == 2

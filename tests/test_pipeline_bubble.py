@@ -38,7 +38,9 @@ def check_rows(bench, rows, schedule: str, p: int, ms: list[int]) -> None:
     for row in rows:
         assert len(row.idle_wall) == len(row.slot_ms) == len(row.p2p_share) == p, row
         assert all(0 <= idle < 1 for idle in row.idle_wall), row
-        assert row.phase_ms > 0 and all(ms > 0 for ms in row.slot_ms) and 0 <= row.tail_share < 1, row
+        assert row.phase_ms > 0 and all(ms > 0 for ms in row.slot_ms) and 0 <= row.tail_share < 1, (
+            row
+        )
     assert all(line.startswith(f"verdict {schedule} p={p}:") for line in bench.judge(rows, p))
 
 
@@ -66,18 +68,36 @@ def test_p2_interleaved_ranks_run_every_chunk_and_report_their_idle(bench):
 
 def test_judge_only_judges_quiet_rows(bench):
     """The bench's verdict: the trend and the tolerance over the quiet rows; disturbed rows are named, not judged."""
+
     def row(m, wall, analytic, on_cpu=1.0):
-        return bench.Row("1f1b", 2, m, analytic, [wall, wall], [wall, wall], [1.0, 1.0], 10.0, on_cpu, 0.1,
-                         [0.0, 0.0])
+        return bench.Row(
+            "1f1b",
+            2,
+            m,
+            analytic,
+            [wall, wall],
+            [wall, wall],
+            [1.0, 1.0],
+            10.0,
+            on_cpu,
+            0.1,
+            [0.0, 0.0],
+        )
 
     tol = bench.TRACK_TOLERANCE
     good = bench.judge([row(1, 0.52, 0.5), row(4, 0.25, 0.2)], cores=2)
-    assert good == ["verdict 1f1b p=2: idle falls with m (0.520 -> 0.250); tracks the analytic idle within "
-                    f"{tol} (largest gap +0.050 at m=4)"]
+    assert good == [
+        "verdict 1f1b p=2: idle falls with m (0.520 -> 0.250); tracks the analytic idle within "
+        f"{tol} (largest gap +0.050 at m=4)"
+    ]
     bad = bench.judge([row(1, 0.3, 0.5), row(4, 0.4, 0.2), row(8, 0.9, 0.1, on_cpu=0.5)], cores=2)
-    assert bad == ["verdict 1f1b p=2: idle does NOT fall with m (0.300 -> 0.400); does NOT track the analytic idle "
-                   f"within {tol} (largest gap -0.200 at m=1); not judged (on-cpu < {bench.ON_CPU_QUIET}): m=8"]
-    assert bench.judge([row(4, 0.4, 0.2)], cores=1) == []  # p=2 on one core: ranks share it, nothing judged
+    assert bad == [
+        "verdict 1f1b p=2: idle does NOT fall with m (0.300 -> 0.400); does NOT track the analytic idle "
+        f"within {tol} (largest gap -0.200 at m=1); not judged (on-cpu < {bench.ON_CPU_QUIET}): m=8"
+    ]
+    assert (
+        bench.judge([row(4, 0.4, 0.2)], cores=1) == []
+    )  # p=2 on one core: ranks share it, nothing judged
 
 
 def test_summarize_on_an_ideal_timeline(bench):
@@ -91,7 +111,14 @@ def test_summarize_on_an_ideal_timeline(bench):
 
 def test_summarize_counts_both_stages_of_a_dualpipev_rank(bench, model):
     """DualPipeV: 4m compute instructions per rank (a forward and a backward on each of its two stages)."""
-    step = {"m": 4, "busy_wall": 24.0, "busy_cpu": 24.0, "step": 30.0, "compute_end": 28.0, "instructions": 16}
+    step = {
+        "m": 4,
+        "busy_wall": 24.0,
+        "busy_cpu": 24.0,
+        "step": 30.0,
+        "compute_end": 28.0,
+        "instructions": 16,
+    }
     row = bench.summarize(2, 4, [[step], [step]], "dualpipev")
     assert row.analytic == pytest.approx(model.analytic_idle("dualpipev", 2, 4))
     assert row.mean_wall == pytest.approx(1 - 24 / 28)
@@ -101,11 +128,19 @@ def test_summarize_counts_both_stages_of_a_dualpipev_rank(bench, model):
 
 def test_plan_skips_m_below_2p_for_dualpipev_and_interleaved(bench):
     runs, skipped = bench.plan(["1f1b", "dualpipev", "interleaved"], [2, 4], [1, 2, 4, 6, 8])
-    assert runs == [("1f1b", 2, [1, 2, 4, 6, 8]), ("1f1b", 4, [1, 2, 4, 6, 8]), ("dualpipev", 2, [4, 6, 8]),
-                    ("dualpipev", 4, [8]), ("interleaved", 2, [4, 6, 8]), ("interleaved", 4, [8])]
+    assert runs == [
+        ("1f1b", 2, [1, 2, 4, 6, 8]),
+        ("1f1b", 4, [1, 2, 4, 6, 8]),
+        ("dualpipev", 2, [4, 6, 8]),
+        ("dualpipev", 4, [8]),
+        ("interleaved", 2, [4, 6, 8]),
+        ("interleaved", 4, [8]),
+    ]
     assert list(skipped) == ["dualpipev", "interleaved"] and len(skipped["dualpipev"]) == 2
     assert "m=1,2,4,6" in skipped["dualpipev"][1] and "m >= 8" in skipped["dualpipev"][1]
-    assert "m=1,2,4,6" in skipped["interleaved"][1] and "a multiple of 4" in skipped["interleaved"][1]
+    assert (
+        "m=1,2,4,6" in skipped["interleaved"][1] and "a multiple of 4" in skipped["interleaved"][1]
+    )
 
 
 @pytest.mark.parametrize("p, m", [(2, 1), (2, 4), (3, 2), (3, 7), (4, 4), (4, 8), (8, 16)])
@@ -128,11 +163,17 @@ def test_replay_refuses_what_dualpipev_refuses(model):
         model.simulate("dualpipev", 2, 3)
 
 
-@pytest.mark.parametrize("p, m, v", [(2, 4, 2), (2, 8, 2), (2, 6, 3), (3, 6, 2), (4, 8, 2), (4, 16, 4), (8, 16, 2)])
+@pytest.mark.parametrize(
+    "p, m, v", [(2, 4, 2), (2, 8, 2), (2, 6, 3), (3, 6, 2), (4, 8, 2), (4, 16, 4), (8, 16, 2)]
+)
 def test_replay_of_interleaved_gives_megatrons_formula_on_every_rank(model, p, m, v):
     """Keel's InterleavedSchedule replayed with backward = 2 forward: every rank idles (p-1)/(v·m+p-1), below 1F1B
     and DualPipeV at the same m (the timetable adds no bubble of its own)."""
     idle = model.simulate("interleaved", p, m, chunks=v)
     assert idle == pytest.approx([model.interleaved_formula(p, m, v)] * p, abs=1e-9)
     if m >= 2 * p:
-        assert model.interleaved_formula(p, m, v) < model.analytic_idle("dualpipev", p, m) < (p - 1) / (m + p - 1)
+        assert (
+            model.interleaved_formula(p, m, v)
+            < model.analytic_idle("dualpipev", p, m)
+            < (p - 1) / (m + p - 1)
+        )

@@ -47,7 +47,9 @@ def test_a_wrong_guess_is_dropped_and_read_again():
     assert [(s, n) for s, n, _ in reads.calls] == [(8, 4), (20, 4)]
 
 
-@pytest.mark.fault("data read fails in the prefetch worker", "error raised at the step that needs the data")
+@pytest.mark.fault(
+    "data read fails in the prefetch worker", "error raised at the step that needs the data"
+)
 def test_the_workers_error_surfaces_in_the_step_that_needs_the_data():
     prefetcher = BatchPrefetcher(Reads(fail_at=8), pin=False)
     prefetcher.prefetch(8, 4)

@@ -34,8 +34,9 @@ def _workspace(root: Path) -> None:
     from keel.data import IndexedDatasetWriter, load_tokenizer
 
     docs = synthetic_docs(120, seed=5)
-    PreTrainedTokenizerFast(tokenizer_object=byte_level_bpe(["<s>", "</s>"], docs), bos_token="<s>",
-                            eos_token="</s>").save_pretrained(str(root / "my_tokenizer"))
+    PreTrainedTokenizerFast(
+        tokenizer_object=byte_level_bpe(["<s>", "</s>"], docs), bos_token="<s>", eos_token="</s>"
+    ).save_pretrained(str(root / "my_tokenizer"))
     for name, part in (("web", docs[:60]), ("code", docs[60:100])):
         (root / name).mkdir()
         (root / name / "a.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in part))
@@ -49,20 +50,43 @@ def _workspace(root: Path) -> None:
 @pytest.mark.slow
 def test_readme_journeys_run_as_written(tmp_path: Path) -> None:
     _workspace(tmp_path)
-    tiny = " ".join(f"--set {k}={v}" for k, v in {**TINY, "train.steps": 4, "data.cache_dir": tmp_path / "cache",
-                                                  "data.val_fraction": 0.1}.items())
+    tiny = " ".join(
+        f"--set {k}={v}"
+        for k, v in {
+            **TINY,
+            "train.steps": 4,
+            "data.cache_dir": tmp_path / "cache",
+            "data.val_fraction": 0.1,
+        }.items()
+    )
     commands = journey_commands()
-    assert sum(c.startswith("keel train") for c in commands) == 2 and any(c.startswith("keel export") for c in commands)
+    assert sum(c.startswith("keel train") for c in commands) == 2 and any(
+        c.startswith("keel export") for c in commands
+    )
     env_bin = str(Path(sys.executable).parent)
     for command in commands:
         if command.startswith("keel train"):
             command += f" --nproc 1 {tiny}"
-        proc = subprocess.run(["bash", "-c", command], cwd=tmp_path, capture_output=True, text=True, timeout=600,
-                              env={"PATH": f"{env_bin}:/usr/bin:/bin", "PYTHONPATH": str(REPO), "HOME": str(tmp_path)})
+        proc = subprocess.run(
+            ["bash", "-c", command],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env={
+                "PATH": f"{env_bin}:/usr/bin:/bin",
+                "PYTHONPATH": str(REPO),
+                "HOME": str(tmp_path),
+            },
+        )
         assert proc.returncode == 0, f"{command}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     blend = json.loads((tmp_path / "runs" / "blend" / "data.json").read_text())
     assert [s["weight"] for s in blend["sources"]] == pytest.approx([0.7, 0.3])
     assert blend["tokenizer_info"]["kind"] == "hf"
     megatron = json.loads((tmp_path / "runs" / "megatron" / "data.json").read_text())
-    assert megatron["prefix"] == str(tmp_path / "pile_text_document")  # used in place, not re-tokenized
-    assert (tmp_path / "hf_out" / "config.json").is_file() and (tmp_path / "hf_out" / "tokenizer.json").is_file()
+    assert megatron["prefix"] == str(
+        tmp_path / "pile_text_document"
+    )  # used in place, not re-tokenized
+    assert (tmp_path / "hf_out" / "config.json").is_file() and (
+        tmp_path / "hf_out" / "tokenizer.json"
+    ).is_file()

@@ -18,9 +18,11 @@ from tests.test_train_equivalence import assert_close
 pytestmark = pytest.mark.slow
 RESTART = dict(train__steps=30, checkpoint__interval=5)
 FIRST_HALF = dict(train__steps=20, train__exit_after=10)  # stops at step 10 with a checkpoint
-KEEL_RUNS = [Run.of("zero1-20", 2, "ds_configs/zero1.json", train__steps=20),
-             Run.of("zero1-20-first-half", 2, "ds_configs/zero1.json", **FIRST_HALF),
-             Run.of("restart-ref", 2, "ds_configs/zero1.json", **RESTART)]
+KEEL_RUNS = [
+    Run.of("zero1-20", 2, "ds_configs/zero1.json", train__steps=20),
+    Run.of("zero1-20-first-half", 2, "ds_configs/zero1.json", **FIRST_HALF),
+    Run.of("restart-ref", 2, "ds_configs/zero1.json", **RESTART),
+]
 
 
 @pytest.mark.fault("resume on fewer ranks", "universal-checkpoint reshard; same samples and losses")
@@ -28,7 +30,10 @@ def test_resume_on_fewer_ranks_reshards_through_a_universal_checkpoint(runs, tmp
     """ZeRO-1 at dp=2 → stop at step 10 → resume at dp=1: DeepSpeed's universal conversion, same global batch
     (gradient accumulation doubles), the same samples, the same losses."""
     straight = runs.get("zero1-20", 2, "ds_configs/zero1.json", train__steps=20)
-    resumed = copy_run(runs.get("zero1-20-first-half", 2, "ds_configs/zero1.json", **FIRST_HALF), tmp_path / "resumed")
+    resumed = copy_run(
+        runs.get("zero1-20-first-half", 2, "ds_configs/zero1.json", **FIRST_HALF),
+        tmp_path / "resumed",
+    )
     proc = keel_train(resumed, 1, runs.overrides(train__steps=20), "ds_configs/zero1.json")
     assert "converting to a universal checkpoint" in proc.stdout
     assert (resumed / "checkpoints" / "step00000010" / "universal").is_dir()
@@ -38,20 +43,38 @@ def test_resume_on_fewer_ranks_reshards_through_a_universal_checkpoint(runs, tmp
 
 
 def _entry_pids(run_dir) -> list[int]:
-    out = subprocess.run(["pgrep", "-f", f"keel.training.entry {run_dir}"], capture_output=True, text=True).stdout
+    out = subprocess.run(
+        ["pgrep", "-f", f"keel.training.entry {run_dir}"], capture_output=True, text=True
+    ).stdout
     return sorted(int(pid) for pid in out.split())
 
 
-@pytest.mark.fault("rank killed (SIGKILL) mid-run", "world restarted, resumed to bitwise-equal weights")
+@pytest.mark.fault(
+    "rank killed (SIGKILL) mid-run", "world restarted, resumed to bitwise-equal weights"
+)
 def test_killed_rank_restarts_and_resumes_to_the_same_weights(runs, tmp_path):
     sets = RESTART
     straight = runs.get("restart-ref", 2, "ds_configs/zero1.json", **sets)
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "keel.launcher.cli", "train", "--nproc", "2", "--run-dir", str(run_dir),
-           "--max-restarts", "2", "--ds-config", str(REPO / "ds_configs" / "zero1.json")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "keel.launcher.cli",
+        "train",
+        "--nproc",
+        "2",
+        "--run-dir",
+        str(run_dir),
+        "--max-restarts",
+        "2",
+        "--ds-config",
+        str(REPO / "ds_configs" / "zero1.json"),
+    ]
     for item in runs.overrides(**sets):
         cmd += ["--set", item]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     deadline = time.time() + 300
     while time.time() < deadline:
         steps = [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")]

@@ -23,8 +23,16 @@ def _column(records, key):
 def test_report_of_the_spike_run_draws_and_marks_what_the_run_wrote(runs, tmp_path):
     run = runs.get("spikes", 1, "ds_configs/zero1.json", **SPIKES)
     report = write_report(run, tmp_path / "report")
-    assert report.drawn == ["loss", "lr", "grad_norm", "throughput"]  # every plot the run has data for
-    assert set(report.skipped) == {"loss_scale", "step_time_by_rank", "experts"} and report.left_out == {}
+    assert report.drawn == [
+        "loss",
+        "lr",
+        "grad_norm",
+        "throughput",
+    ]  # every plot the run has data for
+    assert (
+        set(report.skipped) == {"loss_scale", "step_time_by_rank", "experts"}
+        and report.left_out == {}
+    )
     for name in report.drawn:
         assert_png_drawn(report.out_dir / f"{name}.png")
     plots = json.loads((report.out_dir / "series.json").read_text())["plots"]
@@ -35,17 +43,28 @@ def test_report_of_the_spike_run_draws_and_marks_what_the_run_wrote(runs, tmp_pa
     assert loss["train"] == _column(metrics, "loss")
     assert loss["rolled_back"] == _column(discarded, "loss")
     skipped = sorted(r["step"] for r in metrics + discarded if r["skipped"])
-    assert [m["step"] for m in loss["skipped"]] == skipped == [12, 13, 14]  # exactly the skipped steps
-    assert all(m["rolled_back"] for m in loss["skipped"])  # each one's record went aside with the rollback
+    assert (
+        [m["step"] for m in loss["skipped"]] == skipped == [12, 13, 14]
+    )  # exactly the skipped steps
+    assert all(
+        m["rolled_back"] for m in loss["skipped"]
+    )  # each one's record went aside with the rollback
     rollbacks = [e for e in read_anomalies(run) if e["kind"] == "rollback"]
     assert loss["rollbacks"] == [{"step": e["step"], "to_step": e["to_step"]} for e in rollbacks]
     assert loss["rollbacks"] == [{"step": 14, "to_step": 10}] and loss["resumes"] == []
     assert plots["lr"]["lr"] == _column(metrics, "lr")
     assert plots["grad_norm"]["grad_norm"] == _column(metrics, "grad_norm")
     per_layer = plots["grad_norm"]["per_layer"]
-    assert list(per_layer)[:2] == ["embedding", "block0"] and len(per_layer) >= 4  # the model's order
+    assert (
+        list(per_layer)[:2] == ["embedding", "block0"] and len(per_layer) >= 4
+    )  # the model's order
     for name, column in per_layer.items():
-        assert column == _column(metrics, f"grad_norm/{name}") and column["step"] == [5, 10, 15, 20], name
+        assert column == _column(metrics, f"grad_norm/{name}") and column["step"] == [
+            5,
+            10,
+            15,
+            20,
+        ], name
     assert plots["throughput"]["tokens_per_s"] == _column(metrics, "tokens_per_s")
 
     text = (report.out_dir / "report.md").read_text()
@@ -62,8 +81,13 @@ def test_report_of_the_spike_run_draws_and_marks_what_the_run_wrote(runs, tmp_pa
 
 
 def test_report_of_the_fp16_storm_plots_the_loss_scale(runs, tmp_path):
-    run = runs.get("fp16-storm", 1, "ds_configs/fp16.json", ds_patch={"fp16": STORM},
-                   stability__loss_scale_halvings=4)
+    run = runs.get(
+        "fp16-storm",
+        1,
+        "ds_configs/fp16.json",
+        ds_patch={"fp16": STORM},
+        stability__loss_scale_halvings=4,
+    )
     report = write_report(run, tmp_path / "report")
     assert "loss_scale" in report.drawn and "loss" in report.drawn
     assert_png_drawn(report.out_dir / "loss_scale.png")
@@ -71,5 +95,9 @@ def test_report_of_the_fp16_storm_plots_the_loss_scale(runs, tmp_path):
     metrics = read_metrics(run / "metrics.jsonl")
     assert plots["loss_scale"]["loss_scale"] == _column(metrics, "loss_scale")
     assert plots["loss_scale"]["skipped"] == [r["step"] for r in metrics if r["skipped"]] != []
-    assert [m["step"] for m in plots["loss"]["skipped"]] == [r["step"] for r in metrics if r["skipped"]]
-    assert "loss_scale 2" in (report.out_dir / "report.md").read_text()  # the storm's warnings, in the table
+    assert [m["step"] for m in plots["loss"]["skipped"]] == [
+        r["step"] for r in metrics if r["skipped"]
+    ]
+    assert (
+        "loss_scale 2" in (report.out_dir / "report.md").read_text()
+    )  # the storm's warnings, in the table

@@ -35,13 +35,18 @@ def test_report_plots_each_moe_layers_expert_load(runs, tmp_path):
             assert row == pytest.approx([c / sum(counts) for c in counts])
             assert row[2] == 0.0  # the starved expert (faults.starve_expert=2)
     collapses = [e for e in read_anomalies(run) if e["kind"] == "expert_collapse"]
-    assert collapses and f"expert_collapse {len(collapses)}" in (report.out_dir / "report.md").read_text()
+    assert (
+        collapses
+        and f"expert_collapse {len(collapses)}" in (report.out_dir / "report.md").read_text()
+    )
 
 
 def test_report_marks_where_a_resumed_run_resumed(runs, tmp_path):
     run = runs.get("blend-resumed", 1, resume_at=5, **BLEND)
     resumes = [e for e in read_anomalies(run) if e["kind"] == "resume"]
-    assert [(e["step"], e["checkpoint"]) for e in resumes] == [(5, "step00000005")]  # the trainer's new event
+    assert [(e["step"], e["checkpoint"]) for e in resumes] == [
+        (5, "step00000005")
+    ]  # the trainer's new event
     report = write_report(run, tmp_path / "report")
     loss = json.loads((report.out_dir / "series.json").read_text())["plots"]["loss"]
     assert loss["resumes"] == [5] and loss["train"]["step"] == list(range(1, 11))

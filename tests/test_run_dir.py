@@ -19,14 +19,21 @@ HOME = KEEL / "run_dir.py"
 def run_dir_names() -> set[str]:
     """Every name `RunDir` gives a file or directory, plus the checkpoint directory's own names."""
     layout = RunDir(Path("/r"))
-    names = {getattr(layout, attr).name for attr, value in vars(RunDir).items() if isinstance(value, property)}
+    names = {
+        getattr(layout, attr).name
+        for attr, value in vars(RunDir).items()
+        if isinstance(value, property)
+    }
     return names | {COMPLETE, LATEST}
 
 
 def _docstrings(tree: ast.AST) -> set[int]:
     ids = set()
     for node in ast.walk(tree):
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+        if (
+            isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.body
+        ):
             first = node.body[0]
             if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
                 ids.add(id(first.value))
@@ -43,16 +50,25 @@ def spelled_out(path: Path, names: set[str]) -> list[str]:
     skip = _docstrings(tree)
     where = path.relative_to(KEEL.parent)
     found = []
-    files = {name for name in names if "." in name}  # a file name is never an ordinary word: any use counts
+    files = {
+        name for name in names if "." in name
+    }  # a file name is never an ordinary word: any use counts
     joined = set()  # a directory name ("checkpoints", "report") counts where it is joined to a path
     for node in ast.walk(tree):
-        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) and isinstance(node.right, ast.Constant):
+        if (
+            isinstance(node, ast.BinOp)
+            and isinstance(node.op, ast.Div)
+            and isinstance(node.right, ast.Constant)
+        ):
             joined.add(id(node.right))
     for node in ast.walk(tree):
         if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in skip:
             text = node.value
-            if text in files or any(text.endswith("/" + name) or text.startswith(name + "/") for name in names) \
-                    or (id(node) in joined and text in names):
+            if (
+                text in files
+                or any(text.endswith("/" + name) or text.startswith(name + "/") for name in names)
+                or (id(node) in joined and text in names)
+            ):
                 found.append(f"{where}:{node.lineno}: run-dir name {text!r}")
         elif isinstance(node, ast.Call):
             func = node.func
@@ -60,40 +76,63 @@ def spelled_out(path: Path, names: set[str]) -> list[str]:
             if called in ("exit", "_exit", "SystemExit") and node.args and _is_int(node.args[0]):
                 found.append(f"{where}:{node.lineno}: exit code {node.args[0].value} in {called}()")
             for keyword in node.keywords:
-                if keyword.arg == "exit_code" and _is_int(keyword.value) and keyword.value.value != 0:
+                if (
+                    keyword.arg == "exit_code"
+                    and _is_int(keyword.value)
+                    and keyword.value.value != 0
+                ):
                     found.append(f"{where}:{node.lineno}: exit_code={keyword.value.value}")
         elif isinstance(node, (ast.Assign, ast.AnnAssign)) and _is_int(node.value):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             for target in targets:
                 name = target.id if isinstance(target, ast.Name) else getattr(target, "attr", "")
                 if name.isupper() and "EXIT" in name:  # a module constant such as EXIT_HANG = 4
-                    found.append(f"{where}:{node.lineno}: exit code constant {name} = {node.value.value}")
+                    found.append(
+                        f"{where}:{node.lineno}: exit code constant {name} = {node.value.value}"
+                    )
     return found
 
 
 def test_no_module_but_run_dir_spells_a_run_dir_name_or_an_exit_code():
     names = run_dir_names()
-    found = [line for path in sorted(KEEL.rglob("*.py")) if path != HOME for line in spelled_out(path, names)]
+    found = [
+        line
+        for path in sorted(KEEL.rglob("*.py"))
+        if path != HOME
+        for line in spelled_out(path, names)
+    ]
     assert not found, "name these through keel.run_dir (RunDir, ExitCode):\n" + "\n".join(found)
 
 
 def test_the_check_finds_what_it_is_for(tmp_path):
     """The check itself, on a planted module: each kind of spelling is found, a docstring mention is not."""
-    planted = KEEL / "_planted_check_module.py"  # must sit under keel/ for relative_to; removed below
-    planted.write_text('"""Writes metrics.jsonl."""\nimport os, sys\nEXIT_HANG = 4\n'
-                       'def f(run_dir):\n    """anomalies.jsonl"""\n    p = run_dir / "metrics.jsonl"\n'
-                       '    r = run_dir / "stacks"\n    key = "tensorboard"\n'
-                       '    q = f"{run_dir}/checkpoints"\n    os._exit(4)\n    sys.exit(2)\n'
-                       '    g(exit_code=7)\n    return "x/latest"\n')
+    planted = (
+        KEEL / "_planted_check_module.py"
+    )  # must sit under keel/ for relative_to; removed below
+    planted.write_text(
+        '"""Writes metrics.jsonl."""\nimport os, sys\nEXIT_HANG = 4\n'
+        'def f(run_dir):\n    """anomalies.jsonl"""\n    p = run_dir / "metrics.jsonl"\n'
+        '    r = run_dir / "stacks"\n    key = "tensorboard"\n'
+        '    q = f"{run_dir}/checkpoints"\n    os._exit(4)\n    sys.exit(2)\n'
+        '    g(exit_code=7)\n    return "x/latest"\n'
+    )
     try:
         found = spelled_out(planted, run_dir_names())
     finally:
         planted.unlink()
     lines = [line.split(": ", 1)[1] for line in found]
-    assert sorted(lines) == sorted(["exit code constant EXIT_HANG = 4", "run-dir name 'metrics.jsonl'",
-                                    "exit code 4 in _exit()", "exit code 2 in exit()", "exit_code=7",
-                                    "run-dir name '/checkpoints'", "run-dir name 'x/latest'",
-                                    "run-dir name 'stacks'"]), found
+    assert sorted(lines) == sorted(
+        [
+            "exit code constant EXIT_HANG = 4",
+            "run-dir name 'metrics.jsonl'",
+            "exit code 4 in _exit()",
+            "exit code 2 in exit()",
+            "exit_code=7",
+            "run-dir name '/checkpoints'",
+            "run-dir name 'x/latest'",
+            "run-dir name 'stacks'",
+        ]
+    ), found
 
 
 def test_exit_codes_are_one_table():
@@ -101,4 +140,6 @@ def test_exit_codes_are_one_table():
     assert [code.value for code in ExitCode] == list(range(10))
     assert ExitCode.BAD_DATA is ExitCode.USAGE
     doc = ExitCode.__doc__ or ""
-    assert all(f"{code.value}     {code.name}" in doc for code in ExitCode), "the docstring's table lists every code"
+    assert all(f"{code.value}     {code.name}" in doc for code in ExitCode), (
+        "the docstring's table lists every code"
+    )

@@ -21,7 +21,15 @@ from keel.training.observe.monitor import ModelMonitor
 from tests.keel_runs import Run
 from tests.test_train_equivalence import assert_close, assert_grad_norms_close
 
-TINY = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_pad_multiple=1, kernels="torch")
+TINY = dict(
+    vocab_size=64,
+    dim=32,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    vocab_pad_multiple=1,
+    kernels="torch",
+)
 
 
 def _model(**knobs) -> CausalLM:
@@ -31,10 +39,14 @@ def _model(**knobs) -> CausalLM:
 # -- init ---------------------------------------------------------------------------------------------------
 def test_small_init_embedding_std_and_deepnorm_betas():
     big = dict(TINY, dim=256, n_heads=4, vocab_size=4096)
-    small = CausalLM(ModelConfig(**big, init="small_init", embedding_init_std=0.1), seed=0).state_dict()
+    small = CausalLM(
+        ModelConfig(**big, init="small_init", embedding_init_std=0.1), seed=0
+    ).state_dict()
     std = math.sqrt(2 / (5 * 256))
     assert small["layers.1.attention.wq.weight"].std().item() == pytest.approx(std, rel=0.03)
-    assert small["layers.1.attention.wo.weight"].std().item() == pytest.approx(std / math.sqrt(4), rel=0.03)
+    assert small["layers.1.attention.wo.weight"].std().item() == pytest.approx(
+        std / math.sqrt(4), rel=0.03
+    )
     assert small["layers.0.tok_embeddings.weight"].std().item() == pytest.approx(0.1, rel=0.03)
 
     deep_cfg = ModelConfig(**big, norm_placement="post", deepnorm=True)
@@ -42,7 +54,9 @@ def test_small_init_embedding_std_and_deepnorm_betas():
     beta = 0.02 * deepnorm_beta(deep_cfg)
     assert deepnorm_beta(deep_cfg) == pytest.approx((8 * 2) ** -0.25)
     k, v = deep["layers.1.attention.wkv.weight"]
-    assert k.std().item() == pytest.approx(0.02, rel=0.03) and v.std().item() == pytest.approx(beta, rel=0.03)
+    assert k.std().item() == pytest.approx(0.02, rel=0.03) and v.std().item() == pytest.approx(
+        beta, rel=0.03
+    )
     for name in ("attention.wo.weight", "feed_forward.w13.weight", "feed_forward.w2.weight"):
         assert deep[f"layers.1.{name}"].std().item() == pytest.approx(beta, rel=0.03), name
     assert deep["layers.1.attention.wq.weight"].std().item() == pytest.approx(0.02, rel=0.03)
@@ -66,7 +80,7 @@ def _block_io(**knobs):
 def test_post_norm_and_deepnorm_semantics():
     block, x, y = _block_io(norm_placement="post", deepnorm=True)
     alpha = deepnorm_alpha(ModelConfig(**TINY))
-    assert alpha == pytest.approx(4 ** 0.25)
+    assert alpha == pytest.approx(4**0.25)
     h = block.attention_norm(alpha * x + block.attention(x))
     assert torch.allclose(y, block.ffn_norm(alpha * h + block.feed_forward(h)), atol=1e-6)
     block, x, y = _block_io(norm_placement="post")
@@ -77,7 +91,9 @@ def test_post_norm_and_deepnorm_semantics():
 def test_sandwich_norm_semantics():
     block, x, y = _block_io(norm_placement="sandwich")
     h = x + block.attention_out_norm(block.attention(block.attention_norm(x)))
-    assert torch.allclose(y, h + block.ffn_out_norm(block.feed_forward(block.ffn_norm(h))), atol=1e-6)
+    assert torch.allclose(
+        y, h + block.ffn_out_norm(block.feed_forward(block.ffn_norm(h))), atol=1e-6
+    )
 
 
 def test_qk_norm_normalizes_each_heads_q_and_k():
@@ -94,7 +110,9 @@ def test_qk_norm_normalizes_each_heads_q_and_k():
 
 
 def test_knob_choices_are_checked_in_one_line():
-    with pytest.raises(ConfigError, match="model.deepnorm: DeepNet is post-norm; set model.norm_placement: post"):
+    with pytest.raises(
+        ConfigError, match="model.deepnorm: DeepNet is post-norm; set model.norm_placement: post"
+    ):
         validate_model(ModelConfig(**TINY, deepnorm=True))
     with pytest.raises(ConfigError, match="model.norm_placement: expected"):
         validate_model(ModelConfig(**TINY, norm_placement="middle"))
@@ -103,10 +121,14 @@ def test_knob_choices_are_checked_in_one_line():
 
 
 def test_hf_llama_refuses_what_it_cannot_express():
-    assert llama_cannot_express(ModelConfig(**TINY, init="small_init", embedding_init_std=0.1)) == ""
-    for knobs, named in [(dict(qk_norm=True), "model.qk_norm=true"),
-                         (dict(norm_placement="sandwich"), "model.norm_placement=sandwich"),
-                         (dict(norm_placement="post", deepnorm=True), "model.deepnorm=true")]:
+    assert (
+        llama_cannot_express(ModelConfig(**TINY, init="small_init", embedding_init_std=0.1)) == ""
+    )
+    for knobs, named in [
+        (dict(qk_norm=True), "model.qk_norm=true"),
+        (dict(norm_placement="sandwich"), "model.norm_placement=sandwich"),
+        (dict(norm_placement="post", deepnorm=True), "model.deepnorm=true"),
+    ]:
         assert named in llama_cannot_express(ModelConfig(**TINY, **knobs))
 
 
@@ -152,6 +174,7 @@ def test_monitor_records_the_largest_logit_of_its_batch():
             cos, sin = module.rotary(q)
             rot = lambda t: t * cos + torch.cat((-t[..., 4:], t[..., :4]), -1) * sin  # noqa: E731
             qk[i] = (rot(q), rot(k))
+
         return hook
 
     for i, block in enumerate(model.layers[1:3]):
@@ -167,32 +190,62 @@ def test_monitor_records_the_largest_logit_of_its_batch():
 
 
 def test_the_warning_fires_once_per_layer(tmp_path):
-    warning = AttentionLogitWarning(StabilityConfig(attn_logit_warn=100.0, attn_logit_growth=10.0),
-                                    AnomalyLog(tmp_path, 0))
-    assert warning.check(50, {"attn/block0/max_logit": 5.0, "attn/block1/max_logit": 2.0, "loss": 3.0}) == []
-    assert warning.check(100, {"attn/block0/max_logit": 150.0, "attn/block1/max_logit": 21.0}) == ["block0",
-                                                                                                   "block1"]
+    warning = AttentionLogitWarning(
+        StabilityConfig(attn_logit_warn=100.0, attn_logit_growth=10.0), AnomalyLog(tmp_path, 0)
+    )
+    assert (
+        warning.check(50, {"attn/block0/max_logit": 5.0, "attn/block1/max_logit": 2.0, "loss": 3.0})
+        == []
+    )
+    assert warning.check(100, {"attn/block0/max_logit": 150.0, "attn/block1/max_logit": 21.0}) == [
+        "block0",
+        "block1",
+    ]
     assert warning.check(150, {"attn/block0/max_logit": 900.0, "attn/block1/max_logit": 90.0}) == []
     events = read_anomalies(tmp_path)
-    assert [(e["kind"], e["step"], e["layer"]) for e in events] == [("attention_logits", 100, "block0"),
-                                                                     ("attention_logits", 100, "block1")]
-    assert "above stability.attn_logit_warn=100" in events[0]["reason"] and "10.5x" in events[1]["reason"]
+    assert [(e["kind"], e["step"], e["layer"]) for e in events] == [
+        ("attention_logits", 100, "block0"),
+        ("attention_logits", 100, "block1"),
+    ]
+    assert (
+        "above stability.attn_logit_warn=100" in events[0]["reason"]
+        and "10.5x" in events[1]["reason"]
+    )
 
 
 # -- every layout trains like one process ---------------------------------------------------------------------------
 # qk-norm, sandwich norms, small-init and the embedding's own std together; DeepNet (post-norm) separately
-KNOBS = dict(model__qk_norm="true", model__norm_placement="sandwich", model__init="small_init",
-             model__embedding_init_std=0.05)
+KNOBS = dict(
+    model__qk_norm="true",
+    model__norm_placement="sandwich",
+    model__init="small_init",
+    model__embedding_init_std=0.05,
+)
 DEEPNORM = dict(model__norm_placement="post", model__deepnorm="true")
-LAYOUTS = {"tp2-sp": dict(parallel__tp=2, parallel__sequence_parallel="true"), "pp2": dict(parallel__pp=2),
-           "sp2": dict(parallel__sp=2)}
+LAYOUTS = {
+    "tp2-sp": dict(parallel__tp=2, parallel__sequence_parallel="true"),
+    "pp2": dict(parallel__pp=2),
+    "sp2": dict(parallel__sp=2),
+}
 # a high LR, so attention logits grow without QK-norm; the monitor samples every 5th step
-HOT = dict(train__lr=0.05, train__steps=30, stability__monitor_interval=5, stability__attn_logit_warn=15,
-           stability__spike="false", stability__max_nonfinite=30)
-KEEL_RUNS = [Run.of("knobs", 1, **KNOBS), Run.of("deepnorm", 1, **DEEPNORM),
-             Run.of("hot", 1, **HOT), Run.of("hot-qk-norm", 1, model__qk_norm="true", **HOT)]
+HOT = dict(
+    train__lr=0.05,
+    train__steps=30,
+    stability__monitor_interval=5,
+    stability__attn_logit_warn=15,
+    stability__spike="false",
+    stability__max_nonfinite=30,
+)
+KEEL_RUNS = [
+    Run.of("knobs", 1, **KNOBS),
+    Run.of("deepnorm", 1, **DEEPNORM),
+    Run.of("hot", 1, **HOT),
+    Run.of("hot-qk-norm", 1, model__qk_norm="true", **HOT),
+]
 KEEL_RUNS += [Run.of(f"knobs-{name}", 2, **KNOBS, **layout) for name, layout in LAYOUTS.items()]
-KEEL_RUNS += [Run.of(f"deepnorm-{name}", 2, **DEEPNORM, **LAYOUTS[name]) for name in ("tp2-sp", "pp2")]
+KEEL_RUNS += [
+    Run.of(f"deepnorm-{name}", 2, **DEEPNORM, **LAYOUTS[name]) for name in ("tp2-sp", "pp2")
+]
 
 
 def _metrics(run_dir):
@@ -219,7 +272,10 @@ def test_deepnorm_trains_like_one_process(runs, layout):
 
 @pytest.mark.slow
 def test_attention_logits_warn_without_qk_norm_and_not_with_it(runs):
-    without, with_norm = runs.get("hot", 1, **HOT), runs.get("hot-qk-norm", 1, model__qk_norm="true", **HOT)
+    without, with_norm = (
+        runs.get("hot", 1, **HOT),
+        runs.get("hot-qk-norm", 1, model__qk_norm="true", **HOT),
+    )
     peaks = {}
     for name, run_dir in (("without", without), ("with", with_norm)):
         logits = [v for r in _metrics(run_dir) for k, v in r.items() if k.endswith("/max_logit")]

@@ -11,13 +11,27 @@ from tests.test_train_equivalence import assert_close, assert_grad_norms_close
 
 pytestmark = pytest.mark.slow
 # dropout under SP draws from Keel's sharded stream: the resumed run is exact only if checkpoints carry it
-TP2_SP_20 = dict(train__steps=20, parallel__tp=2, parallel__sequence_parallel="true", model__dropout=0.1)
-KEEL_RUNS = [Run.of("zero0", 1), Run.of("tp2", 2, parallel__tp=2), Run.of("tp4", 4, parallel__tp=4),
-             Run.of("tp2-sp", 2, parallel__tp=2, parallel__sequence_parallel="true"),
-             Run.of("tp2-sp-20", 2, "ds_configs/zero1.json", **TP2_SP_20),
-             Run.of("tp2-sp-20-resumed", 2, "ds_configs/zero1.json", resume_at=10, **TP2_SP_20)]
-KEEL_RUNS += [Run.of(f"tp2dp2-zero{stage}", 4, f"ds_configs/zero{stage}.json", parallel__tp=2,
-                     parallel__sequence_parallel="true") for stage in (1, 2)]
+TP2_SP_20 = dict(
+    train__steps=20, parallel__tp=2, parallel__sequence_parallel="true", model__dropout=0.1
+)
+KEEL_RUNS = [
+    Run.of("zero0", 1),
+    Run.of("tp2", 2, parallel__tp=2),
+    Run.of("tp4", 4, parallel__tp=4),
+    Run.of("tp2-sp", 2, parallel__tp=2, parallel__sequence_parallel="true"),
+    Run.of("tp2-sp-20", 2, "ds_configs/zero1.json", **TP2_SP_20),
+    Run.of("tp2-sp-20-resumed", 2, "ds_configs/zero1.json", resume_at=10, **TP2_SP_20),
+]
+KEEL_RUNS += [
+    Run.of(
+        f"tp2dp2-zero{stage}",
+        4,
+        f"ds_configs/zero{stage}.json",
+        parallel__tp=2,
+        parallel__sequence_parallel="true",
+    )
+    for stage in (1, 2)
+]
 
 
 def metrics(run_dir):
@@ -42,8 +56,15 @@ def test_sequence_parallel_matches_plain_tp(runs):
 @pytest.mark.parametrize("stage", [1, 2])
 def test_tp2_dp2_with_zero_matches_single_process(runs, stage):
     reference = metrics(runs.get("zero0", 1))
-    got = metrics(runs.get(f"tp2dp2-zero{stage}", 4, f"ds_configs/zero{stage}.json", parallel__tp=2,
-                           parallel__sequence_parallel="true"))
+    got = metrics(
+        runs.get(
+            f"tp2dp2-zero{stage}",
+            4,
+            f"ds_configs/zero{stage}.json",
+            parallel__tp=2,
+            parallel__sequence_parallel="true",
+        )
+    )
     assert_close([r["loss"] for r in got], [r["loss"] for r in reference], 1e-5)
     assert_grad_norms_close([r["grad_norm"] for r in got], [r["grad_norm"] for r in reference])
 
@@ -51,8 +72,10 @@ def test_tp2_dp2_with_zero_matches_single_process(runs, stage):
 def _tp_checkpoint_states(run_dir):
     ckpt = run_dir / "checkpoints"
     tag = (ckpt / "latest").read_text().strip()
-    return [torch.load(ckpt / tag / f"mp_rank_{r:02d}_model_states.pt", weights_only=False)["module"]
-            for r in range(2)]
+    return [
+        torch.load(ckpt / tag / f"mp_rank_{r:02d}_model_states.pt", weights_only=False)["module"]
+        for r in range(2)
+    ]
 
 
 def test_tp_replicated_parameters_stay_identical_and_resume_is_exact(runs):
@@ -65,7 +88,9 @@ def test_tp_replicated_parameters_stay_identical_and_resume_is_exact(runs):
     assert len(replicated) == 2 * 2 + 1  # two norms per block, one final norm
     for name in replicated:
         assert torch.equal(rank0[name], rank1[name]), name
-    assert not torch.equal(rank0["layers.1.attention.wq.weight"], rank1["layers.1.attention.wq.weight"])
+    assert not torch.equal(
+        rank0["layers.1.attention.wq.weight"], rank1["layers.1.attention.wq.weight"]
+    )
 
     resumed = runs.get("tp2-sp-20-resumed", 2, "ds_configs/zero1.json", resume_at=10, **TP2_SP_20)
     assert [r["loss"] for r in metrics(resumed)] == [r["loss"] for r in metrics(straight)]

@@ -10,19 +10,27 @@ from tests.keel_runs import Run, copy_run, final_weights, keel_train, losses
 
 pytestmark = pytest.mark.slow
 FIRST_HALF = dict(train__steps=20, train__exit_after=10)  # stops at step 10 with a checkpoint
-KEEL_RUNS = [Run.of("zero0", 2), Run.of("zero0", 1), Run.of("zero1-20", 2, "ds_configs/zero1.json", train__steps=20),
-             Run.of("zero0-20", 2, train__steps=20), Run.of("zero1-20-first-half", 2, "ds_configs/zero1.json",
-                                                              **FIRST_HALF),
-             Run.of("zero0-20-first-half", 2, **FIRST_HALF)]
+KEEL_RUNS = [
+    Run.of("zero0", 2),
+    Run.of("zero0", 1),
+    Run.of("zero1-20", 2, "ds_configs/zero1.json", train__steps=20),
+    Run.of("zero0-20", 2, train__steps=20),
+    Run.of("zero1-20-first-half", 2, "ds_configs/zero1.json", **FIRST_HALF),
+    Run.of("zero0-20-first-half", 2, **FIRST_HALF),
+]
 KEEL_RUNS += [Run.of(f"zero{stage}", 2, f"ds_configs/zero{stage}.json") for stage in (1, 2, 3)]
-KEEL_RUNS += [Run.of(precision, 2, f"ds_configs/{precision}.json") for precision in ("bf16", "fp16")]
+KEEL_RUNS += [
+    Run.of(precision, 2, f"ds_configs/{precision}.json") for precision in ("bf16", "fp16")
+]
 KEEL_RUNS += [Run.of("zero1-compiled", 2, "ds_configs/zero1.json", model__compile="true")]
 
 
 def assert_close(a: list[float], b: list[float], rel: float) -> None:
     assert len(a) == len(b) and a, (a, b)
     for step, (x, y) in enumerate(zip(a, b), start=1):
-        assert abs(x - y) <= rel * abs(y), f"step {step}: {x} vs {y} (rel {abs(x - y) / abs(y):.2e})"
+        assert abs(x - y) <= rel * abs(y), (
+            f"step {step}: {x} vs {y} (rel {abs(x - y) / abs(y):.2e})"
+        )
 
 
 # Gradient norms after the first update: in this tiny lr-0.01 Adam setup, fp32 rounding-sized weight differences
@@ -46,13 +54,17 @@ def assert_grad_norms_close(a: list[float], b: list[float]) -> None:
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_stage_matches_zero0(runs, stage):
     reference = losses(runs.get("zero0", 2))
-    assert_close(losses(runs.get(f"zero{stage}", 2, f"ds_configs/zero{stage}.json")), reference, 1e-5)
+    assert_close(
+        losses(runs.get(f"zero{stage}", 2, f"ds_configs/zero{stage}.json")), reference, 1e-5
+    )
 
 
 def test_compiled_blocks_train_like_eager(runs):
     """model.compile on 2 ranks at ZeRO-1: inductor's fused kernels, the eager run's losses and gradient norms."""
-    compiled = read_metrics(runs.get("zero1-compiled", 2, "ds_configs/zero1.json", model__compile="true")
-                            / "metrics.jsonl")
+    compiled = read_metrics(
+        runs.get("zero1-compiled", 2, "ds_configs/zero1.json", model__compile="true")
+        / "metrics.jsonl"
+    )
     eager = read_metrics(runs.get("zero1", 2, "ds_configs/zero1.json") / "metrics.jsonl")
     assert_close([r["loss"] for r in compiled], [r["loss"] for r in eager], 1e-5)
     assert_grad_norms_close([r["grad_norm"] for r in compiled], [r["grad_norm"] for r in eager])
@@ -67,11 +79,16 @@ def test_data_parallel_matches_one_process(runs):
 
 def test_resume_is_exact(runs, tmp_path):
     straight = runs.get("zero1-20", 2, "ds_configs/zero1.json", train__steps=20)
-    resumed = copy_run(runs.get("zero1-20-first-half", 2, "ds_configs/zero1.json", **FIRST_HALF), tmp_path / "resumed")
+    resumed = copy_run(
+        runs.get("zero1-20-first-half", 2, "ds_configs/zero1.json", **FIRST_HALF),
+        tmp_path / "resumed",
+    )
     first = read_metrics(resumed / "metrics.jsonl")
     assert [r["step"] for r in first] == list(range(1, 11))
     assert (resumed / "checkpoints" / "latest").read_text() == "step00000010"
-    keel_train(resumed, 2, runs.overrides(train__steps=20), "ds_configs/zero1.json")  # a fresh process resumes
+    keel_train(
+        resumed, 2, runs.overrides(train__steps=20), "ds_configs/zero1.json"
+    )  # a fresh process resumes
     assert losses(resumed) == losses(straight)  # bitwise: same floats
     a, b = final_weights(resumed), final_weights(straight)
     assert a.keys() == b.keys()
@@ -125,4 +142,6 @@ def test_mixed_precision_tracks_fp32(runs, precision):
     assert_close(norm[:1], ref_norm[:1], u / 2)
     assert_close(norm, ref_norm, LATER_GRAD_NORM_SCALE)
     scales = [r["loss_scale"] for r in records]
-    assert all(s is None for s in scales) if precision == "bf16" else all(s == 2.0**16 for s in scales)
+    assert (
+        all(s is None for s in scales) if precision == "bf16" else all(s == 2.0**16 for s in scales)
+    )

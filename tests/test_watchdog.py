@@ -23,14 +23,20 @@ from keel.training.observe.watchdog import StragglerMonitor
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _run_script(tmp_path: Path, body: str, *args: str, timeout: float = 60) -> tuple[subprocess.CompletedProcess,
-                                                                                     float]:
+def _run_script(
+    tmp_path: Path, body: str, *args: str, timeout: float = 60
+) -> tuple[subprocess.CompletedProcess, float]:
     """Run `body` as a script with the run dir as argv[1]; returns the process and the wall time.time() it ended."""
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent(body))
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path), *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
     return proc, time.time()
 
 
@@ -57,7 +63,10 @@ def test_hang_dumps_stacks_records_and_exits_with_hang_code(tmp_path):
     hang_to_exit = ended - float(proc.stdout.split()[0])
     assert 2.0 <= hang_to_exit < 2.0 + 3.0, hang_to_exit
     assert "woke up" not in proc.stdout
-    assert "watchdog: step 7 has run" in proc.stderr and f"exiting with code {ExitCode.HANG}" in proc.stderr
+    assert (
+        "watchdog: step 7 has run" in proc.stderr
+        and f"exiting with code {ExitCode.HANG}" in proc.stderr
+    )
 
     text = (tmp_path / "stacks" / "rank0-step7.txt").read_text()
     assert f"rank 0 on {socket.gethostname()} pid " in text and "step 7 has run" in text
@@ -98,14 +107,24 @@ def test_phase_between_steps_fires_at_its_own_deadline(tmp_path):
     proc, ended = _run_script(tmp_path, PHASE)
     assert proc.returncode == ExitCode.HANG, proc.stderr
     assert 1.0 <= ended - float(proc.stdout.split()[0]) < 1.0 + 3.0
-    assert "watchdog: checkpoint save after step 3 has run" in proc.stderr and "(timeout 1 s)" in proc.stderr
+    assert (
+        "watchdog: checkpoint save after step 3 has run" in proc.stderr
+        and "(timeout 1 s)" in proc.stderr
+    )
     (event,) = read_anomalies(tmp_path)
-    assert (event["kind"], event["phase"], event["step"], event["timeout_s"]) == ("hang", "checkpoint save", 3, 1.0)
+    assert (event["kind"], event["phase"], event["step"], event["timeout_s"]) == (
+        "hang",
+        "checkpoint save",
+        3,
+        1.0,
+    )
     assert "in stuck_in_a_save" in (tmp_path / "stacks" / "rank0-step3.txt").read_text()
 
 
 def test_regular_beats_and_pauses_do_not_fire(tmp_path):
-    proc, _ = _run_script(tmp_path, """
+    proc, _ = _run_script(
+        tmp_path,
+        """
         import sys, time
         from pathlib import Path
         from keel.training.observe.watchdog import Watchdog
@@ -127,14 +146,17 @@ def test_regular_beats_and_pauses_do_not_fire(tmp_path):
             time.sleep(0.5)
         time.sleep(1.5)  # stopped: no deadline any more
         print("clean exit")
-    """)
+    """,
+    )
     assert proc.returncode == 0 and "clean exit" in proc.stdout, proc.stderr
     assert not (tmp_path / "stacks").exists() and read_anomalies(tmp_path) == []
 
 
 def test_disabled_and_unarmed_watchdog_never_fires(tmp_path):
     """timeout 0 is off; before the first beat (setup, checkpoint loading) nothing is armed."""
-    proc, _ = _run_script(tmp_path, """
+    proc, _ = _run_script(
+        tmp_path,
+        """
         import sys, time
         from pathlib import Path
         from keel.training.observe.watchdog import Watchdog
@@ -144,14 +166,17 @@ def test_disabled_and_unarmed_watchdog_never_fires(tmp_path):
         unarmed = Watchdog(Path(sys.argv[1]), rank=0, timeout_s=0.5, backstop=False).start()
         time.sleep(1.5)
         print("clean exit")
-    """)
+    """,
+    )
     assert proc.returncode == 0 and "clean exit" in proc.stdout, proc.stderr
 
 
 @pytest.mark.fault("hang holding the GIL in C code", "faulthandler backstop dumps stacks; exit 4")
 def test_gil_held_in_c_code_is_caught_by_the_faulthandler_backstop(tmp_path):
     """A regex backtracking in C holds the GIL: the watchdog thread cannot run, faulthandler's C thread can."""
-    proc, _ = _run_script(tmp_path, """
+    proc, _ = _run_script(
+        tmp_path,
+        """
         import re, sys
         from pathlib import Path
         import keel.training.observe.watchdog as wd
@@ -162,7 +187,8 @@ def test_gil_held_in_c_code_is_caught_by_the_faulthandler_backstop(tmp_path):
 
         wd.Watchdog(Path(sys.argv[1]), rank=0, timeout_s=1.0).start().beat(5)
         regex_holding_the_gil()
-    """)
+    """,
+    )
     assert proc.returncode == 1 and proc.stderr.startswith("Timeout (0:00:02)!"), proc.stderr
     assert "in regex_holding_the_gil" in proc.stderr
 
@@ -198,7 +224,9 @@ PEERS = """
 
 @pytest.mark.slow
 @pytest.mark.parametrize("late", [0.0, 1.0])
-@pytest.mark.fault("rank hangs while its peer waits in a collective", "both ranks dump stacks and exit 4")
+@pytest.mark.fault(
+    "rank hangs while its peer waits in a collective", "both ranks dump stacks and exit 4"
+)
 def test_hung_rank_and_its_blocked_peer_both_exit_with_hang_code(tmp_path, late):
     """Rank 1 sleeps in step 3 while rank 0 waits for it in an all-reduce: both dump and exit 4 in time.
 
@@ -206,22 +234,42 @@ def test_hung_rank_and_its_blocked_peer_both_exit_with_hang_code(tmp_path, late)
     all-reduce 1 s before rank 0's deadline; the exception is taken for the hang, not reported as a failure.
     """
     (tmp_path / "script.py").write_text(textwrap.dedent(PEERS))
-    env = {**os.environ, "PYTHONPATH": str(REPO), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "WORLD_SIZE": "2"}
-    procs = [subprocess.Popen([sys.executable, str(tmp_path / "script.py"), str(tmp_path), str(late)], text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**env, "RANK": str(r)})
-             for r in range(2)]
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "WORLD_SIZE": "2",
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(tmp_path / "script.py"), str(tmp_path), str(late)],
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env={**env, "RANK": str(r)},
+        )
+        for r in range(2)
+    ]
     outs = [p.communicate(timeout=90) for p in procs]
     ended = time.time()
     assert [p.returncode for p in procs] == [ExitCode.HANG, ExitCode.HANG], outs
     assert ended - float(outs[1][0].split()[0]) < 3.0 + 10.0
     assert "in sleeping_in_step" in (tmp_path / "stacks" / "rank1-step3.txt").read_text()
     peer = (tmp_path / "stacks" / "rank0-step3.txt").read_text()
-    assert "all_reduce" in peer  # where the peer waited: in its stack, or in the traceback of the broken collective
+    assert (
+        "all_reduce" in peer
+    )  # where the peer waited: in its stack, or in the traceback of the broken collective
     events = {e["rank"]: e for e in read_anomalies(tmp_path)}
-    assert {r: (e["kind"], e["step"]) for r, e in events.items()} == {0: ("hang", 3), 1: ("hang", 3)}
+    assert {r: (e["kind"], e["step"]) for r, e in events.items()} == {
+        0: ("hang", 3),
+        1: ("hang", 3),
+    }
     if late:
-        assert "Connection closed by peer" in events[0]["cause"] and "most likely a peer hung" in outs[0][1]
+        assert (
+            "Connection closed by peer" in events[0]["cause"]
+            and "most likely a peer hung" in outs[0][1]
+        )
 
 
 def _straggler_worker(rank: int, world: int, port: int) -> None:
@@ -232,8 +280,12 @@ def _straggler_worker(rank: int, world: int, port: int) -> None:
         reports = [monitor.update(step, (1.0 + 0.25 * rank) * step / 2) for step in range(1, 5)]
         assert reports[0] is None and reports[2] is None  # only every `interval` steps
         for step, report in ((2, reports[1]), (4, reports[3])):
-            assert report.metrics == {"step_time_max": 1.25 * step / 2, "step_time_min": step / 2, "slowest_rank": 1,
-                                      "step_time_by_rank": [step / 2, 1.25 * step / 2]}
+            assert report.metrics == {
+                "step_time_max": 1.25 * step / 2,
+                "step_time_min": step / 2,
+                "slowest_rank": 1,
+                "step_time_by_rank": [step / 2, 1.25 * step / 2],
+            }
             assert report.line.startswith(f"stragglers: slowest rank 1 ({socket.gethostname()}) ")
             assert "fastest rank 0 " in report.line and report.line.endswith("spread 25%")
     finally:
@@ -244,11 +296,18 @@ def _straggler_worker(rank: int, world: int, port: int) -> None:
 @pytest.mark.fault("straggler rank", "slowest rank named with host and spread")
 def test_straggler_monitor_names_the_slowest_rank():
     mp.get_context("forkserver").set_forkserver_preload([__name__])
-    mp.start_processes(_straggler_worker, args=(2, free_port()), nprocs=2, start_method="forkserver")
+    mp.start_processes(
+        _straggler_worker, args=(2, free_port()), nprocs=2, start_method="forkserver"
+    )
 
 
 def test_straggler_monitor_single_process():
     monitor = StragglerMonitor(None, interval=1)
     report = monitor.update(1, 0.5)
-    assert report.metrics == {"step_time_max": 0.5, "step_time_min": 0.5, "slowest_rank": 0, "step_time_by_rank": [0.5]}
+    assert report.metrics == {
+        "step_time_max": 0.5,
+        "step_time_min": 0.5,
+        "slowest_rank": 0,
+        "step_time_by_rank": [0.5],
+    }
     assert StragglerMonitor(None, interval=0).update(50, 0.5) is None

@@ -20,18 +20,26 @@ def _scheduler_source() -> str:
 
 # (what, the public API that is missing, is it still there?)
 INTERNALS = [
-    ("LRScheduler._last_lr", "a setter for what get_last_lr() reports after an out-of-step LR change",
-     lambda: "self._last_lr" in _scheduler_source()),
-    ("optimizer.step._wrapped_by_lr_sched", "a way to wrap optimizer.step without the scheduler's call-order "
-     "warning", lambda: "_wrapped_by_lr_sched" in _scheduler_source()),
+    (
+        "LRScheduler._last_lr",
+        "a setter for what get_last_lr() reports after an out-of-step LR change",
+        lambda: "self._last_lr" in _scheduler_source(),
+    ),
+    (
+        "optimizer.step._wrapped_by_lr_sched",
+        "a way to wrap optimizer.step without the scheduler's call-order warning",
+        lambda: "_wrapped_by_lr_sched" in _scheduler_source(),
+    ),
 ]
 
 
 def check_torch() -> None:
     for name, missing_api, present in INTERNALS:
         if not present():
-            raise TorchInternalsError(f"torch {torch.__version__} has no `{name}`, which Keel uses for want of "
-                                      f"{missing_api}; install a torch in the range setup.py pins")
+            raise TorchInternalsError(
+                f"torch {torch.__version__} has no `{name}`, which Keel uses for want of "
+                f"{missing_api}; install a torch in the range setup.py pins"
+            )
 
 
 def set_last_lr(scheduler: torch.optim.lr_scheduler.LRScheduler, lrs: list[float]) -> None:

@@ -23,7 +23,9 @@ class ConfigError(ValueError):
     such as a parser's or a list of mismatches, is joined with "; ", so the CLI's error stays one line)."""
 
     def __init__(self, message: str):
-        super().__init__("; ".join(line.strip() for line in str(message).splitlines() if line.strip()))
+        super().__init__(
+            "; ".join(line.strip() for line in str(message).splitlines() if line.strip())
+        )
 
 
 def _integer(name: str, value: Any) -> int:
@@ -78,7 +80,9 @@ def coerce(name: str, hint: Any, value: Any) -> Any:
         if isinstance(value, bool):  # YAML's `compile: false` (model.compile reads it as a setting)
             return str(value)
         if value is None or not isinstance(value, (str, int, float)):
-            raise ConfigError(f"{name}: expected a string, got {'null' if value is None else repr(value)}")
+            raise ConfigError(
+                f"{name}: expected a string, got {'null' if value is None else repr(value)}"
+            )
         return str(value)
     if origin in (list, tuple):
         if isinstance(value, str):
@@ -109,5 +113,3 @@ def _list_text(name: str, text: str) -> list[Any]:
 
 def yaml_problem(exc: yaml.YAMLError) -> str:
     return getattr(exc, "problem", None) or str(exc).splitlines()[0]
-
-

@@ -38,8 +38,14 @@ def _either(names: tuple[str, ...]) -> str:
 
 # -- each field on its own: its range (keel/config/bounds.py) or its names (schema.CHOICES) -----------------------
 def _by_section(table: dict) -> dict[str, list[tuple[str, str, object]]]:
-    return {section: [(name, name.split(".")[1], rule) for name, rule in table.items()
-                      if name.startswith(section + ".")] for section in SECTIONS}
+    return {
+        section: [
+            (name, name.split(".")[1], rule)
+            for name, rule in table.items()
+            if name.startswith(section + ".")
+        ]
+        for section in SECTIONS
+    }
 
 
 _BOUNDS_BY_SECTION, _CHOICES_BY_SECTION = _by_section(BOUNDS), _by_section(CHOICES)
@@ -55,14 +61,21 @@ def validate_fields(section: str, values: object, keys: tuple[str, ...] | None =
         items = enumerate(value) if isinstance(value, (list, tuple)) else [(None, value)]
         for i, item in items:
             label = name if i is None else f"{name}[{i}]"
-            _require(isinstance(item, (int, float)) and not isinstance(item, bool) and bound.admits(item),
-                     f"{label}: must be {bound.describe()}, got {item!r}")
+            _require(
+                isinstance(item, (int, float))
+                and not isinstance(item, bool)
+                and bound.admits(item),
+                f"{label}: must be {bound.describe()}, got {item!r}",
+            )
     for name, key, choices in _CHOICES_BY_SECTION[section]:
         if keys is not None and key not in keys:
             continue
         value = getattr(values, key)
-        _require(value in choices, f"{name}: expected {_either(tuple(repr(c) if not c else c for c in choices))}, "
-                                   f"got {value!r}")
+        _require(
+            value in choices,
+            f"{name}: expected {_either(tuple(repr(c) if not c else c for c in choices))}, "
+            f"got {value!r}",
+        )
 
 
 # -- the whole run ---------------------------------------------------------------------------------------------
@@ -71,8 +84,10 @@ def clamp_warmup(train: TrainConfig) -> str | None:
     clamped, with the warning line to show (None when nothing changed). A negative one is still refused."""
     if train.warmup_steps <= train.steps or train.steps <= 0:
         return None
-    line = (f"train.warmup_steps={train.warmup_steps} is longer than the run (train.steps={train.steps}): "
-            f"clamped to {train.steps}")
+    line = (
+        f"train.warmup_steps={train.warmup_steps} is longer than the run (train.steps={train.steps}): "
+        f"clamped to {train.steps}"
+    )
     train.warmup_steps = train.steps
     return line
 
@@ -84,38 +99,60 @@ def validate(cfg: RunConfig, world_size: int) -> None:
         if section != "model":
             validate_fields(section, getattr(cfg, section))
     data, train, parallel = cfg.data, cfg.train, cfg.parallel
-    _require(data.tokenizer.strip() != "", "data.tokenizer: empty; use train, or the path of a sentencepiece .model, "
-             "an HF tokenizer.json or an HF tokenizer directory")
-    _require(data.tokenizer != "train" or data.tokenizer_vocab_size >= 300,
-             f"data.tokenizer_vocab_size: {data.tokenizer_vocab_size} is too small (byte fallback needs >= 300)")
+    _require(
+        data.tokenizer.strip() != "",
+        "data.tokenizer: empty; use train, or the path of a sentencepiece .model, "
+        "an HF tokenizer.json or an HF tokenizer directory",
+    )
+    _require(
+        data.tokenizer != "train" or data.tokenizer_vocab_size >= 300,
+        f"data.tokenizer_vocab_size: {data.tokenizer_vocab_size} is too small (byte fallback needs >= 300)",
+    )
     weighted_sources(data.corpus)
     for i, item in enumerate(data.skip_ranges):
         parse_skip_range(item, f"data.skip_ranges[{i}]")
-    _require(not data.document_mask or (parallel.pp == 1 and parallel.sp == 1),
-             f"data.document_mask with parallel.pp={parallel.pp}, sp={parallel.sp}: the mask is built from the "
-             "tokens in the model's forward, which pipeline stages and Ulysses shards do not see whole; use pp=1 "
-             "and sp=1")
-    _require(train.warmup_steps <= train.steps,
-             f"train.warmup_steps: {train.warmup_steps} must lie in [0, train.steps={train.steps}]")
+    _require(
+        not data.document_mask or (parallel.pp == 1 and parallel.sp == 1),
+        f"data.document_mask with parallel.pp={parallel.pp}, sp={parallel.sp}: the mask is built from the "
+        "tokens in the model's forward, which pipeline stages and Ulysses shards do not see whole; use pp=1 "
+        "and sp=1",
+    )
+    _require(
+        train.warmup_steps <= train.steps,
+        f"train.warmup_steps: {train.warmup_steps} must lie in [0, train.steps={train.steps}]",
+    )
     validate_layout(cfg)
-    _require(parallel.pipeline_partition in PIPELINE_PARTITIONS or parallel.pipeline_partition.startswith("type:"),
-             f"parallel.pipeline_partition: expected {', '.join(PIPELINE_PARTITIONS)} or type:<LayerClass>, "
-             f"got {parallel.pipeline_partition!r}")
+    _require(
+        parallel.pipeline_partition in PIPELINE_PARTITIONS
+        or parallel.pipeline_partition.startswith("type:"),
+        f"parallel.pipeline_partition: expected {', '.join(PIPELINE_PARTITIONS)} or type:<LayerClass>, "
+        f"got {parallel.pipeline_partition!r}",
+    )
     if parallel.pipeline_schedule != "1f1b":
-        _require(parallel.pp > 1,
-                 f"parallel.pipeline_schedule={parallel.pipeline_schedule} needs parallel.pp >= 2 (got {parallel.pp})")
-        _require(not cfg.model.moe_experts,
-                 f"parallel.pipeline_schedule={parallel.pipeline_schedule} with model.moe_experts:"
-                 " MoE runs in pipeline stages under 1f1b only; use parallel.pipeline_schedule=1f1b")
+        _require(
+            parallel.pp > 1,
+            f"parallel.pipeline_schedule={parallel.pipeline_schedule} needs parallel.pp >= 2 (got {parallel.pp})",
+        )
+        _require(
+            not cfg.model.moe_experts,
+            f"parallel.pipeline_schedule={parallel.pipeline_schedule} with model.moe_experts:"
+            " MoE runs in pipeline stages under 1f1b only; use parallel.pipeline_schedule=1f1b",
+        )
         stages = parallel.stages_per_rank() * parallel.pp
-        _require(stages <= cfg.model.n_layers + 3,
-                 f"parallel.pp={parallel.pp}: {parallel.pipeline_schedule} cuts {parallel.stages_per_rank()}×pp = "
-                 f"{stages} stages, more "
-                 f"than the {cfg.model.n_layers + 3} layers to split"
-                 f"{'; lower parallel.virtual_stages' if parallel.pipeline_schedule == 'interleaved' else ''}")
-    _require(parallel.pp <= cfg.model.n_layers + 3,
-             f"parallel.pp={parallel.pp}: more pipeline stages than the {cfg.model.n_layers + 3} layers to split")
-    dp = validate_world_size(world_size, tp=parallel.tp, pp=parallel.pp, sp=parallel.sp, ep=parallel.ep)
+        _require(
+            stages <= cfg.model.n_layers + 3,
+            f"parallel.pp={parallel.pp}: {parallel.pipeline_schedule} cuts {parallel.stages_per_rank()}×pp = "
+            f"{stages} stages, more "
+            f"than the {cfg.model.n_layers + 3} layers to split"
+            f"{'; lower parallel.virtual_stages' if parallel.pipeline_schedule == 'interleaved' else ''}",
+        )
+    _require(
+        parallel.pp <= cfg.model.n_layers + 3,
+        f"parallel.pp={parallel.pp}: more pipeline stages than the {cfg.model.n_layers + 3} layers to split",
+    )
+    dp = validate_world_size(
+        world_size, tp=parallel.tp, pp=parallel.pp, sp=parallel.sp, ep=parallel.ep
+    )
     validate_batch_split(train, dp)
     first_batch = min(train.rampup_start_batch or train.global_batch_size, train.global_batch_size)
     micro_batches = first_batch // (train.micro_batch_size * dp)
@@ -125,43 +162,60 @@ def validate(cfg: RunConfig, world_size: int) -> None:
     validate_faults(cfg.faults, world_size, cfg.model.moe_experts)
 
 
-def validate_schedule_batches(cfg: RunConfig, micro_batches: int, first_batch: int, dp: int) -> None:
+def validate_schedule_batches(
+    cfg: RunConfig, micro_batches: int, first_batch: int, dp: int
+) -> None:
     """The micro-batch counts a multi-stage pipeline schedule runs with: both schedules run on DeepSpeed's
     `DualPipeVEngine`, which asserts at least 2×pp per step; interleaved 1F1B takes them in groups of pp (for the
     validation batches too)."""
     parallel, train = cfg.parallel, cfg.train
     if parallel.pipeline_schedule == "1f1b":
         return
-    fix = (f"raise train.global_batch_size{' and train.rampup_start_batch' if train.rampup_start_batch else ''} or "
-           "lower train.micro_batch_size")
-    _require(micro_batches >= 2 * parallel.pp,
-             f"parallel.pipeline_schedule={parallel.pipeline_schedule} needs at least 2×pp = {2 * parallel.pp} "
-             "micro-batches per "
-             f"step on each data-parallel rank; a batch of {first_batch} gives {micro_batches} (batch / "
-             f"(train.micro_batch_size×dp = {train.micro_batch_size}×{dp})): {fix}")
+    fix = (
+        f"raise train.global_batch_size{' and train.rampup_start_batch' if train.rampup_start_batch else ''} or "
+        "lower train.micro_batch_size"
+    )
+    _require(
+        micro_batches >= 2 * parallel.pp,
+        f"parallel.pipeline_schedule={parallel.pipeline_schedule} needs at least 2×pp = {2 * parallel.pp} "
+        "micro-batches per "
+        f"step on each data-parallel rank; a batch of {first_batch} gives {micro_batches} (batch / "
+        f"(train.micro_batch_size×dp = {train.micro_batch_size}×{dp})): {fix}",
+    )
     if parallel.pipeline_schedule == "dualpipev":
-        _require(train.eval_batches >= 2 * parallel.pp,
-                 f"train.eval_batches: {train.eval_batches} validation micro-batches; "
-                 f"parallel.pipeline_schedule=dualpipev needs at least 2×pp = {2 * parallel.pp}")
+        _require(
+            train.eval_batches >= 2 * parallel.pp,
+            f"train.eval_batches: {train.eval_batches} validation micro-batches; "
+            f"parallel.pipeline_schedule=dualpipev needs at least 2×pp = {2 * parallel.pp}",
+        )
         return
-    _require(not train.rampup_start_batch, f"train.rampup_start_batch={train.rampup_start_batch} with parallel."
-             "pipeline_schedule=interleaved: the ramp steps through every micro-batch count and interleaved 1F1B "
-             f"takes them in groups of pp={parallel.pp}; ramp under 1f1b or dualpipev, or set "
-             "train.rampup_start_batch=0")
-    _require(micro_batches % parallel.pp == 0,
-             f"parallel.pipeline_schedule=interleaved takes micro-batches in groups of pp={parallel.pp}; a batch of "
-             f"{first_batch} gives {micro_batches} per step: make it a multiple of {parallel.pp} "
-             "(train.global_batch_size "
-             f"= micro-batches × train.micro_batch_size × dp)")
-    _require(train.eval_batches % parallel.pp == 0,
-             f"train.eval_batches: {train.eval_batches}; parallel.pipeline_schedule="
-             f"interleaved takes micro-batches in groups of pp={parallel.pp}: use a multiple of {parallel.pp}")
+    _require(
+        not train.rampup_start_batch,
+        f"train.rampup_start_batch={train.rampup_start_batch} with parallel."
+        "pipeline_schedule=interleaved: the ramp steps through every micro-batch count and interleaved 1F1B "
+        f"takes them in groups of pp={parallel.pp}; ramp under 1f1b or dualpipev, or set "
+        "train.rampup_start_batch=0",
+    )
+    _require(
+        micro_batches % parallel.pp == 0,
+        f"parallel.pipeline_schedule=interleaved takes micro-batches in groups of pp={parallel.pp}; a batch of "
+        f"{first_batch} gives {micro_batches} per step: make it a multiple of {parallel.pp} "
+        "(train.global_batch_size "
+        f"= micro-batches × train.micro_batch_size × dp)",
+    )
+    _require(
+        train.eval_batches % parallel.pp == 0,
+        f"train.eval_batches: {train.eval_batches}; parallel.pipeline_schedule="
+        f"interleaved takes micro-batches in groups of pp={parallel.pp}: use a multiple of {parallel.pp}",
+    )
 
 
 def validate_stability(stability: StabilityConfig) -> None:
     """A growth factor at or below 1 would flag every step."""
-    _require(stability.attn_logit_growth == 0 or stability.attn_logit_growth > 1,
-             f"stability.attn_logit_growth: a factor > 1 (0: off), got {stability.attn_logit_growth}")
+    _require(
+        stability.attn_logit_growth == 0 or stability.attn_logit_growth > 1,
+        f"stability.attn_logit_growth: a factor > 1 (0: off), got {stability.attn_logit_growth}",
+    )
 
 
 def parse_skip_range(item: object, name: str = "data.skip_ranges") -> tuple[int, int]:
@@ -177,25 +231,53 @@ def parse_skip_range(item: object, name: str = "data.skip_ranges") -> tuple[int,
 
 def validate_faults(faults: FaultsConfig, world_size: int, experts: int) -> None:
     """A fault aimed at a rank or an expert that does not exist would silently never fire."""
-    for key in ("nan_rank", "bitflip_rank", "sleep_rank", "noise_rank", "save_stall_rank", "checkpoint_dir_rank",
-                "save_enospc_rank", "corrupt_state_rank", "preflight_bad_matmul_rank", "preflight_slow_rank",
-                "preflight_slow_link_rank", "preflight_clock_skew_rank"):
+    for key in (
+        "nan_rank",
+        "bitflip_rank",
+        "sleep_rank",
+        "noise_rank",
+        "save_stall_rank",
+        "checkpoint_dir_rank",
+        "save_enospc_rank",
+        "corrupt_state_rank",
+        "preflight_bad_matmul_rank",
+        "preflight_slow_rank",
+        "preflight_slow_link_rank",
+        "preflight_clock_skew_rank",
+    ):
         rank = getattr(faults, key)
         _require(rank < world_size, f"faults.{key}={rank}: the run has ranks 0..{world_size - 1}")
-    _require(faults.starve_expert < experts, f"faults.starve_expert={faults.starve_expert}: "
-             + (f"the model has experts 0..{experts - 1}" if experts else "needs an MoE model (model.moe_experts)"))
+    _require(
+        faults.starve_expert < experts,
+        f"faults.starve_expert={faults.starve_expert}: "
+        + (
+            f"the model has experts 0..{experts - 1}"
+            if experts
+            else "needs an MoE model (model.moe_experts)"
+        ),
+    )
 
 
 # -- the model -------------------------------------------------------------------------------------------------
 def validate_model(model: ModelConfig) -> None:
     """Shapes and choices of the model alone; also called by `build_layers` for models built without `validate`."""
     validate_fields("model", model)
-    _require(model.dim % model.n_heads == 0, f"model.n_heads: {model.n_heads} does not divide model.dim {model.dim}")
-    _require(model.n_heads % model.n_kv_heads == 0,
-             f"model.n_kv_heads: {model.n_kv_heads} must divide model.n_heads {model.n_heads}")
-    _require(model.head_dim % 2 == 0, f"model.dim: head_dim = dim / n_heads = {model.head_dim} must be even for RoPE")
-    _require(not model.deepnorm or model.norm_placement == "post",
-             f"model.deepnorm: DeepNet is post-norm; set model.norm_placement: post (got {model.norm_placement!r})")
+    _require(
+        model.dim % model.n_heads == 0,
+        f"model.n_heads: {model.n_heads} does not divide model.dim {model.dim}",
+    )
+    _require(
+        model.n_heads % model.n_kv_heads == 0,
+        f"model.n_kv_heads: {model.n_kv_heads} must divide model.n_heads {model.n_heads}",
+    )
+    _require(
+        model.head_dim % 2 == 0,
+        f"model.dim: head_dim = dim / n_heads = {model.head_dim} must be even for RoPE",
+    )
+    _require(
+        not model.deepnorm or model.norm_placement == "post",
+        f"model.deepnorm: DeepNet is post-norm; set model.norm_placement: post (got {model.norm_placement!r})",
+    )
     validate_moe(model)
 
 
@@ -203,9 +285,14 @@ def validate_moe(model: ModelConfig) -> None:
     """The mixture-of-experts settings that relate to the model (each field's range is checked on its own)."""
     if model.moe_experts == 0:
         return
-    _require(model.moe_experts >= 2, f"model.moe_experts: an MoE layer needs >= 2 experts, got {model.moe_experts}")
-    _require(model.moe_every <= model.n_layers,
-             f"model.moe_every: expected 1..n_layers={model.n_layers}, got {model.moe_every}")
+    _require(
+        model.moe_experts >= 2,
+        f"model.moe_experts: an MoE layer needs >= 2 experts, got {model.moe_experts}",
+    )
+    _require(
+        model.moe_every <= model.n_layers,
+        f"model.moe_every: expected 1..n_layers={model.n_layers}, got {model.moe_every}",
+    )
 
 
 # -- the LR schedule and batch-size ramp-up --------------------------------------------------------------------
@@ -216,31 +303,43 @@ def validate_schedule(train: TrainConfig, dp: int) -> None:
     if train.rampup_start_batch == 0:  # no ramp-up
         return
     unit = train.micro_batch_size * dp
-    _require(train.rampup_start_batch < train.global_batch_size,
-             f"train.rampup_start_batch={train.rampup_start_batch} must be smaller than "
-             f"train.global_batch_size={train.global_batch_size}")
-    _require(train.rampup_start_batch % unit == 0,
-             f"train.rampup_start_batch={train.rampup_start_batch} must be a multiple of train.micro_batch_size×dp = "
-             f"{train.micro_batch_size}×{dp} = {unit}")
-    _require(train.rampup_steps >= 1,
-             f"train.rampup_steps: must be >= 1 when train.rampup_start_batch > 0, got {train.rampup_steps}")
+    _require(
+        train.rampup_start_batch < train.global_batch_size,
+        f"train.rampup_start_batch={train.rampup_start_batch} must be smaller than "
+        f"train.global_batch_size={train.global_batch_size}",
+    )
+    _require(
+        train.rampup_start_batch % unit == 0,
+        f"train.rampup_start_batch={train.rampup_start_batch} must be a multiple of train.micro_batch_size×dp = "
+        f"{train.micro_batch_size}×{dp} = {unit}",
+    )
+    _require(
+        train.rampup_steps >= 1,
+        f"train.rampup_steps: must be >= 1 when train.rampup_start_batch > 0, got {train.rampup_steps}",
+    )
 
 
 def validate_schedule_choices(train: TrainConfig) -> None:
     """The schedule and ramp-up LR scaling name shapes `keel.engine.lr_schedule` has; called by its dispatch
     when it meets an unknown name (a TrainConfig built by hand), so the error is this one."""
-    _require(train.lr_schedule in LR_SCHEDULES, f"train.lr_schedule: expected {_either(LR_SCHEDULES)}, "
-                                                f"got {train.lr_schedule!r}")
-    _require(train.rampup_lr_scaling in RAMPUP_SCALINGS,
-             f"train.rampup_lr_scaling: expected one of {', '.join(RAMPUP_SCALINGS)}, got {train.rampup_lr_scaling!r}")
+    _require(
+        train.lr_schedule in LR_SCHEDULES,
+        f"train.lr_schedule: expected {_either(LR_SCHEDULES)}, got {train.lr_schedule!r}",
+    )
+    _require(
+        train.rampup_lr_scaling in RAMPUP_SCALINGS,
+        f"train.rampup_lr_scaling: expected one of {', '.join(RAMPUP_SCALINGS)}, got {train.rampup_lr_scaling!r}",
+    )
 
 
 def validate_batch_split(train: TrainConfig, dp: int) -> None:
     """The global batch splits into whole micro-batches on each of `dp` ranks. Also called where DeepSpeed's
     gradient accumulation is derived from the data-parallel size the ranks actually have (a resize on resume)."""
-    _require(train.global_batch_size % (train.micro_batch_size * dp) == 0,
-             f"train.global_batch_size={train.global_batch_size} must be a multiple of train.micro_batch_size×dp = "
-             f"{train.micro_batch_size}×{dp} = {train.micro_batch_size * dp}")
+    _require(
+        train.global_batch_size % (train.micro_batch_size * dp) == 0,
+        f"train.global_batch_size={train.global_batch_size} must be a multiple of train.micro_batch_size×dp = "
+        f"{train.micro_batch_size}×{dp} = {train.micro_batch_size * dp}",
+    )
 
 
 # -- the parallel layout ---------------------------------------------------------------------------------------
@@ -252,10 +351,15 @@ def validate_world_size(world_size: int, tp: int = 1, pp: int = 1, sp: int = 1, 
     _require(world_size >= 1, f"world size must be >= 1, got {world_size}")
     model_parallel = tp * pp * sp
     dp = world_size // model_parallel
-    _require(world_size % model_parallel == 0,
-             f"parallel: world size {world_size} is not divisible by tp×pp×sp = {model_parallel}")
-    _require(dp % ep == 0, f"parallel.ep={ep} must divide the data-parallel size {dp} "
-                           f"(world size {world_size} / tp×pp×sp {model_parallel})")
+    _require(
+        world_size % model_parallel == 0,
+        f"parallel: world size {world_size} is not divisible by tp×pp×sp = {model_parallel}",
+    )
+    _require(
+        dp % ep == 0,
+        f"parallel.ep={ep} must divide the data-parallel size {dp} "
+        f"(world size {world_size} / tp×pp×sp {model_parallel})",
+    )
     return dp
 
 
@@ -266,8 +370,17 @@ def validate_layout(cfg: RunConfig) -> None:
     validate_compile(cfg)
 
 
-COMPILE_SETTINGS = {"auto": "auto", "true": "true", "false": "false", "on": "true", "off": "false",
-                    "yes": "true", "no": "false", "1": "true", "0": "false"}
+COMPILE_SETTINGS = {
+    "auto": "auto",
+    "true": "true",
+    "false": "false",
+    "on": "true",
+    "off": "false",
+    "yes": "true",
+    "no": "false",
+    "1": "true",
+    "0": "false",
+}
 
 
 def compile_setting(value: object) -> str:
@@ -281,8 +394,16 @@ def unsupported_compile_layout(cfg: RunConfig) -> list[str]:
     """The settings a compiled block is not proven under: the blocks' collectives (tp, sp, ep all-to-all) and
     the pipeline engine's layer calls."""
     model, parallel = cfg.model, cfg.parallel
-    return [name for name, on in (("model.moe_experts", model.moe_experts > 0), ("parallel.tp", parallel.tp > 1),
-                                  ("parallel.pp", parallel.pp > 1), ("parallel.sp", parallel.sp > 1)) if on]
+    return [
+        name
+        for name, on in (
+            ("model.moe_experts", model.moe_experts > 0),
+            ("parallel.tp", parallel.tp > 1),
+            ("parallel.pp", parallel.pp > 1),
+            ("parallel.sp", parallel.sp > 1),
+        )
+        if on
+    ]
 
 
 def validate_compile(cfg: RunConfig) -> None:
@@ -291,8 +412,11 @@ def validate_compile(cfg: RunConfig) -> None:
     if compile_setting(cfg.model.compile) != "true":
         return
     unsupported = unsupported_compile_layout(cfg)
-    _require(not unsupported, f"model.compile: supported for dense models with parallel.tp = pp = sp = 1 "
-                              f"(data parallel, ZeRO 0-2); set model.compile=false or drop {', '.join(unsupported)}")
+    _require(
+        not unsupported,
+        f"model.compile: supported for dense models with parallel.tp = pp = sp = 1 "
+        f"(data parallel, ZeRO 0-2); set model.compile=false or drop {', '.join(unsupported)}",
+    )
 
 
 def validate_tensor_parallel(cfg: RunConfig) -> None:
@@ -300,35 +424,54 @@ def validate_tensor_parallel(cfg: RunConfig) -> None:
     model, tp = cfg.model, cfg.parallel.tp
     if tp == 1:
         return
-    _require(model.n_heads % tp == 0, f"model.n_heads={model.n_heads} must be divisible by parallel.tp={tp}")
-    _require(model.n_kv_heads % tp == 0 or tp % model.n_kv_heads == 0,
-             f"model.n_kv_heads={model.n_kv_heads} and parallel.tp={tp}: one must divide the other "
-             "(kv heads are split when tp divides them, replicated when they divide tp)")
-    _require(model.ffn_dim % tp == 0,
-             f"model.ffn_hidden: the MLP width {model.ffn_dim} must be divisible by parallel.tp={tp}")
+    _require(
+        model.n_heads % tp == 0,
+        f"model.n_heads={model.n_heads} must be divisible by parallel.tp={tp}",
+    )
+    _require(
+        model.n_kv_heads % tp == 0 or tp % model.n_kv_heads == 0,
+        f"model.n_kv_heads={model.n_kv_heads} and parallel.tp={tp}: one must divide the other "
+        "(kv heads are split when tp divides them, replicated when they divide tp)",
+    )
+    _require(
+        model.ffn_dim % tp == 0,
+        f"model.ffn_hidden: the MLP width {model.ffn_dim} must be divisible by parallel.tp={tp}",
+    )
     expert_width = model.moe_ffn_hidden or model.ffn_dim
-    _require(not model.moe_experts or expert_width % tp == 0,
-             f"model.moe_ffn_hidden: the expert width {expert_width} must be divisible by parallel.tp={tp}")
+    _require(
+        not model.moe_experts or expert_width % tp == 0,
+        f"model.moe_ffn_hidden: the expert width {expert_width} must be divisible by parallel.tp={tp}",
+    )
     if cfg.parallel.sequence_parallel:
-        _require(cfg.data.seq_len % tp == 0,
-                 f"data.seq_len={cfg.data.seq_len} must be divisible by parallel.tp={tp} under sequence parallel")
+        _require(
+            cfg.data.seq_len % tp == 0,
+            f"data.seq_len={cfg.data.seq_len} must be divisible by parallel.tp={tp} under sequence parallel",
+        )
 
 
 def validate_expert_and_sequence_parallel(cfg: RunConfig) -> None:
     """ep shards the experts (so needs them, evenly); Ulysses sp shards the sequence and, in attention, the heads."""
     model, parallel = cfg.model, cfg.parallel
     if parallel.ep > 1:
-        _require(model.moe_experts > 0,
-                 f"parallel.ep={parallel.ep} needs a mixture-of-experts model: set model.moe_experts")
-        _require(model.moe_experts % parallel.ep == 0,
-                 f"model.moe_experts={model.moe_experts} must be divisible by parallel.ep={parallel.ep}")
+        _require(
+            model.moe_experts > 0,
+            f"parallel.ep={parallel.ep} needs a mixture-of-experts model: set model.moe_experts",
+        )
+        _require(
+            model.moe_experts % parallel.ep == 0,
+            f"model.moe_experts={model.moe_experts} must be divisible by parallel.ep={parallel.ep}",
+        )
     if parallel.sp == 1:
         return
     heads = model.n_heads // parallel.tp
-    _require(heads % parallel.sp == 0,
-             f"parallel.sp={parallel.sp} must divide the attention heads per tensor-parallel rank "
-             f"(model.n_heads / parallel.tp = {heads})")
+    _require(
+        heads % parallel.sp == 0,
+        f"parallel.sp={parallel.sp} must divide the attention heads per tensor-parallel rank "
+        f"(model.n_heads / parallel.tp = {heads})",
+    )
     shards = parallel.sp * (parallel.tp if parallel.sequence_parallel else 1)
-    _require(cfg.data.seq_len % shards == 0,
-             f"data.seq_len={cfg.data.seq_len} must be divisible by {shards} (parallel.sp"
-             f"{' × parallel.tp under sequence_parallel' if parallel.sequence_parallel else ''})")
+    _require(
+        cfg.data.seq_len % shards == 0,
+        f"data.seq_len={cfg.data.seq_len} must be divisible by {shards} (parallel.sp"
+        f"{' × parallel.tp under sequence_parallel' if parallel.sequence_parallel else ''})",
+    )

@@ -16,15 +16,20 @@ import yaml
 
 INT_TAG, FLOAT_TAG = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
 INT = re.compile(r"^(?:[-+]?(?:0|[1-9][0-9_]*)|0x[0-9a-fA-F_]+|0o[0-7_]+|0b[01_]+)$")
-FLOAT = re.compile(r"""^(?:[-+]?(?=\.?[0-9])(?:[0-9][0-9_]*)?\.[0-9_]*(?:[eE][-+]?[0-9]+)?  # a dot and a digit
+FLOAT = re.compile(
+    r"""^(?:[-+]?(?=\.?[0-9])(?:[0-9][0-9_]*)?\.[0-9_]*(?:[eE][-+]?[0-9]+)?  # a dot and a digit
                        |[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+  # an exponent
-                       |[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$""", re.X)
+                       |[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$""",
+    re.X,
+)
 
 
 def _resolvers(base: dict) -> dict:
     """`base`'s implicit resolvers with YAML 1.1's int and float rules replaced by INT and FLOAT."""
-    table = {first: [(tag, rx) for tag, rx in rules if tag not in (INT_TAG, FLOAT_TAG)]
-             for first, rules in base.items()}
+    table = {
+        first: [(tag, rx) for tag, rx in rules if tag not in (INT_TAG, FLOAT_TAG)]
+        for first, rules in base.items()
+    }
     for first in "-+0123456789.":
         table.setdefault(first, []).extend([(INT_TAG, INT), (FLOAT_TAG, FLOAT)])
     return table

@@ -1,10 +1,28 @@
 """Corpus → tokenizer → Megatron-format memory-mapped tokens → packed samples in a resumable global order."""
 
-from keel.data.corpus import CorpusSources, default_corpus_files, iter_documents, resolve_corpus, resolve_sources
+from keel.data.corpus import (
+    CorpusSources,
+    default_corpus_files,
+    iter_documents,
+    resolve_corpus,
+    resolve_sources,
+)
 from keel.data.errors import DataError
 from keel.data.hf_tokenizer import HFTokenizer
-from keel.data.indexed import IndexedDataset, IndexedDatasetWriter, best_dtype, is_token_file, token_file_prefix
-from keel.data.prepare import FORMAT_VERSION, PreparedData, corpus_fingerprint, ensure_prepared, prepare_corpus
+from keel.data.indexed import (
+    IndexedDataset,
+    IndexedDatasetWriter,
+    best_dtype,
+    is_token_file,
+    token_file_prefix,
+)
+from keel.data.prepare import (
+    FORMAT_VERSION,
+    PreparedData,
+    corpus_fingerprint,
+    ensure_prepared,
+    prepare_corpus,
+)
 from keel.data.samples import (
     GlobalSampleOrder,
     PackedSamples,

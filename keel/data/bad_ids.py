@@ -29,9 +29,13 @@ def locate(dataset: TokenFile, token: int) -> tuple[int, int]:
     return sequence, document
 
 
-def bad_id_line(dataset: TokenFile, token: int, vocab_size: int, advice: str, where: str = "") -> str:
+def bad_id_line(
+    dataset: TokenFile, token: int, vocab_size: int, advice: str, where: str = ""
+) -> str:
     """The one line for an id outside the vocabulary at token index `token` of `dataset`."""
     sequence, document = locate(dataset, token)
     value = int(dataset.tokens[token])
-    return (f"{dataset.prefix}.bin: token {token} is id {value}, outside the tokenizer's vocabulary [0, {vocab_size}) "
-            f"(byte {token * dataset.dtype.itemsize}, sequence {sequence}, document {document}{where}); {advice}")
+    return (
+        f"{dataset.prefix}.bin: token {token} is id {value}, outside the tokenizer's vocabulary [0, {vocab_size}) "
+        f"(byte {token * dataset.dtype.itemsize}, sequence {sequence}, document {document}{where}); {advice}"
+    )

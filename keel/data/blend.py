@@ -31,18 +31,26 @@ def normalized_weights(weights: Sequence[float]) -> np.ndarray:
     return w / w.sum()
 
 
-def blend_block(weights: np.ndarray, counts: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
+def blend_block(
+    weights: np.ndarray, counts: np.ndarray, size: int
+) -> tuple[np.ndarray, np.ndarray]:
     """The next `size` entries after `counts` samples per source: (source, ordinal within that source)."""
     n_sources = weights.size
     # a block of `size` takes at most (size + S) · w_s + 2 from source s (see the module docstring)
     take = np.ceil((size + n_sources) * weights).astype(np.int64) + 3
-    ordinals = np.concatenate([counts[s] + np.arange(take[s], dtype=np.int64) for s in range(n_sources)])
+    ordinals = np.concatenate(
+        [counts[s] + np.arange(take[s], dtype=np.int64) for s in range(n_sources)]
+    )
     sources = np.repeat(np.arange(n_sources, dtype=np.uint16), take)
     due = (ordinals + 0.5) / weights[sources]
     pick = np.lexsort((sources, due))[:size]
     chosen = np.bincount(sources[pick], minlength=n_sources)
-    if np.any(chosen >= take):  # the candidate bound failed: the block would not be the exact prefix
-        raise RuntimeError(f"blend block under-provisioned: took {chosen.tolist()} of {take.tolist()}")
+    if np.any(
+        chosen >= take
+    ):  # the candidate bound failed: the block would not be the exact prefix
+        raise RuntimeError(
+            f"blend block under-provisioned: took {chosen.tolist()} of {take.tolist()}"
+        )
     return sources[pick], ordinals[pick]
 
 
@@ -53,8 +61,8 @@ def build_blend(weights: np.ndarray, num_samples: int, out: np.ndarray | None = 
     for start in range(0, num_samples, _BLOCK):
         size = min(_BLOCK, num_samples - start)
         src, ordinal = blend_block(weights, counts, size)
-        out["source"][start:start + size] = src
-        out["ordinal"][start:start + size] = ordinal
+        out["source"][start : start + size] = src
+        out["ordinal"][start : start + size] = ordinal
         counts += np.bincount(src, minlength=weights.size)
     return out
 
@@ -93,7 +101,9 @@ class BlendedSamples:
         if not sources:
             raise DataError("data.corpus: a blend needs at least one source")
         self.sources = list(sources)
-        self.offsets = np.concatenate([[0], np.cumsum([len(s) for s in self.sources])]).astype(np.int64)
+        self.offsets = np.concatenate([[0], np.cumsum([len(s) for s in self.sources])]).astype(
+            np.int64
+        )
 
     def __len__(self) -> int:
         return int(self.offsets[-1])
@@ -123,14 +133,20 @@ class BlendedOrder:
     """Global sample index → flat sample id of a `BlendedSamples`, through the blend index (a GlobalSampleOrder
     drop-in: `num_samples`, `sample_id(s)`); beyond the cached horizon the blend continues in memory."""
 
-    def __init__(self, index: np.ndarray, weights: np.ndarray, samples: BlendedSamples, seed: int) -> None:
+    def __init__(
+        self, index: np.ndarray, weights: np.ndarray, samples: BlendedSamples, seed: int
+    ) -> None:
         self.index, self.weights, self.samples = index, weights, samples
         self.num_samples = len(samples)
-        self.orders = [GlobalSampleOrder(len(s), seed, stream=i) for i, s in enumerate(samples.sources)]
+        self.orders = [
+            GlobalSampleOrder(len(s), seed, stream=i) for i, s in enumerate(samples.sources)
+        ]
 
     def _entries(self, global_indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         if global_indices.size and int(global_indices.max()) >= len(self.index):
-            self.index = build_blend(self.weights, max(2 * len(self.index), int(global_indices.max()) + 1))
+            self.index = build_blend(
+                self.weights, max(2 * len(self.index), int(global_indices.max()) + 1)
+            )
         rows = self.index[global_indices]
         return rows["source"], rows["ordinal"]
 
@@ -139,7 +155,10 @@ class BlendedOrder:
         if gi.size and gi.min() < 0:
             raise IndexError(f"global sample index must be non-negative, got {int(gi.min())}")
         sources, ordinals = self._entries(gi)
-        return [int(self.samples.offsets[s]) + self.orders[s].sample_id(int(o)) for s, o in zip(sources, ordinals)]
+        return [
+            int(self.samples.offsets[s]) + self.orders[s].sample_id(int(o))
+            for s, o in zip(sources, ordinals)
+        ]
 
     def sample_id(self, global_index: int) -> int:
         return self.sample_ids([global_index])[0]

@@ -19,17 +19,23 @@ from keel.data.readers import file_documents
 
 # Directories left out of the default corpus: installed third-party code, and test suites / tools whose
 # bulk (data tables, generated fixtures) would dominate the text without being representative of it.
-_DEFAULT_EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3"})
+_DEFAULT_EXCLUDED_DIRS = frozenset(
+    {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3"}
+)
 
 
 def default_corpus_files() -> list[Path]:
     """All `*.py` files of this interpreter's stdlib, minus third-party packages and test suites, sorted."""
     root = Path(sysconfig.get_paths()["stdlib"])
     if not root.is_dir():
-        raise DataError(f"data.corpus: the default corpus needs the Python stdlib source at {root}; set data.corpus")
+        raise DataError(
+            f"data.corpus: the default corpus needs the Python stdlib source at {root}; set data.corpus"
+        )
     files = []
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d not in _DEFAULT_EXCLUDED_DIRS and d != "__pycache__"]
+        dirnames[:] = [
+            d for d in dirnames if d not in _DEFAULT_EXCLUDED_DIRS and d != "__pycache__"
+        ]
         files.extend(Path(dirpath, name) for name in filenames if name.endswith(".py"))
     return sorted(files)
 
@@ -90,8 +96,10 @@ def _token_entry(entry: str, base: Path) -> Path | None:
         return prefix
     if any(have) or path.suffix in (".bin", ".idx"):
         missing = f"{prefix}.idx" if have[0] else f"{prefix}.bin"
-        raise DataError(f"data.corpus: {entry!r} names a token file but {missing} is missing; "
-                        "a token file needs both its .bin and .idx")
+        raise DataError(
+            f"data.corpus: {entry!r} names a token file but {missing} is missing; "
+            "a token file needs both its .bin and .idx"
+        )
     return None
 
 
@@ -103,8 +111,10 @@ def _split_token_files(files: list[Path]) -> tuple[list[Path], list[Path]]:
             prefix = token_file_prefix(file)
             if not is_token_file(prefix):
                 other = ".idx" if file.suffix == ".bin" else ".bin"
-                raise DataError(f"data.corpus: {file} has no {prefix}{other} beside it; a token file needs both "
-                                "its .bin and .idx (or move the file out of the corpus)")
+                raise DataError(
+                    f"data.corpus: {file} has no {prefix}{other} beside it; a token file needs both "
+                    "its .bin and .idx (or move the file out of the corpus)"
+                )
             prefixes.add(prefix)
         elif not (file.suffix == ".json" and is_token_file(file.with_suffix(""))):
             text.append(file)

@@ -23,8 +23,17 @@ TOKENIZER_JSON = "tokenizer.json"
 # WordPiece, and the configs naming the special tokens); a model directory's weights and config.json are not
 # among them, so neither the hash nor the cache copy ever reads gigabytes of weights.
 HF_TOKENIZER_FILES = (
-    TOKENIZER_JSON, "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.model",
-    "spiece.model", "sentencepiece.bpe.model", "vocab.json", "merges.txt", "vocab.txt", "tiktoken.model",
+    TOKENIZER_JSON,
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "tiktoken.model",
 )
 # A bare tokenizer.json does not say which token plays which role (tokenizer_config.json does), so its special
 # tokens are found by the conventional names; the first one present wins.
@@ -39,9 +48,11 @@ def hf_tokenizer_files(directory: Path) -> list[Path]:
     """The tokenizer files present in an HF directory; none is one clear line (a model dir without a tokenizer)."""
     files = [directory / name for name in HF_TOKENIZER_FILES if (directory / name).is_file()]
     if not files:
-        raise DataError(f"data.tokenizer: directory {directory} holds no tokenizer files (expected one of "
-                        f"{', '.join(HF_TOKENIZER_FILES[:5])}, ...); point it at a tokenizer or model directory that "
-                        "has them, or use data.tokenizer=train")
+        raise DataError(
+            f"data.tokenizer: directory {directory} holds no tokenizer files (expected one of "
+            f"{', '.join(HF_TOKENIZER_FILES[:5])}, ...); point it at a tokenizer or model directory that "
+            "has them, or use data.tokenizer=train"
+        )
     return files
 
 
@@ -55,7 +66,9 @@ class HFTokenizer(Tokenizer):
         if self.path.is_dir():
             self._auto = _load_directory(self.path)
             backend = self._auto.backend_tokenizer
-            named = {role: getattr(self._auto, f"{role}_token", None) for role in _CONVENTIONAL_NAMES}
+            named = {
+                role: getattr(self._auto, f"{role}_token", None) for role in _CONVENTIONAL_NAMES
+            }
             conventional = False  # transformers read the configs: a role they leave unset is unset
         elif self.path.is_file():
             self._auto = None
@@ -68,8 +81,10 @@ class HFTokenizer(Tokenizer):
         self._backend = backend
         vocab = backend.get_vocab(with_added_tokens=True)
         self._vocab_size = max(vocab.values()) + 1 if vocab else 0
-        self._ids = {role: _special_id(role, named.get(role), vocab, conventional)
-                     for role in _CONVENTIONAL_NAMES}
+        self._ids = {
+            role: _special_id(role, named.get(role), vocab, conventional)
+            for role in _CONVENTIONAL_NAMES
+        }
         self._require_eos()
 
     @property
@@ -99,7 +114,10 @@ class HFTokenizer(Tokenizer):
         (it sizes itself once per process: RAYON_NUM_THREADS, or TOKENIZERS_PARALLELISM=false to turn it off)."""
         if num_threads == 1:
             return [self.encode(text) for text in texts]
-        return [enc.ids for enc in self._backend.encode_batch_fast(list(texts), add_special_tokens=False)]
+        return [
+            enc.ids
+            for enc in self._backend.encode_batch_fast(list(texts), add_special_tokens=False)
+        ]
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._backend.decode([int(i) for i in ids], skip_special_tokens=False)
@@ -123,23 +141,35 @@ def _load_json(path: Path):
         return RustTokenizer.from_file(str(path))
     except Exception as exc:  # tokenizers raises a bare Exception for unparsable files
         first = (str(exc).strip().splitlines() or ["unreadable"])[0]
-        raise DataError(f"data.tokenizer: {path} is not a Hugging Face tokenizer.json ({first}); give a "
-                        "tokenizer.json, an HF tokenizer directory or a sentencepiece .model") from None
+        raise DataError(
+            f"data.tokenizer: {path} is not a Hugging Face tokenizer.json ({first}); give a "
+            "tokenizer.json, an HF tokenizer directory or a sentencepiece .model"
+        ) from None
 
 
 def _load_directory(path: Path):
-    hf_tokenizer_files(path)  # a directory without tokenizer files gets its own line, not transformers' message
-    from transformers import AutoTokenizer  # slow to import (seconds): only for a tokenizer directory
+    hf_tokenizer_files(
+        path
+    )  # a directory without tokenizer files gets its own line, not transformers' message
+    from transformers import (
+        AutoTokenizer,
+    )  # slow to import (seconds): only for a tokenizer directory
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    except Exception as exc:  # transformers raises ValueError, OSError, KeyError, ... for files it cannot read
+    except (
+        Exception
+    ) as exc:  # transformers raises ValueError, OSError, KeyError, ... for files it cannot read
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise DataError(f"data.tokenizer: transformers cannot load the tokenizer in {path} ({first}); "
-                        "check its tokenizer files") from None
+        raise DataError(
+            f"data.tokenizer: transformers cannot load the tokenizer in {path} ({first}); "
+            "check its tokenizer files"
+        ) from None
     if getattr(tokenizer, "backend_tokenizer", None) is None:
-        raise DataError(f"data.tokenizer: {path} loads as {type(tokenizer).__name__}, which has no `tokenizers` "
-                        "backend; add a tokenizer.json (save it with a fast tokenizer's save_pretrained)")
+        raise DataError(
+            f"data.tokenizer: {path} loads as {type(tokenizer).__name__}, which has no `tokenizers` "
+            "backend; add a tokenizer.json (save it with a fast tokenizer's save_pretrained)"
+        )
     return tokenizer
 
 

@@ -71,8 +71,13 @@ class IndexedDatasetWriter:
         self.prefix = Path(prefix)
         self.vocab_size = vocab_size
         self.dtype = best_dtype(vocab_size)
-        self._meta = {"bos_id": bos_id, "eos_id": eos_id, "pad_id": pad_id, "tokenizer": tokenizer,
-                      "tokenizer_hash": tokenizer_hash}
+        self._meta = {
+            "bos_id": bos_id,
+            "eos_id": eos_id,
+            "pad_id": pad_id,
+            "tokenizer": tokenizer,
+            "tokenizer_hash": tokenizer_hash,
+        }
         self.prefix.parent.mkdir(parents=True, exist_ok=True)
         self._bin_tmp = temp_sibling(Path(f"{self.prefix}.bin"))
         self._lengths_tmp = temp_sibling(Path(f"{self.prefix}.lengths"))
@@ -85,7 +90,9 @@ class IndexedDatasetWriter:
     def add_document(self, ids: Sequence[int] | np.ndarray) -> None:
         arr = np.asarray(ids)
         if arr.ndim != 1:
-            raise DataError(f"document {self.num_docs}: expected a flat sequence of token ids, got shape {arr.shape}")
+            raise DataError(
+                f"document {self.num_docs}: expected a flat sequence of token ids, got shape {arr.shape}"
+            )
         self.add_documents(arr, np.array([arr.size], dtype=np.int64))
 
     def add_documents(self, ids: np.ndarray, lengths: np.ndarray) -> None:
@@ -95,16 +102,25 @@ class IndexedDatasetWriter:
         lengths = np.asarray(lengths, dtype=np.int64)
         if ids.size:
             if not np.issubdtype(ids.dtype, np.integer):
-                raise DataError(f"document {self.num_docs}: token ids must be integers, got {ids.dtype}")
+                raise DataError(
+                    f"document {self.num_docs}: token ids must be integers, got {ids.dtype}"
+                )
             low, high = int(ids.min()), int(ids.max())
             if low < 0 or high >= self.vocab_size:
                 bad = low if low < 0 else high
-                where = self.num_docs + int(np.searchsorted(np.cumsum(lengths), np.flatnonzero(ids == bad)[0],
-                                                            side="right"))
-                raise DataError(f"document {where}: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
-        if int(lengths.sum()) != ids.size or (lengths.size and int(lengths.max()) > layout.MAX_SEQUENCE_LENGTH):
-            raise DataError(f"document {self.num_docs}: lengths do not add up to the ids given, or a document "
-                            f"exceeds {layout.MAX_SEQUENCE_LENGTH} tokens (the index stores int32 lengths)")
+                where = self.num_docs + int(
+                    np.searchsorted(np.cumsum(lengths), np.flatnonzero(ids == bad)[0], side="right")
+                )
+                raise DataError(
+                    f"document {where}: token id {bad} is outside the vocabulary [0, {self.vocab_size})"
+                )
+        if int(lengths.sum()) != ids.size or (
+            lengths.size and int(lengths.max()) > layout.MAX_SEQUENCE_LENGTH
+        ):
+            raise DataError(
+                f"document {self.num_docs}: lengths do not add up to the ids given, or a document "
+                f"exceeds {layout.MAX_SEQUENCE_LENGTH} tokens (the index stores int32 lengths)"
+            )
         self._bin.write(ids.astype(self.dtype, copy=False).tobytes())
         self._lengths.write(lengths.astype("<i4").tobytes())
         self.num_tokens += int(ids.size)
@@ -125,8 +141,16 @@ class IndexedDatasetWriter:
                 self._lengths.close()
                 self._lengths_tmp.unlink()
                 Path(self._bin_tmp).replace(f"{self.prefix}.bin")
-                layout.write_sidecar(self.prefix, {"vocab_size": self.vocab_size, "num_tokens": self.num_tokens,
-                                                   "num_docs": self.num_docs, "dtype": self.dtype.name, **self._meta})
+                layout.write_sidecar(
+                    self.prefix,
+                    {
+                        "vocab_size": self.vocab_size,
+                        "num_tokens": self.num_tokens,
+                        "num_docs": self.num_docs,
+                        "dtype": self.dtype.name,
+                        **self._meta,
+                    },
+                )
                 idx_tmp.replace(f"{self.prefix}.idx")
             finally:
                 idx_tmp.unlink(missing_ok=True)
@@ -147,7 +171,10 @@ class IndexedDatasetWriter:
         return self
 
     def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
     ) -> None:
         if exc_type is None:
             self.finalize()
@@ -167,7 +194,9 @@ class IndexedDataset:
         idx_path, bin_path = Path(f"{self.prefix}.idx"), Path(f"{self.prefix}.bin")
         for path in (idx_path, bin_path):
             if not path.is_file():
-                raise DataError(f"{path} is missing; re-run `keel prepare` or point data.corpus at a .bin/.idx pair")
+                raise DataError(
+                    f"{path} is missing; re-run `keel prepare` or point data.corpus at a .bin/.idx pair"
+                )
         header = layout.read_header(idx_path)
         self.dtype = header.dtype
         self.metadata: dict[str, Any] | None = layout.read_sidecar(self.prefix)
@@ -175,28 +204,45 @@ class IndexedDataset:
         if self.metadata is not None:
             vocab_size = self.metadata["vocab_size"]
         if vocab_size is None:
-            raise DataError(f"{idx_path}: no sidecar {self.prefix}.json records its vocabulary; open it with the "
-                            "tokenizer that made it (IndexedDataset(prefix, vocab_size=...), data.tokenizer)")
+            raise DataError(
+                f"{idx_path}: no sidecar {self.prefix}.json records its vocabulary; open it with the "
+                "tokenizer that made it (IndexedDataset(prefix, vocab_size=...), data.tokenizer)"
+            )
         self.vocab_size = int(vocab_size)
         n, d = header.sequence_count, header.document_count
-        self.sequence_lengths = np.memmap(idx_path, dtype="<i4", mode="r", offset=header.lengths_offset, shape=(n,))
-        self.sequence_pointers = np.memmap(idx_path, dtype="<i8", mode="r", offset=header.pointers_offset, shape=(n,))
-        self.document_indices = np.memmap(idx_path, dtype="<i8", mode="r", offset=header.documents_offset,
-                                          shape=(d,))
+        self.sequence_lengths = np.memmap(
+            idx_path, dtype="<i4", mode="r", offset=header.lengths_offset, shape=(n,)
+        )
+        self.sequence_pointers = np.memmap(
+            idx_path, dtype="<i8", mode="r", offset=header.pointers_offset, shape=(n,)
+        )
+        self.document_indices = np.memmap(
+            idx_path, dtype="<i8", mode="r", offset=header.documents_offset, shape=(d,)
+        )
         if int(self.document_indices[0]) != 0 or int(self.document_indices[-1]) != n:
-            raise DataError(f"{layout.fix_hint(idx_path)} (document indices run {int(self.document_indices[0])}.."
-                            f"{int(self.document_indices[-1])}, expected 0..{n})")
+            raise DataError(
+                f"{layout.fix_hint(idx_path)} (document indices run {int(self.document_indices[0])}.."
+                f"{int(self.document_indices[-1])}, expected 0..{n})"
+            )
         itemsize = self.dtype.itemsize
-        expected = int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * itemsize if n else 0
+        expected = (
+            int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * itemsize if n else 0
+        )
         bin_size = bin_path.stat().st_size
         if bin_size != expected or (n and int(self.sequence_pointers[0]) != 0):
-            raise DataError(f"{layout.fix_hint(bin_path)} (holds {bin_size} bytes, its index expects {expected})")
+            raise DataError(
+                f"{layout.fix_hint(bin_path)} (holds {bin_size} bytes, its index expects {expected})"
+            )
         num_tokens = bin_size // itemsize
-        if self.metadata is not None and (self.metadata.get("num_tokens"), self.metadata.get("num_docs")) != (
-                num_tokens, d - 1):
-            raise DataError(f"{layout.fix_hint(layout.sidecar_path(self.prefix))} (it records "
-                            f"{self.metadata.get('num_tokens')} tokens in {self.metadata.get('num_docs')} documents, "
-                            f"the pair holds {num_tokens} in {d - 1})")
+        if self.metadata is not None and (
+            self.metadata.get("num_tokens"),
+            self.metadata.get("num_docs"),
+        ) != (num_tokens, d - 1):
+            raise DataError(
+                f"{layout.fix_hint(layout.sidecar_path(self.prefix))} (it records "
+                f"{self.metadata.get('num_tokens')} tokens in {self.metadata.get('num_docs')} documents, "
+                f"the pair holds {num_tokens} in {d - 1})"
+            )
         if num_tokens:
             self.tokens = np.memmap(bin_path, dtype=self.dtype, mode="r", shape=(num_tokens,))
         else:  # mmap refuses empty files
@@ -259,30 +305,42 @@ class IndexedDataset:
         pointer = 0
         itemsize = self.dtype.itemsize
         for first in range(0, self.sequence_lengths.shape[0], layout.CHUNK):
-            lengths = np.asarray(self.sequence_lengths[first : first + layout.CHUNK], dtype=np.int64)
+            lengths = np.asarray(
+                self.sequence_lengths[first : first + layout.CHUNK], dtype=np.int64
+            )
             ends = np.cumsum(lengths) * itemsize + pointer
             starts = np.concatenate([[pointer], ends[:-1]])
-            if lengths.min() < 0 or not np.array_equal(starts, self.sequence_pointers[first : first + len(lengths)]):
-                raise DataError(f"{layout.fix_hint(idx_path)} (sequence pointers do not follow the sequence lengths "
-                                f"near sequence {first}: a .bin with gaps or a corrupt index)")
+            if lengths.min() < 0 or not np.array_equal(
+                starts, self.sequence_pointers[first : first + len(lengths)]
+            ):
+                raise DataError(
+                    f"{layout.fix_hint(idx_path)} (sequence pointers do not follow the sequence lengths "
+                    f"near sequence {first}: a .bin with gaps or a corrupt index)"
+                )
             pointer = int(ends[-1])
         for first in range(0, len(self), layout.CHUNK):
             docs = np.asarray(self.document_indices[first : first + layout.CHUNK + 1])
             if bool(np.any(np.diff(docs) < 0)):
-                raise DataError(f"{layout.fix_hint(idx_path)} (document indices decrease near document {first})")
+                raise DataError(
+                    f"{layout.fix_hint(idx_path)} (document indices decrease near document {first})"
+                )
         for first in range(0, self.num_tokens, _SCAN_TOKENS):
             chunk = self.tokens[first : first + _SCAN_TOKENS]
             low, high = int(chunk.min()), int(chunk.max())
             if low < 0 or high >= vocab:
                 at = first + int(np.flatnonzero((chunk < 0) | (chunk >= vocab))[0])
-                raise DataError(bad_id_line(self, at, vocab, "use the tokenizer that made this file (data.tokenizer)"))
+                raise DataError(
+                    bad_id_line(
+                        self, at, vocab, "use the tokenizer that made this file (data.tokenizer)"
+                    )
+                )
 
 
-def write_documents(prefix: str | Path, documents: Sequence[Sequence[int]], vocab_size: int,
-                    **metadata: Any) -> IndexedDataset:
+def write_documents(
+    prefix: str | Path, documents: Sequence[Sequence[int]], vocab_size: int, **metadata: Any
+) -> IndexedDataset:
     """Write `documents` as a token file and open it (small files: tests, fixtures, tools)."""
     with IndexedDatasetWriter(prefix, vocab_size, **metadata) as writer:
         for doc in documents:
             writer.add_document(np.asarray(doc, dtype=np.int64))
     return IndexedDataset(prefix)
-

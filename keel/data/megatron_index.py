@@ -24,11 +24,19 @@ from keel.run_dir import write_atomic
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
-HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequence count, document count: 34 bytes
+HEADER = struct.Struct(
+    "<9sQBQQ"
+)  # magic, version, dtype code, sequence count, document count: 34 bytes
 # Megatron-Core's DType enum.
 DTYPE_CODES: dict[int, np.dtype] = {
-    1: np.dtype(np.uint8), 2: np.dtype(np.int8), 3: np.dtype(np.int16), 4: np.dtype(np.int32),
-    5: np.dtype(np.int64), 6: np.dtype(np.float64), 7: np.dtype(np.float32), 8: np.dtype(np.uint16),
+    1: np.dtype(np.uint8),
+    2: np.dtype(np.int8),
+    3: np.dtype(np.int16),
+    4: np.dtype(np.int32),
+    5: np.dtype(np.int64),
+    6: np.dtype(np.float64),
+    7: np.dtype(np.float32),
+    8: np.dtype(np.uint16),
 }
 CODE_OF_DTYPE = {dtype: code for code, dtype in DTYPE_CODES.items()}
 MAX_SEQUENCE_LENGTH = 2**31 - 1  # lengths are int32 in the index
@@ -71,26 +79,40 @@ def read_header(idx_path: Path) -> IndexHeader:
         raw = handle.read(HEADER.size)
     if len(raw) < HEADER.size:
         if not raw.startswith(MAGIC[: len(raw)]) or len(raw) < len(MAGIC):
-            raise DataError(f"{idx_path}: not a Megatron indexed-dataset index (no MMIDIDX header); "
-                            "point data.corpus at a .bin/.idx pair or re-run `keel prepare`")
-        raise DataError(f"{fix_hint(idx_path)} (truncated header: {len(raw)} of {HEADER.size} bytes)")
+            raise DataError(
+                f"{idx_path}: not a Megatron indexed-dataset index (no MMIDIDX header); "
+                "point data.corpus at a .bin/.idx pair or re-run `keel prepare`"
+            )
+        raise DataError(
+            f"{fix_hint(idx_path)} (truncated header: {len(raw)} of {HEADER.size} bytes)"
+        )
     magic, version, code, sequences, documents = HEADER.unpack(raw)
     if magic != MAGIC:
-        raise DataError(f"{idx_path}: not a Megatron indexed-dataset index (no MMIDIDX header at byte 0); "
-                        "point data.corpus at a .bin/.idx pair or re-run `keel prepare`")
+        raise DataError(
+            f"{idx_path}: not a Megatron indexed-dataset index (no MMIDIDX header at byte 0); "
+            "point data.corpus at a .bin/.idx pair or re-run `keel prepare`"
+        )
     if version != VERSION:
-        raise DataError(f"{fix_hint(idx_path)} (index version {version} at byte 9; Megatron and Keel write {VERSION})")
+        raise DataError(
+            f"{fix_hint(idx_path)} (index version {version} at byte 9; Megatron and Keel write {VERSION})"
+        )
     if code not in DTYPE_CODES:
         raise DataError(f"{fix_hint(idx_path)} (unknown token dtype code {code} at byte 17)")
     if DTYPE_CODES[code].kind == "f":
-        raise DataError(f"{idx_path}: holds {DTYPE_CODES[code]} values, not token ids (dtype code {code} at byte 17); "
-                        "use a token file written by a tokenizer (integer dtype)")
+        raise DataError(
+            f"{idx_path}: holds {DTYPE_CODES[code]} values, not token ids (dtype code {code} at byte 17); "
+            "use a token file written by a tokenizer (integer dtype)"
+        )
     header = IndexHeader(DTYPE_CODES[code], sequences, documents)
     if idx_size == header.index_size + sequences and sequences:
-        raise DataError(f"{idx_path}: a multimodal token file (with sequence modes); Keel reads text-only files")
+        raise DataError(
+            f"{idx_path}: a multimodal token file (with sequence modes); Keel reads text-only files"
+        )
     if idx_size != header.index_size or documents < 1:
-        raise DataError(f"{fix_hint(idx_path)} (size {idx_size} does not match the {sequences} sequences and "
-                        f"{documents} document entries its header records at bytes 18..33)")
+        raise DataError(
+            f"{fix_hint(idx_path)} (size {idx_size} does not match the {sequences} sequences and "
+            f"{documents} document entries its header records at bytes 18..33)"
+        )
     return header
 
 
@@ -102,7 +124,9 @@ def write_index(out: BinaryIO, dtype: np.dtype, lengths: BinaryIO, sequence_coun
         out.write(chunk.tobytes())
     pointer = 0
     lengths.seek(0)
-    for chunk in _chunks(lengths, sequence_count):  # byte pointers: the exclusive running sum of length*itemsize
+    for chunk in _chunks(
+        lengths, sequence_count
+    ):  # byte pointers: the exclusive running sum of length*itemsize
         ends = np.cumsum(chunk, dtype=np.int64) * dtype.itemsize + pointer
         starts = np.empty_like(ends)
         starts[0], starts[1:] = pointer, ends[:-1]
@@ -145,12 +169,18 @@ def read_sidecar(prefix: Path) -> dict[str, Any] | None:
     try:
         record = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise DataError(f"{path}: not valid JSON ({exc.msg}); delete it or re-run `keel prepare`") from None
+        raise DataError(
+            f"{path}: not valid JSON ({exc.msg}); delete it or re-run `keel prepare`"
+        ) from None
     if not isinstance(record, dict) or record.get("format") != SIDECAR_FORMAT:
-        raise DataError(f"{path}: not a Keel token-file sidecar; move it away from the .bin/.idx pair")
+        raise DataError(
+            f"{path}: not a Keel token-file sidecar; move it away from the .bin/.idx pair"
+        )
     if record.get("version") != SIDECAR_VERSION:
-        raise DataError(f"{fix_hint(path)} (sidecar version {record.get('version')}, this Keel reads "
-                        f"{SIDECAR_VERSION})")
+        raise DataError(
+            f"{fix_hint(path)} (sidecar version {record.get('version')}, this Keel reads "
+            f"{SIDECAR_VERSION})"
+        )
     vocab = record.get("vocab_size")
     if not isinstance(vocab, int) or vocab < 1:
         raise DataError(f"{fix_hint(path)} (vocab_size {vocab!r} is not a positive integer)")

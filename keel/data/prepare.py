@@ -30,8 +30,12 @@ from keel.data.tokenizer import train_tokenizer
 from keel.data.tokenizer_source import load_or_train_tokenizer, load_tokenizer, source_sha256
 from keel.run_dir import temp_sibling, write_atomic
 
-FORMAT_VERSION = 2  # bump whenever tokenizer settings or the on-disk layout change (2: Megatron .bin/.idx)
-TOKENIZER_NAME = "tokenizer"  # -> tokenizer.model (trained or a given sentencepiece), .json or a directory (HF)
+FORMAT_VERSION = (
+    2  # bump whenever tokenizer settings or the on-disk layout change (2: Megatron .bin/.idx)
+)
+TOKENIZER_NAME = (
+    "tokenizer"  # -> tokenizer.model (trained or a given sentencepiece), .json or a directory (HF)
+)
 DATA_NAME = "data"  # -> data.bin / data.idx / data.json
 DONE_NAME = "done.json"
 # Text per worker task: small enough that the 4 x workers in flight stay a few MB (a worker holds its batch's ids
@@ -45,7 +49,9 @@ class PreparedData:
     data_prefix: Path  # the first of `sources`
     num_tokens: int  # over all sources
     num_docs: int
-    sources: tuple[Path, ...] = ()  # every token file of the corpus: the tokenized text, then given token files
+    sources: tuple[
+        Path, ...
+    ] = ()  # every token file of the corpus: the tokenized text, then given token files
     vocab_size: int = 0  # the vocabulary every source was checked against
 
 
@@ -73,29 +79,56 @@ def prepare_corpus(
         if first is None:
             raise DataError(empty)
         if progress:
-            tqdm.write(f"keel: training a {vocab_size}-token tokenizer on {len(files)} file(s)", file=sys.stderr)
-        tokenizer = train_tokenizer(itertools.chain([first], documents), vocab_size, out_dir / TOKENIZER_NAME)
+            tqdm.write(
+                f"keel: training a {vocab_size}-token tokenizer on {len(files)} file(s)",
+                file=sys.stderr,
+            )
+        tokenizer = train_tokenizer(
+            itertools.chain([first], documents), vocab_size, out_dir / TOKENIZER_NAME
+        )
     workers = workers or default_workers()
     model_path = _tokenizer_path(tokenizer)
-    name = Path(model_path).name if model_path and Path(model_path).parent == out_dir else model_path
+    name = (
+        Path(model_path).name if model_path and Path(model_path).parent == out_dir else model_path
+    )
     writer = IndexedDatasetWriter(
-        out_dir / DATA_NAME, tokenizer.vocab_size, eos_id=tokenizer.eos_id, bos_id=getattr(tokenizer, "bos_id", None),
-        pad_id=getattr(tokenizer, "pad_id", None), tokenizer=str(name or type(tokenizer).__name__),
-        tokenizer_hash=tokenizer_fingerprint(tokenizer))
-    bar = tqdm(unit="tok", unit_scale=True, desc=f"keel: tokenizing ({workers} worker{'s' * (workers > 1)})",
-               disable=not progress, file=sys.stderr)
+        out_dir / DATA_NAME,
+        tokenizer.vocab_size,
+        eos_id=tokenizer.eos_id,
+        bos_id=getattr(tokenizer, "bos_id", None),
+        pad_id=getattr(tokenizer, "pad_id", None),
+        tokenizer=str(name or type(tokenizer).__name__),
+        tokenizer_hash=tokenizer_fingerprint(tokenizer),
+    )
+    bar = tqdm(
+        unit="tok",
+        unit_scale=True,
+        desc=f"keel: tokenizing ({workers} worker{'s' * (workers > 1)})",
+        disable=not progress,
+        file=sys.stderr,
+    )
     with bar, writer:
         files_done = 0
-        for ids, lengths, finished in tokenize_in_order(tokenizer, _batches(files, text_field), workers):
+        for ids, lengths, finished in tokenize_in_order(
+            tokenizer, _batches(files, text_field), workers
+        ):
             writer.add_documents(ids, lengths)
             files_done += finished
             bar.update(int(ids.size))
-            bar.set_postfix_str(f"{files_done}/{len(files)} files, {writer.num_docs:,} docs", refresh=False)
+            bar.set_postfix_str(
+                f"{files_done}/{len(files)} files, {writer.num_docs:,} docs", refresh=False
+            )
         if writer.num_docs == 0:
             raise DataError(empty)
     path = Path(model_path) if model_path else None
-    return PreparedData(path, out_dir / DATA_NAME, writer.num_tokens, writer.num_docs, (out_dir / DATA_NAME,),
-                        tokenizer.vocab_size)
+    return PreparedData(
+        path,
+        out_dir / DATA_NAME,
+        writer.num_tokens,
+        writer.num_docs,
+        (out_dir / DATA_NAME,),
+        tokenizer.vocab_size,
+    )
 
 
 def _batches(files: list[Path], text_field: str) -> Iterator[tuple[list[str], int]]:
@@ -126,11 +159,18 @@ def tokenizer_fingerprint(tokenizer: BatchTokenizer) -> str:
     if isinstance(named, str):
         return named[:16]
     path = _tokenizer_path(tokenizer)
-    files = sorted(p for p in Path(path).rglob("*") if p.is_file()) if path and Path(path).is_dir() else \
-        [Path(path)] if path and Path(path).is_file() else []
+    files = (
+        sorted(p for p in Path(path).rglob("*") if p.is_file())
+        if path and Path(path).is_dir()
+        else [Path(path)]
+        if path and Path(path).is_file()
+        else []
+    )
     if not files:
-        raise DataError(f"tokenizer {type(tokenizer).__name__}: has neither a `fingerprint` nor a `model_path` "
-                        "file to hash; the prepared-corpus cache cannot tell it from another tokenizer")
+        raise DataError(
+            f"tokenizer {type(tokenizer).__name__}: has neither a `fingerprint` nor a `model_path` "
+            "file to hash; the prepared-corpus cache cannot tell it from another tokenizer"
+        )
     digest = hashlib.sha256()
     for file in files:
         digest.update(file.name.encode() + b"\0" + file.read_bytes())
@@ -138,11 +178,18 @@ def tokenizer_fingerprint(tokenizer: BatchTokenizer) -> str:
 
 
 def corpus_fingerprint(
-    files: list[Path], vocab_size: int, text_field: str, token_files: list[Path] = (), tokenizer: str | None = None
+    files: list[Path],
+    vocab_size: int,
+    text_field: str,
+    token_files: list[Path] = (),
+    tokenizer: str | None = None,
 ) -> str:
     """A short hash of everything a prepared corpus depends on (the given tokenizer replaces `vocab_size`)."""
     entries = [[str(file), *_stat(file)] for file in sorted(files)]
-    stores = [[str(prefix), *_stat(Path(f"{prefix}.bin")), *_stat(Path(f"{prefix}.idx"))] for prefix in token_files]
+    stores = [
+        [str(prefix), *_stat(Path(f"{prefix}.bin")), *_stat(Path(f"{prefix}.idx"))]
+        for prefix in token_files
+    ]
     key = {"format": FORMAT_VERSION, "text_field": text_field, "files": entries}
     key.update({"token_files": stores} if stores else {})
     key.update({"tokenizer": tokenizer} if tokenizer else {"vocab_size": vocab_size})
@@ -186,8 +233,9 @@ def ensure_prepared(
         tokenizer_key = source_sha256(source)[:16]
     else:
         tokenizer_key = tokenizer_fingerprint(tokenizer) if tokenizer is not None else None
-    entry = cache / corpus_fingerprint(sources.text_files, vocab_size, text_field, sources.token_files,
-                                       tokenizer_key)
+    entry = cache / corpus_fingerprint(
+        sources.text_files, vocab_size, text_field, sources.token_files, tokenizer_key
+    )
     found = _load_entry(entry)
     if found is None and entry.exists():
         _discard_damaged(entry)
@@ -211,8 +259,15 @@ def ensure_prepared(
             if progress:
                 tqdm.write(f"keel: tokenizing with {source}", file=sys.stderr)
         if sources.text_files:
-            made = prepare_corpus(sources.text_files, tmp, vocab_size, text_field, progress, tokenizer=tokenizer,
-                                  workers=workers)
+            made = prepare_corpus(
+                sources.text_files,
+                tmp,
+                vocab_size,
+                text_field,
+                progress,
+                tokenizer=tokenizer,
+                workers=workers,
+            )
         given = [_token_file_record(prefix, tokenizer.vocab_size) for prefix in sources.token_files]
         _write_done(tmp, made, given, tokenizer, spec, sources, source, tokenizer_key)
         try:
@@ -231,20 +286,28 @@ def ensure_prepared(
 
 def _check_tokenizer_for(sources: CorpusSources, tokenizer: BatchTokenizer | None) -> None:
     if sources.token_files and tokenizer is None:
-        raise DataError(f"data.corpus: {sources.token_files[0]} is a token file, whose ids mean something only with "
-                        "the tokenizer that made it; set data.tokenizer to that tokenizer")
+        raise DataError(
+            f"data.corpus: {sources.token_files[0]} is a token file, whose ids mean something only with "
+            "the tokenizer that made it; set data.tokenizer to that tokenizer"
+        )
 
 
-def _check_token_files(prefixes: list[Path], tokenizer: BatchTokenizer | Path | None, progress: bool) -> None:
+def _check_token_files(
+    prefixes: list[Path], tokenizer: BatchTokenizer | Path | None, progress: bool
+) -> None:
     """The given token files' pre-launch check: each whole index and a bounded id sample against the tokenizer's
     vocabulary (keel/data/token_check.py)."""
     if not prefixes:
         return
-    vocab = (load_tokenizer(tokenizer) if isinstance(tokenizer, (str, Path)) else tokenizer).vocab_size
+    vocab = (
+        load_tokenizer(tokenizer) if isinstance(tokenizer, (str, Path)) else tokenizer
+    ).vocab_size
     for prefix in prefixes:
         if progress:
-            tqdm.write(f"keel: checking {prefix}.idx and an id sample against the tokenizer's {vocab} ids",
-                       file=sys.stderr)
+            tqdm.write(
+                f"keel: checking {prefix}.idx and an id sample against the tokenizer's {vocab} ids",
+                file=sys.stderr,
+            )
         check_token_file(prefix, vocab)
 
 
@@ -253,17 +316,34 @@ def _token_file_record(prefix: Path, vocab_size: int) -> dict[str, object]:
     return {"prefix": str(prefix), "num_tokens": dataset.num_tokens, "num_docs": len(dataset)}
 
 
-def _write_done(out_dir: Path, made: PreparedData | None, given: list[dict[str, object]],
-                tokenizer: BatchTokenizer | None, spec: list[str], sources: CorpusSources,
-                source: Path | None = None, source_key: str | None = None) -> None:
+def _write_done(
+    out_dir: Path,
+    made: PreparedData | None,
+    given: list[dict[str, object]],
+    tokenizer: BatchTokenizer | None,
+    spec: list[str],
+    sources: CorpusSources,
+    source: Path | None = None,
+    source_key: str | None = None,
+) -> None:
     path = made.tokenizer_path if made is not None else None
     path = path or (_tokenizer_path(tokenizer) if tokenizer is not None else None)
     if path is not None and path.parent == out_dir:
         tokenizer_path = path.name  # trained or copied here: relative, the entry moves
     else:
         tokenizer_path = str(path) if path else None
-    stores = given if made is None else [{"prefix": made.data_prefix.name, "num_tokens": made.num_tokens,
-                                          "num_docs": made.num_docs}] + given
+    stores = (
+        given
+        if made is None
+        else [
+            {
+                "prefix": made.data_prefix.name,
+                "num_tokens": made.num_tokens,
+                "num_docs": made.num_docs,
+            }
+        ]
+        + given
+    )
     record = {
         "format": FORMAT_VERSION,
         "tokenizer": tokenizer_path,
@@ -272,7 +352,9 @@ def _write_done(out_dir: Path, made: PreparedData | None, given: list[dict[str, 
         "spec": list(spec),
         "num_files": len(sources.text_files),
         "corpus_bytes": sum(f.stat().st_size for f in sources.text_files),
-        "tokenizer_source": "train" if source is None and tokenizer is None else str(source or tokenizer_path),
+        "tokenizer_source": "train"
+        if source is None and tokenizer is None
+        else str(source or tokenizer_path),
         "tokenizer_source_sha256": source_key,
     }
     write_atomic(out_dir / DONE_NAME, json.dumps(record, indent=2).encode())
@@ -284,7 +366,9 @@ def _load_entry(entry: Path) -> PreparedData | None:
         record = json.loads((entry / DONE_NAME).read_text())
         if record.get("format") != FORMAT_VERSION:
             return None
-        tokenizer = None if record["tokenizer"] is None else entry / record["tokenizer"]  # absolute stays absolute
+        tokenizer = (
+            None if record["tokenizer"] is None else entry / record["tokenizer"]
+        )  # absolute stays absolute
         vocab = int(record["vocab_size"])
         prefixes = []
         for source in record["sources"]:
@@ -297,13 +381,21 @@ def _load_entry(entry: Path) -> PreparedData | None:
             return None
     except (OSError, ValueError, KeyError, TypeError):  # DataError is a ValueError
         return None
-    return PreparedData(tokenizer, prefixes[0], sum(s["num_tokens"] for s in record["sources"]),
-                        sum(s["num_docs"] for s in record["sources"]), tuple(prefixes), vocab)
+    return PreparedData(
+        tokenizer,
+        prefixes[0],
+        sum(s["num_tokens"] for s in record["sources"]),
+        sum(s["num_docs"] for s in record["sources"]),
+        tuple(prefixes),
+        vocab,
+    )
 
 
 def _discard_damaged(entry: Path) -> None:
     """Remove an entry that exists but does not load (complete entries only appear whole, so it is damaged)."""
-    if _load_entry(entry) is not None:  # another process may have just renamed a finished one into place
+    if (
+        _load_entry(entry) is not None
+    ):  # another process may have just renamed a finished one into place
         return
     trash = entry.with_name(f".{entry.name}.{os.getpid()}.trash")
     try:

@@ -18,7 +18,9 @@ from keel.data.errors import DataError
 from keel.data.indexed import IndexedDataset
 
 SPLITS = ("train", "val")
-_CACHED_EPOCHS = 2  # a step can straddle one epoch boundary; older permutations are not needed again
+_CACHED_EPOCHS = (
+    2  # a step can straddle one epoch boundary; older permutations are not needed again
+)
 
 
 class PackedSamples:
@@ -34,7 +36,9 @@ class PackedSamples:
     device assert on one GPU.
     """
 
-    def __init__(self, dataset: IndexedDataset, seq_len: int, split: str, val_fraction: float) -> None:
+    def __init__(
+        self, dataset: IndexedDataset, seq_len: int, split: str, val_fraction: float
+    ) -> None:
         if split not in SPLITS:
             raise DataError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
         if seq_len < 1:
@@ -81,7 +85,9 @@ class PackedSamples:
 
     def __getitem__(self, i: int) -> np.ndarray:
         window = self.window(i)
-        if window.size and (int(window.min()) < 0 or int(window.max()) >= self.dataset.vocab_size):  # negligible
+        if window.size and (
+            int(window.min()) < 0 or int(window.max()) >= self.dataset.vocab_size
+        ):  # negligible
             bad = int(window.min()) if int(window.min()) < 0 else int(window.max())
             begin = self.origin(i)[1]
             raise DataError(
@@ -98,7 +104,9 @@ def val_boundary(dataset: IndexedDataset, seq_len: int, val_fraction: float) -> 
     window = seq_len + 1
     if val_fraction == 0.0:
         if n < window:
-            raise DataError(f"data: the corpus has {n:,} tokens; seq_len={seq_len} needs at least {window:,}")
+            raise DataError(
+                f"data: the corpus has {n:,} tokens; seq_len={seq_len} needs at least {window:,}"
+            )
         return n
     want = max(math.ceil(val_fraction * n), window)
     latest = n - want  # the split may start here or earlier
@@ -108,7 +116,9 @@ def val_boundary(dataset: IndexedDataset, seq_len: int, val_fraction: float) -> 
             f"data: the corpus has {n:,} tokens, too few for seq_len={seq_len} with val_fraction={val_fraction} "
             f"(needs about {need:,}); add text or lower data.seq_len"
         )
-    doc_start = dataset.document_start_at(latest)  # binary searches in the index maps: no per-document copy
+    doc_start = dataset.document_start_at(
+        latest
+    )  # binary searches in the index maps: no per-document copy
     if doc_start >= window and latest - doc_start <= want:
         return doc_start
     return latest
@@ -124,7 +134,9 @@ class GlobalSampleOrder:
             raise DataError(f"train.seed must be non-negative, got {seed}")
         self.num_samples = num_samples
         self.seed = seed
-        self.stream = stream  # a blend's source index: equal-sized sources get different permutations
+        self.stream = (
+            stream  # a blend's source index: equal-sized sources get different permutations
+        )
         self._perms: dict[int, np.ndarray] = {}
 
     def permutation(self, epoch: int) -> np.ndarray:
@@ -192,11 +204,16 @@ def step_batch(
 
     `checked=False` reads the windows as stored, for a caller that checks the whole batch at once (the trainer)."""
     if order.num_samples != len(samples):
-        raise ValueError(f"order covers {order.num_samples} samples but the split has {len(samples)}")
+        raise ValueError(
+            f"order covers {order.num_samples} samples but the split has {len(samples)}"
+        )
     indices = step_sample_indices(consumed, global_batch, micro_batch, dp_rank, dp_size)
     read = samples.__getitem__ if checked else samples.window
     rows = [read(sid) for sid in order.sample_ids(indices)]
-    return [torch.from_numpy(np.stack(rows[i : i + micro_batch])) for i in range(0, len(rows), micro_batch)]
+    return [
+        torch.from_numpy(np.stack(rows[i : i + micro_batch]))
+        for i in range(0, len(rows), micro_batch)
+    ]
 
 
 def skip_to(start: int, skip_ranges: list[tuple[int, int]]) -> int:

@@ -49,33 +49,45 @@ def check_index(prefix: Path) -> layout.IndexHeader:
     idx_path, bin_path = Path(f"{prefix}.idx"), Path(f"{prefix}.bin")
     header = layout.read_header(idx_path)
     n, itemsize = header.sequence_count, header.dtype.itemsize
-    lengths = np.memmap(idx_path, dtype="<i4", mode="r", offset=header.lengths_offset, shape=(n,)) if n else \
-        np.zeros(0, dtype="<i4")
-    pointers = np.memmap(idx_path, dtype="<i8", mode="r", offset=header.pointers_offset, shape=(n,)) if n else \
-        np.zeros(0, dtype="<i8")
+    lengths = (
+        np.memmap(idx_path, dtype="<i4", mode="r", offset=header.lengths_offset, shape=(n,))
+        if n
+        else np.zeros(0, dtype="<i4")
+    )
+    pointers = (
+        np.memmap(idx_path, dtype="<i8", mode="r", offset=header.pointers_offset, shape=(n,))
+        if n
+        else np.zeros(0, dtype="<i8")
+    )
     pointer = 0  # where the next sequence must start: the running sum of lengths x itemsize
     for first in range(0, n, layout.CHUNK):
         chunk = np.asarray(lengths[first : first + layout.CHUNK], dtype=np.int64)
         if int(chunk.min()) < 0:
             i = first + int(np.argmax(chunk < 0))
-            raise DataError(f"{idx_path}: sequence {i} has length {int(lengths[i])} (byte "
-                            f"{header.lengths_offset + 4 * i}), a negative length; {_REGENERATE}")
+            raise DataError(
+                f"{idx_path}: sequence {i} has length {int(lengths[i])} (byte "
+                f"{header.lengths_offset + 4 * i}), a negative length; {_REGENERATE}"
+            )
         ends = np.cumsum(chunk) * itemsize + pointer
         starts = np.empty_like(ends)
         starts[0], starts[1:] = pointer, ends[:-1]
         wrong = starts != pointers[first : first + len(chunk)]
         if wrong.any():
             i = int(np.argmax(wrong))
-            raise DataError(f"{idx_path}: sequence {first + i} starts at .bin byte {int(pointers[first + i])} (index "
-                            f"byte {header.pointers_offset + 8 * (first + i)}), but the lengths before it put it at "
-                            f"byte {int(starts[i])}; {_REGENERATE}")
+            raise DataError(
+                f"{idx_path}: sequence {first + i} starts at .bin byte {int(pointers[first + i])} (index "
+                f"byte {header.pointers_offset + 8 * (first + i)}), but the lengths before it put it at "
+                f"byte {int(starts[i])}; {_REGENERATE}"
+            )
         pointer = int(ends[-1])
     bin_size = bin_path.stat().st_size
     if bin_size != pointer:
         what = "truncated" if bin_size < pointer else "longer than its index says"
-        raise DataError(f"{layout.fix_hint(bin_path)} (holds {bin_size} bytes, its index expects {pointer} for its {n} "
-                        f"sequences: the .bin is {what} from token {min(bin_size, pointer) // itemsize}, byte "
-                        f"{min(bin_size, pointer)}; a token file not made by Keel: regenerate or copy it again)")
+        raise DataError(
+            f"{layout.fix_hint(bin_path)} (holds {bin_size} bytes, its index expects {pointer} for its {n} "
+            f"sequences: the .bin is {what} from token {min(bin_size, pointer) // itemsize}, byte "
+            f"{min(bin_size, pointer)}; a token file not made by Keel: regenerate or copy it again)"
+        )
     _check_documents(idx_path, header)
     return header
 
@@ -83,7 +95,9 @@ def check_index(prefix: Path) -> layout.IndexHeader:
 def _check_documents(idx_path: Path, header: layout.IndexHeader) -> None:
     """Document i starts at sequence documents[i]: from 0, never decreasing, ending at the sequence count."""
     n, count = header.sequence_count, header.document_count
-    documents = np.memmap(idx_path, dtype="<i8", mode="r", offset=header.documents_offset, shape=(count,))
+    documents = np.memmap(
+        idx_path, dtype="<i8", mode="r", offset=header.documents_offset, shape=(count,)
+    )
     previous = 0
     for first in range(0, count, layout.CHUNK):
         chunk = np.asarray(documents[first : first + layout.CHUNK])
@@ -94,20 +108,29 @@ def _check_documents(idx_path: Path, header: layout.IndexHeader) -> None:
         if bad.any():
             i = int(np.argmax(bad))
             at, value = first + i, int(chunk[i])
-            why = ("the first must be 0" if at == 0 and value != 0 else
-                   f"beyond the {n} sequences" if not 0 <= value <= n else
-                   f"before document {at - 1}'s start at sequence {int(value - steps[i])}")
-            raise DataError(f"{idx_path}: document {at} starts at sequence {value} (byte "
-                            f"{header.documents_offset + 8 * at}), {why}; {_REGENERATE}")
+            why = (
+                "the first must be 0"
+                if at == 0 and value != 0
+                else f"beyond the {n} sequences"
+                if not 0 <= value <= n
+                else f"before document {at - 1}'s start at sequence {int(value - steps[i])}"
+            )
+            raise DataError(
+                f"{idx_path}: document {at} starts at sequence {value} (byte "
+                f"{header.documents_offset + 8 * at}), {why}; {_REGENERATE}"
+            )
         previous = int(chunk[-1])
     if previous != n:
-        raise DataError(f"{idx_path}: the document index ends at sequence {previous} (byte "
-                        f"{header.documents_offset + 8 * (count - 1)}), not at the {n} sequences it holds; "
-                        f"{_REGENERATE}")
+        raise DataError(
+            f"{idx_path}: the document index ends at sequence {previous} (byte "
+            f"{header.documents_offset + 8 * (count - 1)}), not at the {n} sequences it holds; "
+            f"{_REGENERATE}"
+        )
 
 
-def sample_spans(num_tokens: int, itemsize: int, chunks: int = SAMPLE_CHUNKS,
-                 total_bytes: int = SAMPLE_BYTES) -> list[tuple[int, int]]:
+def sample_spans(
+    num_tokens: int, itemsize: int, chunks: int = SAMPLE_CHUNKS, total_bytes: int = SAMPLE_BYTES
+) -> list[tuple[int, int]]:
     """The token ranges [start, end) the id sample reads: `chunks` evenly spaced spans of `total_bytes` in all
     (the whole file when it is smaller)."""
     span = max(1, total_bytes // chunks // itemsize)
@@ -119,12 +142,20 @@ def sample_spans(num_tokens: int, itemsize: int, chunks: int = SAMPLE_CHUNKS,
 
 def check_id_sample(dataset: IndexedDataset, vocab_size: int) -> None:
     """Every id in the sampled spans lies in [0, vocab_size); the first that does not raises its line."""
-    for start, end in sample_spans(dataset.num_tokens, dataset.dtype.itemsize, SAMPLE_CHUNKS, SAMPLE_BYTES):
+    for start, end in sample_spans(
+        dataset.num_tokens, dataset.dtype.itemsize, SAMPLE_CHUNKS, SAMPLE_BYTES
+    ):
         span = np.asarray(dataset.tokens[start:end])
         if int(span.min()) < 0 or int(span.max()) >= vocab_size:
             token = start + int(np.argmax((span < 0) | (span >= vocab_size)))
-            raise DataError(bad_id_line(dataset, token, vocab_size,
-                                        "use the tokenizer that made this file (data.tokenizer)"))
+            raise DataError(
+                bad_id_line(
+                    dataset,
+                    token,
+                    vocab_size,
+                    "use the tokenizer that made this file (data.tokenizer)",
+                )
+            )
 
 
 def check_windows(samples, sample_ids: range, vocab_size: int, label: str) -> None:
@@ -135,9 +166,16 @@ def check_windows(samples, sample_ids: range, vocab_size: int, label: str) -> No
         bad = np.flatnonzero((window < 0) | (window >= vocab_size))
         if bad.size:
             dataset, begin = samples.origin(i)
-            raise DataError(bad_id_line(dataset, begin + int(bad[0]), vocab_size, "every evaluation reads it; "
-                                        "fix or regenerate the file (or set train.eval_interval=0)",
-                                        f", {label} sample {i}"))
+            raise DataError(
+                bad_id_line(
+                    dataset,
+                    begin + int(bad[0]),
+                    vocab_size,
+                    "every evaluation reads it; "
+                    "fix or regenerate the file (or set train.eval_interval=0)",
+                    f", {label} sample {i}",
+                )
+            )
 
 
 def first_bad_row(micro_batches: list[torch.Tensor], vocab_size: int) -> int | None:

@@ -43,17 +43,28 @@ class BatchTokenizer(Protocol):
 
 def default_workers() -> int:
     """Every core this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return (
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    )
 
 
-def encode_documents(tokenizer: BatchTokenizer, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+def encode_documents(
+    tokenizer: BatchTokenizer, texts: Sequence[str]
+) -> tuple[np.ndarray, np.ndarray]:
     """Every text's ids followed by EOS, back to back (int64), and each document's length."""
-    kwargs = {"num_threads": 1} if "num_threads" in inspect.signature(tokenizer.encode_batch).parameters else {}
+    kwargs = (
+        {"num_threads": 1}
+        if "num_threads" in inspect.signature(tokenizer.encode_batch).parameters
+        else {}
+    )
     encoded = tokenizer.encode_batch(list(texts), **kwargs)
     eos = [tokenizer.eos_id]
     lengths = np.fromiter((len(ids) + 1 for ids in encoded), dtype=np.int64, count=len(encoded))
-    flat = np.fromiter(itertools.chain.from_iterable(itertools.chain(ids, eos) for ids in encoded),
-                       dtype=np.int64, count=int(lengths.sum()))
+    flat = np.fromiter(
+        itertools.chain.from_iterable(itertools.chain(ids, eos) for ids in encoded),
+        dtype=np.int64,
+        count=int(lengths.sum()),
+    )
     return flat, lengths
 
 
@@ -81,7 +92,10 @@ def tokenize_in_order(
     # fork: workers inherit the loaded tokenizer instead of unpickling it (spawn where fork does not exist)
     ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
     tasks, results = ctx.Queue(), ctx.Queue()
-    procs = [ctx.Process(target=_work, args=(tokenizer, tasks, results), daemon=True) for _ in range(workers)]
+    procs = [
+        ctx.Process(target=_work, args=(tokenizer, tasks, results), daemon=True)
+        for _ in range(workers)
+    ]
     for proc in procs:
         proc.start()
     try:
@@ -99,8 +113,9 @@ def tokenize_in_order(
             q.cancel_join_thread()
 
 
-def _ordered(batches: Iterator[tuple[list[str], T]], tasks: Any, results: Any, procs: list, window: int
-             ) -> Iterator[tuple[np.ndarray, np.ndarray, T]]:
+def _ordered(
+    batches: Iterator[tuple[list[str], T]], tasks: Any, results: Any, procs: list, window: int
+) -> Iterator[tuple[np.ndarray, np.ndarray, T]]:
     tags: dict[int, T] = {}
     done: dict[int, Any] = {}
     sent = emitted = 0
@@ -122,8 +137,10 @@ def _ordered(batches: Iterator[tuple[list[str], T]], tasks: Any, results: Any, p
             except queue.Empty:
                 dead = [p for p in procs if not p.is_alive()]
                 if dead:
-                    raise RuntimeError(f"a tokenizer worker died (exit code {dead[0].exitcode}); "
-                                       "out of memory? retry with fewer --workers") from None
+                    raise RuntimeError(
+                        f"a tokenizer worker died (exit code {dead[0].exitcode}); "
+                        "out of memory? retry with fewer --workers"
+                    ) from None
                 continue
             done[seq] = payload
         payload = done.pop(emitted)

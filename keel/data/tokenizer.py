@@ -28,7 +28,9 @@ UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
 # small vocabulary while keeping training to seconds however large the corpus is.
 _MAX_SENTENCES = 200_000
 _CHUNK_CHARS = 1000
-_MAX_SENTENCE_BYTES = 16_384  # a longer single line is left out of training (it still gets encoded later)
+_MAX_SENTENCE_BYTES = (
+    16_384  # a longer single line is left out of training (it still gets encoded later)
+)
 _HASH_BLOCK = 1 << 20
 
 
@@ -72,7 +74,9 @@ class Tokenizer(ABC):
     def encode(self, text: str) -> list[int]: ...
 
     @abstractmethod
-    def encode_batch(self, texts: Sequence[str], num_threads: int | None = None) -> list[list[int]]: ...
+    def encode_batch(
+        self, texts: Sequence[str], num_threads: int | None = None
+    ) -> list[list[int]]: ...
 
     @abstractmethod
     def decode(self, ids: Sequence[int]) -> str: ...
@@ -87,13 +91,22 @@ class Tokenizer(ABC):
 
     def record(self) -> dict[str, Any]:
         """What the run dir keeps about this tokenizer (data.json), enough to tell whether a resume changed it."""
-        return {"path": str(self.path), "kind": self.kind, "sha256": self.sha256, "vocab_size": self.vocab_size,
-                "bos_id": self.bos_id, "eos_id": self.eos_id, "pad_id": self.pad_id}
+        return {
+            "path": str(self.path),
+            "kind": self.kind,
+            "sha256": self.sha256,
+            "vocab_size": self.vocab_size,
+            "bos_id": self.bos_id,
+            "eos_id": self.eos_id,
+            "pad_id": self.pad_id,
+        }
 
     def _require_eos(self) -> None:
         if self.eos_id is None or not 0 <= self.eos_id < self.vocab_size:
-            raise DataError(f"data.tokenizer: {self.path} defines no EOS token, and Keel separates documents with "
-                            "EOS; use a tokenizer that has one (for Hugging Face: eos_token in tokenizer_config.json)")
+            raise DataError(
+                f"data.tokenizer: {self.path} defines no EOS token, and Keel separates documents with "
+                "EOS; use a tokenizer that has one (for Hugging Face: eos_token in tokenizer_config.json)"
+            )
 
 
 def files_sha256(root: Path, files: list[Path]) -> str:
@@ -124,8 +137,10 @@ class SentencePieceTokenizer(Tokenizer):
         try:
             self._sp = spm.SentencePieceProcessor(model_file=str(self.path))
         except (RuntimeError, OSError):
-            raise DataError(f"tokenizer {self.path} is not a valid sentencepiece model; give a sentencepiece "
-                            "`.model`, a Hugging Face tokenizer.json or tokenizer directory") from None
+            raise DataError(
+                f"tokenizer {self.path} is not a valid sentencepiece model; give a sentencepiece "
+                "`.model`, a Hugging Face tokenizer.json or tokenizer directory"
+            ) from None
         self._require_eos()
 
     @property
@@ -166,7 +181,9 @@ def _optional_id(value: int) -> int | None:
     return None if value < 0 else value  # sentencepiece says -1 for a role it has no piece for
 
 
-def train_tokenizer(documents: Iterable[str], vocab_size: int, model_prefix: Path) -> SentencePieceTokenizer:
+def train_tokenizer(
+    documents: Iterable[str], vocab_size: int, model_prefix: Path
+) -> SentencePieceTokenizer:
     """Train a BPE model on `documents` and write `<model_prefix>.model` atomically."""
     model_path = Path(f"{model_prefix}.model")
     model_path.parent.mkdir(parents=True, exist_ok=True)

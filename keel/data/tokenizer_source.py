@@ -16,7 +16,9 @@ from keel.data.hf_tokenizer import HFTokenizer, hf_tokenizer_files
 from keel.data.tokenizer import SentencePieceTokenizer, Tokenizer, files_sha256, train_tokenizer
 
 TRAIN = "train"
-_WHAT_TO_GIVE = "give a sentencepiece .model, a Hugging Face tokenizer.json or tokenizer directory, or 'train'"
+_WHAT_TO_GIVE = (
+    "give a sentencepiece .model, a Hugging Face tokenizer.json or tokenizer directory, or 'train'"
+)
 
 
 def resolve_tokenizer_path(value: str, base_dir: Path | None = None) -> Path | None:
@@ -60,14 +62,21 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     if _is_sentencepiece(path):
         return SentencePieceTokenizer(path)
     if path.is_dir() and [p.name for p in hf_tokenizer_files(path)] == ["tokenizer.model"]:
-        return SentencePieceTokenizer(path / "tokenizer.model")  # e.g. an original Llama checkpoint's directory
+        return SentencePieceTokenizer(
+            path / "tokenizer.model"
+        )  # e.g. an original Llama checkpoint's directory
     if path.exists() or path.suffix.lower() == ".json":
         return HFTokenizer(path)
     raise DataError(f"tokenizer {path} is missing; re-run `keel prepare`")
 
 
-def load_or_train_tokenizer(source: Path | None, documents: Iterable[str], vocab_size: int, out_dir: Path,
-                            name: str = "tokenizer") -> Tokenizer:
+def load_or_train_tokenizer(
+    source: Path | None,
+    documents: Iterable[str],
+    vocab_size: int,
+    out_dir: Path,
+    name: str = "tokenizer",
+) -> Tokenizer:
     """The given tokenizer, copied into `out_dir` (so a cache entry holds the tokenizer its tokens were made
     with), or one trained on `documents` as `out_dir/<name>.model`. Returns the copy's or the trained one's."""
     if source is None:
@@ -79,4 +88,3 @@ def load_or_train_tokenizer(source: Path | None, documents: Iterable[str], vocab
         return SentencePieceTokenizer(copy)
     assert isinstance(given, HFTokenizer)
     return HFTokenizer(given.save_copy(out_dir / name))
-

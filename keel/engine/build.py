@@ -48,20 +48,33 @@ def placement_for(ds: dict[str, Any] | None, topology: Topology | None) -> Place
     return Placement(get_accelerator().current_device_name(), dtype)
 
 
-def build_model(cfg: RunConfig, topology: Topology | None = None, ds: dict[str, Any] | None = None,
-                document_eos: int | None = None) -> torch.nn.Module:
+def build_model(
+    cfg: RunConfig,
+    topology: Topology | None = None,
+    ds: dict[str, Any] | None = None,
+    document_eos: int | None = None,
+) -> torch.nn.Module:
     """The plain `CausalLM`, or this rank's pipeline stage when parallel.pp > 1, built for the resolved
     DeepSpeed config `ds` (see `placement_for`); `document_eos`: data.document_mask's EOS id."""
-    parallel = LayerParallel.from_topology(topology, cfg.parallel.sequence_parallel, seed=cfg.train.seed)
+    parallel = LayerParallel.from_topology(
+        topology, cfg.parallel.sequence_parallel, seed=cfg.train.seed
+    )
     placement = placement_for(ds, topology)
     if cfg.parallel.pp > 1:
         module = build_pipeline(cfg, topology, parallel, placement)
         if cfg.model.init_from:
             _load_init_from(cfg, local_layers(module), placement)
         return module
-    model = CausalLM(cfg.model, seed=cfg.train.seed, parallel=parallel, label_smoothing=cfg.train.label_smoothing,
-                     z_loss=cfg.train.z_loss, checkpoint_interval=cfg.train.activation_checkpoint_interval,
-                     placement=placement, document_eos=document_eos)
+    model = CausalLM(
+        cfg.model,
+        seed=cfg.train.seed,
+        parallel=parallel,
+        label_smoothing=cfg.train.label_smoothing,
+        z_loss=cfg.train.z_loss,
+        checkpoint_interval=cfg.train.activation_checkpoint_interval,
+        placement=placement,
+        document_eos=document_eos,
+    )
     if cfg.model.init_from:
         _load_init_from(cfg, list(enumerate(model.layers)), placement)
     compiled, why = should_compile(cfg, zero_stage(ds or {}), precision(ds or {}))
@@ -93,8 +106,11 @@ class Fp32GradClipper:
 
     def __init__(self, engine, topology: Topology):
         self.norm: torch.Tensor | None = None  # a device scalar, read back by the trainer
-        self.active = (engine.zero_optimization_stage() == 0 and not engine.fp16_enabled()
-                       and not engine.bfloat16_enabled())
+        self.active = (
+            engine.zero_optimization_stage() == 0
+            and not engine.fp16_enabled()
+            and not engine.bfloat16_enabled()
+        )
         if not self.active:
             return
         self.params = [p for p in engine.module.parameters() if p.requires_grad]
@@ -120,34 +136,51 @@ def adamw_implementation() -> dict[str, bool]:
     return {"fused": True}
 
 
-def build_engine(cfg: RunConfig, ds_raw: dict[str, Any], topology: Topology, model: torch.nn.Module | None = None,
-                 lr_scale: LRScale | None = None, document_eos: int | None = None):
+def build_engine(
+    cfg: RunConfig,
+    ds_raw: dict[str, Any],
+    topology: Topology,
+    model: torch.nn.Module | None = None,
+    lr_scale: LRScale | None = None,
+    document_eos: int | None = None,
+):
     """Return the DeepSpeed engine for this rank; `ds_raw` is the user's JSON with "auto" values unfilled."""
     ds = resolve_ds_config(ds_raw, cfg, topology.dp_size)
     if precision(ds) == "fp16" and allow_fp16_on_cpu():
-        log.warning("fp16 on CPU: overriding DeepSpeed's CPU accelerator fp16 check (slow; use bf16 on CPU)")
+        log.warning(
+            "fp16 on CPU: overriding DeepSpeed's CPU accelerator fp16 check (slow; use bf16 on CPU)"
+        )
     model = model if model is not None else build_model(cfg, topology, ds, document_eos)
     groups = weight_decay_groups(model, cfg.train.weight_decay)
-    if cfg.model.moe_experts:  # expert params in groups of their own, which ZeRO partitions over edp only
+    if (
+        cfg.model.moe_experts
+    ):  # expert params in groups of their own, which ZeRO partitions over edp only
         groups = split_params_into_different_moe_groups_for_optimizer(groups)
     optimizer = None
     if "optimizer" not in ds:
         optimizer = torch.optim.AdamW(
-            groups, lr=cfg.train.lr, betas=tuple(cfg.train.betas), eps=cfg.train.eps,
-            weight_decay=cfg.train.weight_decay, **adamw_implementation(),
+            groups,
+            lr=cfg.train.lr,
+            betas=tuple(cfg.train.betas),
+            eps=cfg.train.eps,
+            weight_decay=cfg.train.weight_decay,
+            **adamw_implementation(),
         )
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         model_parameters=groups,
         optimizer=optimizer,
-        lr_scheduler=lambda opt: build_scheduler(opt, cfg.train, dp=topology.dp_size,
-                                                 extra_scale=(lr_scale or LRScale()).get),
+        lr_scheduler=lambda opt: build_scheduler(
+            opt, cfg.train, dp=topology.dp_size, extra_scale=(lr_scale or LRScale()).get
+        ),
         config=ds,
         # the pipeline engine builds its groups from the PipelineModule's topology (same grid order as ours)
         mpu=topology if topology.shape.world_size > 1 and cfg.parallel.pp == 1 else None,
     )
     if cfg.parallel.pp > 1 and cfg.parallel.pipeline_schedule == "interleaved":
-        engine = as_interleaved(engine, cfg.parallel.virtual_stages)  # initialize has no engine-class hook
+        engine = as_interleaved(
+            engine, cfg.parallel.virtual_stages
+        )  # initialize has no engine-class hook
     check_engine(engine)  # an upgrade that removed an internal Keel needs fails here, naming it
     check_torch()
     return engine
@@ -158,6 +191,8 @@ def document_eos(cfg, data: dict) -> int | None:
     if not cfg.data.document_mask:
         return None
     if "eos_id" not in data:
-        raise RuntimeError("data.document_mask: this run's data.json records no eos_id; re-run `keel train` from "
-                           "the command line to rewrite it")
+        raise RuntimeError(
+            "data.document_mask: this run's data.json records no eos_id; re-run `keel train` from "
+            "the command line to rewrite it"
+        )
     return int(data["eos_id"])

@@ -18,7 +18,9 @@ import torch
 from keel.config import RunConfig
 from keel.config.rules import compile_setting, unsupported_compile_layout
 
-MIN_DIM = 256  # the narrowest width measured to pay its compilation back (bench/results/compile_cpu_*.md)
+MIN_DIM = (
+    256  # the narrowest width measured to pay its compilation back (bench/results/compile_cpu_*.md)
+)
 MIN_STEPS = 1000  # the yardstick: a win over a 1000-step run, compilation included
 
 
@@ -42,4 +44,7 @@ def should_compile(cfg: RunConfig, zero_stage: int, precision: str) -> tuple[boo
         reasons.append("no C++ compiler on PATH")
     if reasons:
         return False, f"model.compile=auto: eager ({', '.join(reasons)})"
-    return True, "model.compile=auto: compiled (CPU, fp32, dense, tp = pp = sp = 1, ZeRO 0-2, a long enough run)"
+    return (
+        True,
+        "model.compile=auto: compiled (CPU, fp32, dense, tp = pp = sp = 1, ZeRO 0-2, a long enough run)",
+    )

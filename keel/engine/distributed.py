@@ -13,7 +13,9 @@ import torch.distributed as dist
 
 def setup_logging(rank: int) -> None:
     level = logging.INFO if rank == 0 else logging.WARNING
-    logging.basicConfig(level=level, format=f"[keel r{rank}] %(message)s", stream=sys.stdout, force=True)
+    logging.basicConfig(
+        level=level, format=f"[keel r{rank}] %(message)s", stream=sys.stdout, force=True
+    )
     # DeepSpeed calls torch collectives that torch has renamed; the warning is theirs to fix, not the user's.
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
     try:

@@ -22,9 +22,31 @@ AUTO = "auto"
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 OPTIMIZER_TYPES = ("adam", "adamw")
 # top-level keys whose value DeepSpeed reads as an object (a list or a string there is a TypeError inside it)
-OBJECT_KEYS = ("zero_optimization", "fp16", "bf16", "bfloat16", "optimizer", "scheduler", "pipeline", "tensorboard",
-               "wandb", "csv_monitor", "comet", "comms_logger", "flops_profiler", "activation_checkpointing", "aio",
-               "autotuning", "elasticity", "checkpoint", "data_types", "compile", "amp", "timers", "torch_autocast")
+OBJECT_KEYS = (
+    "zero_optimization",
+    "fp16",
+    "bf16",
+    "bfloat16",
+    "optimizer",
+    "scheduler",
+    "pipeline",
+    "tensorboard",
+    "wandb",
+    "csv_monitor",
+    "comet",
+    "comms_logger",
+    "flops_profiler",
+    "activation_checkpointing",
+    "aio",
+    "autotuning",
+    "elasticity",
+    "checkpoint",
+    "data_types",
+    "compile",
+    "amp",
+    "timers",
+    "torch_autocast",
+)
 # read by DeepSpeedConfig only in its process-group branch, which a parse before launch does not take
 READ_WITH_A_PROCESS_GROUP = ("sequence_parallel_size",)
 
@@ -32,11 +54,15 @@ READ_WITH_A_PROCESS_GROUP = ("sequence_parallel_size",)
 def load_ds_config(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"train.ds_config: DeepSpeed config {path} does not exist; pass --ds-config or fix the path")
+        raise ConfigError(
+            f"train.ds_config: DeepSpeed config {path} does not exist; pass --ds-config or fix the path"
+        )
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
-        raise ConfigError(f"train.ds_config: {path} is not valid JSON (line {exc.lineno}: {exc.msg})") from None
+        raise ConfigError(
+            f"train.ds_config: {path} is not valid JSON (line {exc.lineno}: {exc.msg})"
+        ) from None
     if not isinstance(data, dict):
         raise ConfigError(f"train.ds_config: {path} must hold a JSON object")
     return data
@@ -56,8 +82,15 @@ def _section(ds: dict[str, Any], key: str) -> dict[str, Any]:
 
 def zero_stage(ds: dict[str, Any]) -> int:
     stage = _section(ds, "zero_optimization").get("stage", 0)
-    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):  # not "1" or 1.5, which int() would read
-        raise ConfigError(f"ds_config.zero_optimization.stage={json.dumps(stage)}: must be 0, 1, 2 or 3")
+    if isinstance(stage, bool) or stage not in (
+        0,
+        1,
+        2,
+        3,
+    ):  # not "1" or 1.5, which int() would read
+        raise ConfigError(
+            f"ds_config.zero_optimization.stage={json.dumps(stage)}: must be 0, 1, 2 or 3"
+        )
     return int(stage)
 
 
@@ -74,7 +107,9 @@ def precision(ds: dict[str, Any]) -> str:
     bf16_old = _enabled(ds, "bfloat16")  # DeepSpeed's older name, read when "bf16" is absent
     bf16 = _enabled(ds, "bf16") if "bf16" in ds else bf16_old
     if fp16 and bf16:
-        raise ConfigError("ds_config: fp16.enabled and bf16.enabled are both true; enable at most one")
+        raise ConfigError(
+            "ds_config: fp16.enabled and bf16.enabled are both true; enable at most one"
+        )
     return "fp16" if fp16 else "bf16" if bf16 else "fp32"
 
 
@@ -104,7 +139,9 @@ def _fill(ds: dict[str, Any], key: str, value: Any, source: str) -> None:
     if given == AUTO:
         ds[key] = value
     elif not _agrees(given, value):
-        raise ConfigError(f'ds_config.{key}={given} disagrees with {source}={value}; set it to "auto" or {value}')
+        raise ConfigError(
+            f'ds_config.{key}={given} disagrees with {source}={value}; set it to "auto" or {value}'
+        )
 
 
 def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, dp_size: int) -> dict[str, Any]:
@@ -123,25 +160,38 @@ def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, dp_size: int) -> dict
             "optimizer unscales a loss that was never scaled); use stage >= 1 (ds_configs/fp16.json) or bf16"
         )
     if stage == 3 and compile_setting(cfg.model.compile) == "true":
-        raise ConfigError("ds_config.zero_optimization.stage=3 with model.compile: ZeRO-3 gathers parameters in "
-                          "hooks inside each block, which a compiled block does not keep; use ZeRO 0-2 or "
-                          "model.compile=false")
+        raise ConfigError(
+            "ds_config.zero_optimization.stage=3 with model.compile: ZeRO-3 gathers parameters in "
+            "hooks inside each block, which a compiled block does not keep; use ZeRO 0-2 or "
+            "model.compile=false"
+        )
     if stage == 3 and cfg.model.moe_experts:
-        raise ConfigError("ds_config.zero_optimization.stage=3 with model.moe_experts: DeepSpeed partitions MoE "
-                          "parameters at ZeRO stage 1 or 2 only; use ds_configs/zero1.json or zero2.json")
+        raise ConfigError(
+            "ds_config.zero_optimization.stage=3 with model.moe_experts: DeepSpeed partitions MoE "
+            "parameters at ZeRO stage 1 or 2 only; use ds_configs/zero1.json or zero2.json"
+        )
     ga = gradient_accumulation(cfg, dp_size)
     _fill(ds, "train_batch_size", cfg.train.global_batch_size, "train.global_batch_size")
-    _fill(ds, "train_micro_batch_size_per_gpu", cfg.train.micro_batch_size, "train.micro_batch_size")
+    _fill(
+        ds, "train_micro_batch_size_per_gpu", cfg.train.micro_batch_size, "train.micro_batch_size"
+    )
     _fill(ds, "gradient_accumulation_steps", ga, "train.global_batch_size/(micro_batch_size×dp)")
     _fill(ds, "gradient_clipping", cfg.train.grad_clip, "train.grad_clip")
     ds["train_batch_size"] *= engine_batch_copies(cfg)  # checked against Keel's global batch above
     parallel = cfg.parallel
-    if parallel.pp > 1 and parallel.tp > 1 and (parallel.sequence_parallel or parallel.pipeline_schedule != "1f1b"):
+    if (
+        parallel.pp > 1
+        and parallel.tp > 1
+        and (parallel.sequence_parallel or parallel.pipeline_schedule != "1f1b")
+    ):
         # DeepSpeed splits stage-to-stage activations across the TP group assuming every TP rank holds the same
         # tensor; under sequence parallelism each holds a different sequence shard, so each must send its own.
         # DualPipeV's engine (which also runs interleaved 1F1B) does not split them at all (it asserts both off).
-        why = ("parallel.sequence_parallel" if parallel.sequence_parallel
-               else f"parallel.pipeline_schedule={parallel.pipeline_schedule}")
+        why = (
+            "parallel.sequence_parallel"
+            if parallel.sequence_parallel
+            else f"parallel.pipeline_schedule={parallel.pipeline_schedule}"
+        )
         pipe = ds.setdefault("pipeline", {})
         for key in ("pipe_partitioned", "grad_partitioned"):
             if pipe.get(key, False) is not False:
@@ -151,10 +201,14 @@ def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, dp_size: int) -> dict
         opt = ds["optimizer"]
         kind = str(opt.get("type", "")).lower()
         if kind not in OPTIMIZER_TYPES:
-            raise ConfigError(f"ds_config.optimizer.type={opt.get('type')!r}: Keel supports Adam/AdamW")
+            raise ConfigError(
+                f"ds_config.optimizer.type={opt.get('type')!r}: Keel supports Adam/AdamW"
+            )
         params = opt.setdefault("params", {})
         if not isinstance(params, dict):
-            raise ConfigError(f"ds_config.optimizer.params: expected a JSON object, got {json.dumps(params)}")
+            raise ConfigError(
+                f"ds_config.optimizer.params: expected a JSON object, got {json.dumps(params)}"
+            )
         for key, value, source in (
             ("lr", cfg.train.lr, "train.lr"),
             ("betas", list(cfg.train.betas), "train.betas"),
@@ -202,31 +256,43 @@ def check_with_deepspeed(ds: dict[str, Any]) -> None:
     parsed = _ReadKeys(copy.deepcopy(ds))
     # with no process group DeepSpeed takes a world of 1: give it one data-parallel rank's share of the batch,
     # whose split over the ranks resolve_ds_config has checked
-    parsed["train_batch_size"] = ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"]
+    parsed["train_batch_size"] = (
+        ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"]
+    )
     try:
         _deepspeed_config_class()(parsed)
-    except Exception as exc:  # its parser raises ValueError, AssertionError, pydantic's ValidationError ...
-        raise ConfigError(f"train.ds_config: DeepSpeed refuses it: {type(exc).__name__}: {exc}") from None
+    except (
+        Exception
+    ) as exc:  # its parser raises ValueError, AssertionError, pydantic's ValidationError ...
+        raise ConfigError(
+            f"train.ds_config: DeepSpeed refuses it: {type(exc).__name__}: {exc}"
+        ) from None
     known = sorted(str(k) for k in parsed.read | set(READ_WITH_A_PROCESS_GROUP))
     for key in ds:
         close = [] if key in known else difflib.get_close_matches(key, known, n=1, cutoff=0.75)
         if close:
-            raise ConfigError(f"ds_config.{key}: not a key DeepSpeed reads, so it would be ignored; "
-                              f"did you mean {close[0]}?")
+            raise ConfigError(
+                f"ds_config.{key}: not a key DeepSpeed reads, so it would be ignored; "
+                f"did you mean {close[0]}?"
+            )
 
 
 def _deepspeed_config_class() -> type:
     """DeepSpeedConfig, imported with the notice DeepSpeed logs on stdout when it finds no GPU ("Setting accelerator
     to CPU") held back: the pre-launch check runs in commands whose stdout is their output (keel slurm --dry-run
     prints the sbatch script)."""
-    notices = logging.getLogger("DeepSpeed")  # DeepSpeed's logger (deepspeed.utils.logging), created at its import
+    notices = logging.getLogger(
+        "DeepSpeed"
+    )  # DeepSpeed's logger (deepspeed.utils.logging), created at its import
 
     def hold(record: logging.LogRecord) -> bool:
         return not record.getMessage().startswith("Setting accelerator to CPU")
 
     notices.addFilter(hold)
     try:
-        from deepspeed.runtime.config import DeepSpeedConfig  # here, to hold back the notice (docstring)
+        from deepspeed.runtime.config import (
+            DeepSpeedConfig,
+        )  # here, to hold back the notice (docstring)
     finally:
         notices.removeFilter(hold)
     return DeepSpeedConfig

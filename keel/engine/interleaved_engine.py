@@ -39,7 +39,9 @@ class InterleavedModule(DualPipeVModule):
     def _partition_layers(self, method: str = "uniform") -> None:
         ranks = self.num_stages
         self.num_stages = ranks * self.chunks
-        PipelineModule._partition_layers(self, method)  # cuts self.parts and sets stage 0's bounds on rank r
+        PipelineModule._partition_layers(
+            self, method
+        )  # cuts self.parts and sets stage 0's bounds on rank r
         stages = [c * ranks + self.stage_id for c in range(self.chunks)]
         self.phase_bounds = [(self.parts[s], self.parts[s + 1]) for s in stages]
         self.pipeline_ranks = ranks
@@ -58,7 +60,9 @@ class InterleavedModule(DualPipeVModule):
     def _precompute_checkpointable_values(self) -> None:
         for phase in self._phases():
             self.activate_phase(phase)
-            self.is_checkpointable_results_interval = None  # the parent caches per interval, not per phase
+            self.is_checkpointable_results_interval = (
+                None  # the parent caches per interval, not per phase
+            )
             PipelineModule._precompute_checkpointable_values(self)
             self.phase_checkpointable[phase] = self.is_checkpointable_results
 
@@ -101,7 +105,9 @@ class InterleavedEngine(DualPipeVEngine):
         self.chunks = chunks
         self._first_send = [True] * chunks
         self._recv_specs = [None] * chunks
-        self._queued_for: list[tuple[str, int] | None] = []  # per queued p2p op: the buffer a receive fills
+        self._queued_for: list[
+            tuple[str, int] | None
+        ] = []  # per queued p2p op: the buffer a receive fills
         self._arriving: dict[tuple[str, int], _Batch] = {}  # buffer -> the batch that fills it
         self._in_flight: list[_Batch] = []  # every batch posted this step
         self._receiving: tuple[str, int] | None = None
@@ -125,11 +131,14 @@ class InterleavedEngine(DualPipeVEngine):
         return self.grid.stage_to_global(self.num_stages - 1)
 
     def _train_schedule(self):
-        return interleaved_schedule_class()(self.micro_batches, self.num_stages, self.stage_id, self.chunks)
+        return interleaved_schedule_class()(
+            self.micro_batches, self.num_stages, self.stage_id, self.chunks
+        )
 
     def _inference_schedule(self, micro_batches: int):
-        return interleaved_schedule_class()(micro_batches, self.num_stages, self.stage_id, self.chunks,
-                                            forward_only=True)
+        return interleaved_schedule_class()(
+            micro_batches, self.num_stages, self.stage_id, self.chunks, forward_only=True
+        )
 
     def _downstream_stage(self, phase: int) -> int:
         return (self.stage_id + 1) % self.num_stages
@@ -190,7 +199,9 @@ class InterleavedEngine(DualPipeVEngine):
 def as_interleaved(engine, chunks: int):
     """The `DualPipeVEngine` DeepSpeed built for an `InterleavedModule`, as an `InterleavedEngine`."""
     if not isinstance(engine.module, InterleavedModule) or type(engine) is not DualPipeVEngine:
-        raise TypeError(f"expected a DualPipeVEngine over an InterleavedModule, got {type(engine).__name__}")
+        raise TypeError(
+            f"expected a DualPipeVEngine over an InterleavedModule, got {type(engine).__name__}"
+        )
     engine.__class__ = InterleavedEngine
     engine._adopt(chunks)
     return engine

@@ -19,7 +19,7 @@ can wait on a peer that waits on it; and every rank derives the same timetable, 
 without talking. A round holds a whole iteration (forward and backward, as Megatron exchanges once per iteration):
 with one pass per round, a rank whose forward needs nothing from a neighbour still waited at the round's batch for
 that neighbour's longer backward, and the replay of bench/pipeline_schedule_model.py (backward = 2 forward) gave
-p=2, m=8 an idle of 0.172 against 1F1B's 0.111; by iterations it is 0.059, the formula above. """
+p=2, m=8 an idle of 0.172 against 1F1B's 0.111; by iterations it is 0.059, the formula above."""
 
 from __future__ import annotations
 
@@ -40,12 +40,18 @@ def check_interleaved(p: int, m: int, v: int) -> None:
     """Raise ValueError unless Megatron's interleaved order exists for p ranks, m micro-batches and v chunks: it
     takes micro-batches in groups of p (uneven groups stall or lose the bubble's gain; measured in tests)."""
     if p < 2 or v < 2:
-        raise ValueError(f"interleaved 1F1B needs at least 2 pipeline ranks and 2 chunks each, got {p} and {v}")
+        raise ValueError(
+            f"interleaved 1F1B needs at least 2 pipeline ranks and 2 chunks each, got {p} and {v}"
+        )
     if m % p:
-        raise ValueError(f"interleaved 1F1B takes micro-batches in groups of the {p} pipeline ranks; got {m}")
+        raise ValueError(
+            f"interleaved 1F1B takes micro-batches in groups of the {p} pipeline ranks; got {m}"
+        )
 
 
-def megatron_order(p: int, m: int, v: int, rank: int, forward_only: bool = False) -> list[tuple[Work, ...]]:
+def megatron_order(
+    p: int, m: int, v: int, rank: int, forward_only: bool = False
+) -> list[tuple[Work, ...]]:
     """The work of pipeline rank `rank` in the order Megatron-LM runs it, as iterations: a warm-up forward, a
     steady-state forward then backward, a cool-down backward. Micro-batches go in groups of p, each group through
     chunks 0…v−1 forward and v−1…0 backward."""
@@ -57,7 +63,7 @@ def megatron_order(p: int, m: int, v: int, rank: int, forward_only: bool = False
     total = m * v
     warmup = total if m == p else min((p - rank - 1) * 2 + (v - 1) * p, total)
     steady = [(forwards[warmup + i], backwards[i]) for i in range(total - warmup)]
-    return [(f,) for f in forwards[:warmup]] + steady + [(b,) for b in backwards[total - warmup:]]
+    return [(f,) for f in forwards[:warmup]] + steady + [(b,) for b in backwards[total - warmup :]]
 
 
 def _needs(work: Work, rank: int, p: int, v: int) -> tuple[int, str, int, int] | None:
@@ -68,12 +74,19 @@ def _needs(work: Work, rank: int, p: int, v: int) -> tuple[int, str, int, int] |
             return None
         return (stage - 1) % p, "F", (stage - 1) // p, work.micro_batch
     if stage == v * p - 1:
-        return rank, "F", work.chunk, work.micro_batch  # the loss: its own forward, earlier or in this iteration
+        return (
+            rank,
+            "F",
+            work.chunk,
+            work.micro_batch,
+        )  # the loss: its own forward, earlier or in this iteration
     return (stage + 1) % p, "B", (stage + 1) // p, work.micro_batch
 
 
 @functools.cache  # every rank asks for it at every step and evaluation: built once per (p, m, v)
-def timetable(p: int, m: int, v: int, forward_only: bool = False) -> tuple[tuple[tuple[Work, ...], ...], ...]:
+def timetable(
+    p: int, m: int, v: int, forward_only: bool = False
+) -> tuple[tuple[tuple[Work, ...], ...], ...]:
     """Every rank's iteration per round (() when it waits), as described in the module docstring: a rank runs
     its next iteration once the inputs it takes from other ranks were made in earlier rounds."""
     check_interleaved(p, m, v)
@@ -87,14 +100,18 @@ def timetable(p: int, m: int, v: int, forward_only: bool = False) -> tuple[tuple
         for rank in range(p):
             step = orders[rank][position[rank]] if position[rank] < len(orders[rank]) else ()
             own = {(rank, w.kind, w.chunk, w.micro_batch) for w in step}
-            ready = all(needs is None or needs in own or made.get(needs, now) < now
-                        for needs in (_needs(w, rank, p, v) for w in step))
+            ready = all(
+                needs is None or needs in own or made.get(needs, now) < now
+                for needs in (_needs(w, rank, p, v) for w in step)
+            )
             if step and ready:
                 ran.append((rank, step))
                 position[rank] += 1
             rounds[rank].append(step if step and ready else ())
         if not ran:  # cannot happen for Megatron's order; a bug here must not become a silent hang
-            raise RuntimeError(f"interleaved timetable stalled at round {now} (p={p}, m={m}, v={v})")
+            raise RuntimeError(
+                f"interleaved timetable stalled at round {now} (p={p}, m={m}, v={v})"
+            )
         for rank, step in ran:
             for work in step:
                 made[rank, work.kind, work.chunk, work.micro_batch] = now
@@ -117,8 +134,14 @@ def interleaved_schedule_class():
         """The timetable as DeepSpeed pipeline instructions for one rank. Buffer `chunk·m + micro_batch` holds a
         micro-batch's tensors in one chunk; `phase=chunk` tells the engine which chunk runs."""
 
-        def __init__(self, micro_batches: int, stages: int, stage_id: int, chunks: int,
-                     forward_only: bool = False):
+        def __init__(
+            self,
+            micro_batches: int,
+            stages: int,
+            stage_id: int,
+            chunks: int,
+            forward_only: bool = False,
+        ):
             super().__init__(micro_batches, stages, stage_id)
             self.chunks, self.forward_only = chunks, forward_only
             self.table = timetable(stages, micro_batches, chunks, forward_only)
@@ -140,9 +163,15 @@ def interleaved_schedule_class():
             for t in range(len(self.table[me])):
                 cmds, sends, recvs = [], [], []
                 for work in self.table[me][t]:
-                    stage, buffer = self._stage(me, work.chunk), self._buffer(work.chunk, work.micro_batch)
+                    stage, buffer = (
+                        self._stage(me, work.chunk),
+                        self._buffer(work.chunk, work.micro_batch),
+                    )
                     if work.kind == "F":
-                        if stage in (0, self._last()):  # rank 0 loads the tokens, rank p−1 the labels
+                        if stage in (
+                            0,
+                            self._last(),
+                        ):  # rank 0 loads the tokens, rank p−1 the labels
                             cmds.append(ds.LoadMicroBatch(buffer))
                         if stage != 0:
                             cmds.append(AwaitTransfer(buffer, what="inputs"))
@@ -160,12 +189,16 @@ def interleaved_schedule_class():
                     stage = self._stage(previous, work.chunk) + 1
                     if work.kind == "F" and stage <= self._last():
                         chunk = stage // p
-                        recvs.append(ds.RecvActivation(self._buffer(chunk, work.micro_batch), phase=chunk))
+                        recvs.append(
+                            ds.RecvActivation(self._buffer(chunk, work.micro_batch), phase=chunk)
+                        )
                 for work in self.table[following][t]:
                     stage = self._stage(following, work.chunk) - 1
                     if work.kind == "B" and stage >= 0:
                         chunk = stage // p
-                        recvs.append(ds.RecvGrad(self._buffer(chunk, work.micro_batch), phase=chunk))
+                        recvs.append(
+                            ds.RecvGrad(self._buffer(chunk, work.micro_batch), phase=chunk)
+                        )
                 # the first transfer of each chunk also sends its shapes with a blocking send: even ranks send
                 # first and odd ranks receive first, so the ring of blocking sends always has a receiver in it
                 cmds += sends + recvs if me % 2 == 0 else recvs + sends

@@ -37,7 +37,9 @@ def lr_multiplier(step: int, cfg: TrainConfig) -> float:
     """
     if cfg.warmup_steps > 0 and step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
-    if cfg.lr_schedule not in AFTER_WARMUP:  # a TrainConfig that skipped validation: the config's own error
+    if (
+        cfg.lr_schedule not in AFTER_WARMUP
+    ):  # a TrainConfig that skipped validation: the config's own error
         validate_schedule_choices(cfg)
     return AFTER_WARMUP[cfg.lr_schedule](step, cfg)
 
@@ -76,7 +78,11 @@ def _wsd(step: int, cfg: TrainConfig) -> float:
 
 # The multiplier after warmup, by train.lr_schedule; keyed by exactly keel.config.LR_SCHEDULES (tested).
 AFTER_WARMUP: dict[str, Callable[[int, TrainConfig], float]] = {
-    "cosine": _cosine, "linear": _linear, "constant": _constant, "inverse_sqrt": _inverse_sqrt, "wsd": _wsd,
+    "cosine": _cosine,
+    "linear": _linear,
+    "constant": _constant,
+    "inverse_sqrt": _inverse_sqrt,
+    "wsd": _wsd,
 }
 
 
@@ -135,18 +141,26 @@ def rampup_lr_factor(step: int, cfg: TrainConfig, dp: int = 1) -> float:
     """
     if cfg.rampup_lr_scaling not in RAMPUP_LR_FACTORS:  # a TrainConfig that skipped validation
         validate_schedule_choices(cfg)
-    return RAMPUP_LR_FACTORS[cfg.rampup_lr_scaling](rampup_batch_size(step, cfg, dp) / cfg.global_batch_size)
+    return RAMPUP_LR_FACTORS[cfg.rampup_lr_scaling](
+        rampup_batch_size(step, cfg, dp) / cfg.global_batch_size
+    )
 
 
 # batch / global batch → LR factor, by train.rampup_lr_scaling; keyed by exactly keel.config.RAMPUP_SCALINGS.
 RAMPUP_LR_FACTORS: dict[str, Callable[[float], float]] = {
-    "linear": lambda ratio: ratio, "sqrt": math.sqrt, "none": lambda ratio: 1.0,
+    "linear": lambda ratio: ratio,
+    "sqrt": math.sqrt,
+    "none": lambda ratio: 1.0,
 }
 
 
 # -- the scheduler DeepSpeed steps ----------------------------------------------------------------------------
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, dp: int = 1,
-                    extra_scale: Callable[[], float] | None = None) -> torch.optim.lr_scheduler.LambdaLR:
+def build_scheduler(
+    optimizer: torch.optim.Optimizer,
+    cfg: TrainConfig,
+    dp: int = 1,
+    extra_scale: Callable[[], float] | None = None,
+) -> torch.optim.lr_scheduler.LambdaLR:
     """A LambdaLR whose state (last_epoch) DeepSpeed saves and restores with its checkpoints.
 
     The multiplier is lr_multiplier × rampup_lr_factor × extra_scale(). `extra_scale` is read each time the
@@ -165,7 +179,10 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, dp: int 
 
 def refresh_lr(scheduler: torch.optim.lr_scheduler.LambdaLR) -> list[float]:
     """Recompute the current step's LR now (e.g. right after `extra_scale` changed) without advancing the step."""
-    lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    lrs = [
+        base * fn(scheduler.last_epoch)
+        for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)
+    ]
     for group, lr in zip(scheduler.optimizer.param_groups, lrs):
         group["lr"] = lr
     set_last_lr(scheduler, lrs)

@@ -27,8 +27,12 @@ from keel.parallel.layer_parallel import LayerParallel
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # DeepSpeed's defaults for the bucket knobs a JSON may leave out (deepspeed/runtime/zero/config.py, 0.19)
-DS_DEFAULTS = {"reduce_bucket_size": 500_000_000, "allgather_bucket_size": 500_000_000,
-               "stage3_prefetch_bucket_size": 50_000_000, "stage3_max_live_parameters": 1_000_000_000}
+DS_DEFAULTS = {
+    "reduce_bucket_size": 500_000_000,
+    "allgather_bucket_size": 500_000_000,
+    "stage3_prefetch_bucket_size": 50_000_000,
+    "stage3_max_live_parameters": 1_000_000_000,
+}
 
 
 @dataclass(frozen=True)
@@ -74,11 +78,16 @@ class RankMemory:
 
 def layer_list(cfg: ModelConfig, parallel: LayerParallel, pp: int) -> list[torch.nn.Module]:
     """The layer list a pipeline lays out (a tied head is a second embedding on the last stage); on meta."""
+
     def construct() -> list[torch.nn.Module]:
         first = EmbeddingLayer(cfg, parallel)
         blocks = [Block(cfg, i, parallel) for i in range(cfg.n_layers)]
         if cfg.tie_embeddings:
-            head = EmbeddingLayer(cfg, parallel) if pp > 1 else OutputLayer(cfg, first.tok_embeddings, parallel)
+            head = (
+                EmbeddingLayer(cfg, parallel)
+                if pp > 1
+                else OutputLayer(cfg, first.tok_embeddings, parallel)
+            )
         else:
             head = OutputLayer(cfg, None, parallel)
         return [first, *blocks, FinalNorm(cfg, parallel), head]
@@ -87,7 +96,9 @@ def layer_list(cfg: ModelConfig, parallel: LayerParallel, pp: int) -> list[torch
         return construct()
 
 
-def stage_parts(counts: list[int], layers: list[torch.nn.Module], pp: int, method: str) -> list[int]:
+def stage_parts(
+    counts: list[int], layers: list[torch.nn.Module], pp: int, method: str
+) -> list[int]:
     """Stage boundaries exactly as DeepSpeed's PipelineModule draws them for `pipeline_partition`."""
     # DeepSpeed imports in ~1.5 s and logs a notice to stdout on CPU; `keel` checks every config through this
     # module before launch (keel/engine/pipeline_plan.py), and only a pipeline needs DeepSpeed's partitioner
@@ -115,16 +126,28 @@ def rank_stages(pp: int, schedule: str = "1f1b", chunks: int = 2) -> list[tuple[
     return [(r,) for r in range(pp)]
 
 
-def rank_layer_indices(layers: list[torch.nn.Module], counts: list[int], pp: int, method: str,
-                       schedule: str = "1f1b", chunks: int = 2) -> list[list[int]]:
+def rank_layer_indices(
+    layers: list[torch.nn.Module],
+    counts: list[int],
+    pp: int,
+    method: str,
+    schedule: str = "1f1b",
+    chunks: int = 2,
+) -> list[list[int]]:
     """The indices into the flat layer list each pipeline rank holds, cut as DeepSpeed cuts them."""
     stages = rank_stages(pp, schedule, chunks)
     parts = stage_parts(counts, layers, sum(len(s) for s in stages), method)
     return [[i for s in ranks for i in range(parts[s], parts[s + 1])] for ranks in stages]
 
 
-def param_share(cfg: ModelConfig, layout: Layout, method: str = "parameters", stage: int | None = None,
-                schedule: str = "1f1b", chunks: int = 2) -> ParamShare:
+def param_share(
+    cfg: ModelConfig,
+    layout: Layout,
+    method: str = "parameters",
+    stage: int | None = None,
+    schedule: str = "1f1b",
+    chunks: int = 2,
+) -> ParamShare:
     """A rank's parameters at `layout` on pipeline rank `stage` (default: the largest), counted from the real
     layer classes built on meta; `method` is `parallel.pipeline_partition`, `schedule` `parallel.pipeline_schedule`
     (a DualPipeV rank holds two stages, and the tied head is the embedding itself)."""
@@ -143,18 +166,33 @@ def param_share(cfg: ModelConfig, layout: Layout, method: str = "parameters", st
             else:
                 dense += param.numel()
         per_layer.append((dense, expert, largest))
-    held = rank_layer_indices(layers, [d + e for d, e, _ in per_layer], layout.pp, method, schedule, chunks)
+    held = rank_layer_indices(
+        layers, [d + e for d, e, _ in per_layer], layout.pp, method, schedule, chunks
+    )
     if schedule == "dualpipev" and cfg.tie_embeddings and layout.pp > 1:
-        per_layer[-1] = (0, 0, 0)  # DeepSpeed counts the tied head when cutting; on rank 0 it is the embedding
+        per_layer[-1] = (
+            0,
+            0,
+            0,
+        )  # DeepSpeed counts the tied head when cutting; on rank 0 it is the embedding
     ranks = [[per_layer[i] for i in indices] for indices in held]
-    best = ranks[stage] if stage is not None else max(ranks, key=lambda s: sum(d + e for d, e, _ in s))
-    return ParamShare(sum(d for d, _, _ in best), sum(e for _, e, _ in best), max(m for _, _, m in best))
+    best = (
+        ranks[stage] if stage is not None else max(ranks, key=lambda s: sum(d + e for d, e, _ in s))
+    )
+    return ParamShare(
+        sum(d for d, _, _ in best), sum(e for _, e, _ in best), max(m for _, _, m in best)
+    )
 
 
 def estimate(cfg: RunConfig, ds: dict[str, Any], layout: Layout) -> RankMemory:
     """Per-rank bytes for `cfg`'s model under the DeepSpeed JSON `ds` (precision, ZeRO stage, buckets)."""
-    share = param_share(cfg.model, layout, cfg.parallel.pipeline_partition,
-                        schedule=cfg.parallel.pipeline_schedule, chunks=cfg.parallel.virtual_stages)
+    share = param_share(
+        cfg.model,
+        layout,
+        cfg.parallel.pipeline_partition,
+        schedule=cfg.parallel.pipeline_schedule,
+        chunks=cfg.parallel.virtual_stages,
+    )
     prec, stage = precision(ds), zero_stage(ds)
     b = BYTES[prec]
     zero = {**DS_DEFAULTS, **ds.get("zero_optimization", {})}
@@ -163,7 +201,9 @@ def estimate(cfg: RunConfig, ds: dict[str, Any], layout: Layout) -> RankMemory:
     def split(bytes_per_element: int, partitioned: bool) -> int:
         if not partitioned:
             return bytes_per_element * share.total
-        return bytes_per_element * (math.ceil(share.dense / layout.dp) + math.ceil(share.expert / edp))
+        return bytes_per_element * (
+            math.ceil(share.dense / layout.dp) + math.ceil(share.expert / edp)
+        )
 
     master = 4 if (prec != "fp32" or stage >= 1) else 0
     params = split(b, stage >= 3)
@@ -172,8 +212,11 @@ def estimate(cfg: RunConfig, ds: dict[str, Any], layout: Layout) -> RankMemory:
     if stage in (1, 2):
         buckets = b * min(int(zero["reduce_bucket_size"]), share.total)
     elif stage == 3:
-        gathered = min(int(zero["stage3_prefetch_bucket_size"]) + share.largest,
-                       int(zero["stage3_max_live_parameters"]), share.total)
+        gathered = min(
+            int(zero["stage3_prefetch_bucket_size"]) + share.largest,
+            int(zero["stage3_max_live_parameters"]),
+            share.total,
+        )
         buckets = b * (min(int(zero["reduce_bucket_size"]), share.total) + gathered)
     else:
         buckets = 0

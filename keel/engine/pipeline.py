@@ -33,7 +33,14 @@ from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from keel.adapters.deepspeed_internals import pipeline_layer_specs, pipeline_local_chunks
 from keel.config import RunConfig
 from keel.engine.interleaved_engine import InterleavedModule
-from keel.model import Block, EmbeddingLayer, FinalNorm, OutputLayer, VocabParallelLoss, init_weights
+from keel.model import (
+    Block,
+    EmbeddingLayer,
+    FinalNorm,
+    OutputLayer,
+    VocabParallelLoss,
+    init_weights,
+)
 from keel.model.materialize import Placement
 from keel.parallel import comm
 from keel.parallel.layer_parallel import NO_PARALLEL, LayerParallel
@@ -64,7 +71,9 @@ def _placed(spec_class: type) -> type:
     return Placed
 
 
-def layer_specs(cfg: RunConfig, parallel: LayerParallel = NO_PARALLEL, placement: Placement | None = None) -> list:
+def layer_specs(
+    cfg: RunConfig, parallel: LayerParallel = NO_PARALLEL, placement: Placement | None = None
+) -> list:
     """The flat layer list as specs: `[Embedding, Block × n, FinalNorm, Head]`, built lazily per stage."""
     model = cfg.model
     placement = placement or Placement()
@@ -72,12 +81,21 @@ def layer_specs(cfg: RunConfig, parallel: LayerParallel = NO_PARALLEL, placement
     if model.tie_embeddings:
         weight = ["tok_embeddings.weight"]
         first = tied(placement, TIED_KEY, EmbeddingLayer, model, parallel, tied_weight_attr=weight)
-        head = tied(placement, TIED_KEY, EmbeddingLayer, model, parallel, forward_fn=_project,
-                    tied_weight_attr=weight)
+        head = tied(
+            placement,
+            TIED_KEY,
+            EmbeddingLayer,
+            model,
+            parallel,
+            forward_fn=_project,
+            tied_weight_attr=weight,
+        )
     else:
         first = spec(placement, EmbeddingLayer, model, parallel)
         head = spec(placement, OutputLayer, model, None, parallel)
-    blocks = [spec(placement, Block, model, layer_id, parallel) for layer_id in range(model.n_layers)]
+    blocks = [
+        spec(placement, Block, model, layer_id, parallel) for layer_id in range(model.n_layers)
+    ]
     return [first, *blocks, spec(placement, FinalNorm, model, parallel), head]
 
 
@@ -97,7 +115,9 @@ def local_layers(module) -> list[tuple[int, torch.nn.Module]]:
     return layers
 
 
-def build_pipeline(cfg: RunConfig, topology: Topology, parallel: LayerParallel, placement: Placement | None = None):
+def build_pipeline(
+    cfg: RunConfig, topology: Topology, parallel: LayerParallel, placement: Placement | None = None
+):
     """A `PipelineModule` over this rank's stage (DualPipeV: its two stages; interleaved: its v chunks), initialised
     as the single-process model would be; `parallel`: this rank's layer contexts, from the same `topology`."""
     shape = topology.shape
@@ -110,9 +130,16 @@ def build_pipeline(cfg: RunConfig, topology: Topology, parallel: LayerParallel, 
     module = module_class(
         layers=layer_specs(cfg, parallel, placement),
         # sp folded into DeepSpeed's data axis (see the module docstring)
-        topology=PipeModelDataParallelTopology(num_pp=shape.pp, num_mp=shape.tp, num_dp=shape.dp * shape.sp),
-        loss_fn=VocabParallelLoss(cfg.model, parallel, cfg.train.label_smoothing, cfg.train.z_loss,
-                                  engine_averages_sp=True),
+        topology=PipeModelDataParallelTopology(
+            num_pp=shape.pp, num_mp=shape.tp, num_dp=shape.dp * shape.sp
+        ),
+        loss_fn=VocabParallelLoss(
+            cfg.model,
+            parallel,
+            cfg.train.label_smoothing,
+            cfg.train.z_loss,
+            engine_averages_sp=True,
+        ),
         partition_method=cfg.parallel.pipeline_partition,
         activation_checkpoint_interval=cfg.train.activation_checkpoint_interval,
         activation_checkpoint_func=checkpoint,
@@ -135,8 +162,11 @@ def describe_stages(module, topology: Topology, method: str) -> None:
     summary = f"{' + '.join(chunks)} {params / 1e6:.2f}M params"
     gathered = comm.all_gather_object(summary, topology.control("pp"))
     if topology.rank == 0:
-        log.info("pipeline partition (%s): %s", method,
-                 " | ".join(f"rank {i}: {s}" for i, s in enumerate(gathered)))
+        log.info(
+            "pipeline partition (%s): %s",
+            method,
+            " | ".join(f"rank {i}: {s}" for i, s in enumerate(gathered)),
+        )
 
 
 def _compact(names: list[str]) -> str:

@@ -22,20 +22,31 @@ def check_pipeline_plan(cfg: RunConfig, zero_stage: int) -> None:
     parallel = cfg.parallel
     if parallel.pp == 1 or zero_stage == 0:
         return  # no pipeline, or no ZeRO optimizer: Keel's own clipping sums one norm over all groups at once
-    layers = layer_list(cfg.model, LayerParallel.without_groups(tp=parallel.tp, ep=parallel.ep), parallel.pp)
+    layers = layer_list(
+        cfg.model, LayerParallel.without_groups(tp=parallel.tp, ep=parallel.ep), parallel.pp
+    )
     counts = [sum(q.numel() for q in layer.parameters()) for layer in layers]
-    held = rank_layer_indices(layers, counts, parallel.pp, parallel.pipeline_partition, parallel.pipeline_schedule,
-                              parallel.virtual_stages)
+    held = rank_layer_indices(
+        layers,
+        counts,
+        parallel.pp,
+        parallel.pipeline_partition,
+        parallel.pipeline_schedule,
+        parallel.virtual_stages,
+    )
     wanted = layer_groups_of(layers)
     for rank, indices in enumerate(held):
         groups = layer_groups_of([layers[i] for i in indices])
         if groups != wanted:
             names = ", ".join(type(layers[i]).__name__ for i in indices) or "no layers"
-            fix = ("parallel.pipeline_partition=type:Block (or fewer pipeline stages)"
-                   if parallel.pipeline_partition != "type:Block" else
-                   f"fewer pipeline stages (parallel.pp={parallel.pp}) or more blocks "
-                   f"(model.n_layers={cfg.model.n_layers})")
+            fix = (
+                "parallel.pipeline_partition=type:Block (or fewer pipeline stages)"
+                if parallel.pipeline_partition != "type:Block"
+                else f"fewer pipeline stages (parallel.pp={parallel.pp}) or more blocks "
+                f"(model.n_layers={cfg.model.n_layers})"
+            )
             raise ConfigError(
                 f"parallel.pipeline_partition={parallel.pipeline_partition}: pipeline rank {rank} would hold only "
                 f"{names}, without {' and '.join(sorted(wanted - groups))} parameters, and DeepSpeed's ZeRO "
-                f"optimizer hangs when pipeline ranks hold different parameter groups; use {fix}")
+                f"optimizer hangs when pipeline ranks hold different parameter groups; use {fix}"
+            )

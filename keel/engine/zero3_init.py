@@ -30,7 +30,9 @@ class ZeRO3Placement(Placement):
     def __init__(self, ds: dict[str, Any], topology: Topology, dtype: torch.dtype) -> None:
         super().__init__(get_accelerator().current_device_name(), dtype)
         self.ds = ds
-        self.mpu = topology if topology.shape.world_size > 1 else None  # the groups build_engine hands DeepSpeed
+        self.mpu = (
+            topology if topology.shape.world_size > 1 else None
+        )  # the groups build_engine hands DeepSpeed
 
     def build(self, construct: Callable[[], T]) -> T:
         # dtype=None: zero.Init then takes it from the config (the same one `self.dtype` was derived from). An
@@ -40,10 +42,14 @@ class ZeRO3Placement(Placement):
         # defaults to the whole world: at tp > 1 that splits each tp rank's shard across the tp ranks as well. The
         # engine shards over the mpu's sequence-data-parallel group (dp × sp; dp when sp = 1), so this must too.
         group = self.mpu.get_sequence_data_parallel_group() if self.mpu is not None else None
-        with deepspeed.zero.Init(config_dict_or_path=self.ds, mpu=self.mpu, dtype=None, data_parallel_group=group):
+        with deepspeed.zero.Init(
+            config_dict_or_path=self.ds, mpu=self.mpu, dtype=None, data_parallel_group=group
+        ):
             return construct()
 
-    def fill(self, param: nn.Parameter, write: Callable[[torch.Tensor, tuple[int, int] | None], None]) -> None:
+    def fill(
+        self, param: nn.Parameter, write: Callable[[torch.Tensor, tuple[int, int] | None], None]
+    ) -> None:
         """Write this rank's partition in place, from the row blocks it covers: no gather, no collective."""
         window = zero3_partition_window(param)
         if window is None:
@@ -53,4 +59,4 @@ class ZeRO3Placement(Placement):
         end = min(start + part.numel(), math.prod(logical_shape(param)))
         part.zero_()  # the last partition's padding past the parameter's end
         if end > start:
-            write(part[:end - start], (start, end))
+            write(part[: end - start], (start, end))

@@ -38,13 +38,19 @@ def _external_world_size() -> int | None:
         return None
     text = os.environ["WORLD_SIZE"]
     if not re.fullmatch(r"\s*[0-9]+\s*", text) or int(text) < 1:
-        raise ConfigError(f"WORLD_SIZE={text!r}: expected a positive integer (the number of ranks its launcher "
-                          "started)")
+        raise ConfigError(
+            f"WORLD_SIZE={text!r}: expected a positive integer (the number of ranks its launcher "
+            "started)"
+        )
     return int(text)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from keel.launcher.run_spec import build_run, prepare_data, write_run_dir  # torch: keel --help start-up
+    from keel.launcher.run_spec import (
+        build_run,
+        prepare_data,
+        write_run_dir,
+    )  # torch: keel --help start-up
 
     external = _external_world_size()
     if external is not None:
@@ -57,15 +63,24 @@ def cmd_train(args: argparse.Namespace) -> int:
     spec = build_run(args.config, args.set, args.ds_config, args.run_dir, nproc)
     prepare_data(spec)
     write_run_dir(spec)
-    print(f"keel: run dir {spec.run_dir} | {nproc} local rank(s) | ds config {spec.cfg.train.ds_config}", flush=True)
+    print(
+        f"keel: run dir {spec.run_dir} | {nproc} local rank(s) | ds config {spec.cfg.train.ds_config}",
+        flush=True,
+    )
     return launch_local(spec.run_dir, nproc, max_restarts=args.max_restarts)
 
 
 def _train_with_deepspeed_launcher(args: argparse.Namespace) -> int:
     """Check the config for the hostfile's world size and prepare the data, then hand over to `deepspeed`."""
-    from keel.launcher.run_spec import build_run, prepare_data, write_run_dir  # torch: keel --help start-up
+    from keel.launcher.run_spec import (
+        build_run,
+        prepare_data,
+        write_run_dir,
+    )  # torch: keel --help start-up
 
-    spec = build_run(args.config, args.set, args.ds_config, args.run_dir, _hostfile_world_size(args))
+    spec = build_run(
+        args.config, args.set, args.ds_config, args.run_dir, _hostfile_world_size(args)
+    )
     prepare_data(spec)
     write_run_dir(spec)
     return _launch_deepspeed(args, "train", spec.run_dir)
@@ -88,8 +103,15 @@ def _rank_args(args: argparse.Namespace, run_dir) -> list[str]:
 
 
 def _launch_deepspeed(args: argparse.Namespace, command: str, run_dir) -> int:
-    return launch_deepspeed(_rank_args(args, run_dir), args.hostfile, args.no_ssh, args.node_rank, args.master_addr,
-                            args.master_port, command)
+    return launch_deepspeed(
+        _rank_args(args, run_dir),
+        args.hostfile,
+        args.no_ssh,
+        args.node_rank,
+        args.master_addr,
+        args.master_port,
+        command,
+    )
 
 
 def _train_in_place(args: argparse.Namespace, world_size: int) -> int:
@@ -97,11 +119,17 @@ def _train_in_place(args: argparse.Namespace, world_size: int) -> int:
     import torch.distributed as dist  # torch: keel --help start-up
 
     from keel.engine.distributed import init_distributed  # torch: keel --help start-up
-    from keel.launcher.run_spec import build_run, prepare_data, write_run_dir  # torch: keel --help start-up
+    from keel.launcher.run_spec import (
+        build_run,
+        prepare_data,
+        write_run_dir,
+    )  # torch: keel --help start-up
     from keel.parallel import comm  # torch: keel --help start-up
     from keel.training.entry import run_sequence  # torch: keel --help start-up
 
-    spec = build_run(args.config, args.set, args.ds_config, args.run_dir, world_size)  # cheap: every rank checks
+    spec = build_run(
+        args.config, args.set, args.ds_config, args.run_dir, world_size
+    )  # cheap: every rank checks
     init_distributed()
     verdict = None
     if dist.get_rank() == 0:
@@ -122,35 +150,59 @@ def cmd_preflight(args: argparse.Namespace) -> int:
 
     external = _external_world_size()
     if external is not None:
-        from keel.tools.preflight.run import resolve_vocab_size, run_preflight  # torch: keel --help start-up
+        from keel.tools.preflight.run import (
+            resolve_vocab_size,
+            run_preflight,
+        )  # torch: keel --help start-up
 
-        spec = build_run(args.config, args.set, args.ds_config, args.run_dir, external)  # every rank checks
+        spec = build_run(
+            args.config, args.set, args.ds_config, args.run_dir, external
+        )  # every rank checks
         resolve_vocab_size(spec)
         return run_preflight(spec)
     if args.launcher == "deepspeed":
-        spec = build_run(args.config, args.set, args.ds_config, args.run_dir, _hostfile_world_size(args))
+        spec = build_run(
+            args.config, args.set, args.ds_config, args.run_dir, _hostfile_world_size(args)
+        )
         return _launch_deepspeed(args, "preflight", spec.run_dir)
     nproc = args.nproc or _default_nproc()
     if nproc < 1:
         raise ConfigError(f"--nproc: must be >= 1, got {nproc}")
-    spec = build_run(args.config, args.set, args.ds_config, args.run_dir, nproc)  # refused here, before any rank
+    spec = build_run(
+        args.config, args.set, args.ds_config, args.run_dir, nproc
+    )  # refused here, before any rank
     print(f"keel: preflight | run dir {spec.run_dir} | {nproc} local rank(s)", flush=True)
-    return launch_module(["keel.launcher.cli", "preflight", *_rank_args(args, spec.run_dir)], nproc,
-                         what="preflight", where=str(RunDir(spec.run_dir).preflight))
+    return launch_module(
+        ["keel.launcher.cli", "preflight", *_rank_args(args, spec.run_dir)],
+        nproc,
+        what="preflight",
+        where=str(RunDir(spec.run_dir).preflight),
+    )
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from keel.data import IndexedDataset, ensure_prepared, resolve_tokenizer_path  # torch: keel --help start-up
+    from keel.data import (
+        IndexedDataset,
+        ensure_prepared,
+        resolve_tokenizer_path,
+    )  # torch: keel --help start-up
 
     if args.workers is not None and args.workers < 1:
         raise ConfigError(f"--workers: must be >= 1, got {args.workers}")
-    prepared = ensure_prepared(args.inputs or ["default"], args.cache_dir, args.vocab_size,
-                               text_field=args.text_field, tokenizer=resolve_tokenizer_path(args.tokenizer),
-                               workers=args.workers)
+    prepared = ensure_prepared(
+        args.inputs or ["default"],
+        args.cache_dir,
+        args.vocab_size,
+        text_field=args.text_field,
+        tokenizer=resolve_tokenizer_path(args.tokenizer),
+        workers=args.workers,
+    )
     print(f"tokenizer {prepared.tokenizer_path}")
     for prefix in prepared.sources:
         print(f"tokens {prefix}.bin")
-        if args.check_all_ids:  # the offline full pass; training checks the ids it uses at the sample
+        if (
+            args.check_all_ids
+        ):  # the offline full pass; training checks the ids it uses at the sample
             IndexedDataset(prefix, vocab_size=prepared.vocab_size).validate(prepared.vocab_size)
             print(f"  every id lies in [0, {prepared.vocab_size})")
     print(f"({prepared.num_tokens} tokens, {prepared.num_docs} documents)")
@@ -161,38 +213,66 @@ def cmd_lr_find(args: argparse.Namespace) -> int:
     """LR range test in this process (world size 1) on the run's model, data and DeepSpeed config."""
     from keel.engine.distributed import setup_logging  # torch: keel --help start-up
     from keel.launcher.run_spec import build_run, prepare_data  # torch: keel --help start-up
-    from keel.tools.lr_find import SUGGESTION_RULE, run_lr_find, single_process_overrides  # torch: keel --help start-up
+    from keel.tools.lr_find import (
+        SUGGESTION_RULE,
+        run_lr_find,
+        single_process_overrides,
+    )  # torch: keel --help start-up
 
     external = _external_world_size()
     if external not in (None, 1):
-        raise ConfigError(f"lr-find runs in one process, but this was started with WORLD_SIZE={external}")
+        raise ConfigError(
+            f"lr-find runs in one process, but this was started with WORLD_SIZE={external}"
+        )
     if args.steps < 2:
         raise ConfigError(f"--steps: the sweep needs at least 2 steps, got {args.steps}")
     if not 0 < args.min_lr < args.max_lr:
-        raise ConfigError(f"--min-lr/--max-lr: need 0 < min-lr < max-lr, got {args.min_lr} and {args.max_lr}")
+        raise ConfigError(
+            f"--min-lr/--max-lr: need 0 < min-lr < max-lr, got {args.min_lr} and {args.max_lr}"
+        )
     if not 0 <= args.beta < 1:
         raise ConfigError(f"--beta: the smoothing must lie in [0, 1), got {args.beta}")
-    if importlib.util.find_spec("matplotlib") is None:  # the plot comes after the sweep: say it before any work
-        raise ConfigError("lr-find plots its curve with matplotlib, which is not installed: "
-                          "pip install 'keel[plot]' (or pip install matplotlib)")
+    if (
+        importlib.util.find_spec("matplotlib") is None
+    ):  # the plot comes after the sweep: say it before any work
+        raise ConfigError(
+            "lr-find plots its curve with matplotlib, which is not installed: "
+            "pip install 'keel[plot]' (or pip install matplotlib)"
+        )
     out = Path(args.out).expanduser().resolve()
-    spec = build_run(args.config, args.set + single_process_overrides(), args.ds_config, str(out), 1)
+    spec = build_run(
+        args.config, args.set + single_process_overrides(), args.ds_config, str(out), 1
+    )
     prepare_data(spec)
-    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port())), ("RANK", "0"),
-                       ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+    for key, value in (
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", str(free_port())),
+        ("RANK", "0"),
+        ("LOCAL_RANK", "0"),
+        ("WORLD_SIZE", "1"),
+    ):
         os.environ.setdefault(key, value)
-    print(f"keel: lr-find on one process (tp=pp=1) | {args.steps} steps, lr {args.min_lr:g} → {args.max_lr:g} | "
-          f"ds config {spec.cfg.train.ds_config}", flush=True)
+    print(
+        f"keel: lr-find on one process (tp=pp=1) | {args.steps} steps, lr {args.min_lr:g} → {args.max_lr:g} | "
+        f"ds config {spec.cfg.train.ds_config}",
+        flush=True,
+    )
     setup_logging(0)
     result = run_lr_find(spec, args.min_lr, args.max_lr, args.steps, out, args.beta)
-    print(f"keel: wrote {out / 'lr_find.csv'} and {out / 'lr_find.png'} ({len(result.lrs)} steps; "
-          f"{result.stop_reason})")
+    print(
+        f"keel: wrote {out / 'lr_find.csv'} and {out / 'lr_find.png'} ({len(result.lrs)} steps; "
+        f"{result.stop_reason})"
+    )
     print(f"keel: rule: {SUGGESTION_RULE}")
     lowest, index = result.min_index, result.suggestion_index()
     if lowest is not None:
-        print(f"keel: minimum smoothed loss {result.smoothed[lowest]:.4f} at lr {result.lrs[lowest]:.6g}")
+        print(
+            f"keel: minimum smoothed loss {result.smoothed[lowest]:.4f} at lr {result.lrs[lowest]:.6g}"
+        )
     if index is None:
-        print("keel: no suggestion: the smoothed loss never fell; lower --min-lr or raise --max-lr/--steps")
+        print(
+            "keel: no suggestion: the smoothed loss never fell; lower --min-lr or raise --max-lr/--steps"
+        )
     else:
         print(f"keel: suggested lr: {result.lrs[index]:.6g}")
     return 0
@@ -202,10 +282,14 @@ def cmd_export(args: argparse.Namespace) -> int:
     """A run's checkpoint as a Hugging Face model directory (keel/tools/export/hf_export.py)."""
     from keel.tools.export.hf_export import export_hf  # torch: keel --help start-up
 
-    result = export_hf(Path(args.run_dir), Path(args.out_dir), args.step, int(args.max_shard_size * 2**20))
-    print(f"keel: exported step {result.step} to {result.out_dir} ({result.shards} safetensors shard(s), "
-          f"{result.total_bytes / 2**20:.1f} MiB, "
-          f"{'fp32 master weights' if result.master_weights else 'module weights (not the fp32 masters)'})")
+    result = export_hf(
+        Path(args.run_dir), Path(args.out_dir), args.step, int(args.max_shard_size * 2**20)
+    )
+    print(
+        f"keel: exported step {result.step} to {result.out_dir} ({result.shards} safetensors shard(s), "
+        f"{result.total_bytes / 2**20:.1f} MiB, "
+        f"{'fp32 master weights' if result.master_weights else 'module weights (not the fp32 masters)'})"
+    )
     return 0
 
 
@@ -214,8 +298,10 @@ def cmd_report(args: argparse.Namespace) -> int:
     from keel.tools.report import write_report  # keel --help start-up (~4 ms more imports)
 
     report = write_report(Path(args.run_dir), Path(args.out) if args.out else None)
-    print(f"keel: report in {report.out_dir}: {len(report.drawn)} plot(s) ({', '.join(report.drawn) or 'none'}), "
-          f"report.md, series.json")
+    print(
+        f"keel: report in {report.out_dir}: {len(report.drawn)} plot(s) ({', '.join(report.drawn) or 'none'}), "
+        f"report.md, series.json"
+    )
     for name, reason in report.skipped.items():
         print(f"keel: no {name} plot: {reason}")
     for name, what in report.left_out.items():
@@ -229,84 +315,159 @@ def cmd_slurm(args: argparse.Namespace) -> int:
 
 
 def add_launcher_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--launcher", choices=["local", "deepspeed"], default="local",
-                   help="local: torchrun's agent on this machine; deepspeed: the deepspeed launcher + --hostfile")
+    p.add_argument(
+        "--launcher",
+        choices=["local", "deepspeed"],
+        default="local",
+        help="local: torchrun's agent on this machine; deepspeed: the deepspeed launcher + --hostfile",
+    )
     p.add_argument("--hostfile", help="deepspeed launcher: lines of 'hostname slots=N'")
-    p.add_argument("--no-ssh", action="store_true", help="deepspeed launcher: run once per node, no ssh")
-    p.add_argument("--node-rank", type=int, default=0, help="deepspeed launcher with --no-ssh: this node")
-    p.add_argument("--master-addr", help="deepspeed launcher: rendezvous host (default: first host)")
-    p.add_argument("--master-port", type=int, default=29500, help="deepspeed launcher: rendezvous port")
+    p.add_argument(
+        "--no-ssh", action="store_true", help="deepspeed launcher: run once per node, no ssh"
+    )
+    p.add_argument(
+        "--node-rank", type=int, default=0, help="deepspeed launcher with --no-ssh: this node"
+    )
+    p.add_argument(
+        "--master-addr", help="deepspeed launcher: rendezvous host (default: first host)"
+    )
+    p.add_argument(
+        "--master-port", type=int, default=29500, help="deepspeed launcher: rendezvous port"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="keel", description="Distributed LLM pretraining on DeepSpeed.")
+    parser = argparse.ArgumentParser(
+        prog="keel", description="Distributed LLM pretraining on DeepSpeed."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    train = sub.add_parser("train", help="train a model (resumes from the run dir's latest checkpoint)")
+    train = sub.add_parser(
+        "train", help="train a model (resumes from the run dir's latest checkpoint)"
+    )
     train.add_argument("config", nargs="?", help="run YAML (default: the tiny built-in config)")
     train.add_argument("--ds-config", help="DeepSpeed JSON (default: train.ds_config)")
     train.add_argument("--nproc", type=int, help="local ranks (default: GPUs, or 2 on CPU)")
-    train.add_argument("--run-dir", help="where checkpoints, metrics and logs go (default: runs/<config name>)")
+    train.add_argument(
+        "--run-dir", help="where checkpoints, metrics and logs go (default: runs/<config name>)"
+    )
     add_launcher_args(train)
-    train.add_argument("--max-restarts", type=int, default=0,
-                       help="restart all local ranks after a failure, resuming from the latest checkpoint")
-    train.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                       help="override a config field, e.g. --set train.steps=100 (repeatable)")
+    train.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="restart all local ranks after a failure, resuming from the latest checkpoint",
+    )
+    train.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override a config field, e.g. --set train.steps=100 (repeatable)",
+    )
     train.set_defaults(func=cmd_train)
 
-    preflight = sub.add_parser("preflight", help="measure and judge the allocation before a run (exit 9 names bad "
-                               "ranks)", description="Launched like `keel train`: collectives per group kind, "
-                               "rank-pair links, a seeded matmul vote, matmul speed, clock skew, the checkpoint "
-                               "directory and memory against the run's needs. One table on stdout and "
-                               "RUN_DIR/preflight.json; exit 0 healthy, 9 with the bad ranks named.")
+    preflight = sub.add_parser(
+        "preflight",
+        help="measure and judge the allocation before a run (exit 9 names bad ranks)",
+        description="Launched like `keel train`: collectives per group kind, "
+        "rank-pair links, a seeded matmul vote, matmul speed, clock skew, the checkpoint "
+        "directory and memory against the run's needs. One table on stdout and "
+        "RUN_DIR/preflight.json; exit 0 healthy, 9 with the bad ranks named.",
+    )
     preflight.add_argument("config", nargs="?", help="run YAML (default: the tiny built-in config)")
     preflight.add_argument("--ds-config", help="DeepSpeed JSON (default: train.ds_config)")
     preflight.add_argument("--nproc", type=int, help="local ranks (default: GPUs, or 2 on CPU)")
-    preflight.add_argument("--run-dir", help="where preflight.json goes and checkpoints will (default: runs/<config "
-                                             "name>)")
+    preflight.add_argument(
+        "--run-dir",
+        help="where preflight.json goes and checkpoints will (default: runs/<config name>)",
+    )
     add_launcher_args(preflight)
-    preflight.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                           help="override a config field, e.g. --set faults.preflight_slow_rank=1 (repeatable)")
+    preflight.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override a config field, e.g. --set faults.preflight_slow_rank=1 (repeatable)",
+    )
     preflight.set_defaults(func=cmd_preflight)
 
-    prep = sub.add_parser("prepare", help="train (or take) a tokenizer and write the token files for a corpus")
-    prep.add_argument("inputs", nargs="*", help="text/JSONL(.gz/.zst)/parquet files, directories, globs or .bin/.idx "
-                      "token files (default: the Python stdlib source)")
-    prep.add_argument("--tokenizer", default="train",
-                      help="train, or a sentencepiece .model / HF tokenizer.json / HF tokenizer directory")
+    prep = sub.add_parser(
+        "prepare", help="train (or take) a tokenizer and write the token files for a corpus"
+    )
+    prep.add_argument(
+        "inputs",
+        nargs="*",
+        help="text/JSONL(.gz/.zst)/parquet files, directories, globs or .bin/.idx "
+        "token files (default: the Python stdlib source)",
+    )
+    prep.add_argument(
+        "--tokenizer",
+        default="train",
+        help="train, or a sentencepiece .model / HF tokenizer.json / HF tokenizer directory",
+    )
     prep.add_argument("--vocab-size", type=int, default=4096, help="when training the tokenizer")
     prep.add_argument("--text-field", default="text", help="JSONL field holding the text")
     prep.add_argument("--cache-dir", default="~/.cache/keel")
-    prep.add_argument("--workers", type=int, help="tokenizer processes (default: every core this process may use)")
-    prep.add_argument("--check-all-ids", action="store_true",
-                      help="also read every id of every token file (training checks a sample before launch and "
-                      "every id it uses at the sample)")
+    prep.add_argument(
+        "--workers", type=int, help="tokenizer processes (default: every core this process may use)"
+    )
+    prep.add_argument(
+        "--check-all-ids",
+        action="store_true",
+        help="also read every id of every token file (training checks a sample before launch and "
+        "every id it uses at the sample)",
+    )
     prep.set_defaults(func=cmd_prepare)
 
-    find = sub.add_parser("lr-find", help="LR range test: sweep the LR exponentially and suggest a peak LR")
+    find = sub.add_parser(
+        "lr-find", help="LR range test: sweep the LR exponentially and suggest a peak LR"
+    )
     find.add_argument("config", nargs="?", help="run YAML (default: the tiny built-in config)")
     find.add_argument("--ds-config", help="DeepSpeed JSON (default: train.ds_config)")
-    find.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                      help="override a config field, e.g. --set train.global_batch_size=32 (repeatable)")
+    find.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override a config field, e.g. --set train.global_batch_size=32 (repeatable)",
+    )
     find.add_argument("--min-lr", type=float, default=1e-6, help="first LR of the sweep")
     find.add_argument("--max-lr", type=float, default=1.0, help="last LR of the sweep")
     find.add_argument("--steps", type=int, default=100, help="optimizer steps in the sweep")
-    find.add_argument("--beta", type=float, default=0.98,
-                      help="loss smoothing (EMA); lower lags less behind the LR but is noisier")
+    find.add_argument(
+        "--beta",
+        type=float,
+        default=0.98,
+        help="loss smoothing (EMA); lower lags less behind the LR but is noisier",
+    )
     find.add_argument("--out", default="runs/lr_find", help="where lr_find.csv and lr_find.png go")
     find.set_defaults(func=cmd_lr_find)
 
-    export = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face model directory")
+    export = sub.add_parser(
+        "export", help="write a run's checkpoint as a Hugging Face model directory"
+    )
     export.add_argument("run_dir", help="the run dir of a keel train (its config and checkpoints)")
     export.add_argument("out_dir", help="the HF directory to create (must not exist)")
-    export.add_argument("--step", type=int, help="the checkpoint's step (default: the latest complete one)")
-    export.add_argument("--max-shard-size", type=float, default=2048, metavar="MIB",
-                        help="largest safetensors file in MiB (a bigger tensor gets one of its own)")
+    export.add_argument(
+        "--step", type=int, help="the checkpoint's step (default: the latest complete one)"
+    )
+    export.add_argument(
+        "--max-shard-size",
+        type=float,
+        default=2048,
+        metavar="MIB",
+        help="largest safetensors file in MiB (a bigger tensor gets one of its own)",
+    )
     export.set_defaults(func=cmd_export)
 
-    report = sub.add_parser("report", help="plot a run (live or finished): PNGs, report.md and series.json")
+    report = sub.add_parser(
+        "report", help="plot a run (live or finished): PNGs, report.md and series.json"
+    )
     report.add_argument("run_dir", help="the run dir of a keel train")
-    report.add_argument("--out", help="where the report goes (default: RUN_DIR/report; replaced atomically)")
+    report.add_argument(
+        "--out", help="where the report goes (default: RUN_DIR/report; replaced atomically)"
+    )
     report.set_defaults(func=cmd_report)
 
     add_slurm_parser(sub).set_defaults(func=cmd_slurm)
@@ -319,7 +480,9 @@ def main(argv: list[str] | None = None) -> None:
 
     in_place = False
     try:
-        in_place = _external_world_size() is not None  # a rank of an external launcher (torchrun, deepspeed, srun)
+        in_place = (
+            _external_world_size() is not None
+        )  # a rank of an external launcher (torchrun, deepspeed, srun)
         code = args.func(args)
     except (ConfigError, DataError) as exc:
         print(f"keel: error: {exc}", file=sys.stderr)

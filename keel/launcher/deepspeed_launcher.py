@@ -28,19 +28,35 @@ def hostfile_slots(path: str | Path) -> list[tuple[str, int]]:
             continue
         parts = line.split()
         if len(parts) != 2 or not parts[1].startswith("slots=") or not parts[1][6:].isdigit():
-            raise ConfigError(f"--hostfile: {path}:{number}: expected 'hostname slots=N', got {line!r}")
+            raise ConfigError(
+                f"--hostfile: {path}:{number}: expected 'hostname slots=N', got {line!r}"
+            )
         hosts.append((parts[0], int(parts[1][6:])))
     if not hosts:
         raise ConfigError(f"--hostfile: {path} lists no hosts")
     return hosts
 
 
-def deepspeed_command(keel_args: list[str], hostfile: str, no_ssh: bool, node_rank: int, master_addr: str | None,
-                      master_port: int, command: str = "train") -> list[str]:
+def deepspeed_command(
+    keel_args: list[str],
+    hostfile: str,
+    no_ssh: bool,
+    node_rank: int,
+    master_addr: str | None,
+    master_port: int,
+    command: str = "train",
+) -> list[str]:
     """The `deepspeed` command line that starts `keel COMMAND KEEL_ARGS...` (train or preflight) on every slot."""
     launcher = shutil.which("deepspeed") or ""
     cmd = [launcher] if launcher else [sys.executable, "-m", "deepspeed.launcher.runner"]
-    cmd += ["--hostfile", str(hostfile), "--master_port", str(master_port), "--no_local_rank", "--module"]
+    cmd += [
+        "--hostfile",
+        str(hostfile),
+        "--master_port",
+        str(master_port),
+        "--no_local_rank",
+        "--module",
+    ]
     if master_addr:
         cmd += ["--master_addr", master_addr]
     if no_ssh:
@@ -48,8 +64,17 @@ def deepspeed_command(keel_args: list[str], hostfile: str, no_ssh: bool, node_ra
     return [*cmd, "keel.launcher.cli", command, *keel_args]
 
 
-def launch_deepspeed(keel_args: list[str], hostfile: str, no_ssh: bool, node_rank: int, master_addr: str | None,
-                     master_port: int, command: str = "train") -> int:
-    cmd = deepspeed_command(keel_args, hostfile, no_ssh, node_rank, master_addr, master_port, command)
+def launch_deepspeed(
+    keel_args: list[str],
+    hostfile: str,
+    no_ssh: bool,
+    node_rank: int,
+    master_addr: str | None,
+    master_port: int,
+    command: str = "train",
+) -> int:
+    cmd = deepspeed_command(
+        keel_args, hostfile, no_ssh, node_rank, master_addr, master_port, command
+    )
     print("keel: " + " ".join(cmd), flush=True)
     return subprocess.run(cmd).returncode

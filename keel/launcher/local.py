@@ -19,11 +19,18 @@ def launch_local(run_dir: Path | list[Path], nproc: int, max_restarts: int = 0) 
     """Run `python -m keel.training.entry RUN_DIR [RUN_DIR ...]` on `nproc` local ranks (several run dirs train
     one after another in the same world); returns 0 when all succeeded."""
     run_dirs = [str(d) for d in (run_dir if isinstance(run_dir, list) else [run_dir])]
-    return launch_module(["keel.training.entry", *run_dirs], nproc, max_restarts, "training", " ".join(run_dirs))
+    return launch_module(
+        ["keel.training.entry", *run_dirs], nproc, max_restarts, "training", " ".join(run_dirs)
+    )
 
 
-def launch_module(module_args: list[str], nproc: int, max_restarts: int = 0, what: str = "training",
-                  where: str = "the run dir") -> int:
+def launch_module(
+    module_args: list[str],
+    nproc: int,
+    max_restarts: int = 0,
+    what: str = "training",
+    where: str = "the run dir",
+) -> int:
     """Run `python -m MODULE ARGS...` on `nproc` local ranks; returns 0, or the highest exit code of a rank
     that failed (Keel's documented codes pass through to the caller)."""
     # torch here, not at the top: keel/launcher/cli.py imports this module, and `keel --help` must not load torch
@@ -50,5 +57,7 @@ def launch_module(module_args: list[str], nproc: int, max_restarts: int = 0, wha
         failures = ", ".join(f"rank {r} exit {f.exitcode}" for r, f in sorted(exc.failures.items()))
         print(f"keel: {what} failed ({failures}); see the log above and {where}", file=sys.stderr)
         codes = [f.exitcode for f in exc.failures.values() if f.exitcode and f.exitcode > 0]
-        return max(codes) if codes else 1  # keep Keel's documented codes (3 checksum, 4 hang) for the caller
+        return (
+            max(codes) if codes else 1
+        )  # keep Keel's documented codes (3 checksum, 4 hang) for the caller
     return 0

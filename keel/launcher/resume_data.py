@@ -31,7 +31,10 @@ def _sources(data: dict[str, Any]) -> list[dict[str, Any]]:
 def _corpus(cfg: RunConfig, data: dict[str, Any]) -> tuple[Any, str]:
     """(identity, how to show it): tokens and documents per source; shown as the config names it, with sizes."""
     sizes = [(s.get("num_tokens"), s.get("num_docs")) for s in _sources(data)]
-    shown = ", ".join(f"{n:,} tokens in {d:,} documents" if n is not None else "size not recorded" for n, d in sizes)
+    shown = ", ".join(
+        f"{n:,} tokens in {d:,} documents" if n is not None else "size not recorded"
+        for n, d in sizes
+    )
     return sizes, f"{json.dumps(cfg.data.corpus)} ({shown})"
 
 
@@ -39,17 +42,23 @@ def _weights(data: dict[str, Any]) -> list[float] | None:
     return [round(float(s["weight"]), 6) for s in data["sources"]] if "sources" in data else None
 
 
-def data_changes(old_cfg: RunConfig, old_data: dict[str, Any], cfg: RunConfig, data: dict[str, Any]) -> list[str]:
+def data_changes(
+    old_cfg: RunConfig, old_data: dict[str, Any], cfg: RunConfig, data: dict[str, Any]
+) -> list[str]:
     """'field old → new' for every setting that orders the samples and differs between the two runs."""
     changes = []
     (old_sizes, old_shown), (new_sizes, new_shown) = _corpus(old_cfg, old_data), _corpus(cfg, data)
-    if old_sizes != new_sizes and not any(None in pair for pair in old_sizes):  # an old record without sizes
+    if old_sizes != new_sizes and not any(
+        None in pair for pair in old_sizes
+    ):  # an old record without sizes
         changes.append(f"data.corpus {old_shown} → {new_shown}")
     elif _weights(old_data) != _weights(data):
         changes.append(f"data.corpus weights {_weights(old_data)} → {_weights(data)}")
-    for field, old, new in (("data.seq_len", old_cfg.data.seq_len, cfg.data.seq_len),
-                            ("data.val_fraction", old_cfg.data.val_fraction, cfg.data.val_fraction),
-                            ("train.seed", old_cfg.train.seed, cfg.train.seed)):
+    for field, old, new in (
+        ("data.seq_len", old_cfg.data.seq_len, cfg.data.seq_len),
+        ("data.val_fraction", old_cfg.data.val_fraction, cfg.data.val_fraction),
+        ("train.seed", old_cfg.train.seed, cfg.train.seed),
+    ):
         if old != new:
             changes.append(f"{field} {old} → {new}")
     return changes
@@ -70,8 +79,12 @@ def check_same_data(run_dir: Path, cfg: RunConfig, data: dict[str, Any]) -> None
         return
     listed = "; ".join(changes)
     if cfg.data.allow_change_on_resume:
-        print(f"keel: warning: resuming {run_dir} on changed data (data.allow_change_on_resume): {listed}; its "
-              "sample count now indexes the new order", file=sys.stderr, flush=True)
+        print(
+            f"keel: warning: resuming {run_dir} on changed data (data.allow_change_on_resume): {listed}; its "
+            "sample count now indexes the new order",
+            file=sys.stderr,
+            flush=True,
+        )
         return
     raise ConfigError(
         f"data: the checkpoints in {run_dir} count samples in the order of their data, and this run changes it: "

@@ -18,11 +18,22 @@ import keel
 from keel.config import ConfigError, RunConfig, build_config, clamp_warmup, load_config, validate
 from keel.config.corpus_spec import weighted_sources
 from keel.config.yaml_text import dump_yaml, parse_yaml
-from keel.data import IndexedDataset, ensure_prepared, load_tokenizer, resolve_tokenizer_path, source_sha256
+from keel.data import (
+    IndexedDataset,
+    ensure_prepared,
+    load_tokenizer,
+    resolve_tokenizer_path,
+    source_sha256,
+)
 from keel.data.blend_prepare import open_splits, prepare_blend
 from keel.data.hf_tokenizer import HF_TOKENIZER_FILES
 from keel.data.token_check import check_windows
-from keel.engine.ds_config import check_with_deepspeed, load_ds_config, resolve_ds_config, zero_stage
+from keel.engine.ds_config import (
+    check_with_deepspeed,
+    load_ds_config,
+    resolve_ds_config,
+    zero_stage,
+)
 from keel.engine.lr_schedule import samples_before_step
 from keel.engine.pipeline_plan import check_pipeline_plan
 from keel.launcher.resume_data import check_same_data
@@ -48,8 +59,13 @@ def resolve_path(name: str, *bases: Path) -> Path:
     return path
 
 
-def build_run(config_path: str | None, overrides: list[str], ds_config: str | None, run_dir: str | None,
-              world_size: int) -> RunSpec:
+def build_run(
+    config_path: str | None,
+    overrides: list[str],
+    ds_config: str | None,
+    run_dir: str | None,
+    world_size: int,
+) -> RunSpec:
     """Load, override and validate the config and DeepSpeed JSON for `world_size` ranks (no data work yet)."""
     cfg = load_config(config_path, overrides)
     bases = [Path(config_path).resolve().parent] if config_path else []
@@ -59,10 +75,14 @@ def build_run(config_path: str | None, overrides: list[str], ds_config: str | No
     ds_path = resolve_path(cfg.train.ds_config, *bases)
     cfg.train.ds_config = str(ds_path)
     clamped = clamp_warmup(cfg.train)
-    if clamped and os.environ.get("RANK", "0") == "0":  # under an external launcher every rank builds the run
+    if (
+        clamped and os.environ.get("RANK", "0") == "0"
+    ):  # under an external launcher every rank builds the run
         print(f"keel: warning: {clamped}", file=sys.stderr, flush=True)
     validate(cfg, world_size)
-    if cfg.model.init_from:  # relative to the config's directory, like the corpus; ranks may run elsewhere
+    if (
+        cfg.model.init_from
+    ):  # relative to the config's directory, like the corpus; ranks may run elsewhere
         cfg.model.init_from = str(resolve_path(cfg.model.init_from, *bases))
     _check_init_from(cfg)
     ds_raw = load_ds_config(ds_path)
@@ -71,12 +91,17 @@ def build_run(config_path: str | None, overrides: list[str], ds_config: str | No
             f"parallel.pp={cfg.parallel.pp} with ZeRO stage {zero_stage(ds_raw)}: DeepSpeed's pipeline engine "
             "supports ZeRO 0 and 1 only; use ds_configs/zero1.json or parallel.pp=1"
         )
-    check_with_deepspeed(resolve_ds_config(ds_raw, cfg, world_size // (cfg.parallel.tp * cfg.parallel.pp *
-                                                                       cfg.parallel.sp)))
+    check_with_deepspeed(
+        resolve_ds_config(
+            ds_raw, cfg, world_size // (cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.sp)
+        )
+    )
     default_name = Path(config_path).stem if config_path else "default"
     directory = Path(run_dir or Path("runs") / default_name).expanduser().resolve()
     _check_same_run(directory, cfg)
-    return RunSpec(cfg, ds_raw, directory, base_dir=bases[0] if config_path else None, world_size=world_size)
+    return RunSpec(
+        cfg, ds_raw, directory, base_dir=bases[0] if config_path else None, world_size=world_size
+    )
 
 
 def _check_same_run(run_dir: Path, cfg: RunConfig) -> None:
@@ -88,10 +113,14 @@ def _check_same_run(run_dir: Path, cfg: RunConfig) -> None:
         old = build_config(parse_yaml(saved.read_text()))
     except (yaml.YAMLError, ConfigError) as exc:
         problem = exc if isinstance(exc, ConfigError) else str(exc).splitlines()[0]
-        raise ConfigError(f"{saved}: the existing run's config.yaml is unreadable ({problem}); use a new --run-dir "
-                          "or checkpoint.resume=false") from None
+        raise ConfigError(
+            f"{saved}: the existing run's config.yaml is unreadable ({problem}); use a new --run-dir "
+            "or checkpoint.resume=false"
+        ) from None
     for key, value in vars(cfg.model).items():
-        if (key == "vocab_size" and value == 0) or (key in ("bos_id", "eos_id", "pad_id") and value == -1):
+        if (key == "vocab_size" and value == 0) or (
+            key in ("bos_id", "eos_id", "pad_id") and value == -1
+        ):
             continue  # resolved from the tokenizer later (prepare_data)
         if getattr(old.model, key) != value:
             raise ConfigError(
@@ -109,23 +138,41 @@ def prepare_data(spec: RunSpec) -> None:
     """Prepare (or find cached) tokenizer and token files — one corpus, or weighted sources and their blend
     index; resolve model.vocab_size and the special ids from the tokenizer, and record which tokenizer it was."""
     cfg = spec.cfg
-    if cfg.model.init_from and cfg.data.tokenizer == "train" and _has_tokenizer(Path(cfg.model.init_from)):
+    if (
+        cfg.model.init_from
+        and cfg.data.tokenizer == "train"
+        and _has_tokenizer(Path(cfg.model.init_from))
+    ):
         # continued pretraining: the weights' own tokenizer, not a fresh one whose ids they never saw
         cfg.data.tokenizer = cfg.model.init_from
-    source = resolve_tokenizer_path(cfg.data.tokenizer, spec.base_dir)  # None: train one on the corpus
+    source = resolve_tokenizer_path(
+        cfg.data.tokenizer, spec.base_dir
+    )  # None: train one on the corpus
     weighted = weighted_sources(cfg.data.corpus)
     if weighted is not None:
         data = _prepare_blend(spec, weighted, source)
         prefixes = [Path(s["prefix"]) for s in data["sources"]]
     else:
-        prepared = ensure_prepared(cfg.data.corpus, cfg.data.cache_dir, cfg.data.tokenizer_vocab_size,
-                                   text_field=cfg.data.text_field, base_dir=spec.base_dir, tokenizer=source)
+        prepared = ensure_prepared(
+            cfg.data.corpus,
+            cfg.data.cache_dir,
+            cfg.data.tokenizer_vocab_size,
+            text_field=cfg.data.text_field,
+            base_dir=spec.base_dir,
+            tokenizer=source,
+        )
         if len(prepared.sources) > 1:
             names = ", ".join(map(str, prepared.sources))
-            raise ConfigError(f"data.corpus: names {len(prepared.sources)} token sources ({names}); a run trains "
-                              "on one unless they are weighted: list text files, a single token file, or weights")
-        data = {"tokenizer": str(prepared.tokenizer_path), "prefix": str(prepared.data_prefix),
-                "num_tokens": prepared.num_tokens, "num_docs": prepared.num_docs}
+            raise ConfigError(
+                f"data.corpus: names {len(prepared.sources)} token sources ({names}); a run trains "
+                "on one unless they are weighted: list text files, a single token file, or weights"
+            )
+        data = {
+            "tokenizer": str(prepared.tokenizer_path),
+            "prefix": str(prepared.data_prefix),
+            "num_tokens": prepared.num_tokens,
+            "num_docs": prepared.num_docs,
+        }
         prefixes = [prepared.data_prefix]
     tokenizer = load_tokenizer(data["tokenizer"])
     vocab = tokenizer.vocab_size
@@ -135,16 +182,28 @@ def prepare_data(spec: RunSpec) -> None:
     if cfg.model.vocab_size == 0:
         cfg.model.vocab_size = need
     elif cfg.model.vocab_size < need:
-        source_text = f"the tokenizer's {vocab} ids" if vocab >= data_vocab else \
-            f"the {data_vocab} ids the token file {prefix}.json records"
-        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than {source_text}; "
-                          f"set it to >= {need} or 0")
+        source_text = (
+            f"the tokenizer's {vocab} ids"
+            if vocab >= data_vocab
+            else f"the {data_vocab} ids the token file {prefix}.json records"
+        )
+        raise ConfigError(
+            f"model.vocab_size={cfg.model.vocab_size} is smaller than {source_text}; "
+            f"set it to >= {need} or 0"
+        )
     resolve_special_ids(cfg.model, tokenizer)
     _check_init_from(cfg)  # again, now that model.vocab_size is known
-    check_pipeline_plan(cfg, zero_stage(spec.ds_raw))  # the partition weighs the embedding by the vocabulary
+    check_pipeline_plan(
+        cfg, zero_stage(spec.ds_raw)
+    )  # the partition weighs the embedding by the vocabulary
     record = tokenizer_record(tokenizer, source, None if source is None else source_sha256(source))
     check_same_tokenizer(spec.run_dir, cfg, record)
-    spec.data = {**data, "tokenizer_info": record, "vocab_size": data_vocab, "eos_id": tokenizer.eos_id}
+    spec.data = {
+        **data,
+        "tokenizer_info": record,
+        "vocab_size": data_vocab,
+        "eos_id": tokenizer.eos_id,
+    }
     check_same_data(spec.run_dir, cfg, spec.data)
     _check_eval_windows(spec)
 
@@ -157,24 +216,39 @@ def _check_eval_windows(spec: RunSpec) -> None:
         return
     _, _, val = open_splits(spec.data, cfg.data.seq_len, cfg.data.val_fraction, train.seed)
     dp = max(1, spec.world_size // (parallel.tp * parallel.pp * parallel.sp))
-    check_windows(val, range(min(len(val), train.eval_batches * dp * train.micro_batch_size)), val.vocab_size,
-                  "validation")
+    check_windows(
+        val,
+        range(min(len(val), train.eval_batches * dp * train.micro_batch_size)),
+        val.vocab_size,
+        "validation",
+    )
 
 
 def _has_tokenizer(directory: Path) -> bool:
     return any((directory / name).is_file() for name in HF_TOKENIZER_FILES)
 
 
-def _prepare_blend(spec: RunSpec, sources: list[tuple[list[str], float]], tokenizer: Path | None) -> dict:
+def _prepare_blend(
+    spec: RunSpec, sources: list[tuple[list[str], float]], tokenizer: Path | None
+) -> dict:
     """Weighted sources: one shared tokenizer, a token store per source and the blend index (data.json records
     the weights and realised shares)."""
     cfg, train = spec.cfg, spec.cfg.train
     ends = [int(str(r).split(":")[1]) for r in cfg.data.skip_ranges]
     schedule = samples_before_step(train.steps, train)
     horizon = max([schedule, *ends]) + 64 * train.global_batch_size  # margin: rollbacks skip ahead
-    return prepare_blend(sources, cfg.data.cache_dir, cfg.data.tokenizer_vocab_size, cfg.data.text_field,
-                         spec.base_dir, horizon, cfg.data.seq_len, cfg.data.val_fraction, schedule,
-                         tokenizer=tokenizer)
+    return prepare_blend(
+        sources,
+        cfg.data.cache_dir,
+        cfg.data.tokenizer_vocab_size,
+        cfg.data.text_field,
+        spec.base_dir,
+        horizon,
+        cfg.data.seq_len,
+        cfg.data.val_fraction,
+        schedule,
+        tokenizer=tokenizer,
+    )
 
 
 def write_run_dir(spec: RunSpec) -> None:

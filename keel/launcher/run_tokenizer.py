@@ -18,7 +18,9 @@ from keel.run_dir import RunDir, has_checkpoint
 SPECIAL_ROLES = ("bos_id", "eos_id", "pad_id")
 
 
-def tokenizer_record(tokenizer: Tokenizer, source: Path | None, source_sha256: str | None) -> dict[str, Any]:
+def tokenizer_record(
+    tokenizer: Tokenizer, source: Path | None, source_sha256: str | None
+) -> dict[str, Any]:
     """What data.json keeps: the source the user named (or `train`), its hash, and the loaded copy's facts."""
     record = tokenizer.record()
     record["source"] = "train" if source is None else str(source)
@@ -34,8 +36,10 @@ def resolve_special_ids(model: ModelConfig, tokenizer: Tokenizer) -> None:
         given = getattr(model, role)
         if given not in (-1, actual):
             has = "none" if actual == -1 else str(actual)
-            raise ConfigError(f"model.{role}={given} differs from the tokenizer's ({has}, {tokenizer.path}); "
-                              f"leave model.{role} unset (-1) to take the tokenizer's")
+            raise ConfigError(
+                f"model.{role}={given} differs from the tokenizer's ({has}, {tokenizer.path}); "
+                f"leave model.{role} unset (-1) to take the tokenizer's"
+            )
         setattr(model, role, actual)
 
 
@@ -50,7 +54,9 @@ def check_same_tokenizer(run_dir: Path, cfg: RunConfig, record: dict[str, Any]) 
         return  # no readable record of the old run: nothing to compare against
     if not isinstance(old, dict) or old.get("sha256") in (None, record["sha256"]):
         return
-    if old.get("source") == record["source"] == "train":  # trained on the corpus: the corpus (or size) changed
+    if (
+        old.get("source") == record["source"] == "train"
+    ):  # trained on the corpus: the corpus (or size) changed
         raise ConfigError(
             f"data.tokenizer: the checkpoints in {run_dir} were trained with a tokenizer trained on their corpus "
             f"(sha256 {str(old['sha256'])[:12]}), this run's data.corpus / data.tokenizer_vocab_size train another "

@@ -78,7 +78,9 @@ def parse_time_limit(value: str) -> int:
         return 0
     match = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", text)
     if not match:
-        raise ConfigError(f"--time: {value!r} is not a SLURM time (MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS)")
+        raise ConfigError(
+            f"--time: {value!r} is not a SLURM time (MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS)"
+        )
     days, a, b, c = match.groups()
     parts = [int(x) for x in (a, b, c) if x is not None]
     if days is not None:  # D-H, D-H:M, D-H:M:S
@@ -94,8 +96,10 @@ def parse_time_limit(value: str) -> int:
 def _sbatch_safe(name: str, value: str) -> str:
     """#SBATCH lines are not parsed by a shell: no quoting, so no whitespace or newlines."""
     if not value or re.search(r"\s", value):
-        raise ConfigError(f"{name}: {value!r} must be non-empty and contain no whitespace (it goes on an #SBATCH "
-                          "line)")
+        raise ConfigError(
+            f"{name}: {value!r} must be non-empty and contain no whitespace (it goes on an #SBATCH "
+            "line)"
+        )
     return value
 
 
@@ -112,8 +116,10 @@ def check_options(opts: SbatchOptions) -> None:
     if opts.time is not None:
         limit = parse_time_limit(opts.time)
         if limit and opts.signal_lead >= limit:
-            raise ConfigError(f"--signal-lead={opts.signal_lead}s is not shorter than --time={opts.time} "
-                              f"({limit}s): the job would be signalled to stop as soon as it starts")
+            raise ConfigError(
+                f"--signal-lead={opts.signal_lead}s is not shorter than --time={opts.time} "
+                f"({limit}s): the job would be signalled to stop as soon as it starts"
+            )
     for name in ("partition", "account", "job_name"):
         value = getattr(opts, name)
         if value is not None:
@@ -123,8 +129,14 @@ def check_options(opts: SbatchOptions) -> None:
             raise ConfigError(f"--sbatch: {line!r} must be one sbatch option such as --qos=high")
 
 
-def train_command(python: str, config: Path | None, run_dir: Path, ds_config: str, overrides: list[str],
-                  command: str = "train") -> list[str]:
+def train_command(
+    python: str,
+    config: Path | None,
+    run_dir: Path,
+    ds_config: str,
+    overrides: list[str],
+    command: str = "train",
+) -> list[str]:
     """The command every task runs: `keel COMMAND` (train or preflight) for this run."""
     cmd = [python, "-m", "keel.launcher.cli", command]
     if config is not None:
@@ -160,12 +172,21 @@ def preflight_step(opts: SbatchOptions, command: list[str] | None) -> str:
     """The script's first srun step (`keel slurm --preflight`), or nothing."""
     if command is None:
         return ""
-    return PREFLIGHT_STEP.format(command=" ".join(shlex.quote(part) for part in command),
-                                 tasks_per_node=opts.tasks_per_node, exit_preflight=ExitCode.PREFLIGHT)
+    return PREFLIGHT_STEP.format(
+        command=" ".join(shlex.quote(part) for part in command),
+        tasks_per_node=opts.tasks_per_node,
+        exit_preflight=ExitCode.PREFLIGHT,
+    )
 
 
-def render(template: str, opts: SbatchOptions, run_dir: Path, workdir: Path, command: list[str],
-           preflight: list[str] | None = None) -> str:
+def render(
+    template: str,
+    opts: SbatchOptions,
+    run_dir: Path,
+    workdir: Path,
+    command: list[str],
+    preflight: list[str] | None = None,
+) -> str:
     """The sbatch script; `preflight`: the `keel preflight` command its first srun step runs (None: no step)."""
     optional = []
     if opts.time is not None:
@@ -211,25 +232,40 @@ def prepare_script(args: argparse.Namespace) -> tuple[str, Path]:
     from keel.launcher.run_spec import build_run, prepare_data  # the same
 
     tasks = args.tasks_per_node if args.tasks_per_node is not None else max(1, args.gpus_per_node)
-    opts = SbatchOptions(nodes=args.nodes, tasks_per_node=tasks, gpus_per_node=args.gpus_per_node,
-                         cpus_per_task=args.cpus_per_task, time=args.time, partition=args.partition,
-                         account=args.account, job_name=args.job_name, signal_lead=args.signal_lead,
-                         extra=tuple(args.sbatch))
+    opts = SbatchOptions(
+        nodes=args.nodes,
+        tasks_per_node=tasks,
+        gpus_per_node=args.gpus_per_node,
+        cpus_per_task=args.cpus_per_task,
+        time=args.time,
+        partition=args.partition,
+        account=args.account,
+        job_name=args.job_name,
+        signal_lead=args.signal_lead,
+        extra=tuple(args.sbatch),
+    )
     check_options(opts)
     template = template_path(args.template).read_text()
     config = Path(args.config).expanduser().resolve() if args.config else None
     if config is not None and not config.is_file():
         raise ConfigError(f"config: no such file {args.config}")
-    spec = build_run(args.config, args.set, args.ds_config, args.run_dir, opts.nodes * opts.tasks_per_node)
+    spec = build_run(
+        args.config, args.set, args.ds_config, args.run_dir, opts.nodes * opts.tasks_per_node
+    )
     _sbatch_safe("--run-dir", str(spec.run_dir))
     if "%" in str(spec.run_dir):
-        raise ConfigError(f"--run-dir: {spec.run_dir} contains '%', which sbatch expands in the log's file name")
+        raise ConfigError(
+            f"--run-dir: {spec.run_dir} contains '%', which sbatch expands in the log's file name"
+        )
     _sbatch_safe("working directory", str(Path.cwd()))
     prepare_data(spec)
     python = args.python or sys.executable
     command = train_command(python, config, spec.run_dir, spec.cfg.train.ds_config, args.set)
-    preflight = train_command(python, config, spec.run_dir, spec.cfg.train.ds_config, args.set, "preflight") \
-        if args.preflight else None
+    preflight = (
+        train_command(python, config, spec.run_dir, spec.cfg.train.ds_config, args.set, "preflight")
+        if args.preflight
+        else None
+    )
     script = render(template, opts, spec.run_dir, Path.cwd(), command, preflight)
     return script, spec.run_dir
 
@@ -237,7 +273,9 @@ def prepare_script(args: argparse.Namespace) -> tuple[str, Path]:
 def submit(script_path: Path) -> str:
     sbatch = shutil.which("sbatch")
     if sbatch is None:
-        raise SubmitError("sbatch not found: run on a SLURM submit host, or use --dry-run to only write the script")
+        raise SubmitError(
+            "sbatch not found: run on a SLURM submit host, or use --dry-run to only write the script"
+        )
     proc = subprocess.run([sbatch, "--parsable", str(script_path)], capture_output=True, text=True)
     if proc.returncode != 0:
         raise SubmitError(f"sbatch refused {script_path}: {(proc.stderr or proc.stdout).strip()}")
@@ -258,38 +296,76 @@ def cmd_slurm(args: argparse.Namespace) -> int:
     except SubmitError as exc:
         print(f"keel: error: {exc}", file=sys.stderr)
         return 1
-    print(f"keel: submitted job {job_id} | run dir {run_dir} | log {run_dir}/slurm-{job_id}.out", flush=True)
+    print(
+        f"keel: submitted job {job_id} | run dir {run_dir} | log {run_dir}/slurm-{job_id}.out",
+        flush=True,
+    )
     return 0
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("slurm", help="submit a training run to SLURM (requeues itself on preemption)",
-                       description="Render slurm/keel.sbatch for this run and submit it with sbatch. One SLURM "
-                                   "task per rank; on USR1/TERM the ranks checkpoint and exit 5, and the job "
-                                   "requeues itself and resumes from the run dir.")
+    p = sub.add_parser(
+        "slurm",
+        help="submit a training run to SLURM (requeues itself on preemption)",
+        description="Render slurm/keel.sbatch for this run and submit it with sbatch. One SLURM "
+        "task per rank; on USR1/TERM the ranks checkpoint and exit 5, and the job "
+        "requeues itself and resumes from the run dir.",
+    )
     p.add_argument("config", nargs="?", help="run YAML (default: the tiny built-in config)")
     p.add_argument("--ds-config", help="DeepSpeed JSON (default: train.ds_config)")
-    p.add_argument("--run-dir", help="shared-filesystem directory for checkpoints, metrics and the job log "
-                                     "(default: runs/<config name>); keep it the same to resume")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override a config field (repeatable)")
+    p.add_argument(
+        "--run-dir",
+        help="shared-filesystem directory for checkpoints, metrics and the job log "
+        "(default: runs/<config name>); keep it the same to resume",
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override a config field (repeatable)",
+    )
     p.add_argument("--nodes", type=int, default=1, help="nodes to allocate (default 1)")
-    p.add_argument("--gpus-per-node", type=int, default=0,
-                   help="GPUs per node, requested as --gres=gpu:G (default 0: a CPU job, no gres line)")
-    p.add_argument("--tasks-per-node", type=int,
-                   help="ranks per node, one SLURM task each (default: --gpus-per-node, or 1 without GPUs)")
-    p.add_argument("--cpus-per-task", type=int, help="CPUs per rank (default: the cluster's default)")
+    p.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=0,
+        help="GPUs per node, requested as --gres=gpu:G (default 0: a CPU job, no gres line)",
+    )
+    p.add_argument(
+        "--tasks-per-node",
+        type=int,
+        help="ranks per node, one SLURM task each (default: --gpus-per-node, or 1 without GPUs)",
+    )
+    p.add_argument(
+        "--cpus-per-task", type=int, help="CPUs per rank (default: the cluster's default)"
+    )
     p.add_argument("--time", help="time limit, e.g. 2-00:00:00 (default: the partition's)")
     p.add_argument("--partition", help="SLURM partition")
     p.add_argument("--account", help="SLURM account")
     p.add_argument("--job-name", help="job name (default: keel-<run dir name>)")
-    p.add_argument("--signal-lead", type=int, default=DEFAULT_SIGNAL_LEAD, metavar="SECONDS",
-                   help=f"send USR1 this long before the time limit (default {DEFAULT_SIGNAL_LEAD})")
-    p.add_argument("--sbatch", action="append", default=[], metavar="OPTION",
-                   help="an extra #SBATCH option, e.g. --sbatch=--qos=high (repeatable)")
+    p.add_argument(
+        "--signal-lead",
+        type=int,
+        default=DEFAULT_SIGNAL_LEAD,
+        metavar="SECONDS",
+        help=f"send USR1 this long before the time limit (default {DEFAULT_SIGNAL_LEAD})",
+    )
+    p.add_argument(
+        "--sbatch",
+        action="append",
+        default=[],
+        metavar="OPTION",
+        help="an extra #SBATCH option, e.g. --sbatch=--qos=high (repeatable)",
+    )
     p.add_argument("--python", help="python on the compute nodes (default: this one)")
     p.add_argument("--template", help=f"sbatch template (default: Keel's {TEMPLATE})")
-    p.add_argument("--preflight", action="store_true",
-                   help="run `keel preflight` as the job's first step; a bad node stops the job before training")
-    p.add_argument("--dry-run", action="store_true", help="print the script and write it to the run dir only")
+    p.add_argument(
+        "--preflight",
+        action="store_true",
+        help="run `keel preflight` as the job's first step; a bad node stops the job before training",
+    )
+    p.add_argument(
+        "--dry-run", action="store_true", help="print the script and write it to the run dir only"
+    )
     return p

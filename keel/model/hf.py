@@ -24,10 +24,18 @@ if TYPE_CHECKING:
 def llama_cannot_express(cfg: ModelConfig) -> str:
     """Why HF's Llama cannot hold this model's architecture ("" when it can): its blocks are pre-RMSNorm with
     plain residuals and no QK-norm. Init-only knobs (small_init, embedding_init_std) change nothing here."""
-    knobs = [f"model.norm_placement={cfg.norm_placement}" if cfg.norm_placement != "pre" else "",
-             "model.deepnorm=true" if cfg.deepnorm else "", "model.qk_norm=true" if cfg.qk_norm else ""]
+    knobs = [
+        f"model.norm_placement={cfg.norm_placement}" if cfg.norm_placement != "pre" else "",
+        "model.deepnorm=true" if cfg.deepnorm else "",
+        "model.qk_norm=true" if cfg.qk_norm else "",
+    ]
     knobs = [k for k in knobs if k]
-    return f"{', '.join(knobs)}: HF Llama has pre-norm blocks without QK-norm or scaled residuals" if knobs else ""
+    return (
+        f"{', '.join(knobs)}: HF Llama has pre-norm blocks without QK-norm or scaled residuals"
+        if knobs
+        else ""
+    )
+
 
 # (Keel name inside a Block, HF names inside model.layers.{i}: one per part of a fused weight, in part order)
 _BLOCK_NAMES = (
@@ -47,7 +55,9 @@ def _require_rmsnorm(cfg: ModelConfig) -> None:
     if cfg.norm != "rmsnorm":
         raise ValueError(f"HF Llama has no {cfg.norm}; only model.norm=rmsnorm converts")
     if cfg.moe_experts:
-        raise ValueError("HF Llama is dense; a model with model.moe_experts > 0 does not convert to LlamaForCausalLM")
+        raise ValueError(
+            "HF Llama is dense; a model with model.moe_experts > 0 does not convert to LlamaForCausalLM"
+        )
 
 
 def _name_map(cfg: ModelConfig) -> dict[str, tuple[str, ...]]:
@@ -55,7 +65,9 @@ def _name_map(cfg: ModelConfig) -> dict[str, tuple[str, ...]]:
     names = {"layers.0.tok_embeddings.weight": (_EMBED,)}
     for layer_id in range(cfg.n_layers):
         for keel, hf in _BLOCK_NAMES:
-            names[f"layers.{layer_id + 1}.{keel}"] = tuple(f"model.layers.{layer_id}.{part}" for part in hf)
+            names[f"layers.{layer_id + 1}.{keel}"] = tuple(
+                f"model.layers.{layer_id}.{part}" for part in hf
+            )
     names[f"layers.{cfg.n_layers + 1}.norm.weight"] = ("model.norm.weight",)
     names[f"layers.{cfg.n_layers + 2}.output.weight"] = (_HEAD,)
     return names
@@ -66,7 +78,9 @@ def to_hf_config(cfg: ModelConfig, max_position_embeddings: int = 8192) -> trans
 
     Token ids (bos/eos/pad) belong to the tokenizer and are left unset for the caller to fill in.
     """
-    from transformers import LlamaConfig  # ~3 s to import; keel.model imports this module, training never needs it
+    from transformers import (
+        LlamaConfig,
+    )  # ~3 s to import; keel.model imports this module, training never needs it
 
     _require_rmsnorm(cfg)
     if cfg.vocab_size <= 0:
@@ -105,7 +119,10 @@ def to_hf_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
     out = {}
     for keel, hf_names in names.items():
         parts = (state[keel],) if len(hf_names) == 1 else state[keel].unbind(0)
-        out.update((hf, _vocab_rows(part, hf, model.cfg.vocab_size)) for hf, part in zip(hf_names, parts, strict=True))
+        out.update(
+            (hf, _vocab_rows(part, hf, model.cfg.vocab_size))
+            for hf, part in zip(hf_names, parts, strict=True)
+        )
     return out
 
 
@@ -117,13 +134,17 @@ def from_hf_state_dict(model: CausalLM, state_dict: dict[str, torch.Tensor]) -> 
     _require_rmsnorm(model.cfg)
     names = _name_map(model.cfg)
     known = {hf for hf_names in names.values() for hf in hf_names}
-    unexpected = sorted(k for k in state_dict if k not in known and not k.endswith("rotary_emb.inv_freq"))
+    unexpected = sorted(
+        k for k in state_dict if k not in known and not k.endswith("rotary_emb.inv_freq")
+    )
     if unexpected:
         raise KeyError(f"HF state dict has keys with no Keel parameter: {unexpected}")
     tied = model.cfg.tie_embeddings
     if tied and _HEAD in state_dict and _EMBED in state_dict:
         if not torch.equal(state_dict[_HEAD], state_dict[_EMBED]):
-            raise ValueError("model.tie_embeddings is set but lm_head.weight differs from embed_tokens.weight")
+            raise ValueError(
+                "model.tie_embeddings is set but lm_head.weight differs from embed_tokens.weight"
+            )
     missing = sorted(hf for hf in known if hf not in state_dict and not (tied and hf == _HEAD))
     if missing:
         raise KeyError(f"HF state dict lacks {missing}")
@@ -135,8 +156,12 @@ def from_hf_state_dict(model: CausalLM, state_dict: dict[str, torch.Tensor]) -> 
             continue
         hf = hf_names[0]
         value = state_dict[_EMBED if tied and hf == _HEAD else hf]
-        if hf in (_EMBED, _HEAD) and value.shape[0] < own[keel].shape[0]:  # pad to Keel's padded vocabulary
-            value = torch.cat([value, value.new_zeros(own[keel].shape[0] - value.shape[0], value.shape[1])])
+        if (
+            hf in (_EMBED, _HEAD) and value.shape[0] < own[keel].shape[0]
+        ):  # pad to Keel's padded vocabulary
+            value = torch.cat(
+                [value, value.new_zeros(own[keel].shape[0] - value.shape[0], value.shape[1])]
+            )
         keel_state[keel] = value
     model.load_state_dict(keel_state, strict=True)
 
@@ -144,10 +169,14 @@ def from_hf_state_dict(model: CausalLM, state_dict: dict[str, torch.Tensor]) -> 
 def keel_names(cfg: ModelConfig) -> list[str]:
     """Keel `CausalLM` state-dict names in HF order (embedding, blocks, norm, head), the tied head left out."""
     _require_rmsnorm(cfg)
-    return [name for name, hf in _name_map(cfg).items() if not (cfg.tie_embeddings and hf == (_HEAD,))]
+    return [
+        name for name, hf in _name_map(cfg).items() if not (cfg.tie_embeddings and hf == (_HEAD,))
+    ]
 
 
-def hf_parts(cfg: ModelConfig, keel_name: str, logical: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+def hf_parts(
+    cfg: ModelConfig, keel_name: str, logical: torch.Tensor
+) -> list[tuple[str, torch.Tensor]]:
     """The HF tensors one logical Keel tensor (unpadded, unsharded) becomes: a fused weight's parts, each its own
     contiguous tensor (safetensors refuses tensors that share storage)."""
     hf_names = _name_map(cfg)[keel_name]

@@ -32,8 +32,10 @@ _INDEX = "model.safetensors.index.json"
 def _hf_config(hf_dir: Path) -> dict:
     config = hf_dir / "config.json"
     if not config.is_file():
-        raise ConfigError(f"model.init_from: {hf_dir} has no config.json; give a directory written by "
-                          "save_pretrained")
+        raise ConfigError(
+            f"model.init_from: {hf_dir} has no config.json; give a directory written by "
+            "save_pretrained"
+        )
     return json.loads(config.read_text())
 
 
@@ -45,17 +47,25 @@ def check_hf_dir(cfg: ModelConfig) -> None:
     hf = _hf_config(hf_dir)
     arch = (hf.get("architectures") or [hf.get("model_type", "unknown")])[0]
     if arch != "LlamaForCausalLM":
-        raise ConfigError(f"model.init_from: {hf_dir} holds a {arch}; Keel loads LlamaForCausalLM weights only")
+        raise ConfigError(
+            f"model.init_from: {hf_dir} holds a {arch}; Keel loads LlamaForCausalLM weights only"
+        )
     if cfg.norm != "rmsnorm" or cfg.moe_experts:
-        raise ConfigError("model.init_from: a Llama checkpoint loads only into a dense model.norm=rmsnorm model")
+        raise ConfigError(
+            "model.init_from: a Llama checkpoint loads only into a dense model.norm=rmsnorm model"
+        )
     if reason := llama_cannot_express(cfg):
         raise ConfigError(f"model.init_from: {reason}; set them back to load Llama weights")
     weight_files(hf_dir)
     rope = hf.get("rope_parameters") or {}
     expected = {
-        "dim": (cfg.dim, hf.get("hidden_size")), "n_layers": (cfg.n_layers, hf.get("num_hidden_layers")),
+        "dim": (cfg.dim, hf.get("hidden_size")),
+        "n_layers": (cfg.n_layers, hf.get("num_hidden_layers")),
         "n_heads": (cfg.n_heads, hf.get("num_attention_heads")),
-        "n_kv_heads": (cfg.n_kv_heads, hf.get("num_key_value_heads", hf.get("num_attention_heads"))),
+        "n_kv_heads": (
+            cfg.n_kv_heads,
+            hf.get("num_key_value_heads", hf.get("num_attention_heads")),
+        ),
         "ffn_dim": (cfg.ffn_dim, hf.get("intermediate_size")),
         "rope_theta": (cfg.rope_theta, rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
         "norm_eps": (cfg.norm_eps, hf.get("rms_norm_eps")),
@@ -64,18 +74,34 @@ def check_hf_dir(cfg: ModelConfig) -> None:
     }
     if cfg.vocab_size:
         expected["vocab_size"] = (cfg.vocab_size, hf.get("vocab_size"))
-    hf_keys = {"dim": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
-               "n_kv_heads": "num_key_value_heads", "ffn_dim": "intermediate_size", "rope_theta": "rope_theta",
-               "norm_eps": "rms_norm_eps", "tie_embeddings": "tie_word_embeddings", "vocab_size": "vocab_size",
-               "head_dim (dim / n_heads)": "head_dim"}
-    problems = [f"model.init_from: model.{key}={ours} but {hf_dir}/config.json has {hf_keys[key]}={theirs}"
-                for key, (ours, theirs) in expected.items() if ours != theirs]
+    hf_keys = {
+        "dim": "hidden_size",
+        "n_layers": "num_hidden_layers",
+        "n_heads": "num_attention_heads",
+        "n_kv_heads": "num_key_value_heads",
+        "ffn_dim": "intermediate_size",
+        "rope_theta": "rope_theta",
+        "norm_eps": "rms_norm_eps",
+        "tie_embeddings": "tie_word_embeddings",
+        "vocab_size": "vocab_size",
+        "head_dim (dim / n_heads)": "head_dim",
+    }
+    problems = [
+        f"model.init_from: model.{key}={ours} but {hf_dir}/config.json has {hf_keys[key]}={theirs}"
+        for key, (ours, theirs) in expected.items()
+        if ours != theirs
+    ]
     unsupported = {"attention_bias": False, "mlp_bias": False, "hidden_act": "silu"}
-    problems += [f"model.init_from: {hf_dir}/config.json has {key}={hf[key]!r}; Keel's Llama has {value!r}"
-                 for key, value in unsupported.items() if key in hf and hf[key] != value]
+    problems += [
+        f"model.init_from: {hf_dir}/config.json has {key}={hf[key]!r}; Keel's Llama has {value!r}"
+        for key, value in unsupported.items()
+        if key in hf and hf[key] != value
+    ]
     if rope.get("rope_type", "default") != "default" or hf.get("rope_scaling"):
-        problems.append(f"model.init_from: {hf_dir}/config.json scales RoPE ({rope or hf.get('rope_scaling')}); "
-                        "Keel has plain RoPE only")
+        problems.append(
+            f"model.init_from: {hf_dir}/config.json scales RoPE ({rope or hf.get('rope_scaling')}); "
+            "Keel has plain RoPE only"
+        )
     if problems:
         raise ConfigError("\n".join(problems))
 
@@ -92,8 +118,10 @@ def weight_files(hf_dir: Path) -> dict[str, Path]:
             return dict.fromkeys(handle.keys(), single)
     pickles = sorted(p.name for p in hf_dir.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
     if pickles:
-        raise ConfigError(f"model.init_from: {hf_dir} has pickle weights ({pickles[0]}), which Keel does not load "
-                          "(unpickling runs code); re-save them with save_pretrained(safe_serialization=True)")
+        raise ConfigError(
+            f"model.init_from: {hf_dir} has pickle weights ({pickles[0]}), which Keel does not load "
+            "(unpickling runs code); re-save them with save_pretrained(safe_serialization=True)"
+        )
     raise ConfigError(f"model.init_from: {hf_dir} has no model.safetensors or {_INDEX}")
 
 
@@ -113,15 +141,21 @@ class HFWeights:
             self._open[path] = safe_open(str(path), framework="pt")
         return self._open[path].get_slice(name)
 
-    def window(self, name: str, rows: tuple[int, int], cols: tuple[int, int] | None) -> torch.Tensor:
+    def window(
+        self, name: str, rows: tuple[int, int], cols: tuple[int, int] | None
+    ) -> torch.Tensor:
         """Rows [r0, r1) (and columns [c0, c1)) of an HF tensor as fp32, zero past its last row (vocab padding)."""
         part = self.slice(name)
         shape = part.get_shape()
         r1 = min(rows[1], shape[0])
         if cols is None:
-            values = part[rows[0]:r1] if rows[0] < r1 else torch.empty(0)
+            values = part[rows[0] : r1] if rows[0] < r1 else torch.empty(0)
         else:
-            values = part[rows[0]:r1, cols[0]:cols[1]] if rows[0] < r1 else torch.empty(0, cols[1] - cols[0])
+            values = (
+                part[rows[0] : r1, cols[0] : cols[1]]
+                if rows[0] < r1
+                else torch.empty(0, cols[1] - cols[0])
+            )
         values = values.float()
         if r1 - rows[0] < rows[1] - rows[0]:
             pad = torch.zeros((rows[1] - max(r1, rows[0]), *values.shape[1:]))
@@ -155,13 +189,15 @@ def _writer(weights: HFWeights, param: nn.Parameter, names: tuple[str, ...]):
             col_window = (col0, col0 + cols) if len(part_shape) > 1 else None
             values = weights.window(name, (row0 + first, row0 + last), col_window).reshape(-1)
             offset = lo - index * part_numel - first * cols
-            out[lo - start:hi - start].copy_(values[offset:offset + hi - lo])
+            out[lo - start : hi - start].copy_(values[offset : offset + hi - lo])
 
     return write
 
 
 @torch.no_grad()
-def load_hf_weights(layers: list[tuple[int, nn.Module]], cfg: ModelConfig, placement: Placement | None = None) -> None:
+def load_hf_weights(
+    layers: list[tuple[int, nn.Module]], cfg: ModelConfig, placement: Placement | None = None
+) -> None:
     """Overwrite the parameters of `layers` ((index in the full layer list, layer) pairs: a whole model or one
     pipeline stage) with `cfg.init_from`'s values, each rank reading only what it holds."""
     weights = HFWeights(Path(cfg.init_from).expanduser())
@@ -171,5 +207,9 @@ def load_hf_weights(layers: list[tuple[int, nn.Module]], cfg: ModelConfig, place
             if id(param) in done:
                 continue
             done.add(id(param))
-            key = "layers.0.tok_embeddings.weight" if isinstance(layer, EmbeddingLayer) else f"layers.{index}.{name}"
+            key = (
+                "layers.0.tok_embeddings.weight"
+                if isinstance(layer, EmbeddingLayer)
+                else f"layers.{index}.{name}"
+            )
             (placement or Placement()).fill(param, _writer(weights, param, hf_sources(cfg, key)))

@@ -42,7 +42,9 @@ def block_generator(seed: int, index: int, name: str, block: int) -> torch.Gener
     return torch.Generator().manual_seed(int.from_bytes(digest[:4], "little"))
 
 
-def _draw(rows: int, width: int, std: float, truncated: bool, generator: torch.Generator) -> torch.Tensor:
+def _draw(
+    rows: int, width: int, std: float, truncated: bool, generator: torch.Generator
+) -> torch.Tensor:
     values = torch.empty(rows, width, dtype=torch.float32)
     if truncated:
         nn.init.trunc_normal_(values, 0.0, std, -3.0 * std, 3.0 * std, generator=generator)
@@ -51,8 +53,17 @@ def _draw(rows: int, width: int, std: float, truncated: bool, generator: torch.G
     return values
 
 
-def fill_rows_(out: torch.Tensor, full_shape: tuple[int, ...], rows: tuple[int, int], cols: tuple[int, int],
-               std: float, truncated: bool, seed: int, index: int, name: str) -> None:
+def fill_rows_(
+    out: torch.Tensor,
+    full_shape: tuple[int, ...],
+    rows: tuple[int, int],
+    cols: tuple[int, int],
+    std: float,
+    truncated: bool,
+    seed: int,
+    index: int,
+    name: str,
+) -> None:
     """Fill `out` [rows, cols] (flattened trailing dims) with the logical tensor's window `rows` × `cols`.
 
     Positions past the logical tensor (vocabulary padding) are zero. Values are drawn in fp32 on the CPU, one
@@ -69,14 +80,25 @@ def fill_rows_(out: torch.Tensor, full_shape: tuple[int, ...], rows: tuple[int, 
     for block in range(first // per_block, (last - 1) // per_block + 1):
         start = block * per_block
         stop = min(start + per_block, total_rows)
-        values = _draw(stop - start, width, std, truncated, block_generator(seed, index, name, block))
+        values = _draw(
+            stop - start, width, std, truncated, block_generator(seed, index, name, block)
+        )
         lo, hi = max(start, first), min(stop, last)
-        out[lo - first:hi - first, :col_end - cols[0]].copy_(values[lo - start:hi - start, cols[0]:col_end])
+        out[lo - first : hi - first, : col_end - cols[0]].copy_(
+            values[lo - start : hi - start, cols[0] : col_end]
+        )
 
 
-def fill_shard_(param: torch.Tensor, std: float | tuple[float, ...], truncated: bool, seed: int, index: int,
-                name: str | tuple[str, ...],
-                out: torch.Tensor | None = None, flat: tuple[int, int] | None = None) -> None:
+def fill_shard_(
+    param: torch.Tensor,
+    std: float | tuple[float, ...],
+    truncated: bool,
+    seed: int,
+    index: int,
+    name: str | tuple[str, ...],
+    out: torch.Tensor | None = None,
+    flat: tuple[int, int] | None = None,
+) -> None:
     """Fill this rank's shard of a parameter marked by `mark_sharded` (or a whole unmarked parameter).
 
     With `flat` = (start, end), `out` is only that window of the flattened shard (a ZeRO-3 partition): it is
@@ -93,12 +115,25 @@ def fill_shard_(param: torch.Tensor, std: float | tuple[float, ...], truncated: 
     if isinstance(name, str):
         if isinstance(std, tuple):
             raise ValueError(f"one std per part ({std}) for the unfused parameter {name}")
-        _fill_part(param.data if out is None else out, shape, full_shape, dim, rank, flat, std, truncated, seed,
-                   index, name)
+        _fill_part(
+            param.data if out is None else out,
+            shape,
+            full_shape,
+            dim,
+            rank,
+            flat,
+            std,
+            truncated,
+            seed,
+            index,
+            name,
+        )
         return
     if full_shape[0] != len(name) or dim == 0:
-        raise ValueError(f"a fused parameter of logical shape {full_shape} (split on dim {dim}) has no {len(name)} "
-                         "parts on dim 0")
+        raise ValueError(
+            f"a fused parameter of logical shape {full_shape} (split on dim {dim}) has no {len(name)} "
+            "parts on dim 0"
+        )
     part_numel = math.prod(shape[1:])
     part_dim = None if dim is None else dim - 1
     stds = std if isinstance(std, tuple) else (std,) * len(name)
@@ -112,13 +147,38 @@ def fill_shard_(param: torch.Tensor, std: float | tuple[float, ...], truncated: 
             lo, hi = max(lo, flat[0]), min(hi, flat[1])
             if lo >= hi:
                 continue
-            target, window = out[lo - flat[0]:hi - flat[0]], (lo - part * part_numel, hi - part * part_numel)
-        _fill_part(target, shape[1:], full_shape[1:], part_dim, rank, window, part_std, truncated, seed, index,
-                   part_name)
+            target, window = (
+                out[lo - flat[0] : hi - flat[0]],
+                (lo - part * part_numel, hi - part * part_numel),
+            )
+        _fill_part(
+            target,
+            shape[1:],
+            full_shape[1:],
+            part_dim,
+            rank,
+            window,
+            part_std,
+            truncated,
+            seed,
+            index,
+            part_name,
+        )
 
 
-def _fill_part(out: torch.Tensor, shape: tuple[int, ...], full_shape: tuple[int, ...], dim: int | None, rank: int,
-               flat: tuple[int, int] | None, std: float, truncated: bool, seed: int, index: int, name: str) -> None:
+def _fill_part(
+    out: torch.Tensor,
+    shape: tuple[int, ...],
+    full_shape: tuple[int, ...],
+    dim: int | None,
+    rank: int,
+    flat: tuple[int, int] | None,
+    std: float,
+    truncated: bool,
+    seed: int,
+    index: int,
+    name: str,
+) -> None:
     """`fill_shard_` for one logical tensor: `shape` is the shard's, cut from `full_shape` on `dim` at `rank`."""
     local_rows, local_cols = shape[0], math.prod(shape[1:])
     rows = (rank * local_rows, (rank + 1) * local_rows) if dim == 0 else (0, local_rows)
@@ -131,9 +191,21 @@ def _fill_part(out: torch.Tensor, shape: tuple[int, ...], full_shape: tuple[int,
     for first in range(start // local_cols, -(-end // local_cols), chunk):
         last = min(first + chunk, local_rows)
         values = torch.empty(last - first, local_cols, dtype=torch.float32)
-        fill_rows_(values, full_shape, (rows[0] + first, rows[0] + last), cols, std, truncated, seed, index, name)
+        fill_rows_(
+            values,
+            full_shape,
+            (rows[0] + first, rows[0] + last),
+            cols,
+            std,
+            truncated,
+            seed,
+            index,
+            name,
+        )
         lo, hi = max(start, first * local_cols), min(end, last * local_cols)
-        out[lo - start:hi - start].copy_(values.view(-1)[lo - first * local_cols:hi - first * local_cols])
+        out[lo - start : hi - start].copy_(
+            values.view(-1)[lo - first * local_cols : hi - first * local_cols]
+        )
 
 
 # -- which std each matrix gets ----------------------------------------------------------------------------

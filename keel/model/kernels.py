@@ -27,7 +27,10 @@ from keel.config import ConfigError
 
 @functools.cache
 def liger_importable() -> bool:
-    return importlib.util.find_spec("liger_kernel") is not None and importlib.util.find_spec("triton") is not None
+    return (
+        importlib.util.find_spec("liger_kernel") is not None
+        and importlib.util.find_spec("triton") is not None
+    )
 
 
 def resolve(kernels: str) -> str:
@@ -37,9 +40,13 @@ def resolve(kernels: str) -> str:
     if kernels == "auto":
         return "liger" if torch.cuda.is_available() and liger_importable() else "torch"
     if kernels == "liger" and not (liger_importable() and runnable):
-        why = "liger_kernel/triton are not installed" if not liger_importable() else "no CUDA device"
-        raise ConfigError(f"model.kernels=liger: {why}; install liger-kernel on a CUDA machine or set "
-                          "model.kernels=torch")
+        why = (
+            "liger_kernel/triton are not installed" if not liger_importable() else "no CUDA device"
+        )
+        raise ConfigError(
+            f"model.kernels=liger: {why}; install liger-kernel on a CUDA machine or set "
+            "model.kernels=torch"
+        )
     return kernels
 
 
@@ -66,8 +73,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + _rotate_half(x) * sin
 
 
-def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-           liger: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, liger: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE on q [b, heads, s, d] and k [b, kv_heads, s, d] with [s, d] tables, or per-row [b, s, d] ones
     (document masking: torch path only) (HF's rotate_half convention)."""
     if cos.dim() == 3:
@@ -90,8 +98,15 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, liger: bool) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, vocab_size: int,
-                               label_smoothing: float, z_loss: float, ignore_index: int = -100) -> torch.Tensor:
+def fused_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    vocab_size: int,
+    label_smoothing: float,
+    z_loss: float,
+    ignore_index: int = -100,
+) -> torch.Tensor:
     """Mean over non-ignored tokens of `cross_entropy_reference(hidden @ weight[:vocab_size].T, labels)` by
     Liger's chunked kernel; the padding rows of the (padded) head are sliced off, so they get no gradient.
     Gradients accumulate in fp32 whatever the weight's dtype (many chunks add into one weight gradient)."""
@@ -99,6 +114,17 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
     from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
 
     loss, *_ = LigerFusedLinearCrossEntropyFunction.apply(
-        hidden.flatten(0, -2), weight[:vocab_size], labels.flatten(), None, None, ignore_index, z_loss,
-        label_smoothing, "mean", None, False, torch.float32)
+        hidden.flatten(0, -2),
+        weight[:vocab_size],
+        labels.flatten(),
+        None,
+        None,
+        ignore_index,
+        z_loss,
+        label_smoothing,
+        "mean",
+        None,
+        False,
+        torch.float32,
+    )
     return loss

@@ -33,8 +33,13 @@ from keel.parallel.ulysses import ulysses_attention
 class RMSNorm(nn.Module):
     """Root-mean-square norm, computed in fp32 and cast back before the weight (exactly as HF's LlamaRMSNorm)."""
 
-    def __init__(self, dim: int, eps: float = 1e-5, parallel: LayerParallel = NO_PARALLEL,
-                 kernels: str = "torch") -> None:
+    def __init__(
+        self,
+        dim: int,
+        eps: float = 1e-5,
+        parallel: LayerParallel = NO_PARALLEL,
+        kernels: str = "torch",
+    ) -> None:
         super().__init__()
         self.eps = eps
         self.tp = parallel.tp
@@ -58,8 +63,13 @@ class LayerNorm(nn.Module):
     """LayerNorm with bias; like RMSNorm, its parameters' gradients are summed over TP under SP. `kernels` is
     accepted for a uniform signature: `F.layer_norm` is already one fused kernel on every device."""
 
-    def __init__(self, dim: int, eps: float = 1e-5, parallel: LayerParallel = NO_PARALLEL,
-                 kernels: str = "torch") -> None:
+    def __init__(
+        self,
+        dim: int,
+        eps: float = 1e-5,
+        parallel: LayerParallel = NO_PARALLEL,
+        kernels: str = "torch",
+    ) -> None:
         super().__init__()
         self.eps = eps
         self.tp = parallel.tp
@@ -73,7 +83,10 @@ class LayerNorm(nn.Module):
 
 
 # The norm class by model.norm; keyed by exactly keel.config.NORMS (tested), which validate_model checks against.
-NORM_CLASSES: dict[str, type[RMSNorm] | type[LayerNorm]] = {"rmsnorm": RMSNorm, "layernorm": LayerNorm}
+NORM_CLASSES: dict[str, type[RMSNorm] | type[LayerNorm]] = {
+    "rmsnorm": RMSNorm,
+    "layernorm": LayerNorm,
+}
 
 
 def make_norm(cfg: ModelConfig, parallel: LayerParallel = NO_PARALLEL) -> nn.Module:
@@ -91,8 +104,13 @@ class HeadNorm(nn.Module):
     runs on this rank's sequence chunk before the all-to-all, like the projections.
     """
 
-    def __init__(self, head_dim: int, eps: float, parallel: LayerParallel = NO_PARALLEL,
-                 kernels: str = "torch") -> None:
+    def __init__(
+        self,
+        head_dim: int,
+        eps: float,
+        parallel: LayerParallel = NO_PARALLEL,
+        kernels: str = "torch",
+    ) -> None:
         super().__init__()
         self.eps = eps
         self.tp = parallel.tp
@@ -123,11 +141,15 @@ class RotaryEmbedding(nn.Module):
         self._built_dtype: torch.dtype | None = None
 
     def _build(self, seq_len: int, device: torch.device, dtype: torch.dtype) -> None:
-        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device) / self.head_dim
+        exponents = (
+            torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device) / self.head_dim
+        )
         inv_freq = 1.0 / (self.theta**exponents)
         positions = torch.arange(seq_len, dtype=torch.float32, device=device)
         freqs = torch.outer(positions, inv_freq)
-        angles = torch.cat((freqs, freqs), dim=-1)  # rotate_half layout: [θ_0..θ_{d/2-1}, θ_0..θ_{d/2-1}]
+        angles = torch.cat(
+            (freqs, freqs), dim=-1
+        )  # rotate_half layout: [θ_0..θ_{d/2-1}, θ_0..θ_{d/2-1}]
         self.cos = angles.cos().to(dtype)
         self.sin = angles.sin().to(dtype)
         self._built_dtype = dtype
@@ -171,7 +193,9 @@ class Attention(nn.Module):
         kv_dim = cfg.n_kv_heads * cfg.head_dim
         self.kv_replicated = cfg.n_kv_heads % tp.size != 0
         self.wq = ColumnParallelLinear(cfg.dim, cfg.n_heads * cfg.head_dim, tp)
-        self.wkv = FusedColumnParallelLinear(cfg.dim, kv_dim, TPContext() if self.kv_replicated else tp, ("wk", "wv"))
+        self.wkv = FusedColumnParallelLinear(
+            cfg.dim, kv_dim, TPContext() if self.kv_replicated else tp, ("wk", "wv")
+        )
         self.wo = RowParallelLinear(cfg.n_heads * cfg.head_dim, cfg.dim, tp)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
         if cfg.qk_norm:
@@ -183,7 +207,9 @@ class Attention(nn.Module):
         self.logit_probe: torch.Tensor | None = None
         self.liger = resolve(cfg.kernels) == "liger"
         heads_per_rank, n_rep = cfg.n_heads // tp.size, cfg.n_heads // cfg.n_kv_heads
-        self.kv_head = (tp.rank * heads_per_rank) // n_rep  # the one kv head used here when replicated
+        self.kv_head = (
+            tp.rank * heads_per_rank
+        ) // n_rep  # the one kv head used here when replicated
         self.sp_size = sp.size
         self.ulysses = ulysses_attention(self._attend, sp) if sp.size > 1 else None
 
@@ -203,13 +229,20 @@ class Attention(nn.Module):
         if self.ulysses is None:
             out = self._attend(q, k, v, document)
         else:
-            if k.shape[2] % self.sp_size:  # too few kv heads to split over sp: send one per query head
+            if (
+                k.shape[2] % self.sp_size
+            ):  # too few kv heads to split over sp: send one per query head
                 k, v = (t.repeat_interleave(q.shape[2] // k.shape[2], dim=2) for t in (k, v))
             out = self.ulysses(q, k, v, 0)
         return exit(self.wo(out.reshape(b, s, -1)), self.tp)
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                document: DocumentLayout | None = None) -> torch.Tensor:
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        document: DocumentLayout | None = None,
+    ) -> torch.Tensor:
         """Causal attention over [b, s, heads, head_dim] inputs (full sequence), RoPE included; with a
         `document` layout, block-diagonal causal with per-document positions (the torch RoPE path: [b, s, d]
         tables)."""
@@ -221,7 +254,9 @@ class Attention(nn.Module):
             q, k = rotary(q, k, cos, sin, self.liger)
             if self.logit_probe is not None:
                 record_max_logit(self.logit_probe, q, k, None)
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa).transpose(1, 2)
+            return F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, enable_gqa=gqa
+            ).transpose(1, 2)
         cos, sin = self.rotary.at(q, document.positions)
         q, k = rotary(q, k, cos, sin, liger=False)
         if self.logit_probe is not None:
@@ -235,7 +270,9 @@ PROBE_BLOCK_ELEMENTS = 1 << 24
 
 
 @torch.no_grad()
-def record_max_logit(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> None:
+def record_max_logit(
+    out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None
+) -> None:
     """`out` ← max(out, the largest q·kᵀ/√d over the pairs attention uses): causal, or `mask` [b, 1, s, s].
 
     q [b, heads, s, d] and k [b, kv_heads, s, d] after RoPE (and QK-norm); query heads read their kv group as
@@ -250,7 +287,9 @@ def record_max_logit(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, mask: 
     best = torch.full((), float("-inf"), device=q.device)
     for start in range(0, s, rows):
         stop = min(s, start + rows)
-        scores = qg[:, :, :, start:stop] @ kf.transpose(-1, -2) / d**0.5  # [b, groups, rep, rows, s]
+        scores = (
+            qg[:, :, :, start:stop] @ kf.transpose(-1, -2) / d**0.5
+        )  # [b, groups, rep, rows, s]
         if mask is None:
             allowed = torch.ones(stop - start, s, dtype=torch.bool, device=q.device).tril(start)
         else:
@@ -267,7 +306,9 @@ class SwiGLU(nn.Module):
     callers that are already inside one (the experts and shared expert of an MoE layer).
     """
 
-    def __init__(self, cfg: ModelConfig, parallel: LayerParallel = NO_PARALLEL, hidden: int | None = None) -> None:
+    def __init__(
+        self, cfg: ModelConfig, parallel: LayerParallel = NO_PARALLEL, hidden: int | None = None
+    ) -> None:
         super().__init__()
         self.tp = parallel.tp
         hidden = hidden or cfg.ffn_dim

@@ -56,7 +56,9 @@ class EmbeddingLayer(nn.Module):
         super().__init__()
         self.tp = parallel.tp
         self.sp = parallel.sp
-        self.tok_embeddings = VocabParallelEmbedding(cfg.vocab_size, vocab_rows(cfg, parallel), cfg.dim, self.tp)
+        self.tok_embeddings = VocabParallelEmbedding(
+            cfg.vocab_size, vocab_rows(cfg, parallel), cfg.dim, self.tp
+        )
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return exit(self.tok_embeddings(sequence_chunk(tokens, self.sp)), self.tp)
@@ -79,7 +81,9 @@ class Block(nn.Module):
     `model.moe_every`-th block.
     """
 
-    def __init__(self, cfg: ModelConfig, layer_id: int, parallel: LayerParallel = NO_PARALLEL) -> None:
+    def __init__(
+        self, cfg: ModelConfig, layer_id: int, parallel: LayerParallel = NO_PARALLEL
+    ) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.placement = cfg.norm_placement
@@ -91,20 +95,31 @@ class Block(nn.Module):
         self.attention_out_norm = make_norm(cfg, parallel) if sandwich else None
         self.ffn_out_norm = make_norm(cfg, parallel) if sandwich else None
         if is_moe_block(cfg, layer_id):
-            from keel.model.moe import MoE  # imports DeepSpeed (~1.5 s, a stdout notice on CPU): dense models never do
+            from keel.model.moe import (
+                MoE,
+            )  # imports DeepSpeed (~1.5 s, a stdout notice on CPU): dense models never do
 
             self.feed_forward = MoE(cfg, parallel, layer_id)
         else:
             self.feed_forward = SwiGLU(cfg, parallel)
-        self.tp = parallel.tp  # its sharded_rng: dropout on sequence shards (and found there by checkpoints)
+        self.tp = (
+            parallel.tp
+        )  # its sharded_rng: dropout on sequence shards (and found there by checkpoints)
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, document: DocumentLayout | None = None) -> torch.Tensor:
-        x = self._residual(x, lambda h: self.attention(h, document), self.attention_norm, self.attention_out_norm)
+        x = self._residual(
+            x, lambda h: self.attention(h, document), self.attention_norm, self.attention_out_norm
+        )
         return self._residual(x, self.feed_forward, self.ffn_norm, self.ffn_out_norm)
 
-    def _residual(self, x: torch.Tensor, branch: Callable[[torch.Tensor], torch.Tensor], norm: nn.Module,
-                  out_norm: nn.Module | None) -> torch.Tensor:
+    def _residual(
+        self,
+        x: torch.Tensor,
+        branch: Callable[[torch.Tensor], torch.Tensor],
+        norm: nn.Module,
+        out_norm: nn.Module | None,
+    ) -> torch.Tensor:
         if self.placement == "post":
             skip = x * self.residual_scale if self.residual_scale != 1.0 else x
             return norm(skip + self._dropout(branch(x)))
@@ -137,8 +152,12 @@ class OutputLayer(nn.Module):
     `EmbeddingLayer.project` (DeepSpeed's tied-layer mechanism keeps the two copies equal).
     """
 
-    def __init__(self, cfg: ModelConfig, tied_embedding: nn.Module | None = None,
-                 parallel: LayerParallel = NO_PARALLEL) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        tied_embedding: nn.Module | None = None,
+        parallel: LayerParallel = NO_PARALLEL,
+    ) -> None:
         super().__init__()
         tp = self.tp = parallel.tp
         if tied_embedding is None:
@@ -155,8 +174,12 @@ class OutputLayer(nn.Module):
             )
         self.output = _HeadProjection(tied_embedding.weight)
 
-    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None,
-                loss_fn: VocabParallelLoss | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        loss_fn: VocabParallelLoss | None = None,
+    ) -> torch.Tensor:
         """Logits, or — given `labels` and a `loss_fn` that fuses — the loss straight from the hidden states."""
         return self.output(enter(x, self.tp), labels, loss_fn)
 
@@ -169,8 +192,12 @@ class _HeadProjection(nn.Module):
         super().__init__()
         self.weight = weight
 
-    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None,
-                loss_fn: VocabParallelLoss | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        loss_fn: VocabParallelLoss | None = None,
+    ) -> torch.Tensor:
         if labels is not None and loss_fn is not None:
             return loss_fn.fused(x, self.weight, labels)
         return F.linear(x, self.weight)
@@ -215,9 +242,16 @@ def init_key(name: str, param: torch.Tensor) -> str | tuple[str, ...]:
 
 # Whether model.init draws from the ±3σ truncated normal; keyed by exactly keel.config.INITS (tested).
 TRUNCATED_BY_INIT = {"normal": False, "truncated_normal": True, "small_init": False}
+
+
 @torch.no_grad()
-def init_weights(layers: Iterable[nn.Module], cfg: ModelConfig, seed: int, first_index: int = 0,
-                 placement: Placement | None = None) -> None:
+def init_weights(
+    layers: Iterable[nn.Module],
+    cfg: ModelConfig,
+    seed: int,
+    first_index: int = 0,
+    placement: Placement | None = None,
+) -> None:
     """Initialise `layers` deterministically and independently of how the full layer list is split or sharded.
 
     Matrices (embedding, projections, head) get N(0, std²), or the ±3σ truncated normal when
@@ -232,37 +266,64 @@ def init_weights(layers: Iterable[nn.Module], cfg: ModelConfig, seed: int, first
     layer 0's `tok_embeddings.weight`. `placement.fill` writes each value where the parameter keeps it (under
     ZeRO-3: only this rank's partition).
     """
-    truncated = TRUNCATED_BY_INIT[cfg.init]  # cfg was validated: by build_layers, or as the run's config
-    done: set[int] = set()  # a Parameter shared between layers is initialised once, by its first owner
+    truncated = TRUNCATED_BY_INIT[
+        cfg.init
+    ]  # cfg was validated: by build_layers, or as the run's config
+    done: set[int] = (
+        set()
+    )  # a Parameter shared between layers is initialised once, by its first owner
     for offset, layer in enumerate(layers):
         index = first_index + offset
         for name, param in layer.named_parameters():
             if id(param) in done:
                 continue
             done.add(id(param))
-            (placement or Placement()).fill(param, _writer(layer, index, name, param, cfg, seed, truncated))
+            (placement or Placement()).fill(
+                param, _writer(layer, index, name, param, cfg, seed, truncated)
+            )
 
 
-def _writer(layer: nn.Module, index: int, name: str, param: nn.Parameter, cfg: ModelConfig, seed: int,
-            truncated: bool) -> Callable[[torch.Tensor, tuple[int, int] | None], None]:
+def _writer(
+    layer: nn.Module,
+    index: int,
+    name: str,
+    param: nn.Parameter,
+    cfg: ModelConfig,
+    seed: int,
+    truncated: bool,
+) -> Callable[[torch.Tensor, tuple[int, int] | None], None]:
     """How `param`'s value (or a flat window of it) is written: drawn blocks, zeros (biases) or ones (norms)."""
     if len(logical_shape(param)) >= 2:
-        tied_head = isinstance(layer, OutputLayer) and cfg.tie_embeddings and name == "output.weight"
-        if tied_head or isinstance(layer, EmbeddingLayer):  # every copy of the table draws as layer 0's
-            std, key_index, key = cfg.embedding_init_std or base_init_std(cfg), 0, "tok_embeddings.weight"
+        tied_head = (
+            isinstance(layer, OutputLayer) and cfg.tie_embeddings and name == "output.weight"
+        )
+        if tied_head or isinstance(
+            layer, EmbeddingLayer
+        ):  # every copy of the table draws as layer 0's
+            std, key_index, key = (
+                cfg.embedding_init_std or base_init_std(cfg),
+                0,
+                "tok_embeddings.weight",
+            )
         else:
             std, key_index, key = matrix_init_std(name, cfg), index, init_key(name, param)
-        return lambda out, flat: fill_shard_(param, std, truncated, seed, key_index, key, out=out, flat=flat)
+        return lambda out, flat: fill_shard_(
+            param, std, truncated, seed, key_index, key, out=out, flat=flat
+        )
     value = 0.0 if name.endswith("bias") else 1.0
     return lambda out, flat: out.fill_(value)
 
 
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+def causal_lm_loss(
+    logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100
+) -> torch.Tensor:
     """Mean next-token cross-entropy in fp32; `labels[b, t]` is the target for `logits[b, t]` (already shifted).
 
     Positions labelled `ignore_index` are excluded from the mean. Also the pipeline's `loss_fn(outputs, labels)`.
     """
-    return F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), ignore_index=ignore_index)
+    return F.cross_entropy(
+        logits.float().flatten(0, -2), labels.flatten(), ignore_index=ignore_index
+    )
 
 
 class CausalLM(nn.Module):
@@ -272,12 +333,22 @@ class CausalLM(nn.Module):
     the layers are built and materialized (default: meta, then fp32 on the CPU).
     """
 
-    def __init__(self, cfg: ModelConfig, seed: int = 0, parallel: LayerParallel = NO_PARALLEL,
-                 label_smoothing: float = 0.0, z_loss: float = 0.0, checkpoint_interval: int = 0,
-                 placement: Placement | None = None, document_eos: int | None = None) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        seed: int = 0,
+        parallel: LayerParallel = NO_PARALLEL,
+        label_smoothing: float = 0.0,
+        z_loss: float = 0.0,
+        checkpoint_interval: int = 0,
+        placement: Placement | None = None,
+        document_eos: int | None = None,
+    ) -> None:
         super().__init__()
         self.cfg = cfg
-        self.document_eos = document_eos  # data.document_mask: attention and positions restart after this id
+        self.document_eos = (
+            document_eos  # data.document_mask: attention and positions restart after this id
+        )
         self.checkpoint_interval = checkpoint_interval
         placement = placement or Placement()  # on meta, then this rank's shards on the CPU in fp32
         self.layers = nn.ModuleList(placement.build(lambda: build_layers(cfg, parallel)))
@@ -286,19 +357,29 @@ class CausalLM(nn.Module):
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (this rank's vocabulary shard, padding included) or, given `labels`, the mean loss."""
-        fused = labels is not None and getattr(self.loss_fn, "fuses_head", False)  # any callable(logits, labels) works
+        fused = labels is not None and getattr(
+            self.loss_fn, "fuses_head", False
+        )  # any callable(logits, labels) works
         layers = self.layers[:-1] if fused else self.layers
         h = tokens
         document = None if self.document_eos is None else document_layout(tokens, self.document_eos)
-        step = self.checkpoint_interval if self.training and self.checkpoint_interval > 0 else len(self.layers)
+        step = (
+            self.checkpoint_interval
+            if self.training and self.checkpoint_interval > 0
+            else len(self.layers)
+        )
         for start in range(0, len(layers), step):
-            chunk = layers[start:start + step]
+            chunk = layers[start : start + step]
             if step < len(self.layers) and torch.is_grad_enabled():
                 # recompute this chunk's activations in backward (as the pipeline does every N layers)
-                h = torch.utils.checkpoint.checkpoint(_run_layers, chunk, h, document, use_reentrant=False)
+                h = torch.utils.checkpoint.checkpoint(
+                    _run_layers, chunk, h, document, use_reentrant=False
+                )
             else:
                 h = _run_layers(chunk, h, document)
-        if fused:  # through the head's own call, so hooks on it (non-finite localization) still see it
+        if (
+            fused
+        ):  # through the head's own call, so hooks on it (non-finite localization) still see it
             return self.layers[-1](h, labels, self.loss_fn)
         return h if labels is None else self.loss_fn(h, labels)
 
@@ -312,8 +393,9 @@ def compile_blocks(layers: Iterable[nn.Module]) -> None:
             layer.compile()
 
 
-def _run_layers(layers: Iterable[nn.Module], h: torch.Tensor,
-                document: DocumentLayout | None = None) -> torch.Tensor:
+def _run_layers(
+    layers: Iterable[nn.Module], h: torch.Tensor, document: DocumentLayout | None = None
+) -> torch.Tensor:
     for layer in layers:
         h = layer(h, document) if document is not None and isinstance(layer, Block) else layer(h)
     return h
@@ -328,8 +410,14 @@ class VocabParallelLoss:
     of logits (`fused`), so the full logits never exist. The pipeline always passes logits.
     """
 
-    def __init__(self, cfg: ModelConfig, parallel: LayerParallel = NO_PARALLEL, label_smoothing: float = 0.0,
-                 z_loss: float = 0.0, engine_averages_sp: bool = False):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        parallel: LayerParallel = NO_PARALLEL,
+        label_smoothing: float = 0.0,
+        z_loss: float = 0.0,
+        engine_averages_sp: bool = False,
+    ):
         tp = parallel.tp
         self.group = tp.group if tp.size > 1 else None
         self.vocab_start = tp.rank * vocab_rows(cfg, parallel) // tp.size
@@ -338,20 +426,37 @@ class VocabParallelLoss:
         self.z_loss = z_loss
         self.scale = 1.0  # fault injection multiplies a step's loss (faults.spike_step)
         self.sp = parallel.sp
-        self.engine_averages_sp = engine_averages_sp  # the pipeline engine: see keel/parallel/ulysses.py
+        self.engine_averages_sp = (
+            engine_averages_sp  # the pipeline engine: see keel/parallel/ulysses.py
+        )
         self.fuses_head = tp.size == 1 and resolve_kernels(cfg.kernels) == "liger"
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         # the logits are the head's output, used by nothing after the loss: it may overwrite them
-        loss = vocab_parallel_cross_entropy(logits, sequence_chunk(labels, self.sp), self.group, self.vocab_start,
-                                            self.vocab_size, label_smoothing=self.label_smoothing,
-                                            z_loss=self.z_loss, consume=True)
+        loss = vocab_parallel_cross_entropy(
+            logits,
+            sequence_chunk(labels, self.sp),
+            self.group,
+            self.vocab_start,
+            self.vocab_size,
+            label_smoothing=self.label_smoothing,
+            z_loss=self.z_loss,
+            consume=True,
+        )
         return self._finish(loss)
 
-    def fused(self, hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def fused(
+        self, hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor
+    ) -> torch.Tensor:
         """The same loss from the final hidden states and the head's weight, by Liger's fused linear + CE."""
-        loss = fused_linear_cross_entropy(hidden, head_weight, sequence_chunk(labels, self.sp), self.vocab_size,
-                                          self.label_smoothing, self.z_loss)
+        loss = fused_linear_cross_entropy(
+            hidden,
+            head_weight,
+            sequence_chunk(labels, self.sp),
+            self.vocab_size,
+            self.label_smoothing,
+            self.z_loss,
+        )
         return self._finish(loss)
 
     def _finish(self, loss: torch.Tensor) -> torch.Tensor:
@@ -363,7 +468,9 @@ def num_params(model: nn.Module, exclude_embeddings: bool = False) -> int:
     """Unique parameter count; `exclude_embeddings` drops the token table (and so a head tied to it)."""
     excluded: set[int] = set()
     if exclude_embeddings:
-        excluded = {id(p) for m in model.modules() if isinstance(m, EmbeddingLayer) for p in m.parameters()}
+        excluded = {
+            id(p) for m in model.modules() if isinstance(m, EmbeddingLayer) for p in m.parameters()
+        }
     return sum(p.numel() for p in model.parameters() if id(p) not in excluded)
 
 
@@ -383,8 +490,13 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
     attention = cfg.dim * q_width + 2 * cfg.dim * kv_width + q_width * cfg.dim
     dense_mlp = 3 * cfg.dim * cfg.ffn_dim
     # an MoE block's token passes through its router, top_k experts and the shared expert (active parameters)
-    moe_mlp = (cfg.dim * cfg.moe_experts + cfg.moe_top_k * 3 * cfg.dim * (cfg.moe_ffn_hidden or cfg.ffn_dim)
-               + (dense_mlp if cfg.moe_shared_expert else 0))
-    n = sum(attention + (moe_mlp if is_moe_block(cfg, i) else dense_mlp) for i in range(cfg.n_layers))
+    moe_mlp = (
+        cfg.dim * cfg.moe_experts
+        + cfg.moe_top_k * 3 * cfg.dim * (cfg.moe_ffn_hidden or cfg.ffn_dim)
+        + (dense_mlp if cfg.moe_shared_expert else 0)
+    )
+    n = sum(
+        attention + (moe_mlp if is_moe_block(cfg, i) else dense_mlp) for i in range(cfg.n_layers)
+    )
     n += cfg.dim * cfg.vocab_size
     return 6 * n + 12 * cfg.n_layers * q_width * seq_len

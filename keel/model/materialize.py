@@ -23,7 +23,9 @@ T = TypeVar("T")
 class Placement:
     """Build layers on meta and materialize them on `device` in `dtype` (floating tensors only)."""
 
-    def __init__(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+    ) -> None:
         self.device = torch.device(device)
         self.dtype = dtype
 
@@ -34,7 +36,9 @@ class Placement:
         materialize_(built if isinstance(built, list) else [built], self.device, self.dtype)
         return built
 
-    def fill(self, param: nn.Parameter, write: Callable[[torch.Tensor, tuple[int, int] | None], None]) -> None:
+    def fill(
+        self, param: nn.Parameter, write: Callable[[torch.Tensor, tuple[int, int] | None], None]
+    ) -> None:
         """Have `write(out, flat)` set `param`'s value: `out` is the whole (tp-shard) tensor and `flat` None, or
         only this rank's window (start, end) of it flattened (ZeRO-3)."""
         write(param.data, None)
@@ -59,12 +63,19 @@ def materialize_(modules: Iterable[nn.Module], device: torch.device, dtype: torc
                     continue
                 new = replaced.get(id(param))
                 if new is None:
-                    data = torch.empty(param.shape, device=device, dtype=_target_dtype(param, dtype))
+                    data = torch.empty(
+                        param.shape, device=device, dtype=_target_dtype(param, dtype)
+                    )
                     new = nn.Parameter(data, requires_grad=param.requires_grad)
                     new.__dict__.update(param.__dict__)
                     replaced[id(param)] = new
                 setattr(module, name, new)
             for name, buffer in list(module.named_buffers(recurse=False)):
                 if buffer.is_meta:
-                    setattr(module, name, torch.zeros(buffer.shape, device=device,
-                                                      dtype=_target_dtype(buffer, dtype)))
+                    setattr(
+                        module,
+                        name,
+                        torch.zeros(
+                            buffer.shape, device=device, dtype=_target_dtype(buffer, dtype)
+                        ),
+                    )

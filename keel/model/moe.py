@@ -60,9 +60,13 @@ class ExpertStats:
 
     def reset(self) -> None:
         device = self.step_routed.device
-        self.routed = torch.zeros(self.num_experts, dtype=torch.float64, device=device)  # rows chosen, pre-drop
+        self.routed = torch.zeros(
+            self.num_experts, dtype=torch.float64, device=device
+        )  # rows chosen, pre-drop
         self.dropped = torch.zeros((), dtype=torch.float64, device=device)
-        self.entropy = torch.zeros((), dtype=torch.float64, device=device)  # Σ over tokens of routing entropy
+        self.entropy = torch.zeros(
+            (), dtype=torch.float64, device=device
+        )  # Σ over tokens of routing entropy
         self.tokens = torch.zeros((), dtype=torch.float64, device=device)
 
     @torch.no_grad()
@@ -80,7 +84,9 @@ class ExpertStats:
 
     def vector(self) -> torch.Tensor:
         """[routed × E, dropped, entropy, tokens] as one tensor (one all-reduce for every layer)."""
-        return torch.cat([self.routed, self.dropped.view(1), self.entropy.view(1), self.tokens.view(1)])
+        return torch.cat(
+            [self.routed, self.dropped.view(1), self.entropy.view(1), self.tokens.view(1)]
+        )
 
 
 class MoE(DeepSpeedMoE):
@@ -92,8 +98,12 @@ class MoE(DeepSpeedMoE):
     too — so nothing else here has "expert" in its name.
     """
 
-    def __init__(self, cfg: ModelConfig, parallel: LayerParallel = NO_PARALLEL, layer_id: int = 0) -> None:
-        nn.Module.__init__(self)  # DeepSpeed's __init__ would build its own gate, experts and process groups
+    def __init__(
+        self, cfg: ModelConfig, parallel: LayerParallel = NO_PARALLEL, layer_id: int = 0
+    ) -> None:
+        nn.Module.__init__(
+            self
+        )  # DeepSpeed's __init__ would build its own gate, experts and process groups
         ep = parallel.ep
         self.tp, self.ep = parallel.tp, ep
         self.layer_id = layer_id  # the block's index, for health reports
@@ -107,14 +117,19 @@ class MoE(DeepSpeedMoE):
         self.deepspeed_moe = nn.Module()
         self.deepspeed_moe.experts = nn.Module()
         self.deepspeed_moe.experts.deepspeed_experts = nn.ModuleList(
-            SwiGLU(cfg, parallel, hidden) for _ in range(self.num_local_experts))
+            SwiGLU(cfg, parallel, hidden) for _ in range(self.num_local_experts)
+        )
         for offset, mlp in enumerate(self.local_experts):
             for param in mlp.parameters():
                 mark_expert_param(param, ep.size)
-                param.expert_id = first + offset  # init draws each expert from its own stream (llama.py)
+                param.expert_id = (
+                    first + offset
+                )  # init draws each expert from its own stream (llama.py)
         self.shared = SwiGLU(cfg, parallel) if cfg.moe_shared_expert else None
         self.aux_grad_scale = 1.0  # set by the trainer: loss_scale / gradient_accumulation_steps
-        self.grouped_gemm: bool | None = None  # None: torch's grouped GEMM on CUDA in bf16, the expert loop elsewhere
+        self.grouped_gemm: bool | None = (
+            None  # None: torch's grouped GEMM on CUDA in bf16, the expert loop elsewhere
+        )
         self.stats = ExpertStats(cfg.moe_experts)
 
     @property
@@ -149,7 +164,7 @@ class MoE(DeepSpeedMoE):
         key = torch.where(route.keep.flatten(), route.experts.flatten(), self.num_experts)
         order = torch.argsort(key, stable=True)
         routes = exchange_counts(torch.bincount(key, minlength=self.num_experts + 1)[:-1], self.ep)
-        rows = order[:routes.sent_rows]
+        rows = order[: routes.sent_rows]
         token_of_row = torch.div(rows, k, rounding_mode="floor")
         inputs, regrouped = dispatch(tokens[token_of_row], routes, self.ep)
         outputs = combine(self._expert_mlps(inputs, routes), routes, regrouped, self.ep)
@@ -159,17 +174,24 @@ class MoE(DeepSpeedMoE):
     def _expert_mlps(self, inputs: torch.Tensor, routes: Routes) -> torch.Tensor:
         """Each local expert's SwiGLU on its contiguous rows: one grouped GEMM per projection where torch's kernel
         is the fast path (CUDA, bf16), else one GEMM per expert (torch's CPU grouped_mm is a slower loop)."""
-        grouped = self.grouped_gemm if self.grouped_gemm is not None else (inputs.is_cuda
-                                                                            and inputs.dtype == torch.bfloat16)
+        grouped = (
+            self.grouped_gemm
+            if self.grouped_gemm is not None
+            else (inputs.is_cuda and inputs.dtype == torch.bfloat16)
+        )
         if not grouped:
             chunks = inputs.split(routes.expert_counts)
             return torch.cat([mlp.inner(chunk) for mlp, chunk in zip(self.local_experts, chunks)])
         # The experts stay separate Parameters (DeepSpeed's per-expert checkpoint keys); stacking them costs one
         # copy of this rank's local expert weights per layer, which the single kernel launch repays.
         offsets = routes.device_counts.cumsum(0).to(torch.int32)
-        w13 = torch.stack([mlp.w13.weight for mlp in self.local_experts])  # [E, 2, hidden, dim]: gate, up
+        w13 = torch.stack(
+            [mlp.w13.weight for mlp in self.local_experts]
+        )  # [E, 2, hidden, dim]: gate, up
         w2 = torch.stack([mlp.w2.weight for mlp in self.local_experts])
-        gate, up = F.grouped_mm(inputs, w13.flatten(1, 2).transpose(-2, -1), offs=offsets).chunk(2, dim=-1)
+        gate, up = F.grouped_mm(inputs, w13.flatten(1, 2).transpose(-2, -1), offs=offsets).chunk(
+            2, dim=-1
+        )
         return F.grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=offsets)
 
 

@@ -23,11 +23,18 @@ def weight_decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     for param in model.parameters():  # parameters() already yields each shared Parameter once
         if param.requires_grad:
             (decay if decays(param) else no_decay).append(param)
-    groups = [{"name": "decay", "params": decay, "weight_decay": weight_decay},
-              {"name": "no_decay", "params": no_decay, "weight_decay": 0.0}]
+    groups = [
+        {"name": "decay", "params": decay, "weight_decay": weight_decay},
+        {"name": "no_decay", "params": no_decay, "weight_decay": 0.0},
+    ]
     return [group for group in groups if group["params"]]
 
 
 def layer_groups_of(layers: Iterable[nn.Module]) -> set[str]:
     """The names of the `weight_decay_groups` the parameters of `layers` would fill."""
-    return {"decay" if decays(q) else "no_decay" for layer in layers for q in layer.parameters() if q.requires_grad}
+    return {
+        "decay" if decays(q) else "no_decay"
+        for layer in layers
+        for q in layer.parameters()
+        if q.requires_grad
+    }

@@ -58,11 +58,17 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(cfg.moe_experts, cfg.dim))
         # Aux-loss-free balancing bias: a persistent buffer (checkpointed), moved by ExpertHealth after each step.
         self.register_buffer("balance_bias", torch.zeros(cfg.moe_experts))
-        self.choice_offset: torch.Tensor | None = None  # fault injection: added to the choice scores only
+        self.choice_offset: torch.Tensor | None = (
+            None  # fault injection: added to the choice scores only
+        )
 
     def forward(self, tokens: torch.Tensor) -> Routing:
-        if self.training and self.jitter > 0:  # Switch's multiplicative jitter, same draw on every tp rank
-            tokens = tokens * torch.empty_like(tokens).uniform_(1.0 - self.jitter, 1.0 + self.jitter)
+        if (
+            self.training and self.jitter > 0
+        ):  # Switch's multiplicative jitter, same draw on every tp rank
+            tokens = tokens * torch.empty_like(tokens).uniform_(
+                1.0 - self.jitter, 1.0 + self.jitter
+            )
         logits = F.linear(tokens.float(), sum_grad_over_tp(self.weight, self.tp).float())
         scores = logits.softmax(-1) if self.scoring == "softmax" else logits.sigmoid()
         choice = scores.detach() + self.balance_bias
@@ -73,10 +79,17 @@ class Router(nn.Module):
         if self.top_k > 1:
             weights = weights / weights.sum(-1, keepdim=True)
         probs = scores if self.scoring == "softmax" else scores / scores.sum(-1, keepdim=True)
-        return Routing(experts, weights, self._capacity_keep(experts, weights.detach()),
-                       self._aux_loss(logits, probs, experts), probs.detach())
+        return Routing(
+            experts,
+            weights,
+            self._capacity_keep(experts, weights.detach()),
+            self._aux_loss(logits, probs, experts),
+            probs.detach(),
+        )
 
-    def _aux_loss(self, logits: torch.Tensor, probs: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    def _aux_loss(
+        self, logits: torch.Tensor, probs: torch.Tensor, experts: torch.Tensor
+    ) -> torch.Tensor:
         """α · E · Σ_e f_e · P_e (f_e: share of the T·k rows routed to e, P_e: mean probability of e; 1.0 when
         uniform) plus β · mean(logsumexp(logits)²), the router z-loss.
 
@@ -104,9 +117,16 @@ class Router(nn.Module):
             return torch.ones_like(experts, dtype=torch.bool)
         tokens, k = experts.shape
         capacity = math.ceil(self.capacity_factor * tokens * k / self.num_experts)
-        if self.drop_policy == "position":  # every first choice, then every second choice, each in token order
+        if (
+            self.drop_policy == "position"
+        ):  # every first choice, then every second choice, each in token order
             priority = torch.argsort(experts.t().flatten(), stable=True)
-            row_ids = torch.arange(tokens * k, device=experts.device).view(tokens, k).t().flatten()[priority]
+            row_ids = (
+                torch.arange(tokens * k, device=experts.device)
+                .view(tokens, k)
+                .t()
+                .flatten()[priority]
+            )
         else:  # highest weight first (ties: token order)
             by_weight = torch.argsort(weights.flatten(), descending=True, stable=True)
             row_ids = by_weight[torch.argsort(experts.flatten()[by_weight], stable=True)]

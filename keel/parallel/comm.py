@@ -43,12 +43,19 @@ class CollectiveTrace:
         self.path = directory / f"trace_rank{rank}.jsonl"
         self._file = self.path.open("a", buffering=1)
 
-    def record(self, op: str, group: Group, tensor: torch.Tensor | None, numel: int | None = None) -> None:
+    def record(
+        self, op: str, group: Group, tensor: torch.Tensor | None, numel: int | None = None
+    ) -> None:
         """`numel`: what every rank must agree on, when not the tensor's size (an uneven all-to-all's row)."""
-        entry = {"op": op, "group": group.name, "ranks": list(group.ranks), "channel": group.channel,
-                 "dtype": str(tensor.dtype).removeprefix("torch.") if tensor is not None else "object",
-                 "numel": numel if numel is not None else tensor.numel() if tensor is not None else 0,
-                 "device": tensor.device.type if tensor is not None else "cpu"}
+        entry = {
+            "op": op,
+            "group": group.name,
+            "ranks": list(group.ranks),
+            "channel": group.channel,
+            "dtype": str(tensor.dtype).removeprefix("torch.") if tensor is not None else "object",
+            "numel": numel if numel is not None else tensor.numel() if tensor is not None else 0,
+            "device": tensor.device.type if tensor is not None else "cpu",
+        }
         self._file.write(json.dumps(entry) + "\n")
 
 
@@ -92,12 +99,16 @@ def world_control() -> Group:
 def check(op: str, group: Group, tensor: torch.Tensor | None) -> None:
     """Raise if `tensor` (None: Python objects) does not belong on `group`'s channel."""
     if tensor is not None and tensor.device.type != group.expects():
-        raise RuntimeError(f"{op} on the {group.channel} channel of group {group.name!r} needs a "
-                           f"{group.expects()} tensor, got one on {tensor.device}: move it (or use the "
-                           f"{CONTROL if group.channel == DEVICE else DEVICE} channel) — mixing devices in one "
-                           "collective hangs under NCCL")
+        raise RuntimeError(
+            f"{op} on the {group.channel} channel of group {group.name!r} needs a "
+            f"{group.expects()} tensor, got one on {tensor.device}: move it (or use the "
+            f"{CONTROL if group.channel == DEVICE else DEVICE} channel) — mixing devices in one "
+            "collective hangs under NCCL"
+        )
     if tensor is None and group.channel != CONTROL:
-        raise RuntimeError(f"{op} of Python objects belongs on the {CONTROL} channel (group {group.name!r})")
+        raise RuntimeError(
+            f"{op} of Python objects belongs on the {CONTROL} channel (group {group.name!r})"
+        )
 
 
 def _enter(op: str, group: Group, tensor: torch.Tensor | None, numel: int | None = None) -> None:
@@ -135,14 +146,25 @@ def reduce_scatter(parts: list[torch.Tensor], group: Group) -> torch.Tensor:
     return out
 
 
-def all_to_all(tensor: torch.Tensor, group: Group, send_splits: list[int] | None = None,
-               recv_splits: list[int] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+def all_to_all(
+    tensor: torch.Tensor,
+    group: Group,
+    send_splits: list[int] | None = None,
+    recv_splits: list[int] | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Rows of `tensor` split by `send_splits` go to each peer; returns the rows received (`recv_splits`)."""
     if not group.active:
         return tensor if out is None else out.copy_(tensor)
-    uneven = send_splits is not None or recv_splits is not None  # ranks agree on the row size, not the rows
-    _enter("all_to_all_uneven" if uneven else "all_to_all", group, tensor,
-           math.prod(tensor.shape[1:]) if uneven else None)
+    uneven = (
+        send_splits is not None or recv_splits is not None
+    )  # ranks agree on the row size, not the rows
+    _enter(
+        "all_to_all_uneven" if uneven else "all_to_all",
+        group,
+        tensor,
+        math.prod(tensor.shape[1:]) if uneven else None,
+    )
     if out is None:
         rows = sum(recv_splits) if recv_splits is not None else tensor.shape[0]
         out = tensor.new_empty((rows, *tensor.shape[1:]))
@@ -193,9 +215,13 @@ def post_p2p(ops: list) -> list:
     pairing that keeps them hang-free (both ends post a transfer in the same batch) is proven by
     tests/test_interleaved_schedule.py. Activations and gradients only: every tensor must be on one device type.
     """
-    from deepspeed import comm as ds_comm  # ~1.5 s: every Topology imports comm, config checks included
+    from deepspeed import (
+        comm as ds_comm,
+    )  # ~1.5 s: every Topology imports comm, config checks included
 
     devices = {op.tensor.device.type for op in ops}
     if len(devices) > 1:
-        raise RuntimeError(f"pipeline p2p batch mixes devices {sorted(devices)}: one batch goes to one backend")
+        raise RuntimeError(
+            f"pipeline p2p batch mixes devices {sorted(devices)}: one batch goes to one backend"
+        )
     return list(ds_comm.batch_isend_irecv(ops))

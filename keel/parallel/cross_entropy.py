@@ -62,8 +62,19 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Forward by [b, s]-sized all-reduces; backward from the saved softmax shard, with no communication."""
 
     @staticmethod
-    def forward(ctx, logits_shard, labels, group, vocab_start, vocab_size, label_smoothing, z_loss, ignore_index,
-                reentrant, consume):
+    def forward(
+        ctx,
+        logits_shard,
+        labels,
+        group,
+        vocab_start,
+        vocab_size,
+        label_smoothing,
+        z_loss,
+        ignore_index,
+        reentrant,
+        consume,
+    ):
         local_size = logits_shard.shape[-1]
         # Real (non-padding) entries are a prefix of every shard: global index < vocab_size.
         n_real = min(max(vocab_size - vocab_start, 0), local_size)
@@ -76,7 +87,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         x = logits_shard.detach() if in_place else logits_shard.to(compute_dtype, copy=True)
         x[..., n_real:] = float("-inf")
 
-        row_max = x.amax(dim=-1)  # -inf on a shard that is all padding; the MAX over the group is finite
+        row_max = x.amax(
+            dim=-1
+        )  # -inf on a shard that is all padding; the MAX over the group is finite
         _all_reduce(row_max, "max", group)
         x.sub_(row_max.unsqueeze(-1))  # shifted logits: exp cannot overflow
 
@@ -157,13 +170,23 @@ def vocab_parallel_cross_entropy(
     loss, right after the head): fp32 logits, not a leaf, are then overwritten instead of copied.
     """
     if vocab_size <= 0 or vocab_start < 0:
-        raise ValueError(f"need vocab_size > 0 and vocab_start >= 0, got {vocab_size} and {vocab_start}")
+        raise ValueError(
+            f"need vocab_size > 0 and vocab_start >= 0, got {vocab_size} and {vocab_start}"
+        )
     if group is None and (vocab_start != 0 or logits_shard.shape[-1] < vocab_size):
         raise ValueError(
             f"without a process group the logits must cover the whole vocabulary of {vocab_size} from index 0; "
             f"got entries [{vocab_start}, {vocab_start + logits_shard.shape[-1]})"
         )
     return _VocabParallelCrossEntropy.apply(
-        logits_shard, labels, group, vocab_start, vocab_size, label_smoothing, z_loss, ignore_index, reentrant,
+        logits_shard,
+        labels,
+        group,
+        vocab_start,
+        vocab_size,
+        label_smoothing,
+        z_loss,
+        ignore_index,
+        reentrant,
         consume,
     )

@@ -37,8 +37,14 @@ class EPContext:
     def from_topology(cls, topology) -> EPContext:
         if topology is None:
             return cls()
-        return cls(topology.device("ep"), topology.rank_in("ep"), topology.size("ep"), tuple(topology.ranks("ep")),
-                   topology.group("expert_dp"), tuple(topology.ranks("expert_dp")))
+        return cls(
+            topology.device("ep"),
+            topology.rank_in("ep"),
+            topology.size("ep"),
+            tuple(topology.ranks("ep")),
+            topology.group("expert_dp"),
+            tuple(topology.ranks("expert_dp")),
+        )
 
 
 def expert_group_name(ep_size: int) -> str:
@@ -60,8 +66,9 @@ def register_expert_groups(ep: EPContext) -> None:
     ours there is the seam DeepSpeed itself uses when a layer calls `set_deepspeed_parallelism`.
     """
     ep_handle = ep.group.handle if ep.group is not None else None
-    deepspeed_internals.register_expert_groups(expert_group_name(ep.size), ep_handle, ep.ranks, ep.edp_group,
-                                               ep.edp_ranks)
+    deepspeed_internals.register_expert_groups(
+        expert_group_name(ep.size), ep_handle, ep.ranks, ep.edp_group, ep.edp_ranks
+    )
 
 
 class _AllToAll(torch.autograd.Function):
@@ -90,8 +97,12 @@ class Routes:
     send: list[int]  # rows this rank sends to each ep peer
     recv: list[int]  # rows this rank receives from each ep peer
     expert_counts: list[int]  # rows per local expert, in local-expert order (after the regrouping)
-    device_counts: torch.Tensor  # the same on the device (grouped GEMM offsets without a host-to-device copy)
-    per_peer: torch.Tensor | None  # [peer, local expert] received counts on the device (None: ep = 1)
+    device_counts: (
+        torch.Tensor
+    )  # the same on the device (grouped GEMM offsets without a host-to-device copy)
+    per_peer: (
+        torch.Tensor | None
+    )  # [peer, local expert] received counts on the device (None: ep = 1)
 
     @property
     def sent_rows(self) -> int:
@@ -110,11 +121,18 @@ def exchange_counts(counts: torch.Tensor, ep: EPContext) -> Routes:
     local = counts.numel() // ep.size
     per_peer = comm.all_to_all(counts, ep.group).view(ep.size, local)  # [peer, local expert]
     mine, theirs = torch.stack([counts.view(ep.size, local), per_peer]).tolist()
-    return Routes([sum(row) for row in mine], [sum(row) for row in theirs],
-                  [sum(column) for column in zip(*theirs)], per_peer.sum(0), per_peer)
+    return Routes(
+        [sum(row) for row in mine],
+        [sum(row) for row in theirs],
+        [sum(column) for column in zip(*theirs)],
+        per_peer.sum(0),
+        per_peer,
+    )
 
 
-def dispatch(rows: torch.Tensor, routes: Routes, ep: EPContext) -> tuple[torch.Tensor, torch.Tensor | None]:
+def dispatch(
+    rows: torch.Tensor, routes: Routes, ep: EPContext
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Send expert-sorted `rows` to the ranks owning their experts, as `routes` (`exchange_counts`) says.
 
     Returns the rows this rank's experts must process, grouped by local expert, and the order that regrouped them
@@ -126,13 +144,18 @@ def dispatch(rows: torch.Tensor, routes: Routes, ep: EPContext) -> tuple[torch.T
     # received rows are grouped by source peer, then by local expert: regroup by local expert. The output size is
     # known on the host, so repeat_interleave needs no second read of the counts.
     local = routes.per_peer.shape[1]
-    expert_of_row = torch.repeat_interleave(torch.arange(local, device=rows.device).repeat(ep.size),
-                                            routes.per_peer.flatten(), output_size=sum(routes.recv))
+    expert_of_row = torch.repeat_interleave(
+        torch.arange(local, device=rows.device).repeat(ep.size),
+        routes.per_peer.flatten(),
+        output_size=sum(routes.recv),
+    )
     order = torch.argsort(expert_of_row, stable=True)
     return received[order], order
 
 
-def combine(outputs: torch.Tensor, routes: Routes, order: torch.Tensor | None, ep: EPContext) -> torch.Tensor:
+def combine(
+    outputs: torch.Tensor, routes: Routes, order: torch.Tensor | None, ep: EPContext
+) -> torch.Tensor:
     """The inverse of `dispatch`: expert outputs back to the rank and row order their tokens came from."""
     if ep.size == 1:
         return outputs

@@ -40,7 +40,9 @@ def global_grad_norm(params: Iterable[torch.nn.Parameter], topology: Topology) -
     device = next((p.grad.device for p in params if p.grad is not None), torch.device("cpu"))
     tp_rank0 = topology.rank_in("tp") == 0
     dense = torch.zeros((), dtype=torch.float64, device=device)
-    experts = torch.zeros((), dtype=torch.float64, device=device)  # ep ranks hold different experts: sum over ep
+    experts = torch.zeros(
+        (), dtype=torch.float64, device=device
+    )  # ep ranks hold different experts: sum over ep
     for p in params:
         if p.grad is None or is_pipe_replicated(p):
             continue
@@ -55,7 +57,9 @@ def global_grad_norm(params: Iterable[torch.nn.Parameter], topology: Topology) -
     return total.sqrt()
 
 
-def clip_grad_norm_(params: Iterable[torch.nn.Parameter], max_norm: float, topology: Topology) -> torch.Tensor:
+def clip_grad_norm_(
+    params: Iterable[torch.nn.Parameter], max_norm: float, topology: Topology
+) -> torch.Tensor:
     """Scale gradients so their global norm is at most `max_norm` (0: no clipping); returns the norm before.
 
     torch scales by min(1, max_norm / norm) on the device (`clip_grads_with_norm_`, batched per device and

@@ -28,18 +28,30 @@ class LayerParallel:
     ep: EPContext = field(default_factory=EPContext)
 
     @classmethod
-    def from_topology(cls, topology, sequence_parallel: bool = False, seed: int = 0) -> LayerParallel:
+    def from_topology(
+        cls, topology, sequence_parallel: bool = False, seed: int = 0
+    ) -> LayerParallel:
         """This rank's contexts from the Topology's groups (none parallel when `topology` is None).
         `sequence_parallel`: Megatron SP inside the tp group; `seed`: the run's, for SP's dropout stream."""
-        return cls(tp=TPContext.from_topology(topology, sequence_parallel, seed=seed),
-                   ep=EPContext.from_topology(topology), sp=SPContext.from_topology(topology))
+        return cls(
+            tp=TPContext.from_topology(topology, sequence_parallel, seed=seed),
+            ep=EPContext.from_topology(topology),
+            sp=SPContext.from_topology(topology),
+        )
 
     @classmethod
-    def without_groups(cls, tp: int = 1, ep: int = 1, tp_rank: int = 0, ep_rank: int = 0) -> LayerParallel:
+    def without_groups(
+        cls, tp: int = 1, ep: int = 1, tp_rank: int = 0, ep_rank: int = 0
+    ) -> LayerParallel:
         """One rank of a tp × ep layout with no process groups: its layers hold exactly that rank's shards and
         experts, to be counted, initialised or converted in one process (the memory model and pipeline plan count
         rank 0 on meta before launch), but a forward that communicates cannot run."""
-        return cls(tp=TPContext(rank=tp_rank, size=tp), ep=EPContext(rank=ep_rank, size=ep, ranks=tuple(range(ep))))
+        return cls(
+            tp=TPContext(rank=tp_rank, size=tp),
+            ep=EPContext(rank=ep_rank, size=ep, ranks=tuple(range(ep))),
+        )
 
 
-NO_PARALLEL = LayerParallel()  # a single process: the layers' default (frozen, so one shared instance is safe)
+NO_PARALLEL = (
+    LayerParallel()
+)  # a single process: the layers' default (frozen, so one shared instance is safe)

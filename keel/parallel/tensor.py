@@ -32,7 +32,9 @@ class TPContext:
     rank: int = 0
     size: int = 1
     sequence_parallel: bool = False
-    sharded_rng: ShardedRNG | None = None  # dropout stream for sequence-parallel (per-rank) activations
+    sharded_rng: ShardedRNG | None = (
+        None  # dropout stream for sequence-parallel (per-rank) activations
+    )
 
     @classmethod
     def from_topology(cls, topology, sequence_parallel: bool = False, seed: int = 0) -> TPContext:
@@ -131,7 +133,11 @@ def exit(y: torch.Tensor, tp: TPContext) -> torch.Tensor:  # noqa: A001 - the co
     """Out of a TP region: sum partial outputs (all-reduce), or reduce-scatter them into SP sequence shards."""
     if tp.size == 1:
         return y
-    return _ReduceScatterSequence.apply(y, tp) if tp.sequence_parallel else _ReduceFromRegion.apply(y, tp)
+    return (
+        _ReduceScatterSequence.apply(y, tp)
+        if tp.sequence_parallel
+        else _ReduceFromRegion.apply(y, tp)
+    )
 
 
 def scatter_sequence(x: torch.Tensor, tp: TPContext) -> torch.Tensor:
@@ -166,7 +172,9 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, tp: TPContext) -> None:
         super().__init__()
         if out_features % tp.size:
-            raise ValueError(f"column-parallel output size {out_features} is not divisible by tp={tp.size}")
+            raise ValueError(
+                f"column-parallel output size {out_features} is not divisible by tp={tp.size}"
+            )
         self.weight = nn.Parameter(torch.empty(out_features // tp.size, in_features))
         mark_sharded(self.weight, 0, (out_features, in_features), tp)
 
@@ -185,11 +193,17 @@ class FusedColumnParallelLinear(nn.Module):
     projection. forward returns the parts' outputs, views of the one GEMM's result.
     """
 
-    def __init__(self, in_features: int, out_features: int, tp: TPContext, part_names: tuple[str, ...]) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, tp: TPContext, part_names: tuple[str, ...]
+    ) -> None:
         super().__init__()
         if out_features % tp.size:
-            raise ValueError(f"column-parallel output size {out_features} is not divisible by tp={tp.size}")
-        self.weight = nn.Parameter(torch.empty(len(part_names), out_features // tp.size, in_features))
+            raise ValueError(
+                f"column-parallel output size {out_features} is not divisible by tp={tp.size}"
+            )
+        self.weight = nn.Parameter(
+            torch.empty(len(part_names), out_features // tp.size, in_features)
+        )
         mark_sharded(self.weight, 1, (len(part_names), out_features, in_features), tp)
         self.weight.part_names = tuple(part_names)
 
@@ -209,7 +223,9 @@ class RowParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, tp: TPContext) -> None:
         super().__init__()
         if in_features % tp.size:
-            raise ValueError(f"row-parallel input size {in_features} is not divisible by tp={tp.size}")
+            raise ValueError(
+                f"row-parallel input size {in_features} is not divisible by tp={tp.size}"
+            )
         self.weight = nn.Parameter(torch.empty(out_features, in_features // tp.size))
         mark_sharded(self.weight, 1, (out_features, in_features), tp)
 

@@ -91,11 +91,21 @@ GROUP_AXES = {
     "ep": ("ep",),
     "dp": ("edp", "ep"),  # dense data parallel
     "edp": ("edp",),  # expert data parallel
-    "model": ("pp", "tp"),  # ranks holding different parameters of one model replica (sp ranks replicate)
+    "model": (
+        "pp",
+        "tp",
+    ),  # ranks holding different parameters of one model replica (sp ranks replicate)
     "tp_sp": ("sp", "tp"),
     "stage": ("edp", "ep", "sp", "tp"),  # every rank of one pipeline stage
-    "sp_dp": ("edp", "ep", "sp"),  # ranks holding the same dense parameters: ZeRO's and gradient reduction's group
-    "expert_dp": ("edp", "sp"),  # ranks holding the same experts (Ulysses sp ranks replicate them too)
+    "sp_dp": (
+        "edp",
+        "ep",
+        "sp",
+    ),  # ranks holding the same dense parameters: ZeRO's and gradient reduction's group
+    "expert_dp": (
+        "edp",
+        "sp",
+    ),  # ranks holding the same experts (Ulysses sp ranks replicate them too)
 }
 # Topology.stamp() keys older checkpoints lack
 STAMP_DEFAULTS = {"ep": 1, "sp": 1, "pipeline_schedule": "1f1b", "virtual_stages": 1}
@@ -109,11 +119,15 @@ class Topology:
     initialized process group, all groups are None and all sizes are 1, so layers can run unparallelized.
     """
 
-    def __init__(self, shape: GridShape, rank: int, pipeline_schedule: str = "1f1b", virtual_stages: int = 1):
+    def __init__(
+        self, shape: GridShape, rank: int, pipeline_schedule: str = "1f1b", virtual_stages: int = 1
+    ):
         shape.check()
         self.shape = shape
         self.rank = rank
-        self.pipeline_schedule = pipeline_schedule  # which stages a pipeline rank holds (one, or DualPipeV's two)
+        self.pipeline_schedule = (
+            pipeline_schedule  # which stages a pipeline rank holds (one, or DualPipeV's two)
+        )
         self.virtual_stages = virtual_stages  # interleaved: v stages per pipeline rank
         self.coords = shape.coords(rank)
         self._groups: dict[str, object] = {WORLD: None}
@@ -133,13 +147,22 @@ class Topology:
                     self._ranks[name] = ranks
 
     @classmethod
-    def from_env(cls, tp: int = 1, pp: int = 1, ep: int = 1, sp: int = 1,
-                 pipeline_schedule: str = "1f1b", virtual_stages: int = 1) -> Topology:
+    def from_env(
+        cls,
+        tp: int = 1,
+        pp: int = 1,
+        ep: int = 1,
+        sp: int = 1,
+        pipeline_schedule: str = "1f1b",
+        virtual_stages: int = 1,
+    ) -> Topology:
         if dist.is_available() and dist.is_initialized():
             world, rank = dist.get_world_size(), dist.get_rank()
         else:
             world, rank = 1, 0
-        return cls(GridShape(world, tp=tp, pp=pp, ep=ep, sp=sp), rank, pipeline_schedule, virtual_stages)
+        return cls(
+            GridShape(world, tp=tp, pp=pp, ep=ep, sp=sp), rank, pipeline_schedule, virtual_stages
+        )
 
     # -- generic access -------------------------------------------------------------------------------------
     def group(self, name: str):
@@ -151,8 +174,15 @@ class Topology:
         if key not in self._handles:
             if channel not in comm.CHANNELS:
                 raise ValueError(f"unknown channel {channel!r}; one of {comm.CHANNELS}")
-            self._handles[key] = comm.Group(name, tuple(self._ranks[name]), self.rank_in(name), channel,
-                                            self._groups[name], self.device_type, self.trace)
+            self._handles[key] = comm.Group(
+                name,
+                tuple(self._ranks[name]),
+                self.rank_in(name),
+                channel,
+                self._groups[name],
+                self.device_type,
+                self.trace,
+            )
         return self._handles[key]
 
     def trace_into(self, directory: Path) -> None:
@@ -186,15 +216,25 @@ class Topology:
 
     def describe(self) -> str:
         s = self.shape
-        return f"world={s.world_size} tp={s.tp} pp={s.pp} dp={s.dp} (ep={s.ep} edp={s.edp}) sp={s.sp}"
+        return (
+            f"world={s.world_size} tp={s.tp} pp={s.pp} dp={s.dp} (ep={s.ep} edp={s.edp}) sp={s.sp}"
+        )
 
     def stamp(self) -> dict[str, int | str]:
         """What a checkpoint records of the layout that wrote it (`STAMP_DEFAULTS`: what an older one lacks)."""
         pipelined = self.shape.pp > 1
-        return {"world_size": self.shape.world_size, "tp": self.shape.tp, "pp": self.shape.pp,
-                "dp": self.shape.dp, "ep": self.shape.ep, "sp": self.shape.sp,
-                "pipeline_schedule": self.pipeline_schedule if pipelined else "1f1b",
-                "virtual_stages": self.virtual_stages if pipelined and self.pipeline_schedule == "interleaved" else 1}
+        return {
+            "world_size": self.shape.world_size,
+            "tp": self.shape.tp,
+            "pp": self.shape.pp,
+            "dp": self.shape.dp,
+            "ep": self.shape.ep,
+            "sp": self.shape.sp,
+            "pipeline_schedule": self.pipeline_schedule if pipelined else "1f1b",
+            "virtual_stages": self.virtual_stages
+            if pipelined and self.pipeline_schedule == "interleaved"
+            else 1,
+        }
 
     # -- the mpu interface DeepSpeed queries --------------------------------------------------------------
     # DeepSpeed's "model parallel" is tensor (and Ulysses) parallel within a pipeline stage; its pipeline engine

@@ -57,12 +57,16 @@ class _SequenceMean(torch.autograd.Function):
         return grad / ctx.size, None, None
 
 
-def sequence_mean(loss: torch.Tensor, sp: SPContext, engine_averages_sp: bool = False) -> torch.Tensor:
+def sequence_mean(
+    loss: torch.Tensor, sp: SPContext, engine_averages_sp: bool = False
+) -> torch.Tensor:
     return loss if sp.size == 1 else _SequenceMean.apply(loss, sp, engine_averages_sp)
 
 
 def ulysses_attention(attend, sp: SPContext):
     """Wrap `attend(q, k, v)` (layout [b, s, heads, d]) so it sees the whole sequence and heads / sp."""
-    from deepspeed.sequence.layer import DistributedAttention  # ~1.5 s: a model without Ulysses never needs it
+    from deepspeed.sequence.layer import (
+        DistributedAttention,
+    )  # ~1.5 s: a model without Ulysses never needs it
 
     return DistributedAttention(attend, sp.group.handle, scatter_idx=2, gather_idx=SEQ_DIM)

@@ -30,8 +30,10 @@ from keel.run_dir import write_atomic
 
 log = logging.getLogger("keel")
 
-SUGGESTION_RULE = ("steepest descent: the LR where the smoothed loss falls fastest per unit of log LR, "
-                   "before the smoothed loss reaches its minimum")
+SUGGESTION_RULE = (
+    "steepest descent: the LR where the smoothed loss falls fastest per unit of log LR, "
+    "before the smoothed loss reaches its minimum"
+)
 
 
 @dataclass
@@ -79,8 +81,12 @@ def steepest_descent_index(lrs: list[float], smoothed: list[float]) -> int | Non
     return best
 
 
-def range_test(step: Callable[[float], float], lrs: list[float], beta: float = 0.98,
-               diverge_factor: float = 4.0) -> RangeTestResult:
+def range_test(
+    step: Callable[[float], float],
+    lrs: list[float],
+    beta: float = 0.98,
+    diverge_factor: float = 4.0,
+) -> RangeTestResult:
     """Call `step(lr)` (one optimizer step at `lr`, returning its loss) for each LR until the loss diverges.
 
     Stops after the first step whose loss is non-finite or whose smoothed loss exceeds `diverge_factor` × the best
@@ -99,8 +105,10 @@ def range_test(step: Callable[[float], float], lrs: list[float], beta: float = 0
             result.stop_reason = f"stopped at step {i}: non-finite loss at lr {lr:.3g}"
             break
         if smoothed > diverge_factor * best:
-            result.stop_reason = (f"stopped at step {i}: smoothed loss {smoothed:.4g} exceeds "
-                                  f"{diverge_factor:g}× the best {best:.4g} (diverged)")
+            result.stop_reason = (
+                f"stopped at step {i}: smoothed loss {smoothed:.4g} exceeds "
+                f"{diverge_factor:g}× the best {best:.4g} (diverged)"
+            )
             break
         best = min(best, smoothed)
     return result
@@ -125,14 +133,22 @@ def write_plot(path: Path, result: RangeTestResult) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     ax.plot(result.lrs, result.losses, color="0.75", linewidth=1, label="loss")
-    ax.plot(result.lrs, result.smoothed, color="C0", linewidth=2, label=f"smoothed loss (EMA {result.beta:g})")
+    ax.plot(
+        result.lrs,
+        result.smoothed,
+        color="C0",
+        linewidth=2,
+        label=f"smoothed loss (EMA {result.beta:g})",
+    )
     index = result.suggestion_index()
     if index is not None:
         lr = result.lrs[index]
         ax.axvline(lr, color="C3", linestyle="--", linewidth=1)
         ax.plot([lr], [result.smoothed[index]], "o", color="C3", label=f"suggested lr {lr:.2e}")
     finite = [v for v in result.losses + result.smoothed if math.isfinite(v)]
-    if finite and math.isfinite(result.smoothed[0]):  # a diverging tail would flatten the interesting part
+    if finite and math.isfinite(
+        result.smoothed[0]
+    ):  # a diverging tail would flatten the interesting part
         start, low = result.smoothed[0], min(finite)
         high = min(max(finite), start + max(start - low, 0.1 * abs(start)))
         pad = 0.05 * max(high - low, 1e-6)
@@ -156,11 +172,19 @@ def single_process_overrides() -> list[str]:
     Tensor and pipeline parallelism split the same model over ranks, so the LR that suits it is the same at tp=pp=1.
     Resume is off: the range test starts from the initial weights and leaves no checkpoint.
     """
-    return ["parallel.tp=1", "parallel.pp=1", "parallel.sp=1", "parallel.ep=1", "parallel.sequence_parallel=false",
-            "checkpoint.resume=false"]
+    return [
+        "parallel.tp=1",
+        "parallel.pp=1",
+        "parallel.sp=1",
+        "parallel.ep=1",
+        "parallel.sequence_parallel=false",
+        "checkpoint.resume=false",
+    ]
 
 
-def run_lr_find(spec, min_lr: float, max_lr: float, steps: int, out_dir: Path, beta: float = 0.98) -> RangeTestResult:
+def run_lr_find(
+    spec, min_lr: float, max_lr: float, steps: int, out_dir: Path, beta: float = 0.98
+) -> RangeTestResult:
     """Sweep the LR over `steps` optimizer steps of the run `spec` (a prepared RunSpec) on one process.
 
     The engine is built with a constant schedule at multiplier 1 and no ramp-up, and each step's LR is written to
@@ -169,7 +193,12 @@ def run_lr_find(spec, min_lr: float, max_lr: float, steps: int, out_dir: Path, b
     """
     cfg = copy.deepcopy(spec.cfg)
     train = cfg.train
-    train.lr, train.lr_schedule, train.warmup_steps, train.rampup_start_batch = min_lr, "constant", 0, 0
+    train.lr, train.lr_schedule, train.warmup_steps, train.rampup_start_batch = (
+        min_lr,
+        "constant",
+        0,
+        0,
+    )
     lrs = sweep_lrs(min_lr, max_lr, steps)
     init_distributed()
     topology = Topology.from_env()
@@ -177,16 +206,29 @@ def run_lr_find(spec, min_lr: float, max_lr: float, steps: int, out_dir: Path, b
     samples, order, _ = open_splits(spec.data, cfg.data.seq_len, cfg.data.val_fraction, train.seed)
     engine = build_engine(cfg, spec.ds_raw, topology, document_eos=document_eos(cfg, spec.data))
     n_params = sum(p.numel() for p in engine.module.parameters())
-    log.info("lr-find: %.2fM params | %d steps of %d samples | lr %.1e → %.1e", n_params / 1e6, steps,
-             train.global_batch_size, min_lr, max_lr)
+    log.info(
+        "lr-find: %.2fM params | %d steps of %d samples | lr %.1e → %.1e",
+        n_params / 1e6,
+        steps,
+        train.global_batch_size,
+        min_lr,
+        max_lr,
+    )
     state = {"step": 0, "used_lrs": []}
 
     def one_step(lr: float) -> float:
         for group in engine.optimizer.param_groups:
             group["lr"] = lr
         state["used_lrs"].append(engine.get_lr()[0])
-        batches = step_batch(order, samples, state["step"] * train.global_batch_size, train.global_batch_size,
-                             train.micro_batch_size, 0, 1)
+        batches = step_batch(
+            order,
+            samples,
+            state["step"] * train.global_batch_size,
+            train.global_batch_size,
+            train.micro_batch_size,
+            0,
+            1,
+        )
         losses = []
         for i, batch in enumerate(batches):
             engine.set_gradient_accumulation_boundary(i == len(batches) - 1)

@@ -20,19 +20,33 @@ from keel.data.token_check import stand_in
 from keel.run_dir import ExitCode
 from keel.training.guards.base import Action, Decision
 
-_ADVICE = "the file changed or is corrupt where the pre-launch sample did not look; fix or regenerate it"
+_ADVICE = (
+    "the file changed or is corrupt where the pre-launch sample did not look; fix or regenerate it"
+)
 
 
-def check_step_batch(micro_batches: list[torch.Tensor], row: int | None, vocab_size: int, start: int, size: int,
-                     micro_batch: int, dp_rank: int, dp_size: int) -> tuple[list[torch.Tensor], Decision | None]:
+def check_step_batch(
+    micro_batches: list[torch.Tensor],
+    row: int | None,
+    vocab_size: int,
+    start: int,
+    size: int,
+    micro_batch: int,
+    dp_rank: int,
+    dp_size: int,
+) -> tuple[list[torch.Tensor], Decision | None]:
     """This rank's batch for samples [start, start + size), whose first row holding an id outside the vocabulary is
     `row` (`first_bad_row`, run by the prefetch worker): unchanged and None when clean, else the batch on stand-in
     ids and the data stop naming that row's global sample."""
     if row is None:
         return micro_batches, None
     sample = step_sample_indices(start, size, micro_batch, dp_rank, dp_size)[row]
-    stop = Decision(Action.STOP, reason=f"global sample {sample} holds a token id outside the vocabulary",
-                    exit_code=ExitCode.BAD_DATA, sample=sample)
+    stop = Decision(
+        Action.STOP,
+        reason=f"global sample {sample} holds a token id outside the vocabulary",
+        exit_code=ExitCode.BAD_DATA,
+        sample=sample,
+    )
     return stand_in(micro_batches, vocab_size), stop
 
 
@@ -51,12 +65,18 @@ def data_stop_line(samples, order, sample: int, step: int) -> str:
     window = samples.window(sample_id)
     bad = np.flatnonzero((window < 0) | (window >= vocab))
     if not bad.size:  # the file changed again since the rank read it
-        return (f"{dataset.prefix}.bin: train sample {sample_id} (global sample {sample}, tokens from {begin}) held a "
-                f"token id outside the vocabulary [0, {vocab}) at step {step}; {_ADVICE}")
+        return (
+            f"{dataset.prefix}.bin: train sample {sample_id} (global sample {sample}, tokens from {begin}) held a "
+            f"token id outside the vocabulary [0, {vocab}) at step {step}; {_ADVICE}"
+        )
     return bad_id_line(dataset, begin + int(bad[0]), vocab, _ADVICE, where)
 
 
 def named_stop(decision: Decision, samples, order, step: int) -> Decision:
     """The agreed data stop with its line (built on every rank from the agreed sample)."""
-    return Decision(Action.STOP, reason=data_stop_line(samples, order, decision.sample, step),
-                    exit_code=decision.exit_code or ExitCode.BAD_DATA, sample=decision.sample)
+    return Decision(
+        Action.STOP,
+        reason=data_stop_line(samples, order, decision.sample, step),
+        exit_code=decision.exit_code or ExitCode.BAD_DATA,
+        sample=decision.sample,
+    )

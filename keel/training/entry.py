@@ -39,38 +39,73 @@ def run_rank(run_dir: Path) -> int:
     setup_logging(rank)
     log = logging.getLogger("keel")
     parallel = cfg.parallel
-    topology = Topology.from_env(tp=parallel.tp, pp=parallel.pp, ep=parallel.ep, sp=parallel.sp,
-                                pipeline_schedule=parallel.pipeline_schedule, virtual_stages=parallel.virtual_stages)
+    topology = Topology.from_env(
+        tp=parallel.tp,
+        pp=parallel.pp,
+        ep=parallel.ep,
+        sp=parallel.sp,
+        pipeline_schedule=parallel.pipeline_schedule,
+        virtual_stages=parallel.virtual_stages,
+    )
     if cfg.logging.collective_trace:
         topology.trace_into(RunDir(run_dir).collectives)
     seed_everything(data_parallel_seed(cfg.train.seed, topology))
-    train_samples, order, val_samples = open_splits(data, cfg.data.seq_len, cfg.data.val_fraction, cfg.train.seed)
-    checkpointer = Checkpointer(checkpoint_dir(run_dir, cfg, rank), cfg.checkpoint.keep_last, topology,
-                                AnomalyLog(run_dir, rank))
+    train_samples, order, val_samples = open_splits(
+        data, cfg.data.seq_len, cfg.data.val_fraction, cfg.train.seed
+    )
+    checkpointer = Checkpointer(
+        checkpoint_dir(run_dir, cfg, rank),
+        cfg.checkpoint.keep_last,
+        topology,
+        AnomalyLog(run_dir, rank),
+    )
     try:
         ds_raw = reshard_if_needed(cfg, ds_raw, topology, checkpointer)
     except CheckpointDisagreement as err:  # before the engine exists: nothing to release
         return checkpoint_disagreement(run_dir, rank, err)
     lr_scale = LRScale()
-    engine = build_engine(cfg, ds_raw, topology, lr_scale=lr_scale, document_eos=document_eos(cfg, data))
+    engine = build_engine(
+        cfg, ds_raw, topology, lr_scale=lr_scale, document_eos=document_eos(cfg, data)
+    )
     if rank == 0:
         n_params = sum(p.numel() for p in engine.module.parameters())
-        log.info("%s | %.2fM params | %d train samples of %d tokens | run dir %s", topology.describe(),
-                 n_params / 1e6, len(train_samples), cfg.data.seq_len, run_dir)
+        log.info(
+            "%s | %.2fM params | %d train samples of %d tokens | run dir %s",
+            topology.describe(),
+            n_params / 1e6,
+            len(train_samples),
+            cfg.data.seq_len,
+            run_dir,
+        )
     try:
-        result = Trainer(cfg, engine, topology, train_samples, val_samples, run_dir, lr_scale, order,
-                         checkpointer).fit()
-    except CheckpointDisagreement as err:  # resume or rollback: every rank raised it, after one agreed gather
+        result = Trainer(
+            cfg,
+            engine,
+            topology,
+            train_samples,
+            val_samples,
+            run_dir,
+            lr_scale,
+            order,
+            checkpointer,
+        ).fit()
+    except (
+        CheckpointDisagreement
+    ) as err:  # resume or rollback: every rank raised it, after one agreed gather
         return checkpoint_disagreement(run_dir, rank, err)
     finally:
         release_run(engine)
     if rank == 0:
         verb = "finished" if result.finished else "stopped early"
-        log.info("%s at step %d; checkpoint in %s", verb, result.state.step, RunDir(run_dir).checkpoints)
+        log.info(
+            "%s at step %d; checkpoint in %s", verb, result.state.step, RunDir(run_dir).checkpoints
+        )
         summary = write_summary(run_dir, result.finished, result.exit_code, result.reason)
         log.info("summary: %s", summary)
     if result.exit_code:
-        return result.exit_code  # a guard stopped the run; peers stop at the same step with the same code
+        return (
+            result.exit_code
+        )  # a guard stopped the run; peers stop at the same step with the same code
     comm.barrier(topology.control("world"))
     return ExitCode.OK
 
@@ -96,20 +131,34 @@ def reshard_if_needed(cfg, ds_raw: dict, topology, checkpointer) -> dict:
     to DeepSpeed's universal format and every rank loads that; the global batch stays fixed because gradient
     accumulation is derived from the new data-parallel size. The checkpoint is verified here, before converting
     (the trainer's resume then finds it verified)."""
-    tag = checkpointer.agreed_resume() if cfg.checkpoint.resume else None  # rank 0 chooses, every rank verifies
+    tag = (
+        checkpointer.agreed_resume() if cfg.checkpoint.resume else None
+    )  # rank 0 chooses, every rank verifies
     if tag is None or not checkpointer.needs_universal(tag, zero_stage(ds_raw)):
         return ds_raw
     log = logging.getLogger("keel")
     saved = checkpointer.read_manifest(tag)["topology"]
-    if cfg.model.moe_experts:  # DeepSpeed's converter cannot place experts: Keel's own (moe_reshard.py)
+    if (
+        cfg.model.moe_experts
+    ):  # DeepSpeed's converter cannot place experts: Keel's own (moe_reshard.py)
         check_moe_reshard(saved, topology.stamp(), zero_stage(ds_raw), cfg.model.moe_experts)
-    pipelined = max(saved["pp"], topology.shape.pp) > 1  # the schedule matters (and is shown) only then
-    shown = ("world_size", "dp", "ep", "tp", "pp") + (("pipeline_schedule", "virtual_stages") if pipelined else ())
+    pipelined = (
+        max(saved["pp"], topology.shape.pp) > 1
+    )  # the schedule matters (and is shown) only then
+    shown = ("world_size", "dp", "ep", "tp", "pp") + (
+        ("pipeline_schedule", "virtual_stages") if pipelined else ()
+    )
     if topology.rank == 0:
-        log.warning("checkpoint %s was written at %s; this run is %s: converting to a universal checkpoint", tag,
-                    {k: saved.get(k, STAMP_DEFAULTS.get(k, 1)) for k in shown}, topology.describe())
+        log.warning(
+            "checkpoint %s was written at %s; this run is %s: converting to a universal checkpoint",
+            tag,
+            {k: saved.get(k, STAMP_DEFAULTS.get(k, 1)) for k in shown},
+            topology.describe(),
+        )
         if cfg.model.moe_experts:
-            convert_moe_universal(checkpointer.directory / tag, saved, topology.stamp(), cfg.model.moe_experts)
+            convert_moe_universal(
+                checkpointer.directory / tag, saved, topology.stamp(), cfg.model.moe_experts
+            )
         else:
             checkpointer.convert_universal(tag)
     comm.barrier(topology.control("world"))

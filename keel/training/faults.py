@@ -57,8 +57,10 @@ class FaultInjector:
         """This rank's micro-batches for `step` (1-based), after data faults."""
         faults = self.cfg
         if faults.noise_rank == self.rank:
-            micro_batches = [torch.randint(0, self.vocab_size, b.shape, generator=self.noise)
-                             for b in micro_batches]
+            micro_batches = [
+                torch.randint(0, self.vocab_size, b.shape, generator=self.noise)
+                for b in micro_batches
+            ]
         if faults.nan_step == step and faults.nan_rank == self.rank:
             self.poisoned.add(_fingerprint(micro_batches[0][:, :-1]))
             log.warning("fault injection: NaN in rank %d's batch at step %d", self.rank, step)
@@ -67,22 +69,35 @@ class FaultInjector:
     def loss_scale(self, first_sample: int, global_batch: int) -> float:
         """Factor applied to this step's loss: the batch a spike step consumes in an uninterrupted run is the
         spiking one — tied to the data, so after a rollback that moves past it the spike does not recur."""
-        return self.cfg.spike_factor if first_sample // global_batch + 1 in self.spike_steps and \
-            first_sample % global_batch == 0 else 1.0
+        return (
+            self.cfg.spike_factor
+            if first_sample // global_batch + 1 in self.spike_steps
+            and first_sample % global_batch == 0
+            else 1.0
+        )
 
     def before_forward(self, step: int) -> None:
         faults = self.cfg
         if faults.sleep_step == step and faults.sleep_rank == self.rank and faults.sleep_s > 0:
-            log.warning("fault injection: rank %d sleeps %.1f s at step %d", self.rank, faults.sleep_s, step)
+            log.warning(
+                "fault injection: rank %d sleeps %.1f s at step %d", self.rank, faults.sleep_s, step
+            )
             time.sleep(faults.sleep_s)
 
     def during_save(self, step: int) -> None:
         """Inside the checkpoint save at `step`, after this rank wrote its files and before the others wait for it
         (an asynchronous save: in the writer thread, before its files are renamed into place)."""
         faults = self.cfg
-        if faults.save_stall_rank == self.rank and faults.save_stall_s > 0 and faults.save_stall_step in (0, step):
-            log.warning("fault injection: rank %d stalls %.1f s inside a checkpoint save", self.rank,
-                        faults.save_stall_s)
+        if (
+            faults.save_stall_rank == self.rank
+            and faults.save_stall_s > 0
+            and faults.save_stall_step in (0, step)
+        ):
+            log.warning(
+                "fault injection: rank %d stalls %.1f s inside a checkpoint save",
+                self.rank,
+                faults.save_stall_s,
+            )
             time.sleep(faults.save_stall_s)
 
     def disk_room(self, step: int) -> int | None:
@@ -104,11 +119,15 @@ class FaultInjector:
         if faults.bitflip_step != step or faults.bitflip_rank != self.rank:
             return
         named = dict(self.model.named_parameters())
-        name = faults.bitflip_param or next(n for n, p in named.items() if master_state(self.engine, p))
+        name = faults.bitflip_param or next(
+            n for n, p in named.items() if master_state(self.engine, p)
+        )
         held = master_state(self.engine, named[name])
         if not held:
-            raise ValueError(f"faults.bitflip_param={name}: rank {self.rank} holds no part of it under this "
-                             "ZeRO partitioning; name a parameter in its partition")
+            raise ValueError(
+                f"faults.bitflip_param={name}: rank {self.rank} holds no part of it under this "
+                "ZeRO partitioning; name a parameter in its partition"
+            )
         # The truth the next steps are rebuilt from: the parameter (ZeRO-0) or this rank's fp32 partition.
         state = "param" if "param" in held else "fp32"
         target = held[state].view(-1)
@@ -116,27 +135,48 @@ class FaultInjector:
         # A low mantissa bit of the first element (bit 4 of fp32's 23, bit 0 of a 16-bit type): a change of a few
         # ulp, the hard case for a check, yet one the next updates' rounding does not wash out (bit 0 of fp32 can be).
         bits[0] ^= 1 << (4 if target.element_size() == 4 else 0)
-        log.warning("fault injection: flipped a low mantissa bit of %s (%s) on rank %d after step %d", name, state,
-                    self.rank, step)
+        log.warning(
+            "fault injection: flipped a low mantissa bit of %s (%s) on rank %d after step %d",
+            name,
+            state,
+            self.rank,
+            step,
+        )
 
     @torch.no_grad()
     def _corrupt_state(self, step: int) -> None:
         """NaN into this rank's share of one state tensor of the first parameter it holds, once per process: a
         rollback that replays the step finds it sound (an upset, not a defect that comes back)."""
         faults = self.cfg
-        if self._state_corrupted or faults.corrupt_state_step != step or faults.corrupt_state_rank != self.rank:
+        if (
+            self._state_corrupted
+            or faults.corrupt_state_step != step
+            or faults.corrupt_state_rank != self.rank
+        ):
             return
         self._state_corrupted = True
-        name, param = next((n, p) for n, p in self.model.named_parameters() if master_state(self.engine, p))
+        name, param = next(
+            (n, p) for n, p in self.model.named_parameters() if master_state(self.engine, p)
+        )
         held = master_state(self.engine, param)
         # written through the per-parameter views (DeepSpeed's fragment mapping, or the parameter itself), not
         # through the optimizer's flat tensors the state check reads
-        targets = {"exp_avg_sq": held.get("exp_avg_sq"), "master": held.get("fp32", held.get("param")),
-                   "param": zero3_partition(param).data}
+        targets = {
+            "exp_avg_sq": held.get("exp_avg_sq"),
+            "master": held.get("fp32", held.get("param")),
+            "param": zero3_partition(param).data,
+        }
         target = targets[faults.corrupt_state_what]
         if target is None:
-            raise ValueError(f"faults.corrupt_state_what={faults.corrupt_state_what}: rank {self.rank}'s optimizer "
-                             f"holds no such state for {name}")
+            raise ValueError(
+                f"faults.corrupt_state_what={faults.corrupt_state_what}: rank {self.rank}'s optimizer "
+                f"holds no such state for {name}"
+            )
         target.fill_(float("nan"))
-        log.warning("fault injection: NaN in %s of %s on rank %d after step %d", faults.corrupt_state_what, name,
-                    self.rank, step)
+        log.warning(
+            "fault injection: NaN in %s of %s on rank %d after step %d",
+            faults.corrupt_state_what,
+            name,
+            self.rank,
+            step,
+        )

@@ -24,7 +24,10 @@ class PreemptionHandler:
 
     def _handle(self, signum, frame) -> None:
         if self.received is None:
-            log.warning("received %s: stopping after this step with a checkpoint", signal.Signals(signum).name)
+            log.warning(
+                "received %s: stopping after this step with a checkpoint",
+                signal.Signals(signum).name,
+            )
         self.received = signum
 
     def signalled(self) -> bool:

@@ -33,7 +33,9 @@ class StepGate:
         self.engine = engine
         self.control = control
         self.signalled = signalled
-        self.preempted = False  # agreed: some rank was signalled by the time of this step's agreement
+        self.preempted = (
+            False  # agreed: some rank was signalled by the time of this step's agreement
+        )
         self.optimizer = inner_optimizer(engine)
         self._step = self.optimizer.step
 
@@ -57,14 +59,17 @@ class StepGate:
 
     def _gated_step(self, *args, **kwargs):
         if self._decide is None:
-            raise RuntimeError("the optimizer stepped outside StepGate.deciding(): the guards were not asked")
-        if not self.consulted:  # ZeRO-3 calls step once per parameter sub-group: decide once per step
+            raise RuntimeError(
+                "the optimizer stepped outside StepGate.deciding(): the guards were not asked"
+            )
+        if (
+            not self.consulted
+        ):  # ZeRO-3 calls step once per parameter sub-group: decide once per step
             self.decision, self.preempted = agree(self._decide(), self.signalled(), self.control)
             self.consulted = True
         vetoed = self.decision.action != Action.STEP
         veto_step(self.engine, vetoed)
         return None if vetoed else self._step(*args, **kwargs)
-
 
     def agree_unconsulted(self, decision: Decision) -> Decision:
         """The agreement for a step the engine dropped before asking the gate (its fp16 overflow handling)."""
@@ -82,10 +87,13 @@ def agree(decision: Decision, signalled: bool, control: comm.Group) -> tuple[Dec
     rank, which names it the same way (keel/training/data_stop.py). One four-element all-reduce (MAX) on the control
     channel."""
     sample = 0 if decision.sample is None else _NO_SAMPLE - decision.sample
-    codes = torch.tensor([int(decision.action), int(signalled), decision.exit_code, sample], dtype=torch.int64)
+    codes = torch.tensor(
+        [int(decision.action), int(signalled), decision.exit_code, sample], dtype=torch.int64
+    )
     action, preempted, exit_code, sample = comm.all_reduce(codes, control, "max").tolist()
     agreed_sample = None if sample == 0 else _NO_SAMPLE - sample
     if action == decision.action:  # keep this rank's own reason
         return replace(decision, exit_code=exit_code, sample=agreed_sample), bool(preempted)
-    return Decision(Action(action), reason="decided on another rank", exit_code=exit_code,
-                    sample=agreed_sample), bool(preempted)
+    return Decision(
+        Action(action), reason="decided on another rank", exit_code=exit_code, sample=agreed_sample
+    ), bool(preempted)

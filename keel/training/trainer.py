@@ -25,7 +25,14 @@ from keel.adapters.deepspeed_internals import (
     raw_grad_norm_before_update,
 )
 from keel.config import RunConfig
-from keel.data import GlobalSampleOrder, PackedSamples, parse_skip_ranges, skip_to, step_batch, step_sample_indices
+from keel.data import (
+    GlobalSampleOrder,
+    PackedSamples,
+    parse_skip_ranges,
+    skip_to,
+    step_batch,
+    step_sample_indices,
+)
 from keel.data.token_check import first_bad_row
 from keel.engine.build import Fp32GradClipper, LRScale
 from keel.engine.ds_config import engine_batch_copies
@@ -75,8 +82,12 @@ class StepBatch:
     loss: float = float("nan")  # the data-parallel mean, once known
     # (this rank's loss or None, the data-parallel mean) as device scalars, until the step's one read-back
     device_losses: tuple[torch.Tensor | None, torch.Tensor] | None = None
-    grad_norm: float | None = None  # the global norm the guards decided on (None: not known on this path)
-    data_stop: Decision | None = None  # this rank's batch held ids outside the vocabulary (keel/training/data_stop.py)
+    grad_norm: float | None = (
+        None  # the global norm the guards decided on (None: not known on this path)
+    )
+    data_stop: Decision | None = (
+        None  # this rank's batch held ids outside the vocabulary (keel/training/data_stop.py)
+    )
 
     @property
     def end(self) -> int:
@@ -91,7 +102,9 @@ def _device_mean(value: torch.Tensor, group: comm.Group) -> torch.Tensor:
 def _read_back(*values: torch.Tensor | float | None) -> list[float | None]:
     """Device scalars to host floats in one transfer (each `.item()` would stall the device on its own); floats
     and None pass through."""
-    tensors = [v.detach().reshape(()).to(torch.float64) for v in values if isinstance(v, torch.Tensor)]
+    tensors = [
+        v.detach().reshape(()).to(torch.float64) for v in values if isinstance(v, torch.Tensor)
+    ]
     host = iter(torch.stack(tensors).tolist() if tensors else [])
     return [next(host) if isinstance(v, torch.Tensor) else v for v in values]
 
@@ -105,9 +118,18 @@ def _clock(record: dict, key: str) -> Iterator[None]:
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, engine, topology: Topology, train_samples: PackedSamples,
-                 val_samples: PackedSamples, run_dir: Path, lr_scale: LRScale | None = None, order=None,
-                 checkpointer: Checkpointer | None = None):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        engine,
+        topology: Topology,
+        train_samples: PackedSamples,
+        val_samples: PackedSamples,
+        run_dir: Path,
+        lr_scale: LRScale | None = None,
+        order=None,
+        checkpointer: Checkpointer | None = None,
+    ):
         self.cfg = cfg
         self.engine = engine
         self.topology = topology
@@ -116,8 +138,12 @@ class Trainer:
         # a blend's order (keel/data/blend.py) or the single source's
         self.order = order or GlobalSampleOrder(len(train_samples), cfg.train.seed)
         self.anomalies = AnomalyLog(run_dir, topology.rank)
-        self.checkpointer = checkpointer or Checkpointer(checkpoint_dir(run_dir, cfg, topology.rank),
-                                                         cfg.checkpoint.keep_last, topology, self.anomalies)
+        self.checkpointer = checkpointer or Checkpointer(
+            checkpoint_dir(run_dir, cfg, topology.rank),
+            cfg.checkpoint.keep_last,
+            topology,
+            self.anomalies,
+        )
         self.run_dir = run_dir
         self.dp_group = topology.device("dp")
         self.is_pipeline = cfg.parallel.pp > 1
@@ -126,24 +152,46 @@ class Trainer:
         self.skip_ranges = parse_skip_ranges(cfg.data.skip_ranges)
         train = cfg.train
         self.prefetcher = BatchPrefetcher(
-            lambda start, size: step_batch(self.order, train_samples, start, size, train.micro_batch_size,
-                                           topology.dp_rank, topology.dp_size, checked=False),
+            lambda start, size: step_batch(
+                self.order,
+                train_samples,
+                start,
+                size,
+                train.micro_batch_size,
+                topology.dp_rank,
+                topology.dp_size,
+                checked=False,
+            ),
             pin=torch.device(engine.device).type == "cuda",
             # every id within the vocabulary: a min/max of the host batch on the prefetch worker (data_stop.py)
-            check=lambda batches: first_bad_row(batches, train_samples.vocab_size))
-        self.faults = FaultInjector(cfg.faults, topology.rank, engine, cfg.model.vocab_size, cfg.train.seed)
+            check=lambda batches: first_bad_row(batches, train_samples.vocab_size),
+        )
+        self.faults = FaultInjector(
+            cfg.faults, topology.rank, engine, cfg.model.vocab_size, cfg.train.seed
+        )
         self.loss_fn = engine.module.loss_fn
         self.guards = GuardStack(cfg, engine, topology, self.anomalies)
-        self.corrupt_state = CorruptStateGuard(engine, self.checkpointer.agreed_at_or_before, topology,
-                                               self.anomalies)
-        self.checkpoints = RunCheckpoints(cfg, engine, self.checkpointer, self.anomalies, self.guards,
-                                          self.corrupt_state, self.faults, self.lr_scale)
+        self.corrupt_state = CorruptStateGuard(
+            engine, self.checkpointer.agreed_at_or_before, topology, self.anomalies
+        )
+        self.checkpoints = RunCheckpoints(
+            cfg,
+            engine,
+            self.checkpointer,
+            self.anomalies,
+            self.guards,
+            self.corrupt_state,
+            self.faults,
+            self.lr_scale,
+        )
         self.preemption = PreemptionHandler()
         self.gate = StepGate(engine, topology.control("world"), self.preemption.signalled)
         self.monitor = ModelMonitor(engine, topology, cfg.stability.monitor_interval)
         self.attention_logits = AttentionLogitWarning(cfg.stability, self.anomalies)
         if self.is_pipeline:
-            self.monitor.attach(engine)  # train_batch leaves no gap between the last backward and the step
+            self.monitor.attach(
+                engine
+            )  # train_batch leaves no gap between the last backward and the step
         self.experts = ExpertHealth(cfg, engine.module, topology, self.anomalies)
         self.syncs = SyncCounter(cfg.logging.sync_debug, engine.device, run_dir, topology.rank)
         self._local_loss: float | None = None
@@ -154,31 +202,53 @@ class Trainer:
 
         Returns the metrics record and the decision the loop acts on (skip: already applied; rollback, stop)."""
         batch = self._fetch(state)
-        lr = self.engine.get_lr()[0]  # the LR this step uses (the scheduler advances inside the step)
+        lr = self.engine.get_lr()[
+            0
+        ]  # the LR this step uses (the scheduler advances inside the step)
         self.monitor.arm(batch.step)
         # DeepSpeed calls `_decide` after the gradients are reduced and before it updates (step_gate.py)
         with self.gate.deciding(lambda: self._decide(batch)):
             loss = self._forward_backward(batch)
         self.loss_fn.scale = 1.0
-        self.guards.after_update(batch.step)  # seals this rank's state before anything else can touch it
+        self.guards.after_update(
+            batch.step
+        )  # seals this rank's state before anything else can touch it
         self.faults.after_step(batch.step)
         applied = self.engine.was_step_applied()
         decision = self.gate.decision
-        if not applied and not self.gate.consulted:  # DeepSpeed dropped the step before asking (non-finite, fp16)
+        if (
+            not applied and not self.gate.consulted
+        ):  # DeepSpeed dropped the step before asking (non-finite, fp16)
             stats = self._stats(batch)
             decision = self.gate.agree_unconsulted(
-                with_data_stop(self.guards.engine_skipped(stats, self.engine.fp16_enabled()), batch.data_stop))
-            batch.grad_norm = stats.grad_norm  # NaN unless fp16 (where the loss scaler's overflow is routine)
-        if decision.sample is not None:  # some rank's batch held a bad id: every rank names it, the same way
+                with_data_stop(
+                    self.guards.engine_skipped(stats, self.engine.fp16_enabled()), batch.data_stop
+                )
+            )
+            batch.grad_norm = (
+                stats.grad_norm
+            )  # NaN unless fp16 (where the loss scaler's overflow is routine)
+        if (
+            decision.sample is not None
+        ):  # some rank's batch held a bad id: every rank names it, the same way
             decision = named_stop(decision, self.train_samples, self.order, batch.step)
-            self.anomalies.record("bad_token_id", batch.step, reason=decision.reason, sample=decision.sample)
+            self.anomalies.record(
+                "bad_token_id", batch.step, reason=decision.reason, sample=decision.sample
+            )
         state.step, state.consumed_samples = batch.step, batch.end
         state.skipped_steps += int(not applied)
         if not applied and self.guards.nonfinite_at(batch.step):
             decision = self._classify_nonfinite(batch) or decision
-        record = {"loss": loss, "lr": lr, "grad_norm": batch.grad_norm, "skipped": not applied,
-                  "batch_size": batch.size, "loss_scale": loss_scale(self.engine),
-                  **self.monitor.after_step(batch.step), **self.experts.after_step(batch.step, applied=applied)}
+        record = {
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": batch.grad_norm,
+            "skipped": not applied,
+            "batch_size": batch.size,
+            "loss_scale": loss_scale(self.engine),
+            **self.monitor.after_step(batch.step),
+            **self.experts.after_step(batch.step, applied=applied),
+        }
         self.attention_logits.check(batch.step, record)
         return record, decision
 
@@ -189,16 +259,29 @@ class Trainer:
         start = skip_to(state.consumed_samples, self.skip_ranges)
         size = rampup_batch_size(state.step, train, dp)
         engine_size = size * engine_batch_copies(self.cfg)
-        if engine_size != self.engine.train_batch_size():  # batch-size ramp-up: DeepSpeed adjusts accumulation
+        if (
+            engine_size != self.engine.train_batch_size()
+        ):  # batch-size ramp-up: DeepSpeed adjusts accumulation
             self.engine.set_train_batch_size(engine_size)
-        self.experts.before_step(loss_scale(self.engine) or 1.0, self.engine.gradient_accumulation_steps())
+        self.experts.before_step(
+            loss_scale(self.engine) or 1.0, self.engine.gradient_accumulation_steps()
+        )
         micro_batches, bad_row = self.prefetcher.get_checked(start, size)
-        self.prefetcher.prefetch(skip_to(start + size, self.skip_ranges), rampup_batch_size(step, train, dp))
+        self.prefetcher.prefetch(
+            skip_to(start + size, self.skip_ranges), rampup_batch_size(step, train, dp)
+        )
         self.faults.before_forward(step)
         self.loss_fn.scale = self.faults.loss_scale(start, size)
-        micro_batches, stop = check_step_batch(self.faults.batches(step, micro_batches), bad_row,
-                                               self.train_samples.vocab_size, start, size, train.micro_batch_size,
-                                               self.topology.dp_rank, dp)
+        micro_batches, stop = check_step_batch(
+            self.faults.batches(step, micro_batches),
+            bad_row,
+            self.train_samples.vocab_size,
+            start,
+            size,
+            train.micro_batch_size,
+            self.topology.dp_rank,
+            dp,
+        )
         return StepBatch(step, start, size, micro_batches, data_stop=stop)
 
     def _forward_backward(self, batch: StepBatch) -> float:
@@ -206,7 +289,9 @@ class Trainer:
         if self.is_pipeline:  # DeepSpeed's 1F1B schedule runs every micro-batch and the step
             pairs = iter([(mb[:, :-1], mb[:, 1:]) for mb in batch.micro_batches])
             mean = self.engine.train_batch(data_iter=pairs)  # dp-averaged, broadcast to all stages
-            if not self.gate.consulted:  # DeepSpeed dropped the step before asking: `_decide` read nothing
+            if (
+                not self.gate.consulted
+            ):  # DeepSpeed dropped the step before asking: `_decide` read nothing
                 self._local_loss, batch.loss = None, mean.item()
             return batch.loss
         losses = []
@@ -221,7 +306,9 @@ class Trainer:
         batch.device_losses = (local, _device_mean(local, self.dp_group))  # read back in `_decide`
         self.monitor.before_step(batch.step)
         self.engine.step()
-        if batch.device_losses is not None:  # DeepSpeed dropped the step before asking: read them now
+        if (
+            batch.device_losses is not None
+        ):  # DeepSpeed dropped the step before asking: read them now
             self._read_step_values(batch, None)
         return batch.loss
 
@@ -242,7 +329,12 @@ class Trainer:
 
     @staticmethod
     def _stats(batch: StepBatch) -> StepStats:
-        return StepStats(batch.step, loss=batch.loss, grad_norm=batch.grad_norm, sample_range=(batch.start, batch.end))
+        return StepStats(
+            batch.step,
+            loss=batch.loss,
+            grad_norm=batch.grad_norm,
+            sample_range=(batch.start, batch.end),
+        )
 
     def _grad_norm(self) -> torch.Tensor | float | None:
         """This step's global norm as its engine holds it (a device scalar, or None where none is computed)."""
@@ -258,7 +350,11 @@ class Trainer:
         Returns (this rank's loss, None off the last stage; the mean), both left on the device."""
         summed = pipeline_summed_loss(self.engine)
         local = torch.zeros((), device=self.engine.device)
-        if summed is not None and self.topology.rank_in("tp") == 0 and self.topology.rank_in("sp") == 0:
+        if (
+            summed is not None
+            and self.topology.rank_in("tp") == 0
+            and self.topology.rank_in("sp") == 0
+        ):
             local = summed.detach().float() / self.engine.gradient_accumulation_steps()
         mine = local.clone() if summed is not None else None
         total = comm.all_reduce(local, self.topology.device("world"))
@@ -272,22 +368,41 @@ class Trainer:
         reason = "non-finite weights or optimizer state"
         if not self.cfg.stability.localize_nonfinite or self.is_pipeline:
             bad_ranks = self.corrupt_state.ranks_with_it(bad_state)
-            return self.corrupt_state.decide(batch.step, reason, ranks_with_corrupt_state=bad_ranks) \
-                if bad_ranks else None
-        samples = step_sample_indices(batch.start, batch.size, self.cfg.train.micro_batch_size,
-                                      self.topology.dp_rank, self.topology.dp_size)
+            return (
+                self.corrupt_state.decide(batch.step, reason, ranks_with_corrupt_state=bad_ranks)
+                if bad_ranks
+                else None
+            )
+        samples = step_sample_indices(
+            batch.start,
+            batch.size,
+            self.cfg.train.micro_batch_size,
+            self.topology.dp_rank,
+            self.topology.dp_size,
+        )
         on_device = [mb.to(self.engine.device) for mb in batch.micro_batches]
-        summary = localize_on_all_ranks(self.engine.module, on_device, samples, self._local_loss,
-                                        self.topology.control("world"), self._val_batch(0), bad_state)
+        summary = localize_on_all_ranks(
+            self.engine.module,
+            on_device,
+            samples,
+            self._local_loss,
+            self.topology.control("world"),
+            self._val_batch(0),
+            bad_state,
+        )
         if self.engine.zero_optimization_stage() == 3:
             self.engine.empty_partition_cache()  # the replay leaves gathered parameters behind
         if summary["classification"] == STATE:  # the same summary on every rank: the same decision
             return self.corrupt_state.decide(batch.step, reason, **summary)
         self.anomalies.record("nonfinite", batch.step, phase="localized", **summary)
         data = summary["classification"] == "data"
-        log.warning("step %d: non-finite values localized: %s", batch.step,
-                    f"{summary.get('first_bad_module')} on rank {summary['bad_rank']} (data; samples recorded)"
-                    if data else f"transient on rank(s) {summary['bad_ranks']}")
+        log.warning(
+            "step %d: non-finite values localized: %s",
+            batch.step,
+            f"{summary.get('first_bad_module')} on rank {summary['bad_rank']} (data; samples recorded)"
+            if data
+            else f"transient on rank(s) {summary['bad_ranks']}",
+        )
         return None
 
     def _val_batch(self, index: int) -> torch.Tensor:
@@ -314,31 +429,55 @@ class Trainer:
     def fit(self) -> TrainResult:
         train, stability = self.cfg.train, self.cfg.stability
         state = self.checkpoints.resume()
-        metrics = MetricsWriter(self.run_dir, self.topology.rank == 0, state.step, self.cfg.logging.log_interval,
-                                train.steps,
-                                run_progress(self.cfg, self.topology.shape.world_size, self.engine.device)
-                                if self.topology.rank == 0 else None)
-        self.sinks = Sinks(self.run_dir, stability, self.cfg.to_dict(), enabled=self.topology.rank == 0,
-                           resumed_step=state.step)
-        watchdog = Watchdog(self.run_dir, self.topology.rank, stability.watchdog_timeout, self.anomalies)
+        metrics = MetricsWriter(
+            self.run_dir,
+            self.topology.rank == 0,
+            state.step,
+            self.cfg.logging.log_interval,
+            train.steps,
+            run_progress(self.cfg, self.topology.shape.world_size, self.engine.device)
+            if self.topology.rank == 0
+            else None,
+        )
+        self.sinks = Sinks(
+            self.run_dir,
+            stability,
+            self.cfg.to_dict(),
+            enabled=self.topology.rank == 0,
+            resumed_step=state.step,
+        )
+        watchdog = Watchdog(
+            self.run_dir, self.topology.rank, stability.watchdog_timeout, self.anomalies
+        )
         stragglers = StragglerMonitor(self.topology.control("world"), stability.straggler_interval)
         try:
-            with watchdog:  # leaving the block within a hang's deadline counts as that hang (see watchdog.py)
+            with (
+                watchdog
+            ):  # leaving the block within a hang's deadline counts as that hang (see watchdog.py)
                 result = self._loop(state, metrics, watchdog, stragglers)
-                with watchdog.phase("checkpoint save", stability.watchdog_save_timeout):  # the last save completes
+                with watchdog.phase(
+                    "checkpoint save", stability.watchdog_save_timeout
+                ):  # the last save completes
                     stop = self.checkpoints.background(wait=True, final=True)
                 if stop.action != Action.STOP or result.exit_code:
                     return result
                 log.error("stopping at step %d: %s", result.state.step, stop.reason)
-                return TrainResult(result.state, finished=False, exit_code=stop.exit_code, reason=stop.reason)
+                return TrainResult(
+                    result.state, finished=False, exit_code=stop.exit_code, reason=stop.reason
+                )
         finally:
             self.prefetcher.close()
             self.syncs.report()
             metrics.close()
             self.sinks.close()
 
-    def _loop(self, state: TrainState, metrics: MetricsWriter, watchdog: Watchdog,
-              stragglers: StragglerMonitor) -> TrainResult:
+    def _loop(
+        self,
+        state: TrainState,
+        metrics: MetricsWriter,
+        watchdog: Watchdog,
+        stragglers: StragglerMonitor,
+    ) -> TrainResult:
         train, checkpoint, stability = self.cfg.train, self.cfg.checkpoint, self.cfg.stability
         steps_here, save_time = 0, None
         while state.step < train.steps:
@@ -348,18 +487,30 @@ class Trainer:
                 record, decision = self.train_step(state)
             steps_here += 1
             record = self._timed(record, state, time.perf_counter() - start, stragglers)
-            if save_time is not None:  # the save after the previous step: its cost, next to the step's own
+            if (
+                save_time is not None
+            ):  # the save after the previous step: its cost, next to the step's own
                 record["save_time_s"], save_time = save_time, None
             # periodic checks and evaluation: collectives of their own, each phase with its own deadline
-            with watchdog.phase("checks", stability.watchdog_check_timeout), _clock(record, "check_time_s"):
+            with (
+                watchdog.phase("checks", stability.watchdog_check_timeout),
+                _clock(record, "check_time_s"),
+            ):
                 checks = self.guards.after_step(state.step, record["loss_scale"], self._local_loss)
                 decision = Decision.most_severe([decision, checks, self.checkpoints.background()])
-            if train.eval_interval and (state.step % train.eval_interval == 0 or state.step == train.steps):
-                with watchdog.phase("evaluation", stability.watchdog_eval_timeout), _clock(record, "eval_time_s"):
+            if train.eval_interval and (
+                state.step % train.eval_interval == 0 or state.step == train.steps
+            ):
+                with (
+                    watchdog.phase("evaluation", stability.watchdog_eval_timeout),
+                    _clock(record, "eval_time_s"),
+                ):
                     record["val_loss"] = self.evaluate()
             metrics.log(record)
             self.sinks.log(state.step, record)
-            stop_early = train.exit_after and steps_here >= train.exit_after and state.step < train.steps
+            stop_early = (
+                train.exit_after and steps_here >= train.exit_after and state.step < train.steps
+            )
             preempted = self.gate.preempted and state.step < train.steps
             ending = state.step == train.steps or stop_early or preempted
             periodic = checkpoint.interval and state.step % checkpoint.interval == 0
@@ -375,17 +526,22 @@ class Trainer:
                 continue
             if preempted:
                 self.anomalies.record("preempted", state.step, signal=self.preemption.received)
-                return TrainResult(state, finished=False, exit_code=ExitCode.PREEMPTED, reason="preempted")
+                return TrainResult(
+                    state, finished=False, exit_code=ExitCode.PREEMPTED, reason="preempted"
+                )
             if stop_early:
                 return TrainResult(state, finished=False)
         return TrainResult(state, finished=True)
 
-    def _act(self, decision: Decision, state: TrainState, metrics: MetricsWriter,
-             watchdog: Watchdog) -> TrainResult | TrainState:
+    def _act(
+        self, decision: Decision, state: TrainState, metrics: MetricsWriter, watchdog: Watchdog
+    ) -> TrainResult | TrainState:
         """A STOP ends the run (the result to return); a ROLLBACK returns the state rolled back to."""
         if decision.action == Action.STOP:
             log.error("stopping at step %d: %s", state.step, decision.reason)
-            return TrainResult(state, finished=False, exit_code=decision.exit_code, reason=decision.reason)
+            return TrainResult(
+                state, finished=False, exit_code=decision.exit_code, reason=decision.reason
+            )
         first = (self.guards.last_event or {}).get("first_spike_step", state.step)
         factor = 1.0 if decision.restore else self.cfg.stability.rollback_lr_factor
         with watchdog.phase("rollback", self.cfg.stability.watchdog_save_timeout):
@@ -393,17 +549,36 @@ class Trainer:
             pending = self.checkpoints.background(wait=True)
             if pending.action == Action.STOP:
                 log.error("stopping at step %d: %s", state.step, pending.reason)
-                return TrainResult(state, finished=False, exit_code=pending.exit_code, reason=pending.reason)
-            return self.checkpoints.rollback(state, lambda step: (metrics.rewind(step), self.sinks.rewind(step)),
-                                             first, decision.reason, factor, decision.to, decision.rewind_data)
+                return TrainResult(
+                    state, finished=False, exit_code=pending.exit_code, reason=pending.reason
+                )
+            return self.checkpoints.rollback(
+                state,
+                lambda step: (metrics.rewind(step), self.sinks.rewind(step)),
+                first,
+                decision.reason,
+                factor,
+                decision.to,
+                decision.rewind_data,
+            )
 
-    def _timed(self, record: dict, state: TrainState, elapsed: float, stragglers: StragglerMonitor) -> dict:
+    def _timed(
+        self, record: dict, state: TrainState, elapsed: float, stragglers: StragglerMonitor
+    ) -> dict:
         """The step's record with its position, throughput and (every straggler interval) the slowest rank."""
         seq_len = self.cfg.data.seq_len
-        record = {"step": state.step, **record, "tokens": state.consumed_samples * seq_len,
-                  "tokens_per_s": record["batch_size"] * seq_len / elapsed, "step_time_s": elapsed,
-                  "consumed_samples": state.consumed_samples, "lr_scale": state.lr_scale}
-        if torch.device(self.engine.device).type == "cuda":  # the allocator's own counter: no device sync
+        record = {
+            "step": state.step,
+            **record,
+            "tokens": state.consumed_samples * seq_len,
+            "tokens_per_s": record["batch_size"] * seq_len / elapsed,
+            "step_time_s": elapsed,
+            "consumed_samples": state.consumed_samples,
+            "lr_scale": state.lr_scale,
+        }
+        if (
+            torch.device(self.engine.device).type == "cuda"
+        ):  # the allocator's own counter: no device sync
             record["gpu_mem_peak_gib"] = torch.cuda.max_memory_allocated(self.engine.device) / 2**30
         report = stragglers.update(state.step, elapsed)
         if report is not None:

@@ -11,34 +11,151 @@ from hypothesis import strategies as st
 
 from keel.config.bounds import BOUNDS, INT64_MAX
 from keel.config.schema import CHOICES
-from tests.faults.config_cases import FAULT_RANKS, HINTS, SECTION_TYPES, Case, int_range, valid_cases
+from tests.faults.config_cases import (
+    FAULT_RANKS,
+    HINTS,
+    SECTION_TYPES,
+    Case,
+    int_range,
+    valid_cases,
+)
 
 # -- bad values of one field, as YAML objects (the config file) and as --set text ---------------------------------
-NOT_A_NUMBER = [math.nan, math.inf, -math.inf, "1e400", "-1e400", "nan", "abc", "", None, True, False, [1],
-                {"a": 1}]
-NOT_A_NUMBER_TEXT = ["nan", ".nan", "NaN", "inf", ".inf", "-.inf", "1e400", "-1e400", "abc", "", "null", "~",
-                     "true", "off", "[1]", "{a: 1}", "1,2", "0x", "1e", "--1"]
-BROKEN_YAML = ["[", "{", "[1, 2", "{a: 1", "'x", '"x', "a: b: c", "*x", "&a", "]", "}", "@x", "`x", "[1,\n",
-               "!!python/object/apply:os.system ['true']", "- [", "{a: [}"]
+NOT_A_NUMBER = [
+    math.nan,
+    math.inf,
+    -math.inf,
+    "1e400",
+    "-1e400",
+    "nan",
+    "abc",
+    "",
+    None,
+    True,
+    False,
+    [1],
+    {"a": 1},
+]
+NOT_A_NUMBER_TEXT = [
+    "nan",
+    ".nan",
+    "NaN",
+    "inf",
+    ".inf",
+    "-.inf",
+    "1e400",
+    "-1e400",
+    "abc",
+    "",
+    "null",
+    "~",
+    "true",
+    "off",
+    "[1]",
+    "{a: 1}",
+    "1,2",
+    "0x",
+    "1e",
+    "--1",
+]
+BROKEN_YAML = [
+    "[",
+    "{",
+    "[1, 2",
+    "{a: 1",
+    "'x",
+    '"x',
+    "a: b: c",
+    "*x",
+    "&a",
+    "]",
+    "}",
+    "@x",
+    "`x",
+    "[1,\n",
+    "!!python/object/apply:os.system ['true']",
+    "- [",
+    "{a: [}",
+]
 NOT_A_BOOL = ["maybe", 2, -1, 0.5, None, [True], {}, "", "yes please", math.nan]
 NOT_A_BOOL_TEXT = ["maybe", "2", "-1", "0.5", "null", "[true]", "{}", "", "truee", ".nan"]
-NOT_TEXT = [None, ["a"], {"a": "b"}]  # a text field takes any --set text; in a YAML file these are mistakes
+NOT_TEXT = [
+    None,
+    ["a"],
+    {"a": "b"},
+]  # a text field takes any --set text; in a YAML file these are mistakes
 LIST_BREAKS: dict[str, tuple[list[Any], list[str]]] = {
-    "data.corpus": ([[], [""], [None], [1], [["a"]], ["a", {"path": "b", "weight": 1}], [{"path": "a"}],
-                     [{"path": "a", "weight": -1}], [{"path": "a", "weight": math.nan}],
-                     [{"path": "a", "weight": math.inf}], [{"path": "a", "weight": "x"}],
-                     [{"path": "a", "weight": True}], [{"path": "a", "weight": 0}], [{"path": [], "weight": 1}],
-                     [{"path": "a", "weight": 1, "extra": 2}], [{"path": None, "weight": 1}], {"a": 1}, None],
-                    ["[]", "[1]", "[null]", "[{path: a}]", "[{path: a, weight: -1}]", "[{path: a, weight: .nan}]",
-                     "[a, {path: b, weight: 1}]", "[{path: a, weight: x}]", "[{path: a, weight: 1e400}]", "[[a]]"]),
-    "data.skip_ranges": ([["abc"], ["5"], ["3:1"], ["7:7"], ["a:b"], ["1:2:3"], ["-1:5"], [None], [1.5], [[1, 2]],
-                          ["1.5:3"], [":"], [""]],
-                         ["abc", "5", "300:100", "7:7", "a:b", "1:2:3", "-1:5", "[null]", "[1.5]", "[[1, 2]]", ":"]),
-    "faults.spike_steps": ([["x"], [0], [math.nan], [None], [1.5], [-3], [[1]], "x"],
-                           ["[1,", "x", "0", "[.nan]", "1,abc", "[-1]", "[1e400]", "[[1]]"]),
-    "train.betas": ([[0.9], [0.9, 0.95, 0.99], [math.nan, 0.9], [1.0, 0.9], [-0.1, 0.9], "x", None, [True, 0.9],
-                     [0.9, math.inf], [[0.9], 0.9]],
-                    ["0.9", "[0.9]", "x,y", "[1e400, 0.9]", "[0.9,", "[.nan, 0.9]", "[0.9, 1]", "[null, 0.9]"]),
+    "data.corpus": (
+        [
+            [],
+            [""],
+            [None],
+            [1],
+            [["a"]],
+            ["a", {"path": "b", "weight": 1}],
+            [{"path": "a"}],
+            [{"path": "a", "weight": -1}],
+            [{"path": "a", "weight": math.nan}],
+            [{"path": "a", "weight": math.inf}],
+            [{"path": "a", "weight": "x"}],
+            [{"path": "a", "weight": True}],
+            [{"path": "a", "weight": 0}],
+            [{"path": [], "weight": 1}],
+            [{"path": "a", "weight": 1, "extra": 2}],
+            [{"path": None, "weight": 1}],
+            {"a": 1},
+            None,
+        ],
+        [
+            "[]",
+            "[1]",
+            "[null]",
+            "[{path: a}]",
+            "[{path: a, weight: -1}]",
+            "[{path: a, weight: .nan}]",
+            "[a, {path: b, weight: 1}]",
+            "[{path: a, weight: x}]",
+            "[{path: a, weight: 1e400}]",
+            "[[a]]",
+        ],
+    ),
+    "data.skip_ranges": (
+        [
+            ["abc"],
+            ["5"],
+            ["3:1"],
+            ["7:7"],
+            ["a:b"],
+            ["1:2:3"],
+            ["-1:5"],
+            [None],
+            [1.5],
+            [[1, 2]],
+            ["1.5:3"],
+            [":"],
+            [""],
+        ],
+        ["abc", "5", "300:100", "7:7", "a:b", "1:2:3", "-1:5", "[null]", "[1.5]", "[[1, 2]]", ":"],
+    ),
+    "faults.spike_steps": (
+        [["x"], [0], [math.nan], [None], [1.5], [-3], [[1]], "x"],
+        ["[1,", "x", "0", "[.nan]", "1,abc", "[-1]", "[1e400]", "[[1]]"],
+    ),
+    "train.betas": (
+        [
+            [0.9],
+            [0.9, 0.95, 0.99],
+            [math.nan, 0.9],
+            [1.0, 0.9],
+            [-0.1, 0.9],
+            "x",
+            None,
+            [True, 0.9],
+            [0.9, math.inf],
+            [[0.9], 0.9],
+        ],
+        ["0.9", "[0.9]", "x,y", "[1e400, 0.9]", "[0.9,", "[.nan, 0.9]", "[0.9, 1]", "[null, 0.9]"],
+    ),
 }
 
 
@@ -50,9 +167,9 @@ def typo(draw, word: str, avoid: typing.Iterable[str]) -> str:
     if kind == "insert":
         out = word[:i] + draw(letters) + word[i:]
     elif kind == "drop":
-        out = word[:i] + word[i + 1:]
+        out = word[:i] + word[i + 1 :]
     elif kind == "change":
-        out = word[:i] + draw(letters.filter(lambda c: c != word[i])) + word[i + 1:]
+        out = word[:i] + draw(letters.filter(lambda c: c != word[i])) + word[i + 1 :]
     else:
         out = word.swapcase() if word.lower() != word.upper() else word + "x"
     return out if out not in set(avoid) and out else word + "_x"
@@ -67,8 +184,11 @@ def out_of_bounds(draw, name: str) -> Any:
     side = draw(st.sampled_from(sides + ["huge"] if hint is int else sides))
     if hint is int:
         low, high = int_range(bound)
-        return {"low": low - draw(st.integers(1, 10**6)), "high": high + draw(st.integers(1, 10**6)),
-                "huge": INT64_MAX + draw(st.integers(1, 10**20))}[side]
+        return {
+            "low": low - draw(st.integers(1, 10**6)),
+            "high": high + draw(st.integers(1, 10**6)),
+            "huge": INT64_MAX + draw(st.integers(1, 10**20)),
+        }[side]
     gap = draw(st.floats(1e-3, 1e6))
     if side == "low":
         return bound.low if bound.low_open else bound.low - gap
@@ -88,15 +208,20 @@ def field_breaks(draw) -> tuple[str, Any, bool]:
         return name, draw(st.sampled_from(texts if as_set else objects)), as_set
     if name in CHOICES:
         choices = CHOICES[name]
-        bad = typo(draw, draw(st.sampled_from(choices)), choices) if draw(st.booleans()) else \
-            draw(st.sampled_from([None, 3, ["x"], {"a": 1}, math.nan]))
+        bad = (
+            typo(draw, draw(st.sampled_from(choices)), choices)
+            if draw(st.booleans())
+            else draw(st.sampled_from([None, 3, ["x"], {"a": 1}, math.nan]))
+        )
         if as_set and not isinstance(bad, str):
             return name, draw(st.sampled_from(["null", "3", "[x]", "{a: 1}", ".nan"])), True
         return name, bad, as_set
     if hint is bool:
         return name, draw(st.sampled_from(NOT_A_BOOL_TEXT if as_set else NOT_A_BOOL)), as_set
     if hint in (int, float):
-        kind = draw(st.sampled_from(["bounds", "nasty", "broken"] + (["fraction"] if hint is int else [])))
+        kind = draw(
+            st.sampled_from(["bounds", "nasty", "broken"] + (["fraction"] if hint is int else []))
+        )
         if kind == "bounds":
             return name, out_of_bounds(draw, name), False
         if kind == "fraction":
@@ -125,7 +250,11 @@ def relation_breaks(draw, case: Case) -> tuple[str, ...]:
     n_heads = v["model.n_heads"]
     if kind == "batch":
         unit = v["train.micro_batch_size"] * case.world // (tp * pp * sp)
-        case.put("train.global_batch_size", v["train.global_batch_size"] + draw(st.integers(1, unit - 1)), False)
+        case.put(
+            "train.global_batch_size",
+            v["train.global_batch_size"] + draw(st.integers(1, unit - 1)),
+            False,
+        )
         return ("train.global_batch_size",)
     if kind == "kv":
         case.put("model.n_kv_heads", n_heads + draw(st.integers(1, 5)), draw(st.booleans()))
@@ -137,7 +266,13 @@ def relation_breaks(draw, case: Case) -> tuple[str, ...]:
         new_pp = v["model.n_layers"] + 3 + draw(st.integers(1, 3))
         case.put("parallel.pp", new_pp, False)
         case.world = case.world // pp * new_pp  # the same data-parallel size
-        return ("parallel.pp", "parallel.sp", "parallel", "zero_optimization.stage", "document_mask")
+        return (
+            "parallel.pp",
+            "parallel.sp",
+            "parallel",
+            "zero_optimization.stage",
+            "document_mask",
+        )
     if kind == "world":
         case.world = case.world + draw(st.sampled_from([w for w in range(1, tp * pp * sp)]))
         return ("parallel", "WORLD_SIZE", "world size")
@@ -148,18 +283,55 @@ def relation_breaks(draw, case: Case) -> tuple[str, ...]:
     if kind == "moe_one":
         case.put("model.moe_experts", 1, False)
         return ("model.moe_experts", "parallel.ep", "faults.starve_expert")
-    case.put("faults.starve_expert", max(v["model.moe_experts"], 0) + draw(st.integers(0, 3)), False)
+    case.put(
+        "faults.starve_expert", max(v["model.moe_experts"], 0) + draw(st.integers(0, 3)), False
+    )
     return ("faults.starve_expert",)
 
 
 # -- the DeepSpeed JSON --------------------------------------------------------------------------------------------
-NEAR_MISSES = ["zero_optimisation", "train_batch", "gradient_clip", "bf_16", "fp_16", "optimiser",
-               "train_micro_batch_size", "gradient_accumulation", "steps_per_prints", "zero_optimization_stage"]
-TYPED_KEYS = ["train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-              "zero_optimization", "steps_per_print", "gradient_clipping", "wall_clock_breakdown"]
-DS_SECTIONS = ["zero_optimization", "fp16", "bf16", "bfloat16", "optimizer", "tensorboard", "pipeline"]
+NEAR_MISSES = [
+    "zero_optimisation",
+    "train_batch",
+    "gradient_clip",
+    "bf_16",
+    "fp_16",
+    "optimiser",
+    "train_micro_batch_size",
+    "gradient_accumulation",
+    "steps_per_prints",
+    "zero_optimization_stage",
+]
+TYPED_KEYS = [
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "zero_optimization",
+    "steps_per_print",
+    "gradient_clipping",
+    "wall_clock_breakdown",
+]
+DS_SECTIONS = [
+    "zero_optimization",
+    "fp16",
+    "bf16",
+    "bfloat16",
+    "optimizer",
+    "tensorboard",
+    "pipeline",
+]
 NOT_A_MAPPING = [[], [1], "3", 3, None, True, "yes"]
-BAD_JSON = ["{", "[1, 2]", "3", "null", '"x"', "", '{"a": }', "{'a': 1}", "{\"zero_optimization\": {\"stage\": 1}"]
+BAD_JSON = [
+    "{",
+    "[1, 2]",
+    "3",
+    "null",
+    '"x"',
+    "",
+    '{"a": }',
+    "{'a': 1}",
+    '{"zero_optimization": {"stage": 1}',
+]
 
 
 def ds_breaks(draw, case: Case) -> tuple[str, ...]:
@@ -167,8 +339,23 @@ def ds_breaks(draw, case: Case) -> tuple[str, ...]:
     ds = case.ds
     assert isinstance(ds, dict)
     stage = ds["zero_optimization"]["stage"]
-    kind = draw(st.sampled_from(["json", "path", "section", "stage", "enabled", "near_miss", "disagree",
-                                 "scheduler", "optimizer", "nested", "both_precisions"]))
+    kind = draw(
+        st.sampled_from(
+            [
+                "json",
+                "path",
+                "section",
+                "stage",
+                "enabled",
+                "near_miss",
+                "disagree",
+                "scheduler",
+                "optimizer",
+                "nested",
+                "both_precisions",
+            ]
+        )
+    )
     if kind == "json":
         case.ds = draw(st.sampled_from(BAD_JSON))
         return ("train.ds_config",)
@@ -180,12 +367,18 @@ def ds_breaks(draw, case: Case) -> tuple[str, ...]:
         ds[name] = draw(st.sampled_from(NOT_A_MAPPING))
         return (name,)
     if kind == "stage":
-        ds["zero_optimization"]["stage"] = draw(st.sampled_from(["abc", 4, -1, 1.5, "1", True, None, [], math.nan]))
+        ds["zero_optimization"]["stage"] = draw(
+            st.sampled_from(["abc", 4, -1, 1.5, "1", True, None, [], math.nan])
+        )
         return ("zero_optimization.stage",)
     if kind == "enabled":
         name = draw(st.sampled_from(["fp16", "bf16", "bfloat16"]))
         ds.pop("fp16", None)
-        ds[name] = {"enabled": draw(st.sampled_from(["false", "true", "False", 1, 0, None, "auto", [], 0.0]))}
+        ds[name] = {
+            "enabled": draw(
+                st.sampled_from(["false", "true", "False", 1, 0, None, "auto", [], 0.0])
+            )
+        }
         return (f"{name}.enabled",)
     if kind == "near_miss":
         name = draw(st.sampled_from(NEAR_MISSES))
@@ -199,14 +392,27 @@ def ds_breaks(draw, case: Case) -> tuple[str, ...]:
         ds["scheduler"] = draw(st.sampled_from([{"type": "WarmupLR"}, {}, None, []]))
         return ("scheduler",)
     if kind == "optimizer":
-        bad = draw(st.sampled_from([{"type": "Lamb"}, {"type": None}, {"type": 3}, {"type": "AdamW", "params": []},
-                                    {"type": "AdamW", "params": {"lr": -1}}, {"type": "AdamW", "params": "x"},
-                                    {"type": "AdamW", "params": {"betas": [0.1, 0.2]}}, {"params": {}}]))
+        bad = draw(
+            st.sampled_from(
+                [
+                    {"type": "Lamb"},
+                    {"type": None},
+                    {"type": 3},
+                    {"type": "AdamW", "params": []},
+                    {"type": "AdamW", "params": {"lr": -1}},
+                    {"type": "AdamW", "params": "x"},
+                    {"type": "AdamW", "params": {"betas": [0.1, 0.2]}},
+                    {"params": {}},
+                ]
+            )
+        )
         ds["optimizer"] = bad
         return ("optimizer",)
     if kind == "nested":
         zero = ds["zero_optimization"]
-        key = draw(st.sampled_from(["reduce_bucket_size", "stagee", "contiguous_gradient", "overlap_comm"]))
+        key = draw(
+            st.sampled_from(["reduce_bucket_size", "stagee", "contiguous_gradient", "overlap_comm"])
+        )
         zero[key] = draw(st.sampled_from(["abc", [], {"a": 1}, -2.5]))
         return (key,)
     ds["fp16"], ds["bf16"] = {"enabled": True}, {"enabled": True}
@@ -218,9 +424,17 @@ def ds_breaks(draw, case: Case) -> tuple[str, ...]:
 # -- whole cases ---------------------------------------------------------------------------------------------------
 @st.composite
 def invalid_cases(draw) -> Case:
-    case = draw(valid_cases(extra=2, lists=False))  # the breakage is the point: a small base draws fast
-    kind = draw(st.sampled_from(["field"] * 6 + ["relation"] * 2 + ["ds"] * 3 + ["key", "section", "mapping",
-                                                                              "file", "set_syntax", "saved"]))
+    case = draw(
+        valid_cases(extra=2, lists=False)
+    )  # the breakage is the point: a small base draws fast
+    kind = draw(
+        st.sampled_from(
+            ["field"] * 6
+            + ["relation"] * 2
+            + ["ds"] * 3
+            + ["key", "section", "mapping", "file", "set_syntax", "saved"]
+        )
+    )
     sections = list(SECTION_TYPES)
     if kind == "field":
         name, bad, as_set = draw(field_breaks())
@@ -237,7 +451,9 @@ def invalid_cases(draw) -> Case:
         section = draw(st.sampled_from(sections))
         keys = [n.split(".")[1] for n in HINTS if n.startswith(section + ".")]
         key = typo(draw, draw(st.sampled_from(keys)), keys)
-        case.put(f"{section}.{key}", draw(st.sampled_from([1, "x", True, None])), draw(st.booleans()))
+        case.put(
+            f"{section}.{key}", draw(st.sampled_from([1, "x", True, None])), draw(st.booleans())
+        )
         case.names = (f"{section}.{key}",)
     elif kind == "section":
         section = typo(draw, draw(st.sampled_from(sections)), sections)
@@ -248,16 +464,51 @@ def invalid_cases(draw) -> Case:
         case.config[section] = draw(st.sampled_from([[1], 3, "abc", True, ["a", "b"], 1.5]))
         case.names = (section,)
     elif kind == "file":
-        case.config = draw(st.sampled_from(["- a\n- b\n", "3\n", "just text\n", "model: [unclosed\n",
-                                            "model:\n  dim: 1\n dim: 2\n", "model: {dim: 1\n", "[\n"]))
+        case.config = draw(
+            st.sampled_from(
+                [
+                    "- a\n- b\n",
+                    "3\n",
+                    "just text\n",
+                    "model: [unclosed\n",
+                    "model:\n  dim: 1\n dim: 2\n",
+                    "model: {dim: 1\n",
+                    "[\n",
+                ]
+            )
+        )
         case.names = ("config",)
     elif kind == "set_syntax":
-        case.sets.append(draw(st.sampled_from(["train.steps", "steps=5", "a.b.c=1", "=5", "train..steps=1",
-                                               "train.steps:5", ".steps=1"])))
+        case.sets.append(
+            draw(
+                st.sampled_from(
+                    [
+                        "train.steps",
+                        "steps=5",
+                        "a.b.c=1",
+                        "=5",
+                        "train..steps=1",
+                        "train.steps:5",
+                        ".steps=1",
+                    ]
+                )
+            )
+        )
         case.names = ("--set",)
     else:
         case.put("checkpoint.resume", True, True)
-        case.saved_config = draw(st.sampled_from(["model: [\n", "- a\n", "model:\n  dim: abc\n", "model: 3\n",
-                                                  "model:\n  dimm: 4\n", ": :\n", "model:\n  dim: .nan\n"]))
+        case.saved_config = draw(
+            st.sampled_from(
+                [
+                    "model: [\n",
+                    "- a\n",
+                    "model:\n  dim: abc\n",
+                    "model: 3\n",
+                    "model:\n  dimm: 4\n",
+                    ": :\n",
+                    "model:\n  dim: .nan\n",
+                ]
+            )
+        )
         case.names = ("config.yaml",)
     return case

@@ -28,12 +28,25 @@ from keel.config.schema import CHOICES
 from keel.config.yaml_text import FLOAT, INT
 
 SECTION_TYPES = typing.get_type_hints(RunConfig)
-HINTS: dict[str, Any] = {f"{section}.{f.name}": typing.get_type_hints(cls)[f.name]
-                         for section, cls in SECTION_TYPES.items() for f in dataclasses.fields(cls)}
-FAULT_RANKS = {"faults.nan_rank": 0, "faults.bitflip_rank": 0, "faults.sleep_rank": 0, "faults.noise_rank": -1,
-               "faults.save_stall_rank": -1, "faults.checkpoint_dir_rank": -1, "faults.save_enospc_rank": -1,
-               "faults.corrupt_state_rank": 0, "faults.preflight_bad_matmul_rank": -1, "faults.preflight_slow_rank": -1,
-               "faults.preflight_slow_link_rank": -1, "faults.preflight_clock_skew_rank": -1}  # field: its lowest value
+HINTS: dict[str, Any] = {
+    f"{section}.{f.name}": typing.get_type_hints(cls)[f.name]
+    for section, cls in SECTION_TYPES.items()
+    for f in dataclasses.fields(cls)
+}
+FAULT_RANKS = {
+    "faults.nan_rank": 0,
+    "faults.bitflip_rank": 0,
+    "faults.sleep_rank": 0,
+    "faults.noise_rank": -1,
+    "faults.save_stall_rank": -1,
+    "faults.checkpoint_dir_rank": -1,
+    "faults.save_enospc_rank": -1,
+    "faults.corrupt_state_rank": 0,
+    "faults.preflight_bad_matmul_rank": -1,
+    "faults.preflight_slow_rank": -1,
+    "faults.preflight_slow_link_rank": -1,
+    "faults.preflight_clock_skew_rank": -1,
+}  # field: its lowest value
 
 
 @dataclass
@@ -42,10 +55,14 @@ class Case:
     sets: list[str]
     ds: dict[str, Any] | str  # the DeepSpeed JSON: a mapping to dump, or raw text
     world: int
-    values: dict[str, Any] = field(default_factory=dict)  # valid: each field set and what it must read back as
+    values: dict[str, Any] = field(
+        default_factory=dict
+    )  # valid: each field set and what it must read back as
     names: tuple[str, ...] = ()  # invalid: the error line names one of these
     ds_path: str = ""  # given instead of writing `ds` (a missing file, a directory)
-    ds_by_field: bool = False  # the DeepSpeed JSON named by train.ds_config in the YAML instead of --ds-config
+    ds_by_field: bool = (
+        False  # the DeepSpeed JSON named by train.ds_config in the YAML instead of --ds-config
+    )
     saved_config: str | None = None  # text of an existing run dir's config.yaml
 
     def put(self, name: str, value: Any, as_set: bool) -> None:
@@ -79,14 +96,30 @@ def set_text(value: Any) -> str:
             parsed = yaml.safe_load(value)
         except yaml.YAMLError:
             return value
-        return json.dumps(value, ensure_ascii=False) if isinstance(parsed, str) and parsed != value else value
+        return (
+            json.dumps(value, ensure_ascii=False)
+            if isinstance(parsed, str) and parsed != value
+            else value
+        )
     return json.dumps(value, allow_nan=True, ensure_ascii=False)
 
 
 # -- valid values of one field -----------------------------------------------------------------------------------
 def int_range(bound: Bound) -> tuple[int, int]:
-    low = -INT64_MAX if bound.low is None else math.floor(bound.low) + 1 if bound.low_open else math.ceil(bound.low)
-    high = INT64_MAX if bound.high is None else math.ceil(bound.high) - 1 if bound.high_open else math.floor(bound.high)
+    low = (
+        -INT64_MAX
+        if bound.low is None
+        else math.floor(bound.low) + 1
+        if bound.low_open
+        else math.ceil(bound.low)
+    )
+    high = (
+        INT64_MAX
+        if bound.high is None
+        else math.ceil(bound.high) - 1
+        if bound.high_open
+        else math.floor(bound.high)
+    )
     return low, high
 
 
@@ -95,28 +128,48 @@ def numbers(name: str, hint: Any) -> st.SearchStrategy:
     if hint is int:
         low, high = int_range(bound)
         return st.one_of(st.integers(low, min(high, low + 100)), st.integers(low, high))
-    return st.floats(bound.low, bound.high, exclude_min=bound.low_open, exclude_max=bound.high_open,
-                     allow_nan=False, allow_infinity=False)
+    return st.floats(
+        bound.low,
+        bound.high,
+        exclude_min=bound.low_open,
+        exclude_max=bound.high_open,
+        allow_nan=False,
+        allow_infinity=False,
+    )
 
 
 # a user's PyYAML writes "0E0" unquoted (a YAML 1.1 string) and Keel reads config as YAML 1.2, where it is the float
 # 0.0 (keel/config/yaml_text.py): such a path is refused in one line, so it is not a valid value
-TEXT = st.text(st.characters(codec="utf-8", exclude_categories=("Cs", "Cc", "Cn", "Zl", "Zp")), min_size=1,
-               max_size=6).filter(lambda text: not (INT.match(text) or FLOAT.match(text)))
+TEXT = st.text(
+    st.characters(codec="utf-8", exclude_categories=("Cs", "Cc", "Cn", "Zl", "Zp")),
+    min_size=1,
+    max_size=6,
+).filter(lambda text: not (INT.match(text) or FLOAT.match(text)))
 GLOBS = st.lists(TEXT, min_size=1, max_size=2)
-WEIGHTED = st.lists(st.fixed_dictionaries({"path": st.one_of(TEXT, GLOBS),
-                                           "weight": st.one_of(st.floats(1e-9, 1e9),
-                                                               st.sampled_from([1e-5, 2.5e-4, 1, 0.5]))}),
-                    min_size=1, max_size=2)
+WEIGHTED = st.lists(
+    st.fixed_dictionaries(
+        {
+            "path": st.one_of(TEXT, GLOBS),
+            "weight": st.one_of(st.floats(1e-9, 1e9), st.sampled_from([1e-5, 2.5e-4, 1, 0.5])),
+        }
+    ),
+    min_size=1,
+    max_size=2,
+)
 SPECIAL: dict[str, st.SearchStrategy] = {
     "data.corpus": st.one_of(st.just(["default"]), GLOBS, WEIGHTED),
-    "data.skip_ranges": st.lists(st.tuples(st.integers(0, 10**9), st.integers(1, 10**6))
-                                 .map(lambda r: f"{r[0]}:{r[0] + r[1]}"), max_size=3),
+    "data.skip_ranges": st.lists(
+        st.tuples(st.integers(0, 10**9), st.integers(1, 10**6)).map(
+            lambda r: f"{r[0]}:{r[0] + r[1]}"
+        ),
+        max_size=3,
+    ),
     "data.tokenizer": st.just("train"),  # a tokenizer path is read by prepare_data
     "data.cache_dir": st.sampled_from(["~/.cache/keel", "cache", "/tmp/keel-fuzz-cache"]),
     "model.init_from": st.just(""),  # an HF directory is read by the checks
-    "parallel.pipeline_partition": st.one_of(st.sampled_from(["parameters", "uniform"]),
-                                             TEXT.map(lambda name: f"type:{name}")),
+    "parallel.pipeline_partition": st.one_of(
+        st.sampled_from(["parameters", "uniform"]), TEXT.map(lambda name: f"type:{name}")
+    ),
     "faults.bitflip_param": st.one_of(st.just(""), TEXT),
     "faults.checkpoint_dir": st.one_of(st.just(""), TEXT),
 }
@@ -143,7 +196,9 @@ def valid_values(name: str) -> st.SearchStrategy:
 
 
 # -- the related fields, drawn together ----------------------------------------------------------------------------
-SEED = st.integers(0, 2**64 - 1)  # one draw seeds every number of a layout: hypothesis's cost is per draw
+SEED = st.integers(
+    0, 2**64 - 1
+)  # one draw seeds every number of a layout: hypothesis's cost is per draw
 
 
 class Picker:
@@ -177,7 +232,9 @@ def layouts(draw) -> tuple[dict[str, Any], int, dict[str, Any]]:
     micro, ga = pick.int(1, 8), pick.int(1, 4)
     steps = pick.one([1, 2, 10, 300, 10**6, pick.int(1, 10**5)])
     values = {
-        "model.n_kv_heads": kv, "model.n_heads": n_heads, "model.n_layers": n_layers,
+        "model.n_kv_heads": kv,
+        "model.n_heads": n_heads,
+        "model.n_layers": n_layers,
         "model.dim": n_heads * 2 * pick.int(1, 16),  # head_dim even for RoPE
         "model.ffn_multiple_of": tp * pick.int(1, 64),
         "model.ffn_hidden": pick.one([0, tp * pick.int(1, 512)]),
@@ -187,11 +244,18 @@ def layouts(draw) -> tuple[dict[str, Any], int, dict[str, Any]]:
         "model.moe_ffn_hidden": pick.one([0, tp * pick.int(1, 512)]),
         "data.seq_len": sp * tp * pick.int(1, 64),
         "data.document_mask": pp == 1 and sp == 1 and pick.coin(),
-        "data.tokenizer_vocab_size": pick.int(300, 1 << 20),  # byte fallback needs 300 when training
-        "parallel.tp": tp, "parallel.pp": pp, "parallel.sp": sp, "parallel.ep": ep,
+        "data.tokenizer_vocab_size": pick.int(
+            300, 1 << 20
+        ),  # byte fallback needs 300 when training
+        "parallel.tp": tp,
+        "parallel.pp": pp,
+        "parallel.sp": sp,
+        "parallel.ep": ep,
         "parallel.sequence_parallel": tp > 1 and pick.coin(),
-        "train.micro_batch_size": micro, "train.global_batch_size": micro * dp * ga,
-        "train.steps": steps, "train.warmup_steps": pick.int(0, steps),
+        "train.micro_batch_size": micro,
+        "train.global_batch_size": micro * dp * ga,
+        "train.steps": steps,
+        "train.warmup_steps": pick.int(0, steps),
         "faults.starve_expert": pick.int(-1, experts - 1),
     }
     if ga > 1 and pick.coin():
@@ -199,9 +263,13 @@ def layouts(draw) -> tuple[dict[str, Any], int, dict[str, Any]]:
         values["train.rampup_steps"] = pick.int(1, 1000)
     first_micro_batches = values.get("train.rampup_start_batch", micro * dp * ga) // (micro * dp)
     schedules, chunks = ["1f1b"], pick.int(2, 4)
-    if pp > 1 and not moe and first_micro_batches >= 2 * pp:  # both run on DeepSpeed's DualPipeVEngine
+    if (
+        pp > 1 and not moe and first_micro_batches >= 2 * pp
+    ):  # both run on DeepSpeed's DualPipeVEngine
         schedules += ["dualpipev"] if 2 * pp <= n_layers + 3 else []
-        grouped = ga % pp == 0 and "train.rampup_start_batch" not in values  # interleaved: groups of pp
+        grouped = (
+            ga % pp == 0 and "train.rampup_start_batch" not in values
+        )  # interleaved: groups of pp
         schedules += ["interleaved"] if grouped and chunks * pp <= n_layers + 3 else []
     values["parallel.pipeline_schedule"] = schedule = pick.one(schedules)
     values["parallel.virtual_stages"] = chunks
@@ -211,20 +279,28 @@ def layouts(draw) -> tuple[dict[str, Any], int, dict[str, Any]]:
         values[name] = pick.int(lowest, world - 1)
     stage = pick.one([0, 1] if pp > 1 else [0, 1, 2] if moe else [0, 1, 2, 3])
     plain = not moe and tp == pp == sp == 1 and stage < 3  # where model.compile=true is supported
-    values["model.compile"] = pick.one(sorted(COMPILE_SETTINGS) if plain else ["auto", "false", "off", "no", "0"])
+    values["model.compile"] = pick.one(
+        sorted(COMPILE_SETTINGS) if plain else ["auto", "false", "off", "no", "0"]
+    )
     return values, world, deepspeed_config(pick, stage, values, ga)
 
 
 def deepspeed_config(pick: Picker, stage: int, values: dict[str, Any], ga: int) -> dict[str, Any]:
     """A DeepSpeed JSON for `stage` whose explicit values agree with the run (else "auto")."""
-    ds: dict[str, Any] = {"train_batch_size": pick.one(["auto", values["train.global_batch_size"]]),
-                          "train_micro_batch_size_per_gpu": pick.one(["auto", values["train.micro_batch_size"]]),
-                          "gradient_accumulation_steps": pick.one(["auto", ga]),
-                          "steps_per_print": pick.int(1, 10**6),
-                          "zero_optimization": {"stage": stage}}
+    ds: dict[str, Any] = {
+        "train_batch_size": pick.one(["auto", values["train.global_batch_size"]]),
+        "train_micro_batch_size_per_gpu": pick.one(["auto", values["train.micro_batch_size"]]),
+        "gradient_accumulation_steps": pick.one(["auto", ga]),
+        "steps_per_print": pick.int(1, 10**6),
+        "zero_optimization": {"stage": stage},
+    }
     if pick.coin():
-        ds["zero_optimization"].update(reduce_bucket_size=pick.int(1, 10**6), contiguous_gradients=pick.coin())
-    precision = pick.one(["fp32", "bf16", "fp16", "fp16-off"] if stage else ["fp32", "bf16", "fp16-off"])
+        ds["zero_optimization"].update(
+            reduce_bucket_size=pick.int(1, 10**6), contiguous_gradients=pick.coin()
+        )
+    precision = pick.one(
+        ["fp32", "bf16", "fp16", "fp16-off"] if stage else ["fp32", "bf16", "fp16-off"]
+    )
     if precision == "bf16":
         ds["bf16"] = {"enabled": True}
     elif precision == "fp16":
@@ -237,14 +313,22 @@ def deepspeed_config(pick: Picker, stage: int, values: dict[str, Any], ga: int) 
 
 
 LISTS = sorted(name for name, hint in HINTS.items() if typing.get_origin(hint) in (list, tuple))
-INDEPENDENT = sorted(name for name in HINTS if name not in ("train.ds_config", "train.rampup_start_batch"))
+INDEPENDENT = sorted(
+    name for name in HINTS if name not in ("train.ds_config", "train.rampup_start_batch")
+)
 
 
 @st.composite
 def valid_cases(draw, extra: int = 8, lists: bool = True) -> Case:
     """A layout plus up to `extra` other fields (and, if `lists`, each list field as often as not)."""
     values, world, ds = draw(layouts())
-    names = draw(st.lists(st.sampled_from([n for n in INDEPENDENT if n not in values]), max_size=extra, unique=True))
+    names = draw(
+        st.lists(
+            st.sampled_from([n for n in INDEPENDENT if n not in values]),
+            max_size=extra,
+            unique=True,
+        )
+    )
     names += [name for name in LISTS if lists and name not in names and draw(st.booleans())]
     for name in names:
         values[name] = draw(valid_values(name))
@@ -252,9 +336,13 @@ def valid_cases(draw, extra: int = 8, lists: bool = True) -> Case:
     if values.get("model.deepnorm"):
         values["model.norm_placement"] = "post"  # DeepNet is post-norm
     if 0 < values.get("stability.attn_logit_growth", 0) <= 1:
-        values["stability.attn_logit_growth"] += 1.5  # a growth factor is > 1 (0: off); +1 can round to 1.0
+        values["stability.attn_logit_growth"] += (
+            1.5  # a growth factor is > 1 (0: off); +1 can round to 1.0
+        )
     case = Case({}, [], ds, world)
-    channels = draw(st.integers(0, 2 ** len(values) - 1))  # bit i: the i-th field as --set (one draw, not one each)
+    channels = draw(
+        st.integers(0, 2 ** len(values) - 1)
+    )  # bit i: the i-th field as --set (one draw, not one each)
     for i, (name, value) in enumerate(values.items()):
         as_set = bool(channels >> i & 1)
         if as_set and name == "data.skip_ranges" and value:

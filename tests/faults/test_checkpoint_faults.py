@@ -44,13 +44,18 @@ class FakeEngine(OneFileEngine):
         path = Path(save_dir) / tag
         path.mkdir(parents=True, exist_ok=True)
         step = client_state["keel"]["step"]
-        self.checkpoint_engine.save({"module": {"w": torch.full((64,), float(step))}, **client_state},
-                                    str(path / MODEL))
-        self.checkpoint_engine.save({"state": torch.arange(65536, dtype=torch.float32) * step}, str(path / SHARD))
+        self.checkpoint_engine.save(
+            {"module": {"w": torch.full((64,), float(step))}, **client_state}, str(path / MODEL)
+        )
+        self.checkpoint_engine.save(
+            {"state": torch.arange(65536, dtype=torch.float32) * step}, str(path / SHARD)
+        )
 
 
 def checkpointer(directory: Path, keep_last: int = 3) -> Checkpointer:
-    return Checkpointer(directory / "checkpoints", keep_last, Topology.from_env(), AnomalyLog(directory, 0))
+    return Checkpointer(
+        directory / "checkpoints", keep_last, Topology.from_env(), AnomalyLog(directory, 0)
+    )
 
 
 def saved(tmp_path: Path, steps=(10, 20), keep_last: int = 3) -> Checkpointer:
@@ -62,7 +67,7 @@ def saved(tmp_path: Path, steps=(10, 20), keep_last: int = 3) -> Checkpointer:
 
 def flip(path: Path, offset: int, length: int = 4096) -> None:
     data = bytearray(path.read_bytes())
-    data[offset:offset + length] = bytes(b ^ 0xFF for b in data[offset:offset + length])
+    data[offset : offset + length] = bytes(b ^ 0xFF for b in data[offset : offset + length])
     path.write_bytes(bytes(data))
 
 
@@ -81,7 +86,10 @@ def test_manifest_hashes_equal_the_files_on_disk(tmp_path):
         assert size == len(data) and manifest["sha256"][name] == hashlib.sha256(data).hexdigest()
 
 
-@pytest.mark.fault("checkpoint shard cut short (manifest present)", "recorded, set aside as .corrupt, previous loaded")
+@pytest.mark.fault(
+    "checkpoint shard cut short (manifest present)",
+    "recorded, set aside as .corrupt, previous loaded",
+)
 def test_truncated_shard_is_set_aside_and_the_previous_checkpoint_agreed(tmp_path):
     ckpt = saved(tmp_path)
     shard = ckpt.directory / "step00000020" / SHARD
@@ -94,7 +102,9 @@ def test_truncated_shard_is_set_aside_and_the_previous_checkpoint_agreed(tmp_pat
     assert "1000 bytes, the manifest says" in event["reason"]
 
 
-@pytest.mark.fault("checkpoint bytes flipped (same size)", "sha256 mismatch: set aside, previous loaded")
+@pytest.mark.fault(
+    "checkpoint bytes flipped (same size)", "sha256 mismatch: set aside, previous loaded"
+)
 def test_flipped_bytes_are_found_by_their_hash(tmp_path):
     ckpt = saved(tmp_path)
     flip(ckpt.directory / "step00000020" / SHARD, 100_000)
@@ -108,7 +118,9 @@ def test_missing_rank_file_is_corruption(tmp_path):
     ckpt = saved(tmp_path)
     (ckpt.directory / "step00000020" / "keel_rng_rank0.pt").unlink()
     assert ckpt.agreed_latest() == "step00000010"
-    assert [(e["file"], e["reason"]) for e in corrupt_events(tmp_path)] == [("keel_rng_rank0.pt", "missing")]
+    assert [(e["file"], e["reason"]) for e in corrupt_events(tmp_path)] == [
+        ("keel_rng_rank0.pt", "missing")
+    ]
 
 
 @pytest.mark.fault("garbled checkpoint manifest", "set aside, previous loaded")
@@ -127,7 +139,9 @@ def test_rollback_goes_past_a_corrupt_checkpoint_and_latest_stays(tmp_path):
     ckpt = saved(tmp_path, steps=(10, 20, 30))
     flip(ckpt.directory / "step00000020" / MODEL, 200)
     assert ckpt.agreed_at_or_before(29) == "step00000010"
-    assert (ckpt.directory / "latest").read_text() == "step00000030"  # it named a good one: left alone
+    assert (
+        ckpt.directory / "latest"
+    ).read_text() == "step00000030"  # it named a good one: left alone
     assert ckpt.complete_tags() == ["step00000010", "step00000030"]
 
 
@@ -154,7 +168,10 @@ def test_every_checkpoint_corrupt_stops_instead_of_starting_over(tmp_path):
         ckpt.agreed_latest()
     assert err.value.exit_code == ExitCode.CHECKPOINT and "\n" not in str(err.value)
     assert "step00000020, step00000010 set aside" in str(err.value)
-    assert sorted(p.name for p in ckpt.directory.iterdir()) == ["step00000010.corrupt", "step00000020.corrupt"]
+    assert sorted(p.name for p in ckpt.directory.iterdir()) == [
+        "step00000010.corrupt",
+        "step00000020.corrupt",
+    ]
     # set-aside checkpoints are not checkpoints: never chosen, never pruned by later saves
     for step in (30, 40):
         ckpt.save(FakeEngine(), TrainState(step=step))
@@ -162,11 +179,17 @@ def test_every_checkpoint_corrupt_stops_instead_of_starting_over(tmp_path):
     ckpt_keep1 = checkpointer(tmp_path, keep_last=1)
     ckpt_keep1.save(FakeEngine(), TrainState(step=50))
     assert sorted(p.name for p in ckpt.directory.iterdir() if p.is_dir()) == [
-        "step00000010.corrupt", "step00000020.corrupt", "step00000050"]
+        "step00000010.corrupt",
+        "step00000020.corrupt",
+        "step00000050",
+    ]
 
 
 def test_shares_balance_bytes_and_cover_every_file_once():
-    sizes = {f"zero_pp_rank_{r}_optim_states.pt": 1000 + r for r in range(8)} | {"model.pt": 3000, "rng.pt": 10}
+    sizes = {f"zero_pp_rank_{r}_optim_states.pt": 1000 + r for r in range(8)} | {
+        "model.pt": 3000,
+        "rng.pt": 10,
+    }
     parts = shares(sizes, 4)
     assert sorted(n for part in parts for n in part) == sorted(sizes)
     loads = [sum(sizes[n] for n in part) for part in parts]
@@ -183,20 +206,28 @@ def assert_intact(ckpt: Checkpointer, tag: str) -> None:
         torch.load(ckpt.directory / tag / name, weights_only=False)
 
 
-@pytest.mark.fault("disk full inside DeepSpeed's shard write (injected ENOSPC)",
-                   "save discarded on every rank, previous checkpoint stays latest")
+@pytest.mark.fault(
+    "disk full inside DeepSpeed's shard write (injected ENOSPC)",
+    "save discarded on every rank, previous checkpoint stays latest",
+)
 def test_disk_full_mid_shard_discards_the_save_and_keeps_the_previous(tmp_path):
-    ckpt = saved(tmp_path, steps=(10,), keep_last=1)  # keep_last=1: a committed save would prune step 10
+    ckpt = saved(
+        tmp_path, steps=(10,), keep_last=1
+    )  # keep_last=1: a committed save would prune step 10
     outcome = ckpt.save(FakeEngine(), TrainState(step=20), disk_room=200)
     assert not outcome.ok and outcome.tag == "step00000020"
-    assert outcome.error.startswith(f"rank 0: writing {ckpt.directory / 'step00000020' / MODEL}: [Errno 28]")
+    assert outcome.error.startswith(
+        f"rank 0: writing {ckpt.directory / 'step00000020' / MODEL}: [Errno 28]"
+    )
     assert not (ckpt.directory / "step00000020").exists()  # the half-written directory is removed
     assert_intact(ckpt, "step00000010")
     assert ckpt.save(FakeEngine(), TrainState(step=30)).ok  # the next interval saves
     assert ckpt.complete_tags() == ["step00000030"]
 
 
-@pytest.mark.fault("disk full while rank 0 writes the manifest", "save discarded, previous checkpoint stays latest")
+@pytest.mark.fault(
+    "disk full while rank 0 writes the manifest", "save discarded, previous checkpoint stays latest"
+)
 def test_disk_full_at_the_commit_discards_the_save(tmp_path, monkeypatch):
     import keel.training.checkpoint.store as checkpoint
 
@@ -221,8 +252,10 @@ def test_the_disk_fault_fires_on_its_rank_and_step():
         module = torch.nn.Linear(2, 2)
 
     cfg = FaultsConfig(save_enospc_rank=1, save_enospc_step=10, save_enospc_bytes=123)
-    assert [FaultInjector(cfg, rank, Engine(), 8, 0).disk_room(step) for rank, step in
-            [(1, 10), (1, 5), (0, 10)]] == [123, None, None]
+    assert [
+        FaultInjector(cfg, rank, Engine(), 8, 0).disk_room(step)
+        for rank, step in [(1, 10), (1, 5), (0, 10)]
+    ] == [123, None, None]
     every = FaultsConfig(save_enospc_rank=0, save_enospc_step=0)
     assert FaultInjector(every, 0, Engine(), 8, 0).disk_room(7) == 4096
 
@@ -238,22 +271,29 @@ def test_the_injected_disk_writes_its_bytes_then_fails(tmp_path):
     assert err.value.errno == errno.ENOSPC and (tmp_path / "f").read_bytes() == b"0123456789"
 
 
-@pytest.mark.fault("a real full device (/dev/full) under a shard", "save discarded, previous checkpoint stays latest")
+@pytest.mark.fault(
+    "a real full device (/dev/full) under a shard",
+    "save discarded, previous checkpoint stays latest",
+)
 def test_real_dev_full_write_is_kept_on_the_rank(tmp_path):
     if not os.path.exists("/dev/full"):
         pytest.skip("no /dev/full on this system")
     ckpt = saved(tmp_path, steps=(10,), keep_last=1)
     tag_dir = ckpt.directory / "step00000020"
     tag_dir.mkdir()
-    (tag_dir / SHARD).symlink_to("/dev/full")  # DeepSpeed's own open() of the shard lands on a full device
+    (tag_dir / SHARD).symlink_to(
+        "/dev/full"
+    )  # DeepSpeed's own open() of the shard lands on a full device
     outcome = ckpt.save(FakeEngine(), TrainState(step=20))
     assert "[Errno 28] No space left on device" in outcome.error, outcome.error
     assert not tag_dir.exists() and os.path.exists("/dev/full")
     assert_intact(ckpt, "step00000010")
 
 
-@pytest.mark.parametrize("policy, final, stops", [("continue", False, False), ("stop", False, True),
-                                                  ("continue", True, True)])
+@pytest.mark.parametrize(
+    "policy, final, stops",
+    [("continue", False, False), ("stop", False, True), ("continue", True, True)],
+)
 def test_on_save_error_policy(tmp_path, policy, final, stops):
     outcome = SaveOutcome(tag_for(20), "rank 1: writing x: [Errno 28] No space left on device")
     reason = after_failed_save(outcome, policy, final, 20, AnomalyLog(tmp_path, 0), 0)
@@ -261,21 +301,31 @@ def test_on_save_error_policy(tmp_path, policy, final, stops):
     if stops:
         assert f"exit code {ExitCode.SAVE_FAILED}" in reason and "No space left" in reason
     [event] = read_anomalies(tmp_path)
-    assert (event["kind"], event["action"]) == ("checkpoint_save_failed", "stop" if stops else "continue")
+    assert (event["kind"], event["action"]) == (
+        "checkpoint_save_failed",
+        "stop" if stops else "continue",
+    )
 
 
 def test_on_save_error_is_validated():
     cfg = load_config(None, ["checkpoint.on_save_error=halt"])
-    with pytest.raises(ConfigError, match="checkpoint.on_save_error: expected continue or stop, got 'halt'"):
+    with pytest.raises(
+        ConfigError, match="checkpoint.on_save_error: expected continue or stop, got 'halt'"
+    ):
         validate(cfg, world_size=1)
 
 
 # -- the case, with real ranks ---------------------------------------------------------------------------------
 ZERO1 = "ds_configs/zero1.json"
-TO_20 = {**RESTART, "train__exit_after": 20}  # restart-ref's run, stopped at step 20: checkpoints 10, 15, 20
+TO_20 = {
+    **RESTART,
+    "train__exit_after": 20,
+}  # restart-ref's run, stopped at step 20: checkpoints 10, 15, 20
 KEEL_RUNS = [Run.of("restart-ref", 2, ZERO1, **RESTART), Run.of("restart-to-20", 2, ZERO1, **TO_20)]
 CORRUPT_SHARD = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
-DISK_FULL = dict(train__steps=15, checkpoint__interval=5, faults__save_enospc_rank=1, faults__save_enospc_step=10)
+DISK_FULL = dict(
+    train__steps=15, checkpoint__interval=5, faults__save_enospc_rank=1, faults__save_enospc_step=10
+)
 
 
 @pytest.fixture(scope="module")
@@ -291,25 +341,44 @@ def faulted(runs, tmp_path_factory) -> dict:
     dirs = {"corrupt": corrupt}
     for policy in ("continue", "stop"):
         dirs[policy] = root / policy
-        spec = build_run(None, runs.overrides(**DISK_FULL, checkpoint__on_save_error=policy), str(REPO / ZERO1),
-                         str(dirs[policy]), 2)
+        spec = build_run(
+            None,
+            runs.overrides(**DISK_FULL, checkpoint__on_save_error=policy),
+            str(REPO / ZERO1),
+            str(dirs[policy]),
+            2,
+        )
         prepare_data(spec)
         write_run_dir(spec)
-    code = "import sys; from pathlib import Path; from keel.launcher.local import launch_local; " \
-           "sys.exit(launch_local([Path(d) for d in sys.argv[1:]], 2))"
-    proc = subprocess.run([sys.executable, "-c", code, *map(str, dirs.values())], capture_output=True, text=True,
-                          timeout=900, cwd=REPO)
+    code = (
+        "import sys; from pathlib import Path; from keel.launcher.local import launch_local; "
+        "sys.exit(launch_local([Path(d) for d in sys.argv[1:]], 2))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *map(str, dirs.values())],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=REPO,
+    )
     return {"proc": proc, "flipped": flipped, **dirs}
 
 
 @pytest.mark.slow
-@pytest.mark.fault("4 KiB flipped in a rank's ZeRO-1 optimizer shard, then resume",
-                   "checkpoint_corrupt recorded, set aside, previous one loaded: same final weights")
+@pytest.mark.fault(
+    "4 KiB flipped in a rank's ZeRO-1 optimizer shard, then resume",
+    "checkpoint_corrupt recorded, set aside, previous one loaded: same final weights",
+)
 def test_resume_from_a_corrupt_checkpoint_takes_the_previous_one(faulted, runs):
     run, out = faulted["corrupt"], faulted["proc"].stdout
-    assert "finished" in (run / "summary.md").read_text(), out[-3000:] + faulted["proc"].stderr[-3000:]
+    assert "finished" in (run / "summary.md").read_text(), (
+        out[-3000:] + faulted["proc"].stderr[-3000:]
+    )
     [event] = corrupt_events(run)
-    assert (event["checkpoint"], event["file"]) == ("step00000020", CORRUPT_SHARD) and "sha256" in event["reason"]
+    assert (event["checkpoint"], event["file"]) == (
+        "step00000020",
+        CORRUPT_SHARD,
+    ) and "sha256" in event["reason"]
     assert f"checkpoint step00000020 is corrupt: {CORRUPT_SHARD}: sha256 differs" in out
     assert "resumed from step00000015: step 15" in out
     kept = run / "checkpoints" / "step00000020.corrupt" / CORRUPT_SHARD
@@ -323,35 +392,51 @@ def test_resume_from_a_corrupt_checkpoint_takes_the_previous_one(faulted, runs):
 def disk_full_checks(run: Path, action: str) -> dict:
     [event] = [e for e in read_anomalies(run) if e["kind"] == "checkpoint_save_failed"]
     assert (event["step"], event["checkpoint"], event["action"]) == (10, "step00000010", action)
-    assert event["error"].startswith(f"rank 1: writing {run / 'checkpoints' / 'step00000010' / CORRUPT_SHARD}: "
-                                     "[Errno 28] No space left on device"), event["error"]
+    assert event["error"].startswith(
+        f"rank 1: writing {run / 'checkpoints' / 'step00000010' / CORRUPT_SHARD}: "
+        "[Errno 28] No space left on device"
+    ), event["error"]
     assert not (run / "checkpoints" / "step00000010").exists()
     return event
 
 
 @pytest.mark.slow
-@pytest.mark.fault("disk full inside DeepSpeed's shard write, on_save_error: continue",
-                   "warned and recorded, save discarded, the next interval saves")
+@pytest.mark.fault(
+    "disk full inside DeepSpeed's shard write, on_save_error: continue",
+    "warned and recorded, save discarded, the next interval saves",
+)
 def test_disk_full_during_a_save_continues_by_default(faulted):
     run = faulted["continue"]
     assert "finished" in (run / "summary.md").read_text(), faulted["proc"].stdout[-3000:]
     disk_full_checks(run, "continue")
     ckpt = Checkpointer(run / "checkpoints", 3, Topology.from_env())
-    assert ckpt.complete_tags() == ["step00000005", "step00000015"] and ckpt.latest_tag() == "step00000015"
+    assert (
+        ckpt.complete_tags() == ["step00000005", "step00000015"]
+        and ckpt.latest_tag() == "step00000015"
+    )
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == list(range(1, 16))
     assert "finished" in (run / "summary.md").read_text()
 
 
 @pytest.mark.slow
-@pytest.mark.fault("disk full inside DeepSpeed's shard write, on_save_error: stop",
-                   "one line, exit 8; previous checkpoint intact and latest")
+@pytest.mark.fault(
+    "disk full inside DeepSpeed's shard write, on_save_error: stop",
+    "one line, exit 8; previous checkpoint intact and latest",
+)
 def test_disk_full_during_a_save_stops_cleanly_when_asked(faulted):
     run, out = faulted["stop"], faulted["proc"].stdout
-    assert faulted["proc"].returncode == ExitCode.SAVE_FAILED, out[-3000:] + faulted["proc"].stderr[-3000:]
+    assert faulted["proc"].returncode == ExitCode.SAVE_FAILED, (
+        out[-3000:] + faulted["proc"].stderr[-3000:]
+    )
     disk_full_checks(run, "stop")
     lines = [line for line in out.splitlines() if "could not be saved" in line]
-    assert len(lines) == 2 and len({line.split("] ", 1)[1] for line in lines}) == 1, lines  # every rank, alike
-    assert "[keel r0] stopping at step 10: checkpoint step00000010 could not be saved (rank 1: writing" in out
+    assert len(lines) == 2 and len({line.split("] ", 1)[1] for line in lines}) == 1, (
+        lines
+    )  # every rank, alike
+    assert (
+        "[keel r0] stopping at step 10: checkpoint step00000010 could not be saved (rank 1: writing"
+        in out
+    )
     assert f"exit code {ExitCode.SAVE_FAILED}" in (run / "summary.md").read_text()
     assert_intact(Checkpointer(run / "checkpoints", 3, Topology.from_env()), "step00000005")
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == list(range(1, 11))

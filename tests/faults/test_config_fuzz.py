@@ -37,13 +37,20 @@ from tests.keel_runs import REPO
 
 VALID_CASES, INVALID_CASES, WORLD_SIZE_CASES = 400, 1500, 100
 PER_EXAMPLE = 3  # invalid cases per hypothesis example: its per-example bookkeeping costs as much as a small case
-DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)  # how a user's YAML file looks (PyYAML's own writer)
+DUMPER = getattr(
+    yaml, "CSafeDumper", yaml.SafeDumper
+)  # how a user's YAML file looks (PyYAML's own writer)
 PARSER = build_parser()  # built once: argparse's construction would be a third of each case
 
 
 def fuzz(examples: int) -> settings:
-    return settings(max_examples=examples, derandomize=True, database=None, deadline=None,
-                    suppress_health_check=list(HealthCheck))
+    return settings(
+        max_examples=examples,
+        derandomize=True,
+        database=None,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+    )
 
 
 class Accepted(Exception):
@@ -62,14 +69,23 @@ class Workspace:
         if not case.ds_path:
             text = case.ds if isinstance(case.ds, str) else json.dumps(case.ds, allow_nan=True)
             Path(ds_path).write_text(text)
-        by_field = case.ds_by_field and isinstance(case.config, dict) and not case.ds_path \
+        by_field = (
+            case.ds_by_field
+            and isinstance(case.config, dict)
+            and not case.ds_path
             and isinstance(case.config.get("train", {}), dict)
+        )
         if by_field:
-            config = {**case.config, "train": {**case.config.get("train", {}), "ds_config": ds_path}}
+            config = {
+                **case.config,
+                "train": {**case.config.get("train", {}), "ds_config": ds_path},
+            }
         else:
             config = case.config
         config_path = self.root / "run.yaml"
-        config_path.write_text(config if isinstance(config, str) else yaml.dump(config, Dumper=DUMPER))
+        config_path.write_text(
+            config if isinstance(config, str) else yaml.dump(config, Dumper=DUMPER)
+        )
         run_dir = self.root / f"run{next(self.counter)}"
         if case.saved_config is not None:
             run_dir.mkdir()
@@ -90,10 +106,13 @@ def run_cli(argv: list[str]) -> tuple[int, str]:
     """`keel <argv>` in this process: (exit code, stderr); stops at data preparation with `Accepted`, and
     `os._exit` (a rank's way out) raises SystemExit instead of ending pytest."""
     err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()), \
-            mock.patch("keel.launcher.run_spec.prepare_data", new=accepted), \
-            mock.patch("keel.launcher.cli.build_parser", new=lambda: PARSER), \
-            mock.patch.object(os, "_exit", new=sys.exit):
+    with (
+        contextlib.redirect_stderr(err),
+        contextlib.redirect_stdout(io.StringIO()),
+        mock.patch("keel.launcher.run_spec.prepare_data", new=accepted),
+        mock.patch("keel.launcher.cli.build_parser", new=lambda: PARSER),
+        mock.patch.object(os, "_exit", new=sys.exit),
+    ):
         try:
             main(argv)
             code = 0
@@ -134,20 +153,29 @@ def test_valid_configs_pass_and_read_back_unchanged(case: Case, workspace: Works
     check_valid(case, workspace)
 
 
-@pytest.mark.fault("fuzzed invalid config/--set/DeepSpeed JSON", "one line naming the field, exit 2, before any rank")
+@pytest.mark.fault(
+    "fuzzed invalid config/--set/DeepSpeed JSON",
+    "one line naming the field, exit 2, before any rank",
+)
 @fuzz(INVALID_CASES // PER_EXAMPLE)
 @given(cases=st.lists(invalid_cases(), min_size=PER_EXAMPLE, max_size=PER_EXAMPLE))
-def test_invalid_configs_give_one_line_naming_the_field(cases: list[Case], workspace: Workspace) -> None:
+def test_invalid_configs_give_one_line_naming_the_field(
+    cases: list[Case], workspace: Workspace
+) -> None:
     for case in cases:
         check_invalid(case, workspace)
 
 
-WORLD_SIZES = st.one_of(st.text(st.characters(exclude_characters="\x00", exclude_categories=("Cs",)), max_size=6),
-                        st.integers(-5, 10**20).map(str),
-                        st.sampled_from(["2.5", "1e3", " 2 ", "0", "-1", "", "\u0663", "1_0", "+2", "0x10", "nan"]))
+WORLD_SIZES = st.one_of(
+    st.text(st.characters(exclude_characters="\x00", exclude_categories=("Cs",)), max_size=6),
+    st.integers(-5, 10**20).map(str),
+    st.sampled_from(["2.5", "1e3", " 2 ", "0", "-1", "", "\u0663", "1_0", "+2", "0x10", "nan"]),
+)
 
 
-@pytest.mark.fault("fuzzed WORLD_SIZE from an external launcher", "one line naming WORLD_SIZE, exit 2")
+@pytest.mark.fault(
+    "fuzzed WORLD_SIZE from an external launcher", "one line naming WORLD_SIZE, exit 2"
+)
 @fuzz(WORLD_SIZE_CASES)
 @given(value=WORLD_SIZES)
 def test_world_size_from_the_environment(value: str, workspace: Workspace) -> None:
@@ -158,11 +186,15 @@ def test_world_size_from_the_environment(value: str, workspace: Workspace) -> No
             return
         code, err = run_cli(["train", "--run-dir", str(workspace.root / "never")])
     lines = err.splitlines()
-    assert code == 2 and len(lines) == 1 and lines[0].startswith("keel: error: WORLD_SIZE"), (code, err)
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("keel: error: WORLD_SIZE"), (
+        code,
+        err,
+    )
 
 
 def test_every_numeric_field_has_a_bound() -> None:
     """The fuzzer and the validator both read keel/config/bounds.py: a new number needs its range there."""
+
     def numeric(hint: typing.Any) -> bool:
         args = typing.get_args(hint)
         return hint in (int, float) or bool(args) and all(a in (int, float) for a in args)
@@ -174,6 +206,11 @@ def test_every_numeric_field_has_a_bound() -> None:
 def test_shipped_ds_configs_pass_deepspeeds_prelaunch_check(path: Path) -> None:
     """Every key of a shipped DeepSpeed JSON is one DeepSpeed reads (so the near-miss check has no false alarm)."""
     check_with_deepspeed(resolve_ds_config(load_ds_config(path), RunConfig(), dp_size=2))
-    with pytest.raises(ConfigError, match=r"^ds_config\.zero_optimisation: .* did you mean zero_optimization\?$"):
-        check_with_deepspeed(resolve_ds_config({**load_ds_config(path), "zero_optimisation": {"stage": 3}},
-                                               RunConfig(), dp_size=2))
+    with pytest.raises(
+        ConfigError, match=r"^ds_config\.zero_optimisation: .* did you mean zero_optimization\?$"
+    ):
+        check_with_deepspeed(
+            resolve_ds_config(
+                {**load_ds_config(path), "zero_optimisation": {"stage": 3}}, RunConfig(), dp_size=2
+            )
+        )

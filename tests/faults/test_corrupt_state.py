@@ -24,7 +24,9 @@ SAVES = dict(checkpoint__interval=3)  # steps 3, 6, 9 and the final 10
 CORRUPT = dict(SAVES, faults__corrupt_state_step=4, faults__corrupt_state_what="exp_avg_sq")
 BEFORE_A_SAVE = dict(SAVES, faults__corrupt_state_step=5, faults__corrupt_state_what="exp_avg_sq")
 AT_THE_END = dict(SAVES, faults__corrupt_state_step=10, faults__corrupt_state_what="exp_avg_sq")
-TOO_EARLY = dict(checkpoint__interval=5, faults__corrupt_state_step=1, faults__corrupt_state_what="master")
+TOO_EARLY = dict(
+    checkpoint__interval=5, faults__corrupt_state_step=1, faults__corrupt_state_what="master"
+)
 BAD_BATCH = dict(SAVES, faults__nan_step=5, faults__nan_rank=0)
 ON_RANK_1 = dict(CORRUPT, faults__corrupt_state_rank=1)
 KEEL_RUNS = [
@@ -34,7 +36,9 @@ KEEL_RUNS = [
     Run.of("state-too-early", 1, ZERO1, expect_code=ExitCode.CORRUPT_STATE, **TOO_EARLY),
     Run.of("state-at-the-end", 1, ZERO1, expect_code=ExitCode.CORRUPT_STATE, **AT_THE_END),
     Run.of("state-bad-batch", 1, ZERO1, **BAD_BATCH),
-    Run.of("zero1", 2, ZERO1),  # tests/test_stability.py's clean two-rank run: the reference for rank 1's
+    Run.of(
+        "zero1", 2, ZERO1
+    ),  # tests/test_stability.py's clean two-rank run: the reference for rank 1's
     Run.of("state-corrupt-rank1", 2, ZERO1, **ON_RANK_1),
 ]
 
@@ -57,18 +61,34 @@ def assert_same_weights(a, b) -> None:
 
 def assert_rolled_back_to_step_3(run) -> None:
     found = events(run, "corrupt_state")[-1]
-    assert found["step"] == 6 and found["action"] == "rollback" and found["checkpoint"] == "step00000003"
+    assert (
+        found["step"] == 6
+        and found["action"] == "rollback"
+        and found["checkpoint"] == "step00000003"
+    )
     assert "samples" not in found  # the samples were innocent
     (rollback,) = events(run, "rollback")
-    assert rollback["to_step"] == 3 and rollback["lr_scale"] == 1.0 and rollback["data_cursor"] == 3 * GB
-    assert not [e for e in events(run, "nonfinite") if e.get("phase") == "localized"]  # no data verdict
+    assert (
+        rollback["to_step"] == 3
+        and rollback["lr_scale"] == 1.0
+        and rollback["data_cursor"] == 3 * GB
+    )
+    assert not [
+        e for e in events(run, "nonfinite") if e.get("phase") == "localized"
+    ]  # no data verdict
     records = read_metrics(run / "metrics.jsonl")
-    assert [r["step"] for r in records] == list(range(1, 11)) and not any(r["skipped"] for r in records)
-    assert [r["consumed_samples"] for r in records] == [GB * s for s in range(1, 11)]  # the data was rewound
+    assert [r["step"] for r in records] == list(range(1, 11)) and not any(
+        r["skipped"] for r in records
+    )
+    assert [r["consumed_samples"] for r in records] == [
+        GB * s for s in range(1, 11)
+    ]  # the data was rewound
 
 
 @pytest.mark.slow
-@pytest.mark.fault("NaN in Adam's exp_avg_sq (one rank)", "corrupt state: roll back, data rewound, LR kept")
+@pytest.mark.fault(
+    "NaN in Adam's exp_avg_sq (one rank)", "corrupt state: roll back, data rewound, LR kept"
+)
 def test_nan_in_optimizer_state_rolls_back_and_ends_as_if_it_never_happened(runs):
     """NaN in exp_avg_sq after step 4 poisons the weights at step 5 and the loss at step 6: classified as state
     (the fixed batch and the state check), rolled back to step 3, and the run ends bitwise as the clean one."""
@@ -76,24 +96,40 @@ def test_nan_in_optimizer_state_rolls_back_and_ends_as_if_it_never_happened(runs
     (detected,) = events(run, "nonfinite")
     assert detected["step"] == 6
     (found,) = events(run, "corrupt_state")
-    assert found["classification"] == STATE and found["fixed_batch_nonfinite"] == [0] and found["replay_reproduced"]
-    bad = found["bad_state"]["0"]  # the master copy and the moments, as the optimizer holds them, and the weights
+    assert (
+        found["classification"] == STATE
+        and found["fixed_batch_nonfinite"] == [0]
+        and found["replay_reproduced"]
+    )
+    bad = found["bad_state"][
+        "0"
+    ]  # the master copy and the moments, as the optimizer holds them, and the weights
     assert any(t.startswith("master") for t in bad) and any(t.startswith("exp_avg_sq") for t in bad)
     assert any(t.startswith("param") for t in bad)
     assert_rolled_back_to_step_3(run)
-    assert tags(run) == ["step00000006", "step00000009", "step00000010"]  # keep_last: nothing corrupt kept
+    assert tags(run) == [
+        "step00000006",
+        "step00000009",
+        "step00000010",
+    ]  # keep_last: nothing corrupt kept
     assert_same_weights(run, runs.get("state-clean", 1, ZERO1, **SAVES))
 
 
 @pytest.mark.slow
-@pytest.mark.fault("NaN in exp_avg_sq, seen first by a periodic save", "save refused, roll back, data rewound")
+@pytest.mark.fault(
+    "NaN in exp_avg_sq, seen first by a periodic save", "save refused, roll back, data rewound"
+)
 def test_corrupt_state_at_a_periodic_save_refuses_it_and_rolls_back(runs):
     """NaN in exp_avg_sq after step 5 poisons the weights in step 6's update, before any loss shows it: the save
     at step 6 is refused (nothing written) and the run returns to step 3, ending as the clean run does."""
     run = runs.get("state-before-a-save", 1, ZERO1, **BEFORE_A_SAVE)
     assert not events(run, "nonfinite")
     refused, found = events(run, "corrupt_state")
-    assert refused["step"] == 6 and refused["action"] == "save refused" and refused["ranks_with_corrupt_state"] == 1
+    assert (
+        refused["step"] == 6
+        and refused["action"] == "save refused"
+        and refused["ranks_with_corrupt_state"] == 1
+    )
     assert "checkpoint save" in found["reason"]
     assert_rolled_back_to_step_3(run)
     assert_same_weights(run, runs.get("state-clean", 1, ZERO1, **SAVES))
@@ -105,7 +141,9 @@ def test_corrupt_state_on_one_rank_rolls_every_rank_back(runs):
     run = runs.get("state-corrupt-rank1", 2, ZERO1, **ON_RANK_1)
     assert_rolled_back_to_step_3(run)
     (found,) = events(run, "corrupt_state")
-    assert any(t.startswith("exp_avg_sq") for t in found["bad_state"]["1"])  # named on the rank that holds it
+    assert any(
+        t.startswith("exp_avg_sq") for t in found["bad_state"]["1"]
+    )  # named on the rank that holds it
     assert_same_weights(run, runs.get("zero1", 2, ZERO1))
 
 
@@ -123,10 +161,16 @@ def test_corrupt_state_with_nothing_to_return_to_stops_with_7(runs):
 @pytest.mark.fault("corrupt state at the end of a run", "final save refused, latest kept, exit 7")
 def test_a_run_ending_corrupt_keeps_the_good_checkpoint_and_exits_7(runs):
     run = runs.get("state-at-the-end", 1, ZERO1, expect_code=ExitCode.CORRUPT_STATE, **AT_THE_END)
-    assert tags(run) == ["step00000003", "step00000006", "step00000009"]  # the refused save wrote and pruned nothing
+    assert tags(run) == [
+        "step00000003",
+        "step00000006",
+        "step00000009",
+    ]  # the refused save wrote and pruned nothing
     assert (run / "checkpoints" / "latest").read_text().strip() == "step00000009"
     (refused,) = events(run, "corrupt_state")
-    assert refused["step"] == 10 and refused["phase"] == "save" and refused["action"] == "save refused"
+    assert (
+        refused["step"] == 10 and refused["phase"] == "save" and refused["action"] == "save refused"
+    )
     summary = (run / "summary.md").read_text()
     assert "exit code 7" in summary and "last good checkpoint stays latest" in summary
 
@@ -136,7 +180,9 @@ def test_a_run_ending_corrupt_keeps_the_good_checkpoint_and_exits_7(runs):
 def test_a_bad_batch_is_still_data(runs):
     run = runs.get("state-bad-batch", 1, ZERO1, **BAD_BATCH)
     localized = [e for e in events(run, "nonfinite") if e.get("phase") == "localized"]
-    assert [e["classification"] for e in localized] == [DATA] and localized[0]["samples"] == [4 * GB]
+    assert [e["classification"] for e in localized] == [DATA] and localized[0]["samples"] == [
+        4 * GB
+    ]
     assert not events(run, "corrupt_state") and not events(run, "rollback")
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl") if r["skipped"]] == [5]
     assert (run / "checkpoints" / "latest").read_text().strip() == "step00000010"
@@ -144,9 +190,16 @@ def test_a_bad_batch_is_still_data(runs):
 
 # -- the decisions, without a run ----------------------------------------------------------------------------------
 def _finding(classification=TRANSIENT, bad_state=0, fixed=False, loss=1.0) -> dict:
-    return {"classification": classification, "replays_nonfinite": 2 if classification == DATA else 0,
-            "local_loss": loss, "host": "h", "samples": [3], "bad_state": bad_state,
-            "bad_state_tensors": ["exp_avg_sq flat 0"] if bad_state else [], "fixed_batch_nonfinite": fixed}
+    return {
+        "classification": classification,
+        "replays_nonfinite": 2 if classification == DATA else 0,
+        "local_loss": loss,
+        "host": "h",
+        "samples": [3],
+        "bad_state": bad_state,
+        "bad_state_tensors": ["exp_avg_sq flat 0"] if bad_state else [],
+        "fixed_batch_nonfinite": fixed,
+    }
 
 
 def test_state_outranks_data_and_names_no_samples():
@@ -157,14 +210,21 @@ def test_state_outranks_data_and_names_no_samples():
     assert state["bad_state"] == {"1": ["exp_avg_sq flat 0"]} and state["replay_reproduced"]
     fixed = combine_rank_findings([_finding(DATA, fixed=True), _finding(DATA, fixed=True)])
     assert fixed["classification"] == STATE and fixed["fixed_batch_nonfinite"] == [0, 1]
-    assert combine_rank_findings([_finding(), _finding(loss=float("nan"))])["classification"] == TRANSIENT
+    assert (
+        combine_rank_findings([_finding(), _finding(loss=float("nan"))])["classification"]
+        == TRANSIENT
+    )
 
 
 def test_corrupt_state_decisions():
     rollback = corrupt_state_decision("step00000003", again=False, reason="bad")
-    assert rollback == Decision(Action.ROLLBACK, "bad", restore=True, rewind_data=True, to="step00000003")
-    for stop in (corrupt_state_decision(None, again=False, reason="bad"),
-                 corrupt_state_decision("step00000003", again=True, reason="bad")):
+    assert rollback == Decision(
+        Action.ROLLBACK, "bad", restore=True, rewind_data=True, to="step00000003"
+    )
+    for stop in (
+        corrupt_state_decision(None, again=False, reason="bad"),
+        corrupt_state_decision("step00000003", again=True, reason="bad"),
+    ):
         assert stop.action == Action.STOP and stop.exit_code == ExitCode.CORRUPT_STATE
 
 
@@ -186,12 +246,22 @@ class _Topology:
 def test_state_that_comes_back_after_a_rollback_stops_with_7(tmp_path):
     """Corrupt again before a newer good checkpoint exists: the same rollback would loop, so the run stops."""
     checkpointer = _Checkpointer("step00000003")
-    guard = CorruptStateGuard(engine=None, agreed_checkpoint=checkpointer.agreed_at_or_before, topology=_Topology(),
-                              anomalies=AnomalyLog(tmp_path, 0))
+    guard = CorruptStateGuard(
+        engine=None,
+        agreed_checkpoint=checkpointer.agreed_at_or_before,
+        topology=_Topology(),
+        anomalies=AnomalyLog(tmp_path, 0),
+    )
     assert guard.decide(6, "bad").action == Action.ROLLBACK
     again = guard.decide(6, "bad")
-    assert again.action == Action.STOP and again.exit_code == ExitCode.CORRUPT_STATE and "again" in again.reason
-    checkpointer.tag = "step00000009"  # a newer good checkpoint since: a new occurrence, rolled back again
+    assert (
+        again.action == Action.STOP
+        and again.exit_code == ExitCode.CORRUPT_STATE
+        and "again" in again.reason
+    )
+    checkpointer.tag = (
+        "step00000009"  # a newer good checkpoint since: a new occurrence, rolled back again
+    )
     assert guard.decide(12, "bad").action == Action.ROLLBACK
     assert [e["action"] for e in read_anomalies(tmp_path)] == ["rollback", "stop", "rollback"]
 
@@ -209,11 +279,17 @@ def _engine(kind: str):
     from keel.parallel.topology import Topology
     from tests.keel_runs import REPO
 
-    cfg = RunConfig(model=ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_pad_multiple=1),
-                    train=TrainConfig(global_batch_size=2, micro_batch_size=2, lr=1e-2, warmup_steps=0))
+    cfg = RunConfig(
+        model=ModelConfig(
+            vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_pad_multiple=1
+        ),
+        train=TrainConfig(global_batch_size=2, micro_batch_size=2, lr=1e-2, warmup_steps=0),
+    )
     ds = json.loads((REPO / "ds_configs" / f"{kind}.json").read_text())
     if kind == "fp16":
-        ds["fp16"]["initial_scale_power"] = 8  # the first step must not overflow: it creates the moments
+        ds["fp16"]["initial_scale_power"] = (
+            8  # the first step must not overflow: it creates the moments
+        )
     torch.manual_seed(0)
     engine = build_engine(cfg, ds, Topology.from_env())
     batch = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
@@ -232,7 +308,9 @@ def _probe(kind: str) -> dict:
     found = {"clean": nonfinite_state(engine)}
     for what in TARGETS:
         saved = [(t, t.clone()) for _, t in state_tensors(engine)]
-        FaultInjector(FaultsConfig(corrupt_state_step=1, corrupt_state_what=what), 0, engine, 64, 0).after_step(1)
+        FaultInjector(
+            FaultsConfig(corrupt_state_step=1, corrupt_state_what=what), 0, engine, 64, 0
+        ).after_step(1)
         found[what] = nonfinite_state(engine)
         for tensor, value in saved:
             tensor.copy_(value)
@@ -243,7 +321,9 @@ def _probe(kind: str) -> dict:
 def _probe_worker(_rank: int, port: int, out: str) -> None:
     import os
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
+    )
     from keel.engine.distributed import init_distributed
 
     init_distributed()
@@ -264,7 +344,9 @@ def probed(tmp_path_factory) -> dict:
 
 @pytest.mark.slow  # one spawned process: DeepSpeed's import and six engines, ~20 s
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.fault("NaN in exp_avg_sq, master or working weights", "the state check names it, on every engine kind")
+@pytest.mark.fault(
+    "NaN in exp_avg_sq, master or working weights", "the state check names it, on every engine kind"
+)
 def test_the_state_check_finds_nan_in_every_tensor_of_every_engine_kind(probed, kind):
     found = probed[kind]
     assert found["clean"] == (0, []) and found["restored"] == (0, [])
@@ -298,6 +380,9 @@ def test_the_chunked_check_sees_any_element_in_any_chunk(monkeypatch, where, val
     assert state.nonfinite_state(engine) == (1, ["exp_avg 0.weight"])
     with torch.no_grad():  # a strided view is reduced in place, in chunks of whole rows
         engine.module[0].weight.t()[where % 16, where // 16] = value
-    strided = [(label, t.t()) if label == "master 0.weight" else (label, t) for label, t in state.state_tensors(engine)]
+    strided = [
+        (label, t.t()) if label == "master 0.weight" else (label, t)
+        for label, t in state.state_tensors(engine)
+    ]
     monkeypatch.setattr(state, "state_tensors", lambda _: iter(strided))
     assert state.nonfinite_state(engine) == (2, ["master 0.weight", "exp_avg 0.weight"])

@@ -32,7 +32,10 @@ from keel.adapters.deepspeed_internals.probes import (
     wraps_optimizer,
 )
 
-__all__ = ["DeepSpeedInternalsError", "check_engine"]  # re-exported: callers check an engine through the adapter
+__all__ = [
+    "DeepSpeedInternalsError",
+    "check_engine",
+]  # re-exported: callers check an engine through the adapter
 
 
 # -- the optimizer step ---------------------------------------------------------------------------------------------
@@ -116,7 +119,9 @@ def route_checkpoint_writes(engine, route: Callable[[Callable, Any, str], None])
     from skipping the save's closing barrier)."""
     checkpoint_engine = engine.checkpoint_engine
     save = checkpoint_engine.save
-    own = vars(checkpoint_engine).get("save")  # an instance attribute already there (else the class's method)
+    own = vars(checkpoint_engine).get(
+        "save"
+    )  # an instance attribute already there (else the class's method)
 
     def routed(state_dict: Any, path: str) -> None:
         route(save, state_dict, path)
@@ -143,7 +148,10 @@ def pipeline_local_chunks(module) -> list[tuple[int, list]]:
     `PipelineModule` (`_local_start`, `forward_funcs`), phase by phase for a `DualPipeVModule` and Keel's
     `InterleavedModule` (`phase_bounds`, `phase_funcs`). Missing public API: a rank's stages of the layer list."""
     if hasattr(module, "phase_bounds"):
-        return [(int(start), list(funcs)) for (start, _), funcs in zip(module.phase_bounds, module.phase_funcs)]
+        return [
+            (int(start), list(funcs))
+            for (start, _), funcs in zip(module.phase_bounds, module.phase_funcs)
+        ]
     return [(int(module._local_start), list(module.forward_funcs))]
 
 
@@ -174,14 +182,20 @@ def master_state(engine, param: torch.nn.Parameter) -> dict[str, torch.Tensor]:
             return {}
         return {"fp32": mapping.hp_fragment, **(mapping.optim_fragment or {})}
     if hasattr(param, "ds_id"):
-        from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_optimizer_state  # lazy: see docstring
+        from deepspeed.utils import (
+            safe_get_local_fp32_param,
+            safe_get_local_optimizer_state,
+        )  # lazy: see docstring
 
         out = {"fp32": safe_get_local_fp32_param(param), "partition": zero3_partition(param)}
         for key in _optimizer_state_keys(engine):
             out[key] = safe_get_local_optimizer_state(param, key)
         return {k: v for k, v in out.items() if v is not None}
     state = inner_optimizer(engine).state.get(param, {})
-    return {"param": param.data, **{k: v for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0}}
+    return {
+        "param": param.data,
+        **{k: v for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0},
+    }
 
 
 def _optimizer_state_keys(engine) -> list[str]:
@@ -204,7 +218,11 @@ def update_pair(param: torch.nn.Parameter) -> tuple[torch.Tensor, torch.Tensor] 
         from deepspeed.utils import safe_get_local_fp32_param  # lazy: see docstring
 
         master = safe_get_local_fp32_param(param)
-        return None if master is None else (master, zero3_partition(param).view(-1).narrow(0, 0, master.numel()))
+        return (
+            None
+            if master is None
+            else (master, zero3_partition(param).view(-1).narrow(0, 0, master.numel()))
+        )
     return None
 
 
@@ -247,7 +265,9 @@ def zero3_partition_window(param: torch.nn.Parameter) -> tuple[torch.Tensor, int
     return part.view(-1), dist.get_rank(group=param.ds_process_group) * part.numel()
 
 
-def register_expert_groups(name: str, ep_group, ep_ranks: list[int], edp_group, edp_ranks: list[int]) -> None:
+def register_expert_groups(
+    name: str, ep_group, ep_ranks: list[int], edp_group, edp_ranks: list[int]
+) -> None:
     """Give DeepSpeed caller-built expert groups under `name` (`deepspeed.utils.groups._EXPERT_*` tables).
 
     DeepSpeed looks expert groups up by name there (gradient reduction, ZeRO's MoE param groups, MoE checkpoints);
@@ -280,6 +300,10 @@ def forget_run_groups() -> None:
     these only on world teardown, which would end the sequence."""
     groups = groups_module()
     groups.mpu = None
-    for table in ("_EXPERT_PARALLEL_GROUP", "_EXPERT_PARALLEL_GROUP_RANKS", "_EXPERT_DATA_PARALLEL_GROUP",
-                  "_EXPERT_DATA_PARALLEL_GROUP_RANKS"):
+    for table in (
+        "_EXPERT_PARALLEL_GROUP",
+        "_EXPERT_PARALLEL_GROUP_RANKS",
+        "_EXPERT_DATA_PARALLEL_GROUP",
+        "_EXPERT_DATA_PARALLEL_GROUP_RANKS",
+    ):
         getattr(groups, table).clear()

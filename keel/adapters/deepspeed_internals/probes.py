@@ -5,7 +5,6 @@ all), so an upgrade that removes an internal fails with one line naming it, not 
 these internals are in `keel.adapters.deepspeed_internals` (the package's `__init__`).
 """
 
-
 from __future__ import annotations
 
 import inspect
@@ -57,13 +56,33 @@ def _is_interleaved(engine) -> bool:
 
 # what Keel's interleaved 1F1B (keel/engine/interleaved_engine.py) overrides or relies on in DeepSpeed's DualPipeV
 # classes
-DUALPIPEV_MACHINERY = ("_phase", "_first_send", "_recv_specs", "_queue_p2p", "_downstream_stage", "_upstream_stage",
-                       "_is_loss_stage", "_is_last_rank", "_loss_stage_global_rank", "_INSTRUCTION_MAP")
-DUALPIPEV_MODULE_MACHINERY = ("phase_bounds", "phase_funcs", "phase_checkpointable", "activate_phase", "_set_bounds")
+DUALPIPEV_MACHINERY = (
+    "_phase",
+    "_first_send",
+    "_recv_specs",
+    "_queue_p2p",
+    "_downstream_stage",
+    "_upstream_stage",
+    "_is_loss_stage",
+    "_is_last_rank",
+    "_loss_stage_global_rank",
+    "_INSTRUCTION_MAP",
+)
+DUALPIPEV_MODULE_MACHINERY = (
+    "phase_bounds",
+    "phase_funcs",
+    "phase_checkpointable",
+    "activate_phase",
+    "_set_bounds",
+)
 
 
 def _plain_fp32(engine) -> bool:
-    return engine.zero_optimization_stage() == 0 and not engine.fp16_enabled() and not engine.bfloat16_enabled()
+    return (
+        engine.zero_optimization_stage() == 0
+        and not engine.fp16_enabled()
+        and not engine.bfloat16_enabled()
+    )
 
 
 def fp16_scale_holder(engine):
@@ -72,50 +91,126 @@ def fp16_scale_holder(engine):
 
 
 INTERNALS = [
-    Internal("optimizer.optimizer", "a public accessor for the torch optimizer inside ZeRO/bf16/fp16 wrappers",
-             wraps_optimizer, lambda e: isinstance(getattr(e.optimizer, "optimizer", None), torch.optim.Optimizer)),
-    Internal("optimizer._global_grad_norm", "the step's global grad norm before the update (engine."
-             "get_global_grad_norm() is set only after it)", wraps_optimizer,
-             lambda e: hasattr(e.optimizer, "_global_grad_norm")),
-    Internal("optimizer.overflow", "a way to veto one optimizer step (DeepSpeed reads this flag after step())",
-             lambda e: True, lambda e: "overflow" in type(e)._take_model_step.__code__.co_names),
-    Internal("engine._take_model_step", "a hook between gradient reduction and the update", lambda e: True,
-             lambda e: callable(getattr(e, "_take_model_step", None))),
-    Internal("engine.clip_fp32_gradients", "a clipping hook for the fp32 ZeRO-0 path", _plain_fp32,
-             lambda e: "clip_fp32_gradients" in type(e)._take_model_step.__code__.co_names),
-    Internal("optimizer.cur_scale / loss_scale_config.cur_scale", "the current dynamic loss scale",
-             lambda e: e.fp16_enabled(), lambda e: hasattr(fp16_scale_holder(e), "cur_scale")),
-    Internal("PipelineEngine.total_loss", "the last stage's summed micro-batch losses inside train_batch",
-             _is_pipeline, lambda e: hasattr(e, "total_loss")),
-    Internal("PipelineModule._layer_specs / _local_start (DualPipeVModule: phase_bounds / phase_funcs)",
-             "a rank's stages of the layer list", _is_pipeline,
-             lambda e: hasattr(e.module, "_layer_specs") and (
-                 all(hasattr(e.module, a) for a in ("phase_bounds", "phase_funcs")) if _is_dualpipev(e)
-                 else hasattr(e.module, "_local_start"))),
-    Internal(f"DualPipeVEngine {', '.join(DUALPIPEV_MACHINERY)}; DualPipeVModule "
-             f"{', '.join(DUALPIPEV_MODULE_MACHINERY)}", "an engine and a module that run more than two stages per "
-             "rank (interleaved 1F1B)", _is_interleaved,
-             lambda e: all(hasattr(e, a) for a in DUALPIPEV_MACHINERY)
-             and all(hasattr(e.module, a) for a in DUALPIPEV_MODULE_MACHINERY)),
-    Internal("deepspeed.utils.groups._EXPERT_PARALLEL_GROUP (+ _RANKS, _EXPERT_DATA_PARALLEL_GROUP, _RANKS) and "
-             "_clone_world_group", "registering caller-built expert groups", lambda e: True,
-             lambda e: expert_group_tables() is not None),
-    Internal("deepspeed.utils.groups.mpu", "resetting the groups a finished run handed DeepSpeed", lambda e: True,
-             lambda e: _has_path(groups_module(), "mpu")),
-    Internal("param.ds_tensor", "this rank's ZeRO-3 partition without a gather", lambda e:
-             e.zero_optimization_stage() == 3, lambda e: any(hasattr(p, "ds_tensor") for p in e.module.parameters())),
-    Internal("param._hp_mapping (hp_fragment, lp_fragment, optim_fragment)", "this rank's fp32 partition and optimizer "
-             "state of one parameter under ZeRO-1/2 and bf16 (safe_get_local_fp32_param is ZeRO-3 only)",
-             lambda e: wraps_optimizer(e) and e.zero_optimization_stage() < 3,
-             lambda e: any(all(hasattr(getattr(p, "_hp_mapping", None), a) for a in
-                               ("hp_fragment", "lp_fragment", "optim_fragment")) for p in e.module.parameters())),
-    Internal("param.ds_pipe_replicated", "which parameters are pipeline replicas", _is_pipeline,
-             lambda e: any("ds_pipe_replicated" in inspect.getsource(cls) for cls in type(e.module).__mro__
-                           if cls.__module__.startswith("deepspeed."))),
-    Internal("engine.checkpoint_engine.save", "a hook on each file save_checkpoint writes", lambda e: True,
-             lambda e: callable(getattr(getattr(e, "checkpoint_engine", None), "save", None))),
-    Internal("accelerator.is_fp16_supported", "an fp16 override for the CPU accelerator", lambda e: True,
-             lambda e: _has_path(accelerator(), "is_fp16_supported")),
+    Internal(
+        "optimizer.optimizer",
+        "a public accessor for the torch optimizer inside ZeRO/bf16/fp16 wrappers",
+        wraps_optimizer,
+        lambda e: isinstance(getattr(e.optimizer, "optimizer", None), torch.optim.Optimizer),
+    ),
+    Internal(
+        "optimizer._global_grad_norm",
+        "the step's global grad norm before the update (engine."
+        "get_global_grad_norm() is set only after it)",
+        wraps_optimizer,
+        lambda e: hasattr(e.optimizer, "_global_grad_norm"),
+    ),
+    Internal(
+        "optimizer.overflow",
+        "a way to veto one optimizer step (DeepSpeed reads this flag after step())",
+        lambda e: True,
+        lambda e: "overflow" in type(e)._take_model_step.__code__.co_names,
+    ),
+    Internal(
+        "engine._take_model_step",
+        "a hook between gradient reduction and the update",
+        lambda e: True,
+        lambda e: callable(getattr(e, "_take_model_step", None)),
+    ),
+    Internal(
+        "engine.clip_fp32_gradients",
+        "a clipping hook for the fp32 ZeRO-0 path",
+        _plain_fp32,
+        lambda e: "clip_fp32_gradients" in type(e)._take_model_step.__code__.co_names,
+    ),
+    Internal(
+        "optimizer.cur_scale / loss_scale_config.cur_scale",
+        "the current dynamic loss scale",
+        lambda e: e.fp16_enabled(),
+        lambda e: hasattr(fp16_scale_holder(e), "cur_scale"),
+    ),
+    Internal(
+        "PipelineEngine.total_loss",
+        "the last stage's summed micro-batch losses inside train_batch",
+        _is_pipeline,
+        lambda e: hasattr(e, "total_loss"),
+    ),
+    Internal(
+        "PipelineModule._layer_specs / _local_start (DualPipeVModule: phase_bounds / phase_funcs)",
+        "a rank's stages of the layer list",
+        _is_pipeline,
+        lambda e: (
+            hasattr(e.module, "_layer_specs")
+            and (
+                all(hasattr(e.module, a) for a in ("phase_bounds", "phase_funcs"))
+                if _is_dualpipev(e)
+                else hasattr(e.module, "_local_start")
+            )
+        ),
+    ),
+    Internal(
+        f"DualPipeVEngine {', '.join(DUALPIPEV_MACHINERY)}; DualPipeVModule "
+        f"{', '.join(DUALPIPEV_MODULE_MACHINERY)}",
+        "an engine and a module that run more than two stages per rank (interleaved 1F1B)",
+        _is_interleaved,
+        lambda e: (
+            all(hasattr(e, a) for a in DUALPIPEV_MACHINERY)
+            and all(hasattr(e.module, a) for a in DUALPIPEV_MODULE_MACHINERY)
+        ),
+    ),
+    Internal(
+        "deepspeed.utils.groups._EXPERT_PARALLEL_GROUP (+ _RANKS, _EXPERT_DATA_PARALLEL_GROUP, _RANKS) and "
+        "_clone_world_group",
+        "registering caller-built expert groups",
+        lambda e: True,
+        lambda e: expert_group_tables() is not None,
+    ),
+    Internal(
+        "deepspeed.utils.groups.mpu",
+        "resetting the groups a finished run handed DeepSpeed",
+        lambda e: True,
+        lambda e: _has_path(groups_module(), "mpu"),
+    ),
+    Internal(
+        "param.ds_tensor",
+        "this rank's ZeRO-3 partition without a gather",
+        lambda e: e.zero_optimization_stage() == 3,
+        lambda e: any(hasattr(p, "ds_tensor") for p in e.module.parameters()),
+    ),
+    Internal(
+        "param._hp_mapping (hp_fragment, lp_fragment, optim_fragment)",
+        "this rank's fp32 partition and optimizer "
+        "state of one parameter under ZeRO-1/2 and bf16 (safe_get_local_fp32_param is ZeRO-3 only)",
+        lambda e: wraps_optimizer(e) and e.zero_optimization_stage() < 3,
+        lambda e: any(
+            all(
+                hasattr(getattr(p, "_hp_mapping", None), a)
+                for a in ("hp_fragment", "lp_fragment", "optim_fragment")
+            )
+            for p in e.module.parameters()
+        ),
+    ),
+    Internal(
+        "param.ds_pipe_replicated",
+        "which parameters are pipeline replicas",
+        _is_pipeline,
+        lambda e: any(
+            "ds_pipe_replicated" in inspect.getsource(cls)
+            for cls in type(e.module).__mro__
+            if cls.__module__.startswith("deepspeed.")
+        ),
+    ),
+    Internal(
+        "engine.checkpoint_engine.save",
+        "a hook on each file save_checkpoint writes",
+        lambda e: True,
+        lambda e: callable(getattr(getattr(e, "checkpoint_engine", None), "save", None)),
+    ),
+    Internal(
+        "accelerator.is_fp16_supported",
+        "an fp16 override for the CPU accelerator",
+        lambda e: True,
+        lambda e: _has_path(accelerator(), "is_fp16_supported"),
+    ),
 ]
 
 
@@ -127,7 +222,8 @@ def check_engine(engine) -> None:
         if internal.applies(engine) and not internal.probe(engine):
             raise DeepSpeedInternalsError(
                 f"DeepSpeed {deepspeed.__version__} has no `{internal.name}`, which Keel uses for want of "
-                f"{internal.missing_api}; install a DeepSpeed in the range setup.py pins")
+                f"{internal.missing_api}; install a DeepSpeed in the range setup.py pins"
+            )
 
 
 def groups_module():
@@ -138,8 +234,13 @@ def groups_module():
 
 def expert_group_tables():
     groups = groups_module()
-    names = ("_EXPERT_PARALLEL_GROUP", "_EXPERT_PARALLEL_GROUP_RANKS", "_EXPERT_DATA_PARALLEL_GROUP",
-             "_EXPERT_DATA_PARALLEL_GROUP_RANKS", "_clone_world_group")
+    names = (
+        "_EXPERT_PARALLEL_GROUP",
+        "_EXPERT_PARALLEL_GROUP_RANKS",
+        "_EXPERT_DATA_PARALLEL_GROUP",
+        "_EXPERT_DATA_PARALLEL_GROUP_RANKS",
+        "_clone_world_group",
+    )
     return groups if all(hasattr(groups, n) for n in names) else None
 
 

@@ -33,7 +33,9 @@ from keel.model.router import is_moe_block
 from keel.parallel.layer_parallel import LayerParallel
 from keel.run_dir import COMPLETE, LATEST, TAG, RunDir, read_run_dir, tag_for
 
-_EXPERT_KEY = "deepspeed_moe.experts.deepspeed_experts"  # DeepSpeed's key pattern for expert parameters
+_EXPERT_KEY = (
+    "deepspeed_moe.experts.deepspeed_experts"  # DeepSpeed's key pattern for expert parameters
+)
 
 
 @dataclass(frozen=True)
@@ -44,7 +46,9 @@ class ParamLayout:
     local_shape: tuple[int, ...]
     full_shape: tuple[int, ...]
     dim: int | None
-    same_as: str | None = None  # the first name of a Parameter shared by several modules (a tied head)
+    same_as: str | None = (
+        None  # the first name of a Parameter shared by several modules (a tied head)
+    )
 
 
 @dataclass
@@ -65,14 +69,21 @@ class KeelCheckpoint:
     def optimizer_file(self, dp_rank: int, tp_rank: int) -> Path:
         """A dp rank's optimizer partitions; DeepSpeed's bf16 optimizer (bf16 at ZeRO 0-1) prefixes `bf16_`."""
         name = f"zero_pp_rank_{dp_rank}_mp_rank_{tp_rank:02d}_optim_states.pt"
-        return self.tag_dir / (f"bf16_{name}" if self.precision == "bf16" and self.zero_stage < 2 else name)
+        return self.tag_dir / (
+            f"bf16_{name}" if self.precision == "bf16" and self.zero_stage < 2 else name
+        )
 
     @property
     def reads_zero12_master(self) -> bool:
         """A bf16/fp16 run at ZeRO < 3 without pipeline whose optimizer keeps fp32 masters as flat dp partitions
         (ZeRO-1/2, and DeepSpeed's bf16 optimizer at ZeRO-0; fp16 ZeRO-0 keeps none)."""
-        return (self.precision != "fp32" and self.zero_stage < 3 and self.pp == 1 and not self.cfg.model.moe_experts
-                and self.optimizer_file(0, 0).is_file())
+        return (
+            self.precision != "fp32"
+            and self.zero_stage < 3
+            and self.pp == 1
+            and not self.cfg.model.moe_experts
+            and self.optimizer_file(0, 0).is_file()
+        )
 
     @property
     def exports_master(self) -> bool:
@@ -86,34 +97,63 @@ def open_checkpoint(run_dir: Path, step: int | None = None) -> KeelCheckpoint:
     """The run's checkpoint at `step` (default: the one `latest` names), refused in one line unless complete."""
     run_dir = Path(run_dir)
     if not RunDir(run_dir).config.is_file():
-        raise ConfigError(f"{run_dir} is not a Keel run dir (no {RunDir(run_dir).config.name}); "
-                          "pass the --run-dir of a keel train")
+        raise ConfigError(
+            f"{run_dir} is not a Keel run dir (no {RunDir(run_dir).config.name}); "
+            "pass the --run-dir of a keel train"
+        )
     cfg, ds_raw, data = read_run_dir(run_dir)
     ckpt = RunDir(run_dir).checkpoints
-    complete = sorted(p.name for p in ckpt.iterdir() if TAG.fullmatch(p.name) and (p / COMPLETE).is_file()) \
-        if ckpt.is_dir() else []  # not the set-aside `stepN.corrupt` ones
+    complete = (
+        sorted(p.name for p in ckpt.iterdir() if TAG.fullmatch(p.name) and (p / COMPLETE).is_file())
+        if ckpt.is_dir()
+        else []
+    )  # not the set-aside `stepN.corrupt` ones
     if step is None:
-        tag = (ckpt / LATEST).read_text().strip() if (ckpt / LATEST).is_file() else (complete or [None])[-1]
+        tag = (
+            (ckpt / LATEST).read_text().strip()
+            if (ckpt / LATEST).is_file()
+            else (complete or [None])[-1]
+        )
         if tag is None:
-            raise ConfigError(f"{run_dir} has no complete checkpoint to export (train it with checkpoint.interval "
-                              "or to train.steps, which saves at the end)")
+            raise ConfigError(
+                f"{run_dir} has no complete checkpoint to export (train it with checkpoint.interval "
+                "or to train.steps, which saves at the end)"
+            )
     else:
         tag = tag_for(step)
     tag_dir = ckpt / tag
     if tag not in complete:
         have = ", ".join(str(int(t.removeprefix("step"))) for t in complete) or "none"
-        what = "is incomplete (no keel_complete.json: a save that never finished)" if tag_dir.is_dir() else \
-            "does not exist"
+        what = (
+            "is incomplete (no keel_complete.json: a save that never finished)"
+            if tag_dir.is_dir()
+            else "does not exist"
+        )
         raise ConfigError(f"checkpoint {tag_dir} {what}; complete steps: {have}")
     manifest = json.loads((tag_dir / COMPLETE).read_text())
-    missing = [name for name, size in manifest.get("files", {}).items()
-               if not (tag_dir / name).is_file() or (tag_dir / name).stat().st_size != size]
+    missing = [
+        name
+        for name, size in manifest.get("files", {}).items()
+        if not (tag_dir / name).is_file() or (tag_dir / name).stat().st_size != size
+    ]
     if missing:
-        raise ConfigError(f"checkpoint {tag_dir} lacks or has truncated files its manifest lists: {missing[:3]}")
+        raise ConfigError(
+            f"checkpoint {tag_dir} lacks or has truncated files its manifest lists: {missing[:3]}"
+        )
     topo = manifest["topology"]
     partitions = topo["dp"] * topo.get("sp", 1)
-    return KeelCheckpoint(run_dir, tag_dir, cfg, data, manifest["step"], topo["tp"], topo["pp"], partitions,
-                          topo.get("zero_stage", zero_stage(ds_raw)), precision(ds_raw))
+    return KeelCheckpoint(
+        run_dir,
+        tag_dir,
+        cfg,
+        data,
+        manifest["step"],
+        topo["tp"],
+        topo["pp"],
+        partitions,
+        topo.get("zero_stage", zero_stage(ds_raw)),
+        precision(ds_raw),
+    )
 
 
 def param_layouts(cfg: RunConfig, tp: int) -> dict[str, ParamLayout]:
@@ -129,8 +169,12 @@ def param_layouts(cfg: RunConfig, tp: int) -> dict[str, ParamLayout]:
             full = tuple(getattr(param, "full_shape", param.shape))
             key = f"layers.{index}.{name}"
             same_as = first_name.setdefault(id(param), key)
-            layouts[key] = ParamLayout(tuple(param.shape), full, param.partition_dim if sharded else None,
-                                       None if same_as == key else same_as)
+            layouts[key] = ParamLayout(
+                tuple(param.shape),
+                full,
+                param.partition_dim if sharded else None,
+                None if same_as == key else same_as,
+            )
     return layouts
 
 
@@ -156,8 +200,10 @@ class CheckpointReader:
             for name, local in self._shards(wanted, tp_rank):
                 layout = self.layouts[name]
                 if tuple(local.shape) != layout.local_shape:
-                    raise ConfigError(f"{self.ckpt.tag_dir}: {name} has shape {tuple(local.shape)} on tp rank "
-                                      f"{tp_rank}, the run's config gives {layout.local_shape}")
+                    raise ConfigError(
+                        f"{self.ckpt.tag_dir}: {name} has shape {tuple(local.shape)} on tp rank "
+                        f"{tp_rank}, the run's config gives {layout.local_shape}"
+                    )
                 target = out[name]
                 if layout.dim is not None:
                     size = layout.local_shape[layout.dim]
@@ -179,7 +225,9 @@ class CheckpointReader:
         elif self.ckpt.pp == 1:
             dense = [name for name in names if _EXPERT_KEY not in name]
             if dense:
-                state = _load_tensors(self.ckpt.tag_dir / f"mp_rank_{tp_rank:02d}_model_states.pt")["module"]
+                state = _load_tensors(self.ckpt.tag_dir / f"mp_rank_{tp_rank:02d}_model_states.pt")[
+                    "module"
+                ]
                 for name in dense:
                     yield name, state[name]
             for name in names:
@@ -190,7 +238,9 @@ class CheckpointReader:
             for name in names:
                 by_layer.setdefault(int(name.split(".")[1]), []).append(name)
             for index, group in by_layer.items():
-                state = _load_tensors(self.ckpt.tag_dir / f"layer_{index:02d}-model_{tp_rank:02d}-model_states.pt")
+                state = _load_tensors(
+                    self.ckpt.tag_dir / f"layer_{index:02d}-model_{tp_rank:02d}-model_states.pt"
+                )
                 for name in group:
                     yield name, state[name.split(".", 2)[2]]
 
@@ -210,14 +260,19 @@ class CheckpointReader:
         memory); here each parameter's window is copied from the memory-mapped partitions it spans."""
         model = _load_tensors(self.ckpt.tag_dir / f"mp_rank_{tp_rank:02d}_model_states.pt")
         where: dict[str, tuple[int, int, tuple[int, ...]]] = {}  # name -> (group, offset, shape)
-        partitions = [_load_optimizer(self.ckpt.optimizer_file(dp, tp_rank)) for dp in range(self.ckpt.dp)]
+        partitions = [
+            _load_optimizer(self.ckpt.optimizer_file(dp, tp_rank)) for dp in range(self.ckpt.dp)
+        ]
         paddings = partitions[0].get("param_alignment_paddings")
         for group, shapes in enumerate(model["param_shapes"]):
             offset = 0
             for i, (name, shape) in enumerate(shapes.items()):
                 where[name] = (group, offset, tuple(shape))
                 offset += math.prod(shape) + (paddings[group][i] if paddings else 0)
-        for name, layout in self.layouts.items():  # a tied head: the embedding's values (DeepSpeed lists the
+        for (
+            name,
+            layout,
+        ) in self.layouts.items():  # a tied head: the embedding's values (DeepSpeed lists the
             if layout.same_as is not None:  # sharing in `shared_params` on some tp ranks only)
                 where[name] = where[layout.same_as]
         flat = [state["single_partition_of_fp32_groups"] for state in partitions]
@@ -228,17 +283,29 @@ class CheckpointReader:
             value = torch.empty(numel, dtype=torch.float32)
             for dp in range(offset // size, (offset + numel - 1) // size + 1):
                 lo, hi = max(offset, dp * size), min(offset + numel, (dp + 1) * size)
-                value[lo - offset:hi - offset].copy_(flat[dp][group][lo - dp * size:hi - dp * size])
+                value[lo - offset : hi - offset].copy_(
+                    flat[dp][group][lo - dp * size : hi - dp * size]
+                )
             yield name, value.view(shape)
 
     def _zero3_shards(self, names: list[str], tp_rank: int):
-        from keel.adapters.deepspeed_internals.zero3_reader import zero3_fp32_state  # imports deepspeed: ZeRO-3 only
+        from keel.adapters.deepspeed_internals.zero3_reader import (
+            zero3_fp32_state,
+        )  # imports deepspeed: ZeRO-3 only
 
-        files = [self.ckpt.tag_dir / f"zero_pp_rank_{dp}_mp_rank_{tp_rank:02d}_{kind}_states.pt"
-                 for kind in ("model", "optim") for dp in range(self.ckpt.dp)]
+        files = [
+            self.ckpt.tag_dir / f"zero_pp_rank_{dp}_mp_rank_{tp_rank:02d}_{kind}_states.pt"
+            for kind in ("model", "optim")
+            for dp in range(self.ckpt.dp)
+        ]
         quiet = io.StringIO()
-        with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):  # zero_to_fp32's progress bars
-            state = zero3_fp32_state(files[:self.ckpt.dp], files[self.ckpt.dp:], str(self.ckpt.tag_dir))
+        with (
+            contextlib.redirect_stdout(quiet),
+            contextlib.redirect_stderr(quiet),
+        ):  # zero_to_fp32's progress bars
+            state = zero3_fp32_state(
+                files[: self.ckpt.dp], files[self.ckpt.dp :], str(self.ckpt.tag_dir)
+            )
         for name in names:
             yield name, state[name].contiguous()
         del state
@@ -248,15 +315,21 @@ def _load_optimizer(path: Path) -> dict:
     """One dp rank's ZeRO-1/2 optimizer file, memory-mapped. weights_only=False: DeepSpeed pickles its own
     objects in it (and reads it the same way); only the checkpoint the user asked to export is opened."""
     if not path.is_file():
-        raise ConfigError(f"checkpoint file {path} is missing; the checkpoint is not from this run's layout")
-    return torch.load(path, map_location="cpu", mmap=True, weights_only=False)["optimizer_state_dict"]
+        raise ConfigError(
+            f"checkpoint file {path} is missing; the checkpoint is not from this run's layout"
+        )
+    return torch.load(path, map_location="cpu", mmap=True, weights_only=False)[
+        "optimizer_state_dict"
+    ]
 
 
 def _load_tensors(path: Path) -> dict:
     """A DeepSpeed model-state file, memory-mapped: tensors are read from disk only where they are touched.
     weights_only: these files hold plain tensors and containers; nothing in them needs unpickling code."""
     if not path.is_file():
-        raise ConfigError(f"checkpoint file {path} is missing; the checkpoint is not from this run's layout")
+        raise ConfigError(
+            f"checkpoint file {path} is missing; the checkpoint is not from this run's layout"
+        )
     return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
 
 

@@ -24,7 +24,12 @@ from safetensors.torch import save_file
 from keel.config import ConfigError, ModelConfig
 from keel.model.hf import hf_parts, keel_names, llama_cannot_express, to_hf_config
 from keel.run_dir import temp_sibling
-from keel.tools.export.checkpoint_reader import CheckpointReader, KeelCheckpoint, logical_numel, open_checkpoint
+from keel.tools.export.checkpoint_reader import (
+    CheckpointReader,
+    KeelCheckpoint,
+    logical_numel,
+    open_checkpoint,
+)
 from keel.tools.export.hf_tokenizer import write_tokenizer
 from keel.tools.export.mixtral import Unit, check_mixtral, mixtral_config, mixtral_units
 
@@ -46,14 +51,18 @@ def check_exportable(ckpt: KeelCheckpoint) -> None:
     """Refuse, in one line, a model HF's Llama cannot represent."""
     model = ckpt.cfg.model
     if model.norm != "rmsnorm":
-        raise ConfigError(f"model.norm={model.norm}: HF Llama has RMSNorm only, so this run does not export")
+        raise ConfigError(
+            f"model.norm={model.norm}: HF Llama has RMSNorm only, so this run does not export"
+        )
     if reason := llama_cannot_express(model):
         raise ConfigError(f"{reason}, so this run does not export")
     if model.moe_experts:
         check_mixtral(model)
         if ckpt.pp > 1:
-            raise ConfigError(f"{ckpt.tag_dir}: an MoE checkpoint at pp={ckpt.pp} does not export yet (pipeline "
-                              "stages keep their experts in other files); export MoE runs trained at pp=1")
+            raise ConfigError(
+                f"{ckpt.tag_dir}: an MoE checkpoint at pp={ckpt.pp} does not export yet (pipeline "
+                "stages keep their experts in other files); export MoE runs trained at pp=1"
+            )
 
 
 def export_units(cfg: ModelConfig) -> list[Unit]:
@@ -85,7 +94,11 @@ def write_weights(reader: CheckpointReader, out: Path, max_bytes: int) -> tuple[
     weight_map: dict[str, str] = {}
     total = 0
     for number, units in enumerate(shards, start=1):
-        file = "model.safetensors" if len(shards) == 1 else f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+        file = (
+            "model.safetensors"
+            if len(shards) == 1
+            else f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+        )
         logical = reader.read([name for names, _ in units for name in names])
         tensors = {}
         for names, to_hf in units:
@@ -102,14 +115,20 @@ def write_weights(reader: CheckpointReader, out: Path, max_bytes: int) -> tuple[
     return len(shards), total
 
 
-def export_hf(run_dir: Path, out_dir: Path, step: int | None = None,
-              max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> ExportResult:
+def export_hf(
+    run_dir: Path,
+    out_dir: Path,
+    step: int | None = None,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+) -> ExportResult:
     """Write `out_dir` (which must not exist) from the run's checkpoint at `step` (default: latest)."""
     from transformers import GenerationConfig  # slow to import (seconds): only when an export runs
 
     out_dir = Path(out_dir).resolve()
     if out_dir.exists():
-        raise ConfigError(f"{out_dir} already exists; export into a new directory (nothing there is replaced)")
+        raise ConfigError(
+            f"{out_dir} already exists; export into a new directory (nothing there is replaced)"
+        )
     if max_shard_bytes <= 0:
         raise ConfigError(f"--max-shard-size must be > 0 bytes, got {max_shard_bytes}")
     ckpt = open_checkpoint(Path(run_dir), step)
@@ -130,9 +149,14 @@ def export_hf(run_dir: Path, out_dir: Path, step: int | None = None,
         config.save_pretrained(tmp)
         GenerationConfig(**special).save_pretrained(tmp)
         shards, total = write_weights(reader, tmp, max_shard_bytes)
-        provenance = {"run_dir": str(ckpt.run_dir), "step": ckpt.step, "checkpoint": str(ckpt.tag_dir),
-                      "layout": {"tp": ckpt.tp, "pp": ckpt.pp, "dp": ckpt.dp, "zero_stage": ckpt.zero_stage},
-                      "precision": ckpt.precision, "weights": _weights_source(ckpt)}
+        provenance = {
+            "run_dir": str(ckpt.run_dir),
+            "step": ckpt.step,
+            "checkpoint": str(ckpt.tag_dir),
+            "layout": {"tp": ckpt.tp, "pp": ckpt.pp, "dp": ckpt.dp, "zero_stage": ckpt.zero_stage},
+            "precision": ckpt.precision,
+            "weights": _weights_source(ckpt),
+        }
         (tmp / "keel_export.json").write_text(json.dumps(provenance, indent=2) + "\n")
         os.replace(tmp, out_dir)
     except BaseException:

@@ -55,7 +55,10 @@ def measure_offsets(clock: Clock, world: comm.Group, rounds: int = ROUNDS) -> li
             if forward + backward < best[i]:
                 best[i] = forward + backward
                 offset[i] = (forward - backward) / 2
-    best[0], offset[0] = 0.0, 0.0  # rank 0 against itself: none (its round trips include waiting for the others)
+    best[0], offset[0] = (
+        0.0,
+        0.0,
+    )  # rank 0 against itself: none (its round trips include waiting for the others)
     result = torch.stack([offset, best / 2])
     comm.broadcast(result, world)
     return [ClockOffset(float(o), float(u)) for o, u in zip(result[0], result[1])]

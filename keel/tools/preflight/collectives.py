@@ -68,7 +68,11 @@ def group_kinds(topology: Topology) -> list[tuple[str, list[list[int]]]]:
     shape = topology.shape
     found: list[tuple[str, list[list[int]]]] = []
     for kind in KINDS:
-        groups = [list(range(shape.world_size))] if kind == WORLD else shape.groups_along(GROUP_AXES[kind])
+        groups = (
+            [list(range(shape.world_size))]
+            if kind == WORLD
+            else shape.groups_along(GROUP_AXES[kind])
+        )
         if len(groups[0]) < 2:
             continue
         same = next((i for i, (_, g) in enumerate(found) if g == groups), None)
@@ -133,8 +137,9 @@ class Timer:
         if self.device == "cuda":
             torch.cuda.synchronize()
 
-    def time_group(self, kind: str, group: comm.Group, control: comm.Group, cases: list[tuple[str, int]]
-                   ) -> list[Timing]:
+    def time_group(
+        self, kind: str, group: comm.Group, control: comm.Group, cases: list[tuple[str, int]]
+    ) -> list[Timing]:
         """Every (op, nbytes) case on `group`, REPS times each after one warm-up; this rank's Timings."""
         scale = SLOW_LINK_FACTOR if self.injected.slow_link_rank in group.ranks else 1
         entries, durations = [], []
@@ -153,13 +158,23 @@ class Timer:
         entered = torch.tensor(entries, dtype=torch.float64)
         first = comm.all_reduce(entered.clone(), control, "min")
         last = comm.all_reduce(entered.clone(), control, "max")
-        own = torch.where(entered == last, torch.tensor(durations, dtype=torch.float64), torch.zeros_like(entered))
+        own = torch.where(
+            entered == last, torch.tensor(durations, dtype=torch.float64), torch.zeros_like(entered)
+        )
         transfer = comm.all_reduce(own, control, "max")
         timings = []
         for i, (op, nbytes) in enumerate(cases):
             reps = slice(i * REPS, (i + 1) * REPS)
-            timings.append(Timing(kind, group.ranks, op, nbytes, statistics.median(transfer[reps].tolist()),
-                                  statistics.median((entered[reps] - first[reps]).tolist())))
+            timings.append(
+                Timing(
+                    kind,
+                    group.ranks,
+                    op,
+                    nbytes,
+                    statistics.median(transfer[reps].tolist()),
+                    statistics.median((entered[reps] - first[reps]).tolist()),
+                )
+            )
         return timings
 
 
@@ -178,14 +193,21 @@ def measure_links(topology: Topology, timer: Timer) -> list[Timing]:
     in the same order (new_group is collective over the world)."""
     timings = []
     cases = [("all_reduce", size) for size in PAIR_SIZES]
-    for kind, rounds in (("pair", ring_pairs(topology.shape.world_size)), ("pp", pipeline_pairs(topology))):
+    for kind, rounds in (
+        ("pair", ring_pairs(topology.shape.world_size)),
+        ("pp", pipeline_pairs(topology)),
+    ):
         for pairs in rounds:
             handles = [dist.new_group(list(p)) for p in pairs]
             comm.barrier(topology.control(WORLD))
             for pair, handle in zip(pairs, handles):
                 if topology.rank in pair:
                     index = pair.index(topology.rank)
-                    device = comm.Group(kind, pair, index, comm.DEVICE, handle, topology.device_type)
-                    control = comm.Group(kind, pair, index, comm.CONTROL, handle, topology.device_type)
+                    device = comm.Group(
+                        kind, pair, index, comm.DEVICE, handle, topology.device_type
+                    )
+                    control = comm.Group(
+                        kind, pair, index, comm.CONTROL, handle, topology.device_type
+                    )
                     timings += timer.time_group(kind, device, control, cases)
     return timings

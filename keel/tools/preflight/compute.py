@@ -94,7 +94,7 @@ def matmul_tflops(device: str, dtype: torch.dtype, slow: bool) -> float:
             took *= SLOW_FAULT_FACTOR
         if rep:  # the first is the warm-up
             best = min(best, took)
-    return 2 * n ** 3 / best / 1e12
+    return 2 * n**3 / best / 1e12
 
 
 def measure_compute(device: str, precision: str, corrupt: float, slow: bool) -> ComputeResult:
@@ -102,5 +102,10 @@ def measure_compute(device: str, precision: str, corrupt: float, slow: bool) -> 
     if device != "cuda":
         dtype = torch.float32  # 16-bit matmuls on CPU say little about training speed there
     digest, error = check_matmul(device, corrupt)
-    return ComputeResult(hardware_key(device), digest, error, matmul_tflops(device, dtype, slow),
-                         str(dtype).removeprefix("torch."))
+    return ComputeResult(
+        hardware_key(device),
+        digest,
+        error,
+        matmul_tflops(device, dtype, slow),
+        str(dtype).removeprefix("torch."),
+    )

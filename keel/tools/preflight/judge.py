@@ -26,11 +26,19 @@ from keel.tools.preflight.storage import StorageResult
 class Thresholds:
     straggler: float = 0.5  # matmul TFLOP/s below this fraction of its hardware group's median
     slow_link: float = 0.25  # a rank pair's bandwidth below this fraction of the best pair's
-    slow_group: float = 0.25  # a group's bus bandwidth below this fraction of the best group of its kind
-    late_s: float = 0.005  # median lateness at collectives above this (plus the clock's uncertainty)
+    slow_group: float = (
+        0.25  # a group's bus bandwidth below this fraction of the best group of its kind
+    )
+    late_s: float = (
+        0.005  # median lateness at collectives above this (plus the clock's uncertainty)
+    )
     clock_skew_s: float = 0.1  # |offset to rank 0| above this (beyond its uncertainty): a warning
-    slow_storage: float = 0.25  # write or read bandwidth below this fraction of the median rank's: a warning
-    memory_margin: float = 0.8  # state above this fraction of free memory: a warning (activations come on top)
+    slow_storage: float = (
+        0.25  # write or read bandwidth below this fraction of the median rank's: a warning
+    )
+    memory_margin: float = (
+        0.8  # state above this fraction of free memory: a warning (activations come on top)
+    )
 
 
 @dataclass(frozen=True)
@@ -96,9 +104,16 @@ def _ranks(ranks) -> str:
 # -- compute ---------------------------------------------------------------------------------------------------
 def judge_matmul(records: list[RankRecord]) -> Check:
     """fp64 failures first; the others vote on the digest within each group of identical hardware."""
-    findings = [Finding((r.rank,), f"rank {r.rank}: its matmul is off the fp64 product by {r.compute.fp64_error:.3g}x "
-                        "the rounding bound (silent data corruption)", True)
-                for r in records if r.compute.fp64_error > 1]
+    findings = [
+        Finding(
+            (r.rank,),
+            f"rank {r.rank}: its matmul is off the fp64 product by {r.compute.fp64_error:.3g}x "
+            "the rounding bound (silent data corruption)",
+            True,
+        )
+        for r in records
+        if r.compute.fp64_error > 1
+    ]
     failed = {f.ranks[0] for f in findings}
     groups: dict[str, list[RankRecord]] = defaultdict(list)
     for r in records:
@@ -113,17 +128,31 @@ def judge_matmul(records: list[RankRecord]) -> Check:
         digest, count = counts.most_common(1)[0]
         if count * 2 > len(members):
             odd = [r.rank for r in members if r.compute.digest != digest]
-            findings.append(Finding(tuple(odd), f"{_ranks(odd)}: matmul result differs from the {count} of "
-                                    f"{len(members)} ranks with identical hardware and software", True))
+            findings.append(
+                Finding(
+                    tuple(odd),
+                    f"{_ranks(odd)}: matmul result differs from the {count} of "
+                    f"{len(members)} ranks with identical hardware and software",
+                    True,
+                )
+            )
             votes.append(f"{count} of {len(members)} agree")
         else:
             ranks = [r.rank for r in members]
-            findings.append(Finding(tuple(ranks), f"{_ranks(ranks)}: identical hardware, {len(counts)} different "
-                                    "matmul results and no majority to tell the bad one", True))
+            findings.append(
+                Finding(
+                    tuple(ranks),
+                    f"{_ranks(ranks)}: identical hardware, {len(counts)} different "
+                    "matmul results and no majority to tell the bad one",
+                    True,
+                )
+            )
             votes.append(f"no majority among {len(members)}")
     worst = max(records, key=lambda r: r.compute.fp64_error)
-    summary = (f"{len(groups)} hardware group(s): {'; '.join(votes) or 'none left'}; worst fp64 error "
-               f"{worst.compute.fp64_error:.3g}x the bound (rank {worst.rank})")
+    summary = (
+        f"{len(groups)} hardware group(s): {'; '.join(votes) or 'none left'}; worst fp64 error "
+        f"{worst.compute.fp64_error:.3g}x the bound (rank {worst.rank})"
+    )
     return Check("matmul check", summary, findings)
 
 
@@ -136,11 +165,19 @@ def judge_speed(records: list[RankRecord], t: Thresholds) -> Check:
         median = statistics.median(r.compute.tflops for r in members)
         slow = [r for r in members if r.compute.tflops < t.straggler * median]
         for r in slow:
-            findings.append(Finding((r.rank,), f"rank {r.rank}: straggler, matmul {r.compute.tflops:.3g} TFLOP/s "
-                                    f"against its hardware's median {median:.3g}", True))
+            findings.append(
+                Finding(
+                    (r.rank,),
+                    f"rank {r.rank}: straggler, matmul {r.compute.tflops:.3g} TFLOP/s "
+                    f"against its hardware's median {median:.3g}",
+                    True,
+                )
+            )
     speeds = [r.compute.tflops for r in records]
-    summary = (f"{min(speeds):.3g}-{max(speeds):.3g} TFLOP/s {records[0].compute.dtype} "
-               f"(median {statistics.median(speeds):.3g})")
+    summary = (
+        f"{min(speeds):.3g}-{max(speeds):.3g} TFLOP/s {records[0].compute.dtype} "
+        f"(median {statistics.median(speeds):.3g})"
+    )
     return Check("matmul speed", summary, findings)
 
 
@@ -167,16 +204,26 @@ def judge_groups(records: list[RankRecord], t: Thresholds) -> list[Check]:
         small, large = min(x.nbytes for x in timings), max(x.nbytes for x in timings)
         parts, findings = [], []
         for op in dict.fromkeys(x.op for x in timings):
-            latency = statistics.median(x.seconds for x in timings if x.op == op and x.nbytes == small)
+            latency = statistics.median(
+                x.seconds for x in timings if x.op == op and x.nbytes == small
+            )
             big = [x for x in timings if x.op == op and x.nbytes == large]
             best = max(x.bus_gbps for x in big)
             parts.append(f"{op} {latency * 1e6:.0f} us, {min(x.bus_gbps for x in big):.3g} GB/s")
             for x in big:
                 if x.bus_gbps < t.slow_group * best:
-                    findings.append(Finding(x.group, f"{kind} group {list(x.group)}: {op} at {x.bus_gbps:.3g} GB/s "
-                                            f"against {best:.3g} for the best {kind} group", False))
+                    findings.append(
+                        Finding(
+                            x.group,
+                            f"{kind} group {list(x.group)}: {op} at {x.bus_gbps:.3g} GB/s "
+                            f"against {best:.3g} for the best {kind} group",
+                            False,
+                        )
+                    )
         groups = len({x.group for x in timings})
-        checks.append(Check(f"{kind} ({groups}x{len(timings[0].group)})", " | ".join(parts), findings))
+        checks.append(
+            Check(f"{kind} ({groups}x{len(timings[0].group)})", " | ".join(parts), findings)
+        )
     return checks
 
 
@@ -191,8 +238,10 @@ def judge_links(records: list[RankRecord], t: Thresholds) -> Check:
         bandwidth[x.group] = min(bandwidth.get(x.group, float("inf")), x.bus_gbps)
     best_pair, best = max(bandwidth.items(), key=lambda kv: kv[1])
     worst_pair, worst = min(bandwidth.items(), key=lambda kv: kv[1])
-    summary = (f"{len(bandwidth)} pair(s): best {best_pair[0]}-{best_pair[1]} {best:.3g} GB/s, worst "
-               f"{worst_pair[0]}-{worst_pair[1]} {worst:.3g} GB/s")
+    summary = (
+        f"{len(bandwidth)} pair(s): best {best_pair[0]}-{best_pair[1]} {best:.3g} GB/s, worst "
+        f"{worst_pair[0]}-{worst_pair[1]} {worst:.3g} GB/s"
+    )
     if len(bandwidth) == 1:
         return Check("links", summary + " (one pair: nothing to compare it with)")
     slow = {g for g, bw in bandwidth.items() if bw < t.slow_link * best}
@@ -203,13 +252,24 @@ def judge_links(records: list[RankRecord], t: Thresholds) -> Check:
     findings, explained = [], set()
     for rank, links in sorted(per_rank.items()):
         if len(links) > 1 and all(g in slow for g in links):
-            findings.append(Finding((rank,), f"rank {rank}: every link slow, "
-                                    f"{max(bandwidth[g] for g in links):.3g} GB/s at best against the best "
-                                    f"pair's {best:.3g}", True))
+            findings.append(
+                Finding(
+                    (rank,),
+                    f"rank {rank}: every link slow, "
+                    f"{max(bandwidth[g] for g in links):.3g} GB/s at best against the best "
+                    f"pair's {best:.3g}",
+                    True,
+                )
+            )
             explained.update(links)
     for g in sorted(slow - explained):
-        findings.append(Finding(g, f"link {g[0]}-{g[1]}: {bandwidth[g]:.3g} GB/s against the best pair's "
-                                f"{best:.3g}", True))
+        findings.append(
+            Finding(
+                g,
+                f"link {g[0]}-{g[1]}: {bandwidth[g]:.3g} GB/s against the best pair's {best:.3g}",
+                True,
+            )
+        )
     return Check("links", summary, findings)
 
 
@@ -217,47 +277,88 @@ def judge_lateness(records: list[RankRecord], offsets: list[ClockOffset], t: Thr
     late = {r.rank: statistics.median(x.late_s for x in r.timings) for r in records if r.timings}
     if not late:
         return Check("late arrivals", "one rank: nothing to wait for")
-    findings = [Finding((rank,), f"rank {rank}: late to collectives by {s * 1e3:.1f} ms (median)", True)
-                for rank, s in sorted(late.items()) if s > t.late_s + offsets[rank].uncertainty_s]
+    findings = [
+        Finding((rank,), f"rank {rank}: late to collectives by {s * 1e3:.1f} ms (median)", True)
+        for rank, s in sorted(late.items())
+        if s > t.late_s + offsets[rank].uncertainty_s
+    ]
     rank = max(late, key=late.get)
     return Check("late arrivals", f"latest rank {rank}, {late[rank] * 1e3:.2f} ms median", findings)
 
 
 def judge_clock(offsets: list[ClockOffset], t: Thresholds) -> Check:
-    findings = [Finding((rank,), f"rank {rank}: clock {o.offset_s:+.3f} s off rank 0's (± {o.uncertainty_s:.4f} s); "
-                        "log timestamps and timeouts across nodes will disagree", False)
-                for rank, o in enumerate(offsets) if abs(o.offset_s) - o.uncertainty_s > t.clock_skew_s]
+    findings = [
+        Finding(
+            (rank,),
+            f"rank {rank}: clock {o.offset_s:+.3f} s off rank 0's (± {o.uncertainty_s:.4f} s); "
+            "log timestamps and timeouts across nodes will disagree",
+            False,
+        )
+        for rank, o in enumerate(offsets)
+        if abs(o.offset_s) - o.uncertainty_s > t.clock_skew_s
+    ]
     worst = max(range(len(offsets)), key=lambda i: abs(offsets[i].offset_s))
     o = offsets[worst]
-    return Check("clock skew", f"max {o.offset_s * 1e3:+.2f} ms (rank {worst}, ± {o.uncertainty_s * 1e3:.2f} ms)",
-                 findings)
+    return Check(
+        "clock skew",
+        f"max {o.offset_s * 1e3:+.2f} ms (rank {worst}, ± {o.uncertainty_s * 1e3:.2f} ms)",
+        findings,
+    )
 
 
 # -- storage and memory ----------------------------------------------------------------------------------------
 def judge_storage(records: list[RankRecord], t: Thresholds) -> Check:
-    findings = [Finding((r.rank,), f"rank {r.rank}: read back different bytes than it wrote in "
-                        f"{r.storage.directory}", True) for r in records if not r.storage.verified]
+    findings = [
+        Finding(
+            (r.rank,),
+            f"rank {r.rank}: read back different bytes than it wrote in {r.storage.directory}",
+            True,
+        )
+        for r in records
+        if not r.storage.verified
+    ]
     for what in ("write_mbps", "read_mbps"):
         median = statistics.median(getattr(r.storage, what) for r in records)
         for r in records:
             if getattr(r.storage, what) < t.slow_storage * median:
-                findings.append(Finding((r.rank,), f"rank {r.rank}: checkpoint directory {what[:-5]}s at "
-                                        f"{getattr(r.storage, what):.0f} MB/s against the median {median:.0f}",
-                                        False))
+                findings.append(
+                    Finding(
+                        (r.rank,),
+                        f"rank {r.rank}: checkpoint directory {what[:-5]}s at "
+                        f"{getattr(r.storage, what):.0f} MB/s against the median {median:.0f}",
+                        False,
+                    )
+                )
     write = [r.storage.write_mbps for r in records]
     read = [r.storage.read_mbps for r in records]
-    return Check("checkpoint dir", f"{records[0].storage.directory}: write {min(write):.0f}-{max(write):.0f} MB/s, "
-                 f"read {min(read):.0f}-{max(read):.0f} MB/s (fsync'd, per rank, all at once)", findings)
+    return Check(
+        "checkpoint dir",
+        f"{records[0].storage.directory}: write {min(write):.0f}-{max(write):.0f} MB/s, "
+        f"read {min(read):.0f}-{max(read):.0f} MB/s (fsync'd, per rank, all at once)",
+        findings,
+    )
 
 
 def judge_disk(records: list[RankRecord], needs: RunNeeds, existing_bytes: int) -> Check:
     need = max(0, needs.checkpoint_bytes * (needs.keep_last + 1) - existing_bytes)
     short = [r.rank for r in records if r.storage.free_bytes < need]
     least = min(r.storage.free_bytes for r in records)
-    summary = (f"free {least / 2**30:.3g} GiB; need {need / 2**30:.3g} GiB = (keep_last {needs.keep_last} + 1) x "
-               f"{needs.checkpoint_bytes / 2**30:.3g} GiB - {existing_bytes / 2**30:.3g} GiB already there")
-    findings = [Finding(tuple(short), f"{_ranks(short)}: {least / 2**30:.3g} GiB free in the checkpoint directory, "
-                        f"the run needs {need / 2**30:.3g} GiB", True)] if short else []
+    summary = (
+        f"free {least / 2**30:.3g} GiB; need {need / 2**30:.3g} GiB = (keep_last {needs.keep_last} + 1) x "
+        f"{needs.checkpoint_bytes / 2**30:.3g} GiB - {existing_bytes / 2**30:.3g} GiB already there"
+    )
+    findings = (
+        [
+            Finding(
+                tuple(short),
+                f"{_ranks(short)}: {least / 2**30:.3g} GiB free in the checkpoint directory, "
+                f"the run needs {need / 2**30:.3g} GiB",
+                True,
+            )
+        ]
+        if short
+        else []
+    )
     return Check("disk space", summary, findings)
 
 
@@ -265,31 +366,71 @@ def judge_memory(records: list[RankRecord], needs: RunNeeds, device: str, t: Thr
     findings = []
     if device == "cuda":
         have = {r.rank: r.memory.device_free_bytes for r in records}
-        pools = [((r.rank,), needs.rank_state_bytes, have[r.rank], f"rank {r.rank}'s device") for r in records]
+        pools = [
+            ((r.rank,), needs.rank_state_bytes, have[r.rank], f"rank {r.rank}'s device")
+            for r in records
+        ]
     else:
         hosts: dict[str, list[RankRecord]] = defaultdict(list)
         for r in records:
             hosts[r.host].append(r)
-        pools = [(tuple(r.rank for r in members), needs.rank_state_bytes * len(members),
-                  min(r.memory.host_available_bytes for r in members), f"host {host}")
-                 for host, members in hosts.items()]
+        pools = [
+            (
+                tuple(r.rank for r in members),
+                needs.rank_state_bytes * len(members),
+                min(r.memory.host_available_bytes for r in members),
+                f"host {host}",
+            )
+            for host, members in hosts.items()
+        ]
     for ranks, need, have, where in pools:
         if need > have:
-            findings.append(Finding(ranks, f"{where}: {have / 2**30:.3g} GiB free, the model state alone needs "
-                                    f"{need / 2**30:.3g} GiB", True))
+            findings.append(
+                Finding(
+                    ranks,
+                    f"{where}: {have / 2**30:.3g} GiB free, the model state alone needs "
+                    f"{need / 2**30:.3g} GiB",
+                    True,
+                )
+            )
         elif need > t.memory_margin * have:
-            findings.append(Finding(ranks, f"{where}: the model state takes {need / have:.0%} of the free "
-                                    f"{have / 2**30:.3g} GiB before activations", False))
+            findings.append(
+                Finding(
+                    ranks,
+                    f"{where}: the model state takes {need / have:.0%} of the free "
+                    f"{have / 2**30:.3g} GiB before activations",
+                    False,
+                )
+            )
     tightest = max(pools, key=lambda p: p[1] / max(p[2], 1))
-    return Check("memory", f"{'device' if device == 'cuda' else 'host'}: need {tightest[1] / 2**30:.3g} GiB of "
-                 f"{tightest[2] / 2**30:.3g} GiB free at the tightest ({tightest[3]}; params, grads, optimizer, "
-                 "buckets; activations not counted)", findings)
+    return Check(
+        "memory",
+        f"{'device' if device == 'cuda' else 'host'}: need {tightest[1] / 2**30:.3g} GiB of "
+        f"{tightest[2] / 2**30:.3g} GiB free at the tightest ({tightest[3]}; params, grads, optimizer, "
+        "buckets; activations not counted)",
+        findings,
+    )
 
 
-def judge(records: list[RankRecord], offsets: list[ClockOffset], needs: RunNeeds, existing_bytes: int,
-          device: str, t: Thresholds = Thresholds()) -> Verdict:
+def judge(
+    records: list[RankRecord],
+    offsets: list[ClockOffset],
+    needs: RunNeeds,
+    existing_bytes: int,
+    device: str,
+    t: Thresholds = Thresholds(),
+) -> Verdict:
     records = sorted(records, key=lambda r: r.rank)
-    return Verdict([judge_clock(offsets, t), *judge_groups(records, t), judge_links(records, t),
-                    judge_lateness(records, offsets, t), judge_matmul(records), judge_speed(records, t),
-                    judge_storage(records, t), judge_disk(records, needs, existing_bytes),
-                    judge_memory(records, needs, device, t)])
+    return Verdict(
+        [
+            judge_clock(offsets, t),
+            *judge_groups(records, t),
+            judge_links(records, t),
+            judge_lateness(records, offsets, t),
+            judge_matmul(records),
+            judge_speed(records, t),
+            judge_storage(records, t),
+            judge_disk(records, needs, existing_bytes),
+            judge_memory(records, needs, device, t),
+        ]
+    )

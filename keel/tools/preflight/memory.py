@@ -22,7 +22,9 @@ from keel.engine.memory_model import BYTES, Layout, estimate, param_share
 
 @dataclass(frozen=True)
 class RunNeeds:
-    rank_state_bytes: int  # one rank's params + grads + optimizer + buckets (the largest pipeline stage's)
+    rank_state_bytes: (
+        int  # one rank's params + grads + optimizer + buckets (the largest pipeline stage's)
+    )
     checkpoint_bytes: int  # one whole checkpoint, all ranks' files together
     keep_last: int
 
@@ -37,7 +39,9 @@ class MemoryResult:
 def run_needs(cfg: RunConfig, ds: dict, world_size: int) -> RunNeeds:
     parallel = cfg.parallel
     dp = world_size // (parallel.tp * parallel.pp * parallel.sp)
-    state = estimate(cfg, ds, Layout(tp=parallel.tp, pp=parallel.pp, dp=dp, ep=parallel.ep, sp=parallel.sp)).total
+    state = estimate(
+        cfg, ds, Layout(tp=parallel.tp, pp=parallel.pp, dp=dp, ep=parallel.ep, sp=parallel.sp)
+    ).total
     return RunNeeds(state, checkpoint_bytes(cfg, ds), cfg.checkpoint.keep_last)
 
 
@@ -46,7 +50,9 @@ def checkpoint_bytes(cfg: RunConfig, ds: dict) -> int:
     ZeRO optimizer (or 16-bit training) keeps: what DeepSpeed's model and optimizer files hold, summed over ranks."""
     prec, stage = precision(ds), zero_stage(ds)
     master = 4 if (prec != "fp32" or stage >= 1) else 0
-    return param_share(cfg.model, Layout(), cfg.parallel.pipeline_partition).total * (BYTES[prec] + 8 + master)
+    return param_share(cfg.model, Layout(), cfg.parallel.pipeline_partition).total * (
+        BYTES[prec] + 8 + master
+    )
 
 
 def host_name() -> str:

@@ -40,10 +40,14 @@ def resolve_vocab_size(spec: RunSpec) -> None:
         return
     saved = RunDir(spec.run_dir).config
     if saved.is_file():
-        model.vocab_size = int((yaml.safe_load(saved.read_text()).get("model") or {}).get("vocab_size") or 0)
+        model.vocab_size = int(
+            (yaml.safe_load(saved.read_text()).get("model") or {}).get("vocab_size") or 0
+        )
     if not model.vocab_size:
         path = resolve_tokenizer_path(spec.cfg.data.tokenizer, spec.base_dir)
-        model.vocab_size = load_tokenizer(path).vocab_size if path else spec.cfg.data.tokenizer_vocab_size
+        model.vocab_size = (
+            load_tokenizer(path).vocab_size if path else spec.cfg.data.tokenizer_vocab_size
+        )
 
 
 def injected_clock(cfg: RunConfig, rank: int) -> Clock:
@@ -57,8 +61,14 @@ def run_preflight(spec: RunSpec) -> int:
     rank = dist.get_rank()
     setup_logging(rank)
     cfg, faults, parallel = spec.cfg, spec.cfg.faults, spec.cfg.parallel
-    topology = Topology.from_env(tp=parallel.tp, pp=parallel.pp, ep=parallel.ep, sp=parallel.sp,
-                                pipeline_schedule=parallel.pipeline_schedule, virtual_stages=parallel.virtual_stages)
+    topology = Topology.from_env(
+        tp=parallel.tp,
+        pp=parallel.pp,
+        ep=parallel.ep,
+        sp=parallel.sp,
+        pipeline_schedule=parallel.pipeline_schedule,
+        virtual_stages=parallel.virtual_stages,
+    )
     world = topology.control(WORLD)
     device = topology.device_type
     clock = injected_clock(cfg, rank)
@@ -71,12 +81,16 @@ def run_preflight(spec: RunSpec) -> int:
     timings = measure_kinds(topology, timer) + measure_links(topology, timer)
     comm.barrier(world)
     corrupt = faults.preflight_bad_matmul_error if rank == faults.preflight_bad_matmul_rank else 0.0
-    compute = measure_compute(device, precision(spec.ds_raw), corrupt, rank == faults.preflight_slow_rank)
+    compute = measure_compute(
+        device, precision(spec.ds_raw), corrupt, rank == faults.preflight_slow_rank
+    )
     comm.barrier(world)
     checkpoints = checkpoint_dir(spec.run_dir, cfg, rank)
     storage = measure_storage(checkpoints, rank, faults.preflight_free_bytes)
     memory = measure_memory(device)
-    records = comm.all_gather_object(RankRecord(rank, memory.host, compute, storage, memory, timings), world)
+    records = comm.all_gather_object(
+        RankRecord(rank, memory.host, compute, storage, memory, timings), world
+    )
     elapsed = time.perf_counter() - start
     code = 0
     if rank == 0:
@@ -84,16 +98,31 @@ def run_preflight(spec: RunSpec) -> int:
     return comm.broadcast_object(code, world)
 
 
-def _judge_and_report(spec: RunSpec, topology: Topology, records, offsets, elapsed: float, checkpoints: Path) -> int:
+def _judge_and_report(
+    spec: RunSpec, topology: Topology, records, offsets, elapsed: float, checkpoints: Path
+) -> int:
     needs = run_needs(spec.cfg, spec.ds_raw, topology.shape.world_size)
     existing = directory_bytes(checkpoints)
     verdict = judge(records, offsets, needs, existing, topology.device_type)
     hosts = {r.rank: r.host for r in records}
-    header = (f"keel preflight | {topology.describe()} | {len(set(hosts.values()))} host(s) | "
-              f"checks took {elapsed:.1f} s")
+    header = (
+        f"keel preflight | {topology.describe()} | {len(set(hosts.values()))} host(s) | "
+        f"checks took {elapsed:.1f} s"
+    )
     print(table(verdict, header, hosts), flush=True)
-    path = write_report(spec.run_dir, verdict, records, offsets, topology.stamp(), elapsed,
-                        {"rank_state_bytes": needs.rank_state_bytes, "checkpoint_bytes": needs.checkpoint_bytes,
-                         "keep_last": needs.keep_last, "existing_checkpoint_bytes": existing})
+    path = write_report(
+        spec.run_dir,
+        verdict,
+        records,
+        offsets,
+        topology.stamp(),
+        elapsed,
+        {
+            "rank_state_bytes": needs.rank_state_bytes,
+            "checkpoint_bytes": needs.checkpoint_bytes,
+            "keep_last": needs.keep_last,
+            "existing_checkpoint_bytes": existing,
+        },
+    )
     log.info("wrote %s", path)
     return verdict.exit_code

@@ -45,7 +45,9 @@ def free_bytes(path: Path, fake: int = -1) -> int:
     return stat.f_bavail * stat.f_frsize
 
 
-def measure_storage(directory: Path, rank: int, fake_free: int = -1, size: int = PROBE_BYTES) -> StorageResult:
+def measure_storage(
+    directory: Path, rank: int, fake_free: int = -1, size: int = PROBE_BYTES
+) -> StorageResult:
     directory.mkdir(parents=True, exist_ok=True)
     data = np.random.default_rng(rank).bytes(size)
     path = directory / f".preflight-rank{rank}-{os.getpid()}.tmp"
@@ -53,7 +55,7 @@ def measure_storage(directory: Path, rank: int, fake_free: int = -1, size: int =
         start = time.perf_counter()
         with open(path, "wb") as f:
             for offset in range(0, size, CHUNK):
-                f.write(data[offset:offset + CHUNK])
+                f.write(data[offset : offset + CHUNK])
             f.flush()
             os.fsync(f.fileno())
         written = time.perf_counter() - start
@@ -67,8 +69,13 @@ def measure_storage(directory: Path, rank: int, fake_free: int = -1, size: int =
             read = time.perf_counter() - start
     finally:
         path.unlink(missing_ok=True)
-    return StorageResult(str(directory), size / written / 1e6, size / read / 1e6,
-                         read_back.digest() == hashlib.sha256(data).digest(), free_bytes(directory, fake_free))
+    return StorageResult(
+        str(directory),
+        size / written / 1e6,
+        size / read / 1e6,
+        read_back.digest() == hashlib.sha256(data).digest(),
+        free_bytes(directory, fake_free),
+    )
 
 
 def directory_bytes(directory: Path) -> int:

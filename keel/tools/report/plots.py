@@ -48,7 +48,14 @@ def _fit_ylim(ax, values: list[float]) -> None:
 
 def _mark_steps(ax, steps: list[int], label: str, color: str, style: str) -> None:
     for i, step in enumerate(sorted(set(steps))):
-        ax.axvline(step, color=color, linestyle=style, linewidth=1, alpha=0.8, label=label if i == 0 else None)
+        ax.axvline(
+            step,
+            color=color,
+            linestyle=style,
+            linewidth=1,
+            alpha=0.8,
+            label=label if i == 0 else None,
+        )
 
 
 def _plain_log_ticks(ax) -> None:
@@ -71,10 +78,21 @@ def _finish(ax, title: str, ylabel: str, legend: bool = True) -> None:
 def draw_loss(s: dict[str, Any]) -> bytes:
     fig, ax = _pyplot().subplots(figsize=SIZE)
     for rollback in s["rollbacks"]:
-        ax.axvspan(rollback["to_step"], rollback["step"], color="0.6", alpha=0.2,
-                   label="rolled back (retrained)" if rollback is s["rollbacks"][0] else None)
+        ax.axvspan(
+            rollback["to_step"],
+            rollback["step"],
+            color="0.6",
+            alpha=0.2,
+            label="rolled back (retrained)" if rollback is s["rollbacks"][0] else None,
+        )
     if s["rolled_back"]["step"]:
-        ax.plot(*_points(s["rolled_back"]), ".", color="0.5", markersize=3, label="loss of rolled-back steps")
+        ax.plot(
+            *_points(s["rolled_back"]),
+            ".",
+            color="0.5",
+            markersize=3,
+            label="loss of rolled-back steps",
+        )
     ax.plot(*_points(s["train"]), color="C0", linewidth=1, label="train loss")
     if s["val"]["step"]:
         ax.plot(*_points(s["val"]), "o-", color="C1", markersize=4, label="validation loss")
@@ -97,7 +115,9 @@ def draw_lr(s: dict[str, Any]) -> bytes:
 def draw_grad_norm(s: dict[str, Any]) -> bytes:
     plt = _pyplot()
     panels = 2 if s["per_layer"] else 1
-    fig, axes = plt.subplots(panels, 1, figsize=(SIZE[0], SIZE[1] * (1.6 if panels == 2 else 1)), squeeze=False)
+    fig, axes = plt.subplots(
+        panels, 1, figsize=(SIZE[0], SIZE[1] * (1.6 if panels == 2 else 1)), squeeze=False
+    )
     ax = axes[0][0]
     if s["grad_norm"]["step"]:
         ax.plot(*_points(s["grad_norm"]), color="C0", linewidth=1, label="global gradient norm")
@@ -116,7 +136,13 @@ def draw_grad_norm(s: dict[str, Any]) -> bytes:
 
 def draw_loss_scale(s: dict[str, Any]) -> bytes:
     fig, ax = _pyplot().subplots(figsize=SIZE)
-    ax.plot(*_points(s["loss_scale"]), color="C0", linewidth=1.5, drawstyle="steps-post", label="loss scale")
+    ax.plot(
+        *_points(s["loss_scale"]),
+        color="C0",
+        linewidth=1.5,
+        drawstyle="steps-post",
+        label="loss scale",
+    )
     _mark_steps(ax, s["skipped"], "skipped step (overflow)", "C3", ":")
     ax.set_yscale("log", base=2)
     _finish(ax, "fp16 dynamic loss scale", "scale")
@@ -144,12 +170,20 @@ def draw_step_time_by_rank(s: dict[str, Any]) -> bytes:
 def draw_experts(s: dict[str, Any]) -> bytes:
     plt = _pyplot()
     layers = s["layers"]
-    fig, axes = plt.subplots(len(layers), 1, figsize=(SIZE[0], 2.6 * len(layers) + 1), squeeze=False)
+    fig, axes = plt.subplots(
+        len(layers), 1, figsize=(SIZE[0], 2.6 * len(layers) + 1), squeeze=False
+    )
     for ax, (layer, entry) in zip(axes[:, 0], layers.items()):
         experts = len(entry["share"][0])
         for expert in range(experts):
-            ax.plot(entry["step"], [row[expert] for row in entry["share"]], "o-", markersize=3, linewidth=1,
-                    label=f"expert {expert}")
+            ax.plot(
+                entry["step"],
+                [row[expert] for row in entry["share"]],
+                "o-",
+                markersize=3,
+                linewidth=1,
+                label=f"expert {expert}",
+            )
         ax.axhline(1 / experts, color="0.5", linestyle="--", linewidth=1, label="uniform")
         _finish(ax, f"MoE layer {layer[1:]}: share of routed rows per expert", "share")
     fig.tight_layout()

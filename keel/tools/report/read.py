@@ -68,10 +68,14 @@ class RunRecords:
         """File → what was left out of it, for report.md."""
         notes = {}
         layout = RunDir(self.run_dir)
-        for path, lines in ((layout.metrics, self.metrics), (layout.metrics_discarded, self.discarded),
-                            (layout.anomalies, self.anomalies)):
-            parts = (["a partial last line (still being written)"] if lines.partial_last_line else []) + (
-                [f"{lines.unreadable} unreadable line(s)"] if lines.unreadable else [])
+        for path, lines in (
+            (layout.metrics, self.metrics),
+            (layout.metrics_discarded, self.discarded),
+            (layout.anomalies, self.anomalies),
+        ):
+            parts = (
+                ["a partial last line (still being written)"] if lines.partial_last_line else []
+            ) + ([f"{lines.unreadable} unreadable line(s)"] if lines.unreadable else [])
             if parts:
                 notes[path.name] = " and ".join(parts)
         return notes
@@ -93,5 +97,10 @@ def read_run(run_dir: Path) -> RunRecords:
             config = loaded if isinstance(loaded, dict) else {}
         except yaml.YAMLError:
             config = {}
-    return RunRecords(run_dir, read_jsonl(layout.metrics), read_jsonl(layout.metrics_discarded),
-                      read_jsonl(layout.anomalies), config)
+    return RunRecords(
+        run_dir,
+        read_jsonl(layout.metrics),
+        read_jsonl(layout.metrics_discarded),
+        read_jsonl(layout.anomalies),
+        config,
+    )

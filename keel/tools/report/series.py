@@ -13,7 +13,9 @@ from typing import Any
 
 from keel.tools.report.read import RunRecords
 
-GRAD_NORM_PREFIX = "grad_norm/"  # the model monitor's per-layer gradient norms (keel/training/observe/monitor.py)
+GRAD_NORM_PREFIX = (
+    "grad_norm/"  # the model monitor's per-layer gradient norms (keel/training/observe/monitor.py)
+)
 
 
 @dataclass(frozen=True)
@@ -39,15 +41,24 @@ def _has_values(column: dict[str, list]) -> bool:
 
 def _markers(run: RunRecords) -> dict[str, list]:
     """The steps a plot marks: skipped updates (kept and rolled-back records alike), rollbacks and resumes."""
-    skipped = [{"step": r["step"], "loss": _number(r.get("loss")), "rolled_back": source == "discarded"}
-               for source, lines in (("kept", run.metrics), ("discarded", run.discarded))
-               for r in lines.records if r.get("skipped") and "step" in r]
+    skipped = [
+        {"step": r["step"], "loss": _number(r.get("loss")), "rolled_back": source == "discarded"}
+        for source, lines in (("kept", run.metrics), ("discarded", run.discarded))
+        for r in lines.records
+        if r.get("skipped") and "step" in r
+    ]
     events = run.anomalies.records
-    rollbacks = [{"step": e["step"], "to_step": e["to_step"]} for e in events
-                 if e.get("kind") == "rollback" and e.get("done") and "to_step" in e]
+    rollbacks = [
+        {"step": e["step"], "to_step": e["to_step"]}
+        for e in events
+        if e.get("kind") == "rollback" and e.get("done") and "to_step" in e
+    ]
     resumes = [e["step"] for e in events if e.get("kind") == "resume"]
-    return {"skipped": sorted(skipped, key=lambda m: (m["step"], m["rolled_back"])), "rollbacks": rollbacks,
-            "resumes": resumes}
+    return {
+        "skipped": sorted(skipped, key=lambda m: (m["step"], m["rolled_back"])),
+        "rollbacks": rollbacks,
+        "resumes": resumes,
+    }
 
 
 def loss_series(run: RunRecords) -> dict | Skipped:
@@ -57,8 +68,12 @@ def loss_series(run: RunRecords) -> dict | Skipped:
     train = _column(records, "loss")
     if not _has_values(train):
         return Skipped("no training loss in metrics.jsonl yet")
-    return {"train": train, "val": _column(records, "val_loss"), "rolled_back": _column(run.discarded.records, "loss"),
-            **_markers(run)}
+    return {
+        "train": train,
+        "val": _column(records, "val_loss"),
+        "rolled_back": _column(run.discarded.records, "loss"),
+        **_markers(run),
+    }
 
 
 def lr_series(run: RunRecords) -> dict | Skipped:
@@ -69,14 +84,21 @@ def lr_series(run: RunRecords) -> dict | Skipped:
 def grad_norm_series(run: RunRecords) -> dict | Skipped:
     records = run.metrics.records
     norm = _column(records, "grad_norm")
-    layers = sorted({k[len(GRAD_NORM_PREFIX):] for r in records for k in r if k.startswith(GRAD_NORM_PREFIX)},
-                    key=_layer_order)
+    layers = sorted(
+        {k[len(GRAD_NORM_PREFIX) :] for r in records for k in r if k.startswith(GRAD_NORM_PREFIX)},
+        key=_layer_order,
+    )
     per_layer = {name: _column(records, GRAD_NORM_PREFIX + name) for name in layers}
     if not _has_values(norm) and not per_layer:
-        return Skipped("no finite gradient norm in metrics.jsonl (every step overflowed, or none is computed on "
-                       "this path)")
-    return {"grad_norm": norm, "per_layer": per_layer, "skipped": [m["step"] for m in _markers(run)["skipped"]
-                                                                    if not m["rolled_back"]]}
+        return Skipped(
+            "no finite gradient norm in metrics.jsonl (every step overflowed, or none is computed on "
+            "this path)"
+        )
+    return {
+        "grad_norm": norm,
+        "per_layer": per_layer,
+        "skipped": [m["step"] for m in _markers(run)["skipped"] if not m["rolled_back"]],
+    }
 
 
 def _layer_order(name: str) -> tuple[int, int]:
@@ -90,7 +112,10 @@ def loss_scale_series(run: RunRecords) -> dict | Skipped:
     scale = _column(run.metrics.records, "loss_scale")
     if not _has_values(scale):
         return Skipped("no loss scale recorded: not an fp16 run (bf16 and fp32 need none)")
-    return {"loss_scale": scale, "skipped": [r["step"] for r in run.metrics.records if r.get("skipped")]}
+    return {
+        "loss_scale": scale,
+        "skipped": [r["step"] for r in run.metrics.records if r.get("skipped")],
+    }
 
 
 def throughput_series(run: RunRecords) -> dict | Skipped:
@@ -105,12 +130,22 @@ def step_time_by_rank_series(run: RunRecords) -> dict | Skipped:
     checks = [r for r in run.metrics.records if isinstance(r.get("step_time_by_rank"), list)]
     if not checks:
         interval = run.config.get("stability", {}).get("straggler_interval")
-        return Skipped(f"no straggler check in the run yet (stability.straggler_interval={interval}; the checks "
-                       "gather every rank's step time)")
+        return Skipped(
+            f"no straggler check in the run yet (stability.straggler_interval={interval}; the checks "
+            "gather every rank's step time)"
+        )
     ranks = max(len(r["step_time_by_rank"]) for r in checks)
-    by_rank = {str(rank): {"step": [r["step"] for r in checks if rank < len(r["step_time_by_rank"])],
-                           "value": [_number(r["step_time_by_rank"][rank]) for r in checks
-                                     if rank < len(r["step_time_by_rank"])]} for rank in range(ranks)}
+    by_rank = {
+        str(rank): {
+            "step": [r["step"] for r in checks if rank < len(r["step_time_by_rank"])],
+            "value": [
+                _number(r["step_time_by_rank"][rank])
+                for r in checks
+                if rank < len(r["step_time_by_rank"])
+            ],
+        }
+        for rank in range(ranks)
+    }
     slowest = {"step": [r["step"] for r in checks], "rank": [r.get("slowest_rank") for r in checks]}
     return {"by_rank": by_rank, "slowest_rank": slowest}
 
@@ -128,8 +163,14 @@ def experts_series(run: RunRecords) -> dict | Skipped:
             entry["step"].append(r["step"])
             entry["share"].append([c / total for c in counts])
     if not layers:
-        return Skipped("no MoE expert loads in metrics.jsonl (a dense model, or no expert-health record yet)")
-    return {"layers": dict(sorted(layers.items(), key=lambda kv: int(kv[0][1:]) if kv[0][1:].isdigit() else 0))}
+        return Skipped(
+            "no MoE expert loads in metrics.jsonl (a dense model, or no expert-health record yet)"
+        )
+    return {
+        "layers": dict(
+            sorted(layers.items(), key=lambda kv: int(kv[0][1:]) if kv[0][1:].isdigit() else 0)
+        )
+    }
 
 
 # plot name → how to build its series, in the order report.md shows them

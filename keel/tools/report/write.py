@@ -23,7 +23,9 @@ from keel.tools.report.read import RunRecords, read_run
 from keel.tools.report.series import Skipped, all_series
 
 INSTALL_HINT = "keel report draws with matplotlib, which is not installed: pip install 'keel[plot]'"
-ANOMALY_ROWS = 200  # report.md's table keeps the last this many events (anomalies.jsonl has them all)
+ANOMALY_ROWS = (
+    200  # report.md's table keeps the last this many events (anomalies.jsonl has them all)
+)
 
 
 @dataclass
@@ -37,7 +39,9 @@ class Report:
 def write_report(run_dir: Path, out_dir: Path | None = None) -> Report:
     if importlib.util.find_spec("matplotlib") is None:
         raise ConfigError(INSTALL_HINT)
-    from keel.tools.report.plots import DRAW  # imports matplotlib, an optional dependency: checked just above
+    from keel.tools.report.plots import (
+        DRAW,
+    )  # imports matplotlib, an optional dependency: checked just above
 
     run_dir = run_dir.expanduser().resolve()
     out_dir = (out_dir or RunDir(run_dir).report).expanduser().resolve()
@@ -53,9 +57,19 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> Report:
     try:
         for name in drawn:
             (staging / f"{name}.png").write_bytes(DRAW[name](series[name]))
-        (staging / "series.json").write_text(json.dumps(
-            {"run_dir": str(run_dir), "plots": {n: series[n] for n in drawn}, "skipped": skipped,
-             "left_out": run.left_out()}, indent=1, allow_nan=False) + "\n")
+        (staging / "series.json").write_text(
+            json.dumps(
+                {
+                    "run_dir": str(run_dir),
+                    "plots": {n: series[n] for n in drawn},
+                    "skipped": skipped,
+                    "left_out": run.left_out(),
+                },
+                indent=1,
+                allow_nan=False,
+            )
+            + "\n"
+        )
         (staging / "report.md").write_text(markdown(run, series, drawn, skipped))
         _publish(staging, out_dir)
     except BaseException:
@@ -67,12 +81,16 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> Report:
 def _check_out(out_dir: Path, run_dir: Path) -> None:
     """DIR is replaced as a whole: only a previous report (or nothing, or an empty directory) may be there."""
     if out_dir == run_dir or out_dir in run_dir.parents:
-        raise ConfigError(f"keel report: --out {out_dir} would replace the run dir; use a directory of its own")
+        raise ConfigError(
+            f"keel report: --out {out_dir} would replace the run dir; use a directory of its own"
+        )
     if out_dir.exists() and not out_dir.is_dir():
         raise ConfigError(f"keel report: --out {out_dir} is a file")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / "report.md").is_file():
-        raise ConfigError(f"keel report: --out {out_dir} holds files but no report.md; it is replaced as a whole, "
-                          "so give a new or empty directory (or a previous report's)")
+        raise ConfigError(
+            f"keel report: --out {out_dir} holds files but no report.md; it is replaced as a whole, "
+            "so give a new or empty directory (or a previous report's)"
+        )
 
 
 def _publish(staging: Path, out_dir: Path) -> None:
@@ -87,9 +105,15 @@ def _publish(staging: Path, out_dir: Path) -> None:
 
 
 # -- report.md ---------------------------------------------------------------------------------------------------
-TITLES = {"loss": "Loss", "lr": "Learning rate", "grad_norm": "Gradient norm", "loss_scale": "fp16 loss scale",
-          "throughput": "Throughput and step time", "step_time_by_rank": "Step time per rank",
-          "experts": "MoE expert load"}
+TITLES = {
+    "loss": "Loss",
+    "lr": "Learning rate",
+    "grad_norm": "Gradient norm",
+    "loss_scale": "fp16 loss scale",
+    "throughput": "Throughput and step time",
+    "step_time_by_rank": "Step time per rank",
+    "experts": "MoE expert load",
+}
 
 
 def _fmt(value: Any) -> str:
@@ -104,31 +128,60 @@ def _summary(run: RunRecords, series: dict[str, Any]) -> list[str]:
     if not records:
         return ["- no step recorded yet"]
     last = records[-1]
-    state = "finished" if total is not None and last.get("step") == total else (
-        f"at step {last.get('step')} of {total} (still running, or stopped: see summary.md)")
+    state = (
+        "finished"
+        if total is not None and last.get("step") == total
+        else (f"at step {last.get('step')} of {total} (still running, or stopped: see summary.md)")
+    )
     lines = [f"- status: {state}"]
     finite = [r for r in records if isinstance(r.get("loss"), float) and math.isfinite(r["loss"])]
-    kept = [r for r in finite if not r.get("skipped")] or finite  # the applied steps' (all skipped: every one's)
+    kept = [
+        r for r in finite if not r.get("skipped")
+    ] or finite  # the applied steps' (all skipped: every one's)
     if kept:
         lowest = min(kept, key=lambda r: r["loss"])
-        lines.append(f"- training loss: {kept[0]['loss']:.4f} at step {kept[0]['step']} → {kept[-1]['loss']:.4f} "
-                     f"at step {kept[-1]['step']} (lowest {lowest['loss']:.4f} at step {lowest['step']})")
+        lines.append(
+            f"- training loss: {kept[0]['loss']:.4f} at step {kept[0]['step']} → {kept[-1]['loss']:.4f} "
+            f"at step {kept[-1]['step']} (lowest {lowest['loss']:.4f} at step {lowest['step']})"
+        )
     vals = [r for r in records if isinstance(r.get("val_loss"), float)]
     if vals:
-        lines.append("- validation loss: " + ", ".join(f"{r['val_loss']:.4f} (step {r['step']})" for r in vals[-6:]))
+        lines.append(
+            "- validation loss: "
+            + ", ".join(f"{r['val_loss']:.4f} (step {r['step']})" for r in vals[-6:])
+        )
     speeds = [r["tokens_per_s"] for r in records if isinstance(r.get("tokens_per_s"), float)]
     if speeds:
-        lines.append(f"- throughput: mean {sum(speeds) / len(speeds):,.0f} tokens/s over {len(speeds)} steps; "
-                     f"{last.get('tokens', 0):,} tokens")
+        lines.append(
+            f"- throughput: mean {sum(speeds) / len(speeds):,.0f} tokens/s over {len(speeds)} steps; "
+            f"{last.get('tokens', 0):,} tokens"
+        )
     loss = series["loss"]
     if not isinstance(loss, Skipped):
         skipped = loss["skipped"]
-        lines.append(f"- skipped steps: {len(skipped)}" + (": " + ", ".join(
-            f"{m['step']}{' (rolled back)' if m['rolled_back'] else ''}" for m in skipped) if skipped else ""))
-        lines.append(f"- rollbacks: {len(loss['rollbacks'])}" + (": " + ", ".join(
-            f"step {r['step']} → {r['to_step']}" for r in loss["rollbacks"]) if loss["rollbacks"] else ""))
-        lines.append(f"- resumes: {len(loss['resumes'])}" + (": at step " + ", ".join(
-            map(str, loss["resumes"])) if loss["resumes"] else ""))
+        lines.append(
+            f"- skipped steps: {len(skipped)}"
+            + (
+                ": "
+                + ", ".join(
+                    f"{m['step']}{' (rolled back)' if m['rolled_back'] else ''}" for m in skipped
+                )
+                if skipped
+                else ""
+            )
+        )
+        lines.append(
+            f"- rollbacks: {len(loss['rollbacks'])}"
+            + (
+                ": " + ", ".join(f"step {r['step']} → {r['to_step']}" for r in loss["rollbacks"])
+                if loss["rollbacks"]
+                else ""
+            )
+        )
+        lines.append(
+            f"- resumes: {len(loss['resumes'])}"
+            + (": at step " + ", ".join(map(str, loss["resumes"])) if loss["resumes"] else "")
+        )
     return lines
 
 
@@ -137,21 +190,41 @@ def _anomalies(run: RunRecords) -> list[str]:
     if not events:
         return ["none"]
     counts = Counter(e.get("kind", "?") for e in events)
-    lines = ["Events by kind: " + ", ".join(f"{kind} {n}" for kind, n in sorted(counts.items())), "",
-             "| step | kind | rank | detail |", "|---:|---|---:|---|"]
+    lines = [
+        "Events by kind: " + ", ".join(f"{kind} {n}" for kind, n in sorted(counts.items())),
+        "",
+        "| step | kind | rank | detail |",
+        "|---:|---|---:|---|",
+    ]
     shown = events[-ANOMALY_ROWS:]
     if len(events) > len(shown):
-        lines.insert(1, f"(the last {len(shown)} of {len(events)}; every one is in anomalies.jsonl)")
+        lines.insert(
+            1, f"(the last {len(shown)} of {len(events)}; every one is in anomalies.jsonl)"
+        )
     for e in shown:
         detail = {k: v for k, v in e.items() if k not in ("kind", "step", "rank", "time", "host")}
-        text = "; ".join(f"{k}={_fmt(v)}" for k, v in detail.items()).replace("|", "\\|").replace("\n", " ")
-        lines.append(f"| {e.get('step', '')} | {e.get('kind', '')} | {e.get('rank', '')} | {text[:300]} |")
+        text = (
+            "; ".join(f"{k}={_fmt(v)}" for k, v in detail.items())
+            .replace("|", "\\|")
+            .replace("\n", " ")
+        )
+        lines.append(
+            f"| {e.get('step', '')} | {e.get('kind', '')} | {e.get('rank', '')} | {text[:300]} |"
+        )
     return lines
 
 
-def markdown(run: RunRecords, series: dict[str, Any], drawn: list[str], skipped: dict[str, str]) -> str:
-    lines = [f"# Keel run report: {run.run_dir.name}", "",
-             f"Run dir `{run.run_dir}`, read at {time.strftime('%Y-%m-%d %H:%M:%S %Z')}.", "", "## Summary", ""]
+def markdown(
+    run: RunRecords, series: dict[str, Any], drawn: list[str], skipped: dict[str, str]
+) -> str:
+    lines = [
+        f"# Keel run report: {run.run_dir.name}",
+        "",
+        f"Run dir `{run.run_dir}`, read at {time.strftime('%Y-%m-%d %H:%M:%S %Z')}.",
+        "",
+        "## Summary",
+        "",
+    ]
     lines += _summary(run, series)
     for name, what in run.left_out().items():
         lines.append(f"- left out of {name}: {what}")

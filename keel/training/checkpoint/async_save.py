@@ -67,7 +67,9 @@ class WriteReport:
     files: dict[str, tuple[int, str]] = field(default_factory=dict)
     error: str = ""
     seconds: float = 0.0  # the writer's wall time
-    cpu_seconds: float = 0.0  # the writer's and its hashing threads' CPU time (what they take from a busy host)
+    cpu_seconds: float = (
+        0.0  # the writer's and its hashing threads' CPU time (what they take from a busy host)
+    )
 
     @property
     def ok(self) -> bool:
@@ -95,7 +97,9 @@ class BackgroundSave:
 class _PlannedFile:
     name: str  # relative to the tag's directory
     state: Any  # the host snapshot to serialize
-    save: Callable[[Any, str], None]  # DeepSpeed's checkpoint-engine save, or torch.save for Keel's RNG file
+    save: Callable[
+        [Any, str], None
+    ]  # DeepSpeed's checkpoint-engine save, or torch.save for Keel's RNG file
 
 
 @dataclass
@@ -109,8 +113,9 @@ class _Pending:
     report: WriteReport = field(default_factory=WriteReport)
 
 
-def snapshot_files(engine, checkpointer: Checkpointer, tag: str, state: TrainState, snapshot: HostSnapshot
-                   ) -> list[_PlannedFile]:
+def snapshot_files(
+    engine, checkpointer: Checkpointer, tag: str, state: TrainState, snapshot: HostSnapshot
+) -> list[_PlannedFile]:
     """Every file a synchronous save of `tag` would write on this rank, as host copies (collective: it runs
     `engine.save_checkpoint`, whose barriers and gathers every rank takes)."""
     tag_dir = checkpointer.directory / tag
@@ -124,16 +129,28 @@ def snapshot_files(engine, checkpointer: Checkpointer, tag: str, state: TrainSta
 
     snapshot.begin()
     with route_checkpoint_writes(engine, capture):
-        engine.save_checkpoint(str(checkpointer.directory), tag=tag, client_state=checkpointer.client_state(state),
-                               save_latest=False)
+        engine.save_checkpoint(
+            str(checkpointer.directory),
+            tag=tag,
+            client_state=checkpointer.client_state(state),
+            save_latest=False,
+        )
     rng_name = f"keel_rng_rank{checkpointer.topology.rank}.pt"
-    planned.append(_PlannedFile(rng_name, snapshot.copy(rng_state.capture(engine.module), rng_name), torch.save))
+    planned.append(
+        _PlannedFile(
+            rng_name, snapshot.copy(rng_state.capture(engine.module), rng_name), torch.save
+        )
+    )
     snapshot.wait()
     return planned
 
 
-def write_files(tag_dir: Path, rank: int, files: list[_PlannedFile],
-                before_commit: Callable[[], None] | None = None) -> WriteReport:
+def write_files(
+    tag_dir: Path,
+    rank: int,
+    files: list[_PlannedFile],
+    before_commit: Callable[[], None] | None = None,
+) -> WriteReport:
     """Write `files` aside, hash and fsync each, then rename them into `tag_dir` (the writer thread's work).
     Never raises: an error is the report's."""
     staging = tag_dir / f".async_rank{rank}"
@@ -144,7 +161,9 @@ def write_files(tag_dir: Path, rank: int, files: list[_PlannedFile],
         for planned in files:
             path = staging / planned.name
             path.parent.mkdir(parents=True, exist_ok=True)
-            with _FollowingHash(path) as hashed:  # hashes what torch.save has written so far, as it writes
+            with _FollowingHash(
+                path
+            ) as hashed:  # hashes what torch.save has written so far, as it writes
                 planned.save(planned.state, str(path))
             records[planned.name] = hashed.record()
             hashing_cpu += hashed.cpu_seconds
@@ -194,7 +213,9 @@ class _FollowingHash(threading.Thread):
                     return  # the write failed before creating the file: its own error is reported
             with open(self.path, "rb", buffering=0) as f:
                 while True:
-                    finished = self.written.is_set()  # read before the read: an empty read then means the end
+                    finished = (
+                        self.written.is_set()
+                    )  # read before the read: an empty read then means the end
                     chunk = f.read(_CHUNK)
                     if chunk:
                         self.digest.update(chunk)
@@ -211,7 +232,9 @@ class _FollowingHash(threading.Thread):
         if self.error is not None:
             raise self.error
         if self.size != self.path.stat().st_size:
-            raise RuntimeError(f"{self.path}: hashed {self.size} bytes of {self.path.stat().st_size}")
+            raise RuntimeError(
+                f"{self.path}: hashed {self.size} bytes of {self.path.stat().st_size}"
+            )
         return self.size, self.digest.hexdigest()
 
 
@@ -235,8 +258,13 @@ class AsyncCheckpointer:
         self.pending: _Pending | None = None
         self.concluded: list[BackgroundSave] = []  # not yet handed over by `poll`
 
-    def save(self, engine, state: TrainState, guards: dict[str, Any] | None = None,
-             before_commit: Callable[[], None] | None = None) -> str:
+    def save(
+        self,
+        engine,
+        state: TrainState,
+        guards: dict[str, Any] | None = None,
+        before_commit: Callable[[], None] | None = None,
+    ) -> str:
         """Snapshot `state`'s checkpoint and start writing it (the previous save is finished first: its buffers
         are about to be reused). Returns the tag."""
         self.finish()
@@ -252,10 +280,14 @@ class AsyncCheckpointer:
             pending.report.seconds = time.perf_counter() - start
             pending.report.cpu_seconds += time.thread_time() - cpu  # plus its hashing thread's
 
-        pending = _Pending(tag, dataclasses.replace(state), copy.deepcopy(guards or {}),
-                           engine.zero_optimization_stage(),
-                           threading.Thread(target=write, name=f"keel-checkpoint-writer-{tag}", daemon=True),
-                           time.perf_counter() - started)
+        pending = _Pending(
+            tag,
+            dataclasses.replace(state),
+            copy.deepcopy(guards or {}),
+            engine.zero_optimization_stage(),
+            threading.Thread(target=write, name=f"keel-checkpoint-writer-{tag}", daemon=True),
+            time.perf_counter() - started,
+        )
         self.pending = pending
         pending.writer.start()
         return tag
@@ -284,11 +316,26 @@ class AsyncCheckpointer:
         pending, self.pending = self.pending, None
         pending.writer.join()
         report = pending.report
-        outcome = self.checkpointer.finish_save(pending.tag, pending.state, report.error, report.files,
-                                                pending.guards, pending.zero_stage)
-        timings = comm.all_gather_object((report.seconds, report.cpu_seconds,
-                                          sum(size for size, _ in report.files.values())), self.control)
-        self.concluded.append(BackgroundSave(
-            pending.tag, pending.state.step, outcome.error, snapshot_seconds=pending.snapshot_seconds,
-            write_seconds=max(t[0] for t in timings), write_cpu_seconds=max(t[1] for t in timings),
-            nbytes=sum(t[2] for t in timings)))
+        outcome = self.checkpointer.finish_save(
+            pending.tag,
+            pending.state,
+            report.error,
+            report.files,
+            pending.guards,
+            pending.zero_stage,
+        )
+        timings = comm.all_gather_object(
+            (report.seconds, report.cpu_seconds, sum(size for size, _ in report.files.values())),
+            self.control,
+        )
+        self.concluded.append(
+            BackgroundSave(
+                pending.tag,
+                pending.state.step,
+                outcome.error,
+                snapshot_seconds=pending.snapshot_seconds,
+                write_seconds=max(t[0] for t in timings),
+                write_cpu_seconds=max(t[1] for t in timings),
+                nbytes=sum(t[2] for t in timings),
+            )
+        )

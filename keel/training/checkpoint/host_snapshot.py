@@ -20,8 +20,19 @@ from typing import Any
 
 import torch
 
-_IMMUTABLE = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout,
-              torch.memory_format)
+_IMMUTABLE = (
+    type(None),
+    bool,
+    int,
+    float,
+    complex,
+    str,
+    bytes,
+    torch.dtype,
+    torch.device,
+    torch.layout,
+    torch.memory_format,
+)
 
 
 class HostSnapshot:
@@ -53,7 +64,9 @@ class HostSnapshot:
         self._used.add(key)
         held = self._buffers.get(key)
         if held is None or held.numel() != nbytes:
-            held = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin and torch.cuda.is_available())
+            held = torch.empty(
+                nbytes, dtype=torch.uint8, pin_memory=self.pin and torch.cuda.is_available()
+            )
             self._buffers[key] = held
         return held
 
@@ -64,7 +77,9 @@ class _Copier:
     def __init__(self, snapshot: HostSnapshot, slot: str):
         self.snapshot, self.slot = snapshot, slot
         self.memo: dict[int, Any] = {}
-        self.storages: dict[int, tuple[torch.UntypedStorage, torch.UntypedStorage]] = {}  # id → (source, host)
+        self.storages: dict[
+            int, tuple[torch.UntypedStorage, torch.UntypedStorage]
+        ] = {}  # id → (source, host)
 
     def copy(self, obj: Any) -> Any:
         if isinstance(obj, _IMMUTABLE):
@@ -91,8 +106,15 @@ class _Copier:
         return out
 
     def _tensor(self, t: torch.Tensor) -> torch.Tensor:
-        if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.is_sparse or t.is_quantized or t.is_conj():
-            raise TypeError(f"cannot snapshot a {type(t).__name__} ({t.layout}) for an asynchronous checkpoint")
+        if (
+            type(t) not in (torch.Tensor, torch.nn.Parameter)
+            or t.is_sparse
+            or t.is_quantized
+            or t.is_conj()
+        ):
+            raise TypeError(
+                f"cannot snapshot a {type(t).__name__} ({t.layout}) for an asynchronous checkpoint"
+            )
         # one Python object per storage (torch keeps it for the storage's life), which torch.save keys too: an
         # empty storage shared by tied parameters is still one storage
         source = t.untyped_storage()
@@ -101,7 +123,10 @@ class _Copier:
             buffer = self.snapshot.buffer((self.slot, len(self.storages)), source.nbytes())
             raw = torch.empty(0, dtype=torch.uint8, device=source.device).set_(source)
             buffer.copy_(raw, non_blocking=buffer.is_pinned())
-            held = self.storages[id(source)] = (source, buffer.untyped_storage())  # `source` kept: ids stay unique
+            held = self.storages[id(source)] = (
+                source,
+                buffer.untyped_storage(),
+            )  # `source` kept: ids stay unique
         host = held[1]
         with torch.no_grad():
             out = torch.empty(0, dtype=t.dtype).set_(host, t.storage_offset(), t.size(), t.stride())

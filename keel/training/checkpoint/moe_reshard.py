@@ -42,17 +42,25 @@ def moe_universal_tag(tag: str, ep: int, tp_rank: int, ep_rank: int) -> str:
     return f"{tag}/{MOE_UNIVERSAL}/ep{ep}/tp{tp_rank}_ep{ep_rank}"
 
 
-def check_moe_reshard(saved: dict[str, int], now: dict[str, int], zero_stage: int, num_experts: int) -> None:
+def check_moe_reshard(
+    saved: dict[str, int], now: dict[str, int], zero_stage: int, num_experts: int
+) -> None:
     """Refuse, in one line, a layout change this converter does not cover."""
     changed = [k for k in ("tp", "pp", "sp") if saved.get(k, 1) != now[k]]
     if changed:
-        raise ConfigError(f"an MoE checkpoint written at {saved} resumes at another dp/ep only; this run changes "
-                          f"{', '.join(changed)} ({now}): resume with the saved {', '.join(changed)}")
+        raise ConfigError(
+            f"an MoE checkpoint written at {saved} resumes at another dp/ep only; this run changes "
+            f"{', '.join(changed)} ({now}): resume with the saved {', '.join(changed)}"
+        )
     if zero_stage not in (1, 2):
-        raise ConfigError(f"an MoE checkpoint resumes on another dp/ep layout from ZeRO stage 1 or 2 (its optimizer "
-                          f"files hold every expert's state); this run uses stage {zero_stage}")
+        raise ConfigError(
+            f"an MoE checkpoint resumes on another dp/ep layout from ZeRO stage 1 or 2 (its optimizer "
+            f"files hold every expert's state); this run uses stage {zero_stage}"
+        )
     if num_experts % now["ep"]:
-        raise ConfigError(f"parallel.ep={now['ep']} does not divide model.moe_experts={num_experts}")
+        raise ConfigError(
+            f"parallel.ep={now['ep']} does not divide model.moe_experts={num_experts}"
+        )
 
 
 def _partition_index(dp_index: int, saved: dict[str, int], expert_group: bool) -> tuple[int, int]:
@@ -83,9 +91,13 @@ def _extract_fragments(tag_dir: Path, saved: dict[str, int], num_experts: int, o
     """Stream every optimizer file once, writing each parameter's fragments to `out/tp<T>/<global name>/
     <state>.<partition>.pt` (ds_to_universal's own two-pass scheme: memory is one file's partitions, not the model).
     Returns, per tp rank, {global name: has a step} and the optimizer's global state from data-parallel index 0."""
-    files = sorted((int(m[2]), int(m[1]), p) for p in tag_dir.iterdir() if (m := _OPTIM_FILE.match(p.name)))
+    files = sorted(
+        (int(m[2]), int(m[1]), p) for p in tag_dir.iterdir() if (m := _OPTIM_FILE.match(p.name))
+    )
     if not files:
-        raise ConfigError(f"{tag_dir}: no ZeRO optimizer files to convert (an MoE layout change needs ZeRO 1 or 2)")
+        raise ConfigError(
+            f"{tag_dir}: no ZeRO optimizer files to convert (an MoE layout change needs ZeRO 1 or 2)"
+        )
     local_experts = num_experts // saved["ep"]
     names: dict[int, dict[str, bool]] = defaultdict(dict)
     head: dict[int, dict[str, Any]] = {}
@@ -93,23 +105,38 @@ def _extract_fragments(tag_dir: Path, saved: dict[str, int], num_experts: int, o
         optim = torch.load(path, map_location="cpu", weights_only=False)["optimizer_state_dict"]
         groups = optim["base_optimizer_state"]["param_groups"]
         if dp_index == 0:
-            head[tp_rank] = {k: v for k, v in optim.items() if k not in
-                             ("base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups")}
+            head[tp_rank] = {
+                k: v
+                for k, v in optim.items()
+                if k
+                not in (
+                    "base_optimizer_state",
+                    "param_slice_mappings",
+                    "single_partition_of_fp32_groups",
+                )
+            }
             head[tp_rank]["param_groups"] = groups
         for g, mapping in enumerate(optim["param_slice_mappings"]):
             expert_group = bool(groups[g].get("moe"))
             ep_index, part = _partition_index(dp_index, saved, expert_group)
             state = optim["base_optimizer_state"]["state"][g]
-            flat = {"fp32": optim["single_partition_of_fp32_groups"][g], "exp_avg": state["exp_avg"],
-                    "exp_avg_sq": state["exp_avg_sq"]}
+            flat = {
+                "fp32": optim["single_partition_of_fp32_groups"][g],
+                "exp_avg": state["exp_avg"],
+                "exp_avg_sq": state["exp_avg_sq"],
+            }
             for name, fragment in mapping.items():
                 key = _global_name(name, ep_index, local_experts) if expert_group else name
                 folder = out / f"tp{tp_rank}" / key
                 folder.mkdir(parents=True, exist_ok=True)
                 for state_name, tensor in flat.items():
-                    torch.save(tensor.narrow(0, fragment.start, fragment.numel).clone(),
-                               folder / f"{state_name}.{part:06d}.pt")
-                if "step" in state and not (folder / "step.pt").is_file():  # every partition holds the same step
+                    torch.save(
+                        tensor.narrow(0, fragment.start, fragment.numel).clone(),
+                        folder / f"{state_name}.{part:06d}.pt",
+                    )
+                if (
+                    "step" in state and not (folder / "step.pt").is_file()
+                ):  # every partition holds the same step
                     torch.save(state["step"], folder / "step.pt")
                 names[tp_rank][key] = "step" in state
         del optim
@@ -118,10 +145,14 @@ def _extract_fragments(tag_dir: Path, saved: dict[str, int], num_experts: int, o
 
 def _merged(folder: Path, state_name: str) -> torch.Tensor:
     """One parameter's state: its fragments in partition order, concatenated (flat)."""
-    return torch.cat([torch.load(p, weights_only=True) for p in sorted(folder.glob(f"{state_name}.*.pt"))])
+    return torch.cat(
+        [torch.load(p, weights_only=True) for p in sorted(folder.glob(f"{state_name}.*.pt"))]
+    )
 
 
-def convert_moe_universal(tag_dir: Path, saved: dict[str, int], now: dict[str, int], num_experts: int) -> Path:
+def convert_moe_universal(
+    tag_dir: Path, saved: dict[str, int], now: dict[str, int], num_experts: int
+) -> Path:
     """Rank 0: write `<tag_dir>/universal_moe/ep<EP>/` for the layout `now` (Topology.stamp()), aside then
     renamed in; returns it. A conversion for that ep size already there is kept."""
     target = tag_dir / MOE_UNIVERSAL / f"ep{now['ep']}"
@@ -135,19 +166,28 @@ def convert_moe_universal(tag_dir: Path, saved: dict[str, int], now: dict[str, i
     shapes = _param_shapes(tag_dir)
     local_experts = num_experts // now["ep"]
     for tp_rank, by_name in names.items():
-        zeros = [_start_folder(tmp / f"tp{tp_rank}_ep{e}", tag_dir, head[tp_rank], now["ep"]) for e in range(now["ep"])]
+        zeros = [
+            _start_folder(tmp / f"tp{tp_rank}_ep{e}", tag_dir, head[tp_rank], now["ep"])
+            for e in range(now["ep"])
+        ]
         for name in by_name:
-            owners = [e for e in range(now["ep"]) if _local_name(name, e, local_experts) is not None]
+            owners = [
+                e for e in range(now["ep"]) if _local_name(name, e, local_experts) is not None
+            ]
             source = fragments / f"tp{tp_rank}" / name
             first = zeros[owners[0]] / _local_name(name, owners[0], local_experts)
             first.mkdir()
             for state_name in _STATES:
-                torch.save({"param": _merged(source, state_name).view(shapes[tp_rank][name])},
-                           first / f"{state_name}.pt")
+                torch.save(
+                    {"param": _merged(source, state_name).view(shapes[tp_rank][name])},
+                    first / f"{state_name}.pt",
+                )
             if (source / "step.pt").is_file():
                 shutil.copyfile(source / "step.pt", first / "step.pt")
             for e in owners[1:]:  # a dense parameter: every ep rank's folder holds the same files
-                shutil.copytree(first, zeros[e] / _local_name(name, e, local_experts), copy_function=os.link)
+                shutil.copytree(
+                    first, zeros[e] / _local_name(name, e, local_experts), copy_function=os.link
+                )
     shutil.rmtree(fragments)
     os.replace(tmp, target)
     return target
@@ -159,8 +199,12 @@ def _start_folder(folder: Path, tag_dir: Path, head: dict[str, Any], ep: int) ->
     zero.mkdir(parents=True)
     for model_file in tag_dir.glob("*model_states.pt"):
         os.link(model_file, folder / model_file.name)
-    groups = [dict(g, name=f"ep_size_{ep}") if g.get("moe") else dict(g) for g in head["param_groups"]]
-    torch.save({**head, "param_groups": groups}, zero / "optimizer_state.pt")  # the expert group's new name
+    groups = [
+        dict(g, name=f"ep_size_{ep}") if g.get("moe") else dict(g) for g in head["param_groups"]
+    ]
+    torch.save(
+        {**head, "param_groups": groups}, zero / "optimizer_state.pt"
+    )  # the expert group's new name
     return zero
 
 

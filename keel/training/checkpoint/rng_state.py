@@ -35,9 +35,13 @@ def _cuda_in_use() -> bool:
 
 
 def capture(model: torch.nn.Module) -> dict[str, Any]:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if _cuda_in_use() else None,
-            "sharded": [rng.state_dict() for rng in sharded_rngs(model)]}
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if _cuda_in_use() else None,
+        "sharded": [rng.state_dict() for rng in sharded_rngs(model)],
+    }
 
 
 def restore(state: dict[str, Any], model: torch.nn.Module) -> list[str]:

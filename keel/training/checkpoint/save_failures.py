@@ -20,18 +20,30 @@ log = logging.getLogger("keel")
 __all__ = ["after_failed_save"]
 
 
-def after_failed_save(outcome: SaveOutcome, policy: str, final: bool, step: int, anomalies: AnomalyLog,
-                      rank: int) -> str:
+def after_failed_save(
+    outcome: SaveOutcome, policy: str, final: bool, step: int, anomalies: AnomalyLog, rank: int
+) -> str:
     """Every rank alike (they share the verdict): "" to go on, else the one-line reason to stop with exit 8."""
     stop = final or policy == "stop"
-    anomalies.record("checkpoint_save_failed", step, checkpoint=outcome.tag, error=outcome.error,
-                     action="stop" if stop else "continue")
+    anomalies.record(
+        "checkpoint_save_failed",
+        step,
+        checkpoint=outcome.tag,
+        error=outcome.error,
+        action="stop" if stop else "continue",
+    )
     if not stop:
         if rank == 0:
-            log.warning("step %d: checkpoint %s not saved (%s); the previous checkpoint stays latest, the next "
-                        "save is tried at the next interval (checkpoint.on_save_error: continue)", step, outcome.tag,
-                        outcome.error)
+            log.warning(
+                "step %d: checkpoint %s not saved (%s); the previous checkpoint stays latest, the next "
+                "save is tried at the next interval (checkpoint.on_save_error: continue)",
+                step,
+                outcome.tag,
+                outcome.error,
+            )
         return ""
     why = "the run's final save" if final else "checkpoint.on_save_error: stop"
-    return (f"checkpoint {outcome.tag} could not be saved ({outcome.error}); {why}: stopping with exit code "
-            f"{ExitCode.SAVE_FAILED}, the previous checkpoint is intact and still latest")
+    return (
+        f"checkpoint {outcome.tag} could not be saved ({outcome.error}); {why}: stopping with exit code "
+        f"{ExitCode.SAVE_FAILED}, the previous checkpoint is intact and still latest"
+    )

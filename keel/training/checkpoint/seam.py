@@ -35,20 +35,44 @@ log = logging.getLogger("keel")
 class RunCheckpoints:
     """The run's checkpoints as the loop sees them. Every method is collective over the world."""
 
-    def __init__(self, cfg: RunConfig, engine, checkpointer: Checkpointer, anomalies: AnomalyLog,
-                 guards: GuardStack, corrupt_state: CorruptStateGuard, faults: FaultInjector, lr_scale: LRScale):
-        self.cfg, self.engine, self.checkpointer, self.anomalies = cfg, engine, checkpointer, anomalies
-        self.guards, self.corrupt_state, self.faults, self.lr_scale = guards, corrupt_state, faults, lr_scale
+    def __init__(
+        self,
+        cfg: RunConfig,
+        engine,
+        checkpointer: Checkpointer,
+        anomalies: AnomalyLog,
+        guards: GuardStack,
+        corrupt_state: CorruptStateGuard,
+        faults: FaultInjector,
+        lr_scale: LRScale,
+    ):
+        self.cfg, self.engine, self.checkpointer, self.anomalies = (
+            cfg,
+            engine,
+            checkpointer,
+            anomalies,
+        )
+        self.guards, self.corrupt_state, self.faults, self.lr_scale = (
+            guards,
+            corrupt_state,
+            faults,
+            lr_scale,
+        )
         self.rank = checkpointer.topology.rank
         # checkpoint.async_save: a host snapshot now, the files written in the background (async_checkpoint.py)
-        self.saves = AsyncCheckpointer(checkpointer, pin=torch.device(engine.device).type == "cuda") \
-            if cfg.checkpoint.async_save else None
+        self.saves = (
+            AsyncCheckpointer(checkpointer, pin=torch.device(engine.device).type == "cuda")
+            if cfg.checkpoint.async_save
+            else None
+        )
 
     def resume(self) -> TrainState:
         """The state to start from: the agreed latest checkpoint's (and the guards' and LR scale's), or a new one."""
         if not self.cfg.checkpoint.resume:
             return TrainState()
-        tag = self.checkpointer.agreed_resume()  # rank 0 chooses, every rank verifies (once per run)
+        tag = (
+            self.checkpointer.agreed_resume()
+        )  # rank 0 chooses, every rank verifies (once per run)
         if tag is None:
             return TrainState()
         state = self.checkpointer.load(self.engine, tag, self.cfg.train.seed)
@@ -56,9 +80,16 @@ class RunCheckpoints:
         self.lr_scale.value = state.lr_scale
         refresh_lr(self.engine.lr_scheduler)
         # the run's history: where a restart, requeue or continuation picked up (`keel report` marks it)
-        self.anomalies.record("resume", state.step, checkpoint=tag, consumed_samples=state.consumed_samples)
+        self.anomalies.record(
+            "resume", state.step, checkpoint=tag, consumed_samples=state.consumed_samples
+        )
         if self.rank == 0:
-            log.info("resumed from %s: step %d, %d samples consumed", tag, state.step, state.consumed_samples)
+            log.info(
+                "resumed from %s: step %d, %d samples consumed",
+                tag,
+                state.step,
+                state.consumed_samples,
+            )
         return state
 
     def save(self, state: TrainState, ending: bool) -> tuple[float, Decision]:
@@ -68,12 +99,22 @@ class RunCheckpoints:
         started = time.perf_counter()
         saved = self._save(state)
         seconds = time.perf_counter() - started
-        if saved is None:  # corrupt state: a run that ends so stops; else it returns to a good checkpoint
+        if (
+            saved is None
+        ):  # corrupt state: a run that ends so stops; else it returns to a good checkpoint
             return seconds, self.corrupt_state.refused_save(state.step, ending)
         if not saved.ok:  # discarded on every rank (keel/training/checkpoint/save_failures.py)
-            failed = after_failed_save(saved, self.cfg.checkpoint.on_save_error, ending, state.step, self.anomalies,
-                                       self.rank)
-            return seconds, Decision(Action.STOP, failed, ExitCode.SAVE_FAILED) if failed else Decision()
+            failed = after_failed_save(
+                saved,
+                self.cfg.checkpoint.on_save_error,
+                ending,
+                state.step,
+                self.anomalies,
+                self.rank,
+            )
+            return seconds, Decision(
+                Action.STOP, failed, ExitCode.SAVE_FAILED
+            ) if failed else Decision()
         if self.rank == 0:
             log.info("step %d: checkpoint saved in %.2f s", state.step, seconds)
         return seconds, Decision()
@@ -84,10 +125,18 @@ class RunCheckpoints:
             return None
         during_save = functools.partial(self.faults.during_save, state.step)
         if self.saves is not None:
-            return SaveOutcome(self.saves.save(self.engine, state, guards=self.guards.state_dict(),
-                                               before_commit=during_save))
-        return self.checkpointer.save(self.engine, state, guards=self.guards.state_dict(), before_commit=during_save,
-                                      disk_room=self.faults.disk_room(state.step))
+            return SaveOutcome(
+                self.saves.save(
+                    self.engine, state, guards=self.guards.state_dict(), before_commit=during_save
+                )
+            )
+        return self.checkpointer.save(
+            self.engine,
+            state,
+            guards=self.guards.state_dict(),
+            before_commit=during_save,
+            disk_room=self.faults.disk_room(state.step),
+        )
 
     def background(self, wait: bool = False, final: bool = False) -> Decision:
         """Publish the background saves every rank has written (`wait`: the pending one first); a failed one was
@@ -97,33 +146,77 @@ class RunCheckpoints:
         for outcome in outcomes:
             if outcome.ok:
                 continue
-            reason = after_failed_save(outcome, self.cfg.checkpoint.on_save_error, final, outcome.step,
-                                       self.anomalies, self.rank)
+            reason = after_failed_save(
+                outcome,
+                self.cfg.checkpoint.on_save_error,
+                final,
+                outcome.step,
+                self.anomalies,
+                self.rank,
+            )
             if reason:
                 return Decision(Action.STOP, reason, ExitCode.SAVE_FAILED)
         return Decision()
 
-    def rollback(self, state: TrainState, rewind: Callable[[int], None], first_bad_step: int, reason: str,
-                 lr_factor: float, to: str | None = None, rewind_data: bool = False) -> TrainState:
+    def rollback(
+        self,
+        state: TrainState,
+        rewind: Callable[[int], None],
+        first_bad_step: int,
+        reason: str,
+        lr_factor: float,
+        to: str | None = None,
+        rewind_data: bool = False,
+    ) -> TrainState:
         """Reload the last checkpoint written before `first_bad_step` (or `to`, already agreed), scale the LR, keep
         the data cursor (or, `rewind_data`, continue from the checkpoint's: its samples were innocent);
         `rewind(step)` truncates the run's logs to the restored step. A pending background save must have
         concluded (`background(wait=True)`): the choice of where to return counts it."""
-        tag = to or self.checkpointer.agreed_at_or_before(first_bad_step - 1)  # rank 0 chooses, every rank verifies
+        tag = to or self.checkpointer.agreed_at_or_before(
+            first_bad_step - 1
+        )  # rank 0 chooses, every rank verifies
         if tag is None:
-            self.anomalies.record("rollback", state.step, done=False, reason=f"{reason}; no checkpoint to return to")
-            log.warning("step %d: %s, but no checkpoint precedes step %d: continuing", state.step, reason,
-                        first_bad_step)
+            self.anomalies.record(
+                "rollback", state.step, done=False, reason=f"{reason}; no checkpoint to return to"
+            )
+            log.warning(
+                "step %d: %s, but no checkpoint precedes step %d: continuing",
+                state.step,
+                reason,
+                first_bad_step,
+            )
             return state
-        cursor, scale, rollbacks = state.consumed_samples, state.lr_scale * lr_factor, state.rollbacks
+        cursor, scale, rollbacks = (
+            state.consumed_samples,
+            state.lr_scale * lr_factor,
+            state.rollbacks,
+        )
         restored = self.checkpointer.load(self.engine, tag, self.cfg.train.seed)
         cursor = restored.consumed_samples if rewind_data else cursor
-        restored.consumed_samples, restored.lr_scale, restored.rollbacks = cursor, scale, rollbacks + 1
+        restored.consumed_samples, restored.lr_scale, restored.rollbacks = (
+            cursor,
+            scale,
+            rollbacks + 1,
+        )
         self.lr_scale.value = scale
         refresh_lr(self.engine.lr_scheduler)
         rewind(restored.step)
-        self.anomalies.record("rollback", state.step, done=True, reason=reason, to_step=restored.step,
-                              checkpoint=tag, lr_scale=scale, data_cursor=cursor)
-        log.warning("step %d: %s — rolled back to %s, LR × %.3g, data continues at sample %d", state.step, reason,
-                    tag, scale, cursor)
+        self.anomalies.record(
+            "rollback",
+            state.step,
+            done=True,
+            reason=reason,
+            to_step=restored.step,
+            checkpoint=tag,
+            lr_scale=scale,
+            data_cursor=cursor,
+        )
+        log.warning(
+            "step %d: %s — rolled back to %s, LR × %.3g, data continues at sample %d",
+            state.step,
+            reason,
+            tag,
+            scale,
+            cursor,
+        )
         return restored

@@ -98,7 +98,13 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 
 class Checkpointer:
-    def __init__(self, directory: Path, keep_last: int, topology: Topology, anomalies: AnomalyLog | None = None):
+    def __init__(
+        self,
+        directory: Path,
+        keep_last: int,
+        topology: Topology,
+        anomalies: AnomalyLog | None = None,
+    ):
         self.directory = Path(directory)
         self.keep_last = keep_last
         self.topology = topology
@@ -116,7 +122,11 @@ class Checkpointer:
         """Checkpoints with a completion marker, oldest first (set-aside `.corrupt` ones are not checkpoints)."""
         if not self.directory.is_dir():
             return []
-        return sorted(p.name for p in self.directory.iterdir() if TAG.fullmatch(p.name) and (p / COMPLETE).is_file())
+        return sorted(
+            p.name
+            for p in self.directory.iterdir()
+            if TAG.fullmatch(p.name) and (p / COMPLETE).is_file()
+        )
 
     def latest_tag(self) -> str | None:
         """The tag `latest` names if it is complete, else the newest complete one (never a half-written one)."""
@@ -154,12 +164,16 @@ class Checkpointer:
         set_aside: list[str] = []
         while True:
             tag = choose() if self.topology.rank == 0 else None
-            offer = comm.broadcast_object({"tag": tag, "digest": self._digest(tag)} if tag else None, self.control)
+            offer = comm.broadcast_object(
+                {"tag": tag, "digest": self._digest(tag)} if tag else None, self.control
+            )
             if offer is None:
                 if set_aside:
-                    raise NoIntactCheckpoint(f"every checkpoint in {self.directory} is corrupt ({', '.join(set_aside)}"
-                                             " set aside as <tag>.corrupt, see anomalies.jsonl): nothing to resume "
-                                             "from; restore a checkpoint or start a new run directory")
+                    raise NoIntactCheckpoint(
+                        f"every checkpoint in {self.directory} is corrupt ({', '.join(set_aside)}"
+                        " set aside as <tag>.corrupt, see anomalies.jsonl): nothing to resume "
+                        "from; restore a checkpoint or start a new run directory"
+                    )
                 return None
             tag = offer["tag"]
             corrupt = self._verdicts(tag, offer["digest"])
@@ -180,7 +194,8 @@ class Checkpointer:
             more = f" (and {len(bad) - 1} more rank(s))" if len(bad) > 1 else ""
             raise CheckpointDisagreement(
                 f"checkpoint {tag} chosen by rank 0 is not whole on every rank — {bad[0]}{more}; every "
-                "rank must see the same checkpoint directory (a stale or different shared-filesystem view?)")
+                "rank must see the same checkpoint directory (a stale or different shared-filesystem view?)"
+            )
         return sorted({(name, reason) for _, corrupt in verdicts for name, reason in corrupt})
 
     def _verdict(self, tag: str, digest: str) -> tuple[str, list[tuple[str, str]]]:
@@ -195,14 +210,22 @@ class Checkpointer:
         except ValueError as err:  # every rank read the same bytes: all of them say so
             return "", [(COMPLETE, f"the manifest {err}")]
         share = verify.shares({name: size for name, (size, _) in files.items()}, self.control.size)
-        return "", verify.verify(manifest.parent, files, share[self.control.ranks.index(self.topology.rank)])
+        return "", verify.verify(
+            manifest.parent, files, share[self.control.ranks.index(self.topology.rank)]
+        )
 
     def _set_aside(self, tag: str, corrupt: list[tuple[str, str]]) -> None:
         """Record the corrupt checkpoint, rename it `<tag>.corrupt` and repoint `latest` (rank 0 renames)."""
         step = int(tag.removeprefix("step"))
         if self.anomalies is not None:
-            self.anomalies.record("checkpoint_corrupt", step, checkpoint=tag, file=corrupt[0][0],
-                                  reason=corrupt[0][1], files=[{"file": f, "reason": r} for f, r in corrupt])
+            self.anomalies.record(
+                "checkpoint_corrupt",
+                step,
+                checkpoint=tag,
+                file=corrupt[0][0],
+                reason=corrupt[0][1],
+                files=[{"file": f, "reason": r} for f, r in corrupt],
+            )
         if self.topology.rank != 0:
             return
         moved = verify.set_aside(self.directory, tag)
@@ -214,12 +237,24 @@ class Checkpointer:
             else:
                 pointer.unlink()
         more = f" (and {len(corrupt) - 1} more file(s))" if len(corrupt) > 1 else ""
-        log.error("checkpoint %s is corrupt: %s: %s%s — set aside as %s", tag, corrupt[0][0], corrupt[0][1], more,
-                  moved.name)
+        log.error(
+            "checkpoint %s is corrupt: %s: %s%s — set aside as %s",
+            tag,
+            corrupt[0][0],
+            corrupt[0][1],
+            more,
+            moved.name,
+        )
 
     # -- save -----------------------------------------------------------------------------------------------
-    def save(self, engine, state: TrainState, guards: dict[str, Any] | None = None,
-             before_commit: Callable[[], None] | None = None, disk_room: int | None = None) -> SaveOutcome:
+    def save(
+        self,
+        engine,
+        state: TrainState,
+        guards: dict[str, Any] | None = None,
+        before_commit: Callable[[], None] | None = None,
+        disk_room: int | None = None,
+    ) -> SaveOutcome:
         """Every rank writes its files, then `finish_save`. Fault injection: `before_commit` runs on each rank after
         its own files are written (a rank that stalls mid-save); `disk_room` bytes fill this rank's disk."""
         tag = tag_for(state.step)
@@ -227,10 +262,17 @@ class Checkpointer:
         rank = self.topology.rank
         written = WrittenFiles(rank, disk_room)
         with written.seam(engine):
-            engine.save_checkpoint(str(self.directory), tag=tag, client_state=self.client_state(state),
-                                   save_latest=False)
+            engine.save_checkpoint(
+                str(self.directory),
+                tag=tag,
+                client_state=self.client_state(state),
+                save_latest=False,
+            )
         tag_dir.mkdir(parents=True, exist_ok=True)
-        written.write(tag_dir / f"keel_rng_rank{rank}.pt", lambda to: torch.save(rng_state.capture(engine.module), to))
+        written.write(
+            tag_dir / f"keel_rng_rank{rank}.pt",
+            lambda to: torch.save(rng_state.capture(engine.module), to),
+        )
         if before_commit is not None:
             before_commit()
         error, files = written.result()
@@ -249,8 +291,15 @@ class Checkpointer:
         """What DeepSpeed stores beside the engine state: Keel's train state and the layout that wrote it."""
         return {"keel": asdict(state), "topology": self.topology.stamp()}
 
-    def finish_save(self, tag: str, state: TrainState, error: str, files: dict[str, tuple[int, str]],
-                    guards: dict[str, Any] | None = None, zero_stage: int = 0) -> SaveOutcome:
+    def finish_save(
+        self,
+        tag: str,
+        state: TrainState,
+        error: str,
+        files: dict[str, tuple[int, str]],
+        guards: dict[str, Any] | None = None,
+        zero_stage: int = 0,
+    ) -> SaveOutcome:
         """Every rank, once its files for `tag` are written (`error`: its first failure, or ""; `files`: name →
         (size, sha256) of what it wrote): one all-gather of these verdicts, then rank 0 commits (the manifest from
         the gathered hashes, `latest`, pruning) or discards the save, and one broadcast tells every rank which."""
@@ -258,30 +307,60 @@ class Checkpointer:
         errors = [f"rank {r}: {e}" for r, (e, _) in zip(self.control.ranks, verdicts) if e]
         if self.topology.rank == 0 and not errors:
             try:
-                self.commit(tag, state, {name: entry for _, f in verdicts for name, entry in f.items()}, guards,
-                            zero_stage)
-            except OSError as exc:  # the manifest or `latest` could not be written: the save failed after all
+                self.commit(
+                    tag,
+                    state,
+                    {name: entry for _, f in verdicts for name, entry in f.items()},
+                    guards,
+                    zero_stage,
+                )
+            except (
+                OSError
+            ) as exc:  # the manifest or `latest` could not be written: the save failed after all
                 errors = [f"rank 0: committing {tag}: {failure_text(exc)}"]
-        if self.topology.rank == 0 and errors:  # half-written: all still in memory, and a full disk needs the space
+        if (
+            self.topology.rank == 0 and errors
+        ):  # half-written: all still in memory, and a full disk needs the space
             shutil.rmtree(self.directory / tag, ignore_errors=True)
-        errors = comm.broadcast_object(errors, self.control)  # rank 0's commit, and the end of the save everywhere
+        errors = comm.broadcast_object(
+            errors, self.control
+        )  # rank 0's commit, and the end of the save everywhere
         if errors:
             more = f" (and {len(errors) - 1} more rank(s))" if len(errors) > 1 else ""
             return SaveOutcome(tag, errors[0] + more)
         return SaveOutcome(tag)
 
-    def commit(self, tag: str, state: TrainState, files: dict[str, tuple[int, str]],
-               guards: dict[str, Any] | None = None, zero_stage: int = 0) -> None:
+    def commit(
+        self,
+        tag: str,
+        state: TrainState,
+        files: dict[str, tuple[int, str]],
+        guards: dict[str, Any] | None = None,
+        zero_stage: int = 0,
+    ) -> None:
         """Rank 0, after an agreed verdict that every rank's files are written: the manifest (every file's size
         and sha256), then `latest`, then pruning down to `keep_last`."""
         tag_dir = self.directory / tag
-        for path in sorted(tag_dir.iterdir()):  # a file written outside the seam (none today): described here
-            if path.is_file() and path.name != COMPLETE and not path.name.startswith(".") and path.name not in files:
+        for path in sorted(
+            tag_dir.iterdir()
+        ):  # a file written outside the seam (none today): described here
+            if (
+                path.is_file()
+                and path.name != COMPLETE
+                and not path.name.startswith(".")
+                and path.name not in files
+            ):
                 files[path.name] = verify.describe(path)
         topology = {**self.topology.stamp(), "zero_stage": zero_stage}
         names = sorted(files)
-        manifest = {"tag": tag, **asdict(state), "topology": topology, "guards": guards or {},
-                    "files": {n: files[n][0] for n in names}, "sha256": {n: files[n][1] for n in names}}
+        manifest = {
+            "tag": tag,
+            **asdict(state),
+            "topology": topology,
+            "guards": guards or {},
+            "files": {n: files[n][0] for n in names},
+            "sha256": {n: files[n][1] for n in names},
+        }
         atomic_write_text(tag_dir / COMPLETE, json.dumps(manifest) + "\n")
         atomic_write_text(self.directory / LATEST, tag)
         self._prune(keep=tag)
@@ -298,14 +377,22 @@ class Checkpointer:
         saved, now = self.read_manifest(tag)["topology"], self.topology.stamp()
         if (saved["tp"], saved["pp"]) != (now["tp"], now["pp"]):
             return True
-        schedule = ("pipeline_schedule", "virtual_stages")  # another set of stages per rank (DualPipeV, interleaved)
+        schedule = (
+            "pipeline_schedule",
+            "virtual_stages",
+        )  # another set of stages per rank (DualPipeV, interleaved)
         if any(saved.get(key, STAMP_DEFAULTS[key]) != now[key] for key in schedule):
             return True
         # ZeRO partitions over data × Ulysses-sequence parallel ranks
         partitions = saved["dp"] * saved.get("sp", 1), now["dp"] * now["sp"]
-        if saved.get("ep", 1) != now["ep"]:  # experts move between ranks (keel/training/checkpoint/moe_reshard.py)
+        if (
+            saved.get("ep", 1) != now["ep"]
+        ):  # experts move between ranks (keel/training/checkpoint/moe_reshard.py)
             return True
-        return partitions[0] != partitions[1] and max(zero_stage, saved.get("zero_stage", zero_stage)) > 0
+        return (
+            partitions[0] != partitions[1]
+            and max(zero_stage, saved.get("zero_stage", zero_stage)) > 0
+        )
 
     def convert_universal(self, tag: str) -> None:
         """Rank 0: DeepSpeed's `ds_to_universal` into `<tag>/universal` (written aside, then renamed in)."""
@@ -314,9 +401,20 @@ class Checkpointer:
             return
         tmp = self.directory / tag / f".{UNIVERSAL}.tmp{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
-        cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-               str(self.directory / tag), "--output_folder", str(tmp), "--inject_missing_state",
-               "--num_extract_workers", "1", "--num_merge_workers", "1"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "deepspeed.checkpoint.ds_to_universal",
+            "--input_folder",
+            str(self.directory / tag),
+            "--output_folder",
+            str(tmp),
+            "--inject_missing_state",
+            "--num_extract_workers",
+            "1",
+            "--num_merge_workers",
+            "1",
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"ds_to_universal failed for {tag}:\n{proc.stderr[-2000:]}")
@@ -327,7 +425,9 @@ class Checkpointer:
         folder Keel's converter wrote for this rank's (tp, ep) position."""
         ep = self.topology.size("ep")
         if (self.directory / tag / MOE_UNIVERSAL / f"ep{ep}").is_dir():
-            return moe_universal_tag(tag, ep, self.topology.rank_in("tp"), self.topology.rank_in("ep"))
+            return moe_universal_tag(
+                tag, ep, self.topology.rank_in("tp"), self.topology.rank_in("ep")
+            )
         return f"{tag}/{UNIVERSAL}"
 
     # -- load -----------------------------------------------------------------------------------------------
@@ -338,7 +438,9 @@ class Checkpointer:
         saved, now = manifest["topology"], self.topology.stamp()
         universal = engine.load_universal_checkpoint()
         load_path, _ = engine.load_checkpoint(
-            str(self.directory), tag=self._universal_tag(tag) if universal else tag, load_optimizer_states=True,
+            str(self.directory),
+            tag=self._universal_tag(tag) if universal else tag,
+            load_optimizer_states=True,
             load_lr_scheduler_states=True,
         )
         if load_path is None:
@@ -349,10 +451,12 @@ class Checkpointer:
         if rng_path.is_file() and same_layout:
             missing = rng_state.restore(torch.load(rng_path, weights_only=False), engine.module)
             if missing and self.topology.rank == 0:
-                log.warning("checkpoint %s predates saving the %s random stream(s): they restart from their seeds, "
-                            "so this resume is not bitwise the uninterrupted run", tag, " and ".join(missing))
+                log.warning(
+                    "checkpoint %s predates saving the %s random stream(s): they restart from their seeds, "
+                    "so this resume is not bitwise the uninterrupted run",
+                    tag,
+                    " and ".join(missing),
+                )
         else:  # a rank that did not exist when the checkpoint was written: derive a fresh, reproducible stream
             seed_everything(seed + 1000003 * state.step + self.topology.rank)
         return state
-
-

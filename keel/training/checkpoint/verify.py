@@ -22,7 +22,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-CHUNK = 8 << 20  # bytes read per update: hashlib releases the GIL on buffers this size, so threads overlap
+CHUNK = (
+    8 << 20
+)  # bytes read per update: hashlib releases the GIL on buffers this size, so threads overlap
 VERIFY_THREADS = 4
 CORRUPT_SUFFIX = ".corrupt"
 
@@ -89,9 +91,14 @@ def check_file(path: Path, size: int, sha256: str | None) -> str:
     return ""
 
 
-def verify(tag_dir: Path, files: dict[str, tuple[int, str | None]], names: list[str],
-           threads: int = VERIFY_THREADS) -> list[tuple[str, str]]:
+def verify(
+    tag_dir: Path,
+    files: dict[str, tuple[int, str | None]],
+    names: list[str],
+    threads: int = VERIFY_THREADS,
+) -> list[tuple[str, str]]:
     """(file, reason) for each of `names` (this rank's share) that does not match the manifest."""
+
     def one(name: str) -> tuple[str, str]:
         try:
             return name, check_file(tag_dir / name, *files[name])

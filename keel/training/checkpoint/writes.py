@@ -49,7 +49,9 @@ class FullDisk(io.RawIOBase):
 
     def write(self, data) -> int:
         if self._room <= 0:
-            raise OSError(errno.ENOSPC, "No space left on device (injected: faults.save_enospc_rank)")
+            raise OSError(
+                errno.ENOSPC, "No space left on device (injected: faults.save_enospc_rank)"
+            )
         data = memoryview(data).cast("B")[: self._room]
         written = self._file.write(data)
         self._room -= written
@@ -85,24 +87,36 @@ class WrittenFiles:
     @contextlib.contextmanager
     def seam(self, engine) -> Iterator[None]:
         """Inside: every file DeepSpeed's `engine.save_checkpoint` writes goes through `write`."""
-        with route_checkpoint_writes(engine, lambda save, state, path: self.write(path, lambda t: save(state, t))):
+        with route_checkpoint_writes(
+            engine, lambda save, state, path: self.write(path, lambda t: save(state, t))
+        ):
             yield
 
     def write(self, path: str | os.PathLike, write: Callable[[Any], None]) -> None:
         """`write(target)` the file at `path` (target: the path, or a file object standing in for it), then hash
         it in the background; a failure is kept on the rank (see the module docstring)."""
-        if self.error:  # this save already failed here: write nothing more, let DeepSpeed reach its barrier
+        if (
+            self.error
+        ):  # this save already failed here: write nothing more, let DeepSpeed reach its barrier
             return
         path = Path(path)
         try:
             if self._full_disk is not None:
                 room, self._full_disk = self._full_disk, None
-                log.warning("fault injection: rank %d's disk fills after %d bytes of %s", self.rank, room, path.name)
+                log.warning(
+                    "fault injection: rank %d's disk fills after %d bytes of %s",
+                    self.rank,
+                    room,
+                    path.name,
+                )
                 with FullDisk(path, room) as target:
                     write(target)
             else:
                 write(path)
-        except (OSError, RuntimeError) as exc:  # torch's writer raises RuntimeError for a failed write
+        except (
+            OSError,
+            RuntimeError,
+        ) as exc:  # torch's writer raises RuntimeError for a failed write
             self.error = f"writing {path}: {failure_text(exc)}"
             log.error("rank %d: checkpoint save failed %s", self.rank, self.error)
             return

@@ -33,11 +33,15 @@ class LossOutlierCheck:
 
         Returns one event per flagged replica (identical on every rank)."""
         value = math.nan if local_loss is None else float(local_loss)
-        gathered = comm.all_gather_object((value, socket.gethostname()), self.topology.control("world"))
+        gathered = comm.all_gather_object(
+            (value, socket.gethostname()), self.topology.control("world")
+        )
         per_replica: dict[int, tuple[float, str, int]] = {}
         for rank, (loss, host) in enumerate(gathered):
-            dp_rank = self.topology.shape.coords(rank)["edp"] * self.topology.shape.ep + \
-                self.topology.shape.coords(rank)["ep"]
+            dp_rank = (
+                self.topology.shape.coords(rank)["edp"] * self.topology.shape.ep
+                + self.topology.shape.coords(rank)["ep"]
+            )
             if not math.isnan(loss) and dp_rank not in per_replica:
                 per_replica[dp_rank] = (loss, host, rank)
         events = []
@@ -51,12 +55,23 @@ class LossOutlierCheck:
             deviation = abs(loss - mean) / sigma
             self.streak[dp_rank] = self.streak.get(dp_rank, 0) + 1 if deviation > self.sigmas else 0
             if self.streak[dp_rank] >= self.repeats:
-                events.append({"dp_rank": dp_rank, "flagged_rank": rank, "host": host, "loss": loss,
-                               "others_mean": mean, "sigmas": deviation, "consecutive": self.streak[dp_rank]})
+                events.append(
+                    {
+                        "dp_rank": dp_rank,
+                        "flagged_rank": rank,
+                        "host": host,
+                        "loss": loss,
+                        "others_mean": mean,
+                        "sigmas": deviation,
+                        "consecutive": self.streak[dp_rank],
+                    }
+                )
         return events
 
 
-CHUNK_WORDS = 1 << 18  # words per chunk: 2 MiB of int64 temporaries + 2 MiB of weights, whatever the tensor size
+CHUNK_WORDS = (
+    1 << 18
+)  # words per chunk: 2 MiB of int64 temporaries + 2 MiB of weights, whatever the tensor size
 
 
 def _words(chunk: torch.Tensor) -> torch.Tensor:
@@ -79,7 +94,9 @@ class Checksummer:
 
     def __init__(self, chunk_words: int = CHUNK_WORDS):
         self.chunk_words = chunk_words
-        self._buffers: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # per device, built once
+        self._buffers: dict[
+            torch.device, tuple[torch.Tensor, torch.Tensor]
+        ] = {}  # per device, built once
 
     def buffers(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(the odd position weights 1, 3, 5, …, an int64 scratch chunk), reused by every checksum."""
@@ -91,7 +108,9 @@ class Checksummer:
     @torch.no_grad()
     def checksum(self, tensor: torch.Tensor) -> torch.Tensor:
         """0-d int64 on `tensor`'s device (no host sync)."""
-        flat = tensor.detach().reshape(-1)  # a view for contiguous tensors (parameters, partitions, states)
+        flat = tensor.detach().reshape(
+            -1
+        )  # a view for contiguous tensors (parameters, partitions, states)
         total = torch.zeros((), dtype=torch.int64, device=flat.device)
         if flat.numel() == 0:
             return total
@@ -99,9 +118,11 @@ class Checksummer:
         step = max(1, self.chunk_words // words_per_element)
         weights, scratch = self.buffers(flat.device)
         for k, start in enumerate(range(0, flat.numel(), step)):
-            words = _words(flat[start:start + step].contiguous())
+            words = _words(flat[start : start + step].contiguous())
             n = words.numel()
-            torch.mul(words, weights[:n], out=scratch[:n])  # widened to int64 as it multiplies: no allocation
+            torch.mul(
+                words, weights[:n], out=scratch[:n]
+            )  # widened to int64 as it multiplies: no allocation
             total += scratch[:n].sum() * (2 * k + 1)
         return total
 
@@ -124,7 +145,9 @@ class ChecksumCheck:
 
     name = "checksum_mismatch"
 
-    def __init__(self, model: torch.nn.Module, topology: Topology, zero_stage: int, checksummer: Checksummer):
+    def __init__(
+        self, model: torch.nn.Module, topology: Topology, zero_stage: int, checksummer: Checksummer
+    ):
         self.params = [(n, p) for n, p in model.named_parameters()]
         self.topology = topology
         self.check_dp = zero_stage < 3
@@ -135,12 +158,23 @@ class ChecksumCheck:
         """(group, parameters) pairs this check compares; the same on every rank of a group."""
         out = []
         dense = [(n, p) for n, p in self.params if getattr(p, "allreduce", True)]
-        experts = [(n, p) for n, p in self.params if not getattr(p, "allreduce", True)]  # DeepSpeed's MoE mark
+        experts = [
+            (n, p) for n, p in self.params if not getattr(p, "allreduce", True)
+        ]  # DeepSpeed's MoE mark
         for group, params in (("sp_dp", dense), ("expert_dp", experts)):
             if self.check_dp and params and self.topology.size(group) > 1:
                 out.append((group, params))
         if self.topology.size("tp") > 1:
-            out.append(("tp", [(n, p) for n, p in self.params if not getattr(p, "tensor_model_parallel", False)]))
+            out.append(
+                (
+                    "tp",
+                    [
+                        (n, p)
+                        for n, p in self.params
+                        if not getattr(p, "tensor_model_parallel", False)
+                    ],
+                )
+            )
         return out
 
     def gather(self) -> list[tuple[str, list[str], torch.Tensor]]:
@@ -162,32 +196,57 @@ class ChecksumCheck:
                 continue
             majority = max(sorted(set(values)), key=values.count)
             if 2 * values.count(majority) > len(values):
-                events.append({"parameter": name, "group": group, "ranks": [ranks[i] for i, v in enumerate(values)
-                                                                            if v != majority], "group_ranks": ranks})
+                events.append(
+                    {
+                        "parameter": name,
+                        "group": group,
+                        "ranks": [ranks[i] for i, v in enumerate(values) if v != majority],
+                        "group_ranks": ranks,
+                    }
+                )
             else:  # no majority (e.g. two replicas): which one is wrong is not knowable from here
-                events.append({"parameter": name, "group": group, "ranks": ranks, "group_ranks": ranks,
-                               "ambiguous": True})
+                events.append(
+                    {
+                        "parameter": name,
+                        "group": group,
+                        "ranks": ranks,
+                        "group_ranks": ranks,
+                        "ambiguous": True,
+                    }
+                )
         return events
 
-    def check(self, changed: tuple[list[tuple[str, str]], torch.Tensor] | None = None) -> list[dict]:
+    def check(
+        self, changed: tuple[list[tuple[str, str]], torch.Tensor] | None = None
+    ) -> list[dict]:
         """Collective on every rank. `changed`: this rank's at-rest verification (guards/at_rest.py, entries and
         device flags), whose count is summed over the world in the same host sync; only when some rank found a
         change do the ranks exchange names (a second, rare collective)."""
         gathered = self.gather()
-        flags = changed[1] if changed is not None else torch.zeros(0, dtype=torch.bool, device=self.device)
+        flags = (
+            changed[1]
+            if changed is not None
+            else torch.zeros(0, dtype=torch.bool, device=self.device)
+        )
         count = comm.all_reduce(flags.sum().to(torch.int64).view(1), self.topology.device("world"))
-        host = torch.cat([t.flatten() for _, _, t in gathered] + [count]).tolist()  # the one device → host sync
+        host = torch.cat(
+            [t.flatten() for _, _, t in gathered] + [count]
+        ).tolist()  # the one device → host sync
         events, offset = [], 0
         for group, names, table in gathered:
             rows, cols = table.shape
-            flat = host[offset:offset + rows * cols]
+            flat = host[offset : offset + rows * cols]
             offset += rows * cols
-            events += self.events(group, names, [flat[r * cols:(r + 1) * cols] for r in range(rows)])
+            events += self.events(
+                group, names, [flat[r * cols : (r + 1) * cols] for r in range(rows)]
+            )
         if host[-1] > 0:
             events += self._at_rest_events(changed)
         return events
 
-    def _at_rest_events(self, changed: tuple[list[tuple[str, str]], torch.Tensor] | None) -> list[dict]:
+    def _at_rest_events(
+        self, changed: tuple[list[tuple[str, str]], torch.Tensor] | None
+    ) -> list[dict]:
         """One event per (rank, parameter) whose own state changed at rest, naming the state (identical on every
         rank)."""
         mine: dict[str, list[str]] = {}
@@ -195,6 +254,11 @@ class ChecksumCheck:
             for (name, state), bad in zip(changed[0], changed[1].tolist()):
                 if bad:
                     mine.setdefault(name, []).append(state)
-        everyone = comm.all_gather_object((self.topology.rank, mine), self.topology.control("world"))
-        return [{"parameter": name, "group": "at_rest", "ranks": [rank], "states": states}
-                for rank, found in everyone for name, states in found.items()]
+        everyone = comm.all_gather_object(
+            (self.topology.rank, mine), self.topology.control("world")
+        )
+        return [
+            {"parameter": name, "group": "at_rest", "ranks": [rank], "states": states}
+            for rank, found in everyone
+            for name, states in found.items()
+        ]

@@ -58,15 +58,23 @@ class Finding:
     """What one replay saw in one micro-batch; only micro-batches with something non-finite get one."""
 
     micro_batch: int
-    first_bad_module: str | None  # first module, in execution order, with a non-finite output (None: forward fine)
+    first_bad_module: (
+        str | None
+    )  # first module, in execution order, with a non-finite output (None: forward fine)
     first_bad_class: str | None
     origin_module: str | None  # first module whose inputs were finite and whose output was not
     origin_class: str | None
-    bad_rows: list[int]  # rows of the micro-batch non-finite in first_bad_module's output ([]: not known)
+    bad_rows: list[
+        int
+    ]  # rows of the micro-batch non-finite in first_bad_module's output ([]: not known)
     loss: float
-    bad_grads: list[str]  # up to MAX_BAD_GRADS parameters with a non-finite gradient, nearest the loss first
+    bad_grads: list[
+        str
+    ]  # up to MAX_BAD_GRADS parameters with a non-finite gradient, nearest the loss first
     n_bad_grads: int
-    bad_params: list[str]  # up to MAX_BAD_GRADS parameters whose values are non-finite (corrupt state, not data)
+    bad_params: list[
+        str
+    ]  # up to MAX_BAD_GRADS parameters whose values are non-finite (corrupt state, not data)
 
     @property
     def where(self) -> tuple[int, str | None]:
@@ -91,7 +99,9 @@ class Localization:
     n_bad_grads: int
     bad_params: list[str]
     bad_micro_batches: list[int]
-    samples: list[int]  # global sample indices of the bad rows (whole micro-batch where rows are not known)
+    samples: list[
+        int
+    ]  # global sample indices of the bad rows (whole micro-batch where rows are not known)
     reproducible: bool
     classification: str
     replays_nonfinite: int  # how many of the two replays found something on this rank (0, 1 or 2)
@@ -103,8 +113,12 @@ class Localization:
         return fields
 
 
-def localize(model: nn.Module, micro_batches: Sequence[torch.Tensor], sample_indices: Sequence[int] | None = None,
-             grad_scale: float = 1.0) -> Localization:
+def localize(
+    model: nn.Module,
+    micro_batches: Sequence[torch.Tensor],
+    sample_indices: Sequence[int] | None = None,
+    grad_scale: float = 1.0,
+) -> Localization:
     """Replay the skipped step's micro-batches twice on `model` (the engine's `.module`) and explain them.
 
     Each micro-batch is a LongTensor [b, s+1]: inputs `batch[:, :-1]`, labels `batch[:, 1:]`, `model(inputs,
@@ -156,29 +170,50 @@ def classify(first: list[Finding], second: list[Finding]) -> str:
     return TRANSIENT
 
 
-def replay(model: nn.Module, micro_batches: Sequence[torch.Tensor], grad_scale: float = 1.0) -> list[Finding]:
+def replay(
+    model: nn.Module, micro_batches: Sequence[torch.Tensor], grad_scale: float = 1.0
+) -> list[Finding]:
     """One replay of every micro-batch, in train mode, leaving RNG, `.grad` and DeepSpeed's hooks untouched."""
     if getattr(model, "num_stages", 1) > 1:
-        raise ValueError("localize: a pipeline stage cannot compute the loss alone; localization needs pp == 1")
+        raise ValueError(
+            "localize: a pipeline stage cannot compute the loss alone; localization needs pp == 1"
+        )
     named_params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     # ZeRO-3 keeps only this rank's partition outside forward; check that
     bad_params = [name for name, p in model.named_parameters() if not _finite(zero3_partition(p))]
     findings = []
-    with _training_rng_kept(model), _train_mode(model), torch.enable_grad():  # even if called under no_grad
+    with (
+        _training_rng_kept(model),
+        _train_mode(model),
+        torch.enable_grad(),
+    ):  # even if called under no_grad
         for index, batch in enumerate(micro_batches):
             watch = _Watch(model, batch.shape[0])
             try:
                 loss = model(batch[:, :-1], batch[:, 1:])
             finally:
                 watch.remove()  # before backward: activation checkpointing re-runs forwards there
-            bad_grads = _bad_grads(loss * grad_scale, named_params)  # even from a non-finite loss: which grads?
+            bad_grads = _bad_grads(
+                loss * grad_scale, named_params
+            )  # even from a non-finite loss: which grads?
             if watch.first is None and not bad_grads and _finite(loss):
                 continue
             first_name, first_class = watch.first or (None, None)
             origin_name, origin_class = watch.origin or (None, None)
-            findings.append(Finding(index, first_name, first_class, origin_name, origin_class, watch.first_rows,
-                                    loss.detach().float().item(), bad_grads[:MAX_BAD_GRADS], len(bad_grads),
-                                    bad_params[:MAX_BAD_GRADS]))
+            findings.append(
+                Finding(
+                    index,
+                    first_name,
+                    first_class,
+                    origin_name,
+                    origin_class,
+                    watch.first_rows,
+                    loss.detach().float().item(),
+                    bad_grads[:MAX_BAD_GRADS],
+                    len(bad_grads),
+                    bad_params[:MAX_BAD_GRADS],
+                )
+            )
     return findings
 
 
@@ -193,7 +228,11 @@ def _bad_grads(loss: torch.Tensor, named_params: list[tuple[str, nn.Parameter]])
     if not named_params or not loss.requires_grad:
         return []
     grads = torch.autograd.grad(loss, [p for _, p in named_params], allow_unused=True)
-    return [name for (name, _), g in reversed(list(zip(named_params, grads))) if g is not None and not _finite(g)]
+    return [
+        name
+        for (name, _), g in reversed(list(zip(named_params, grads)))
+        if g is not None and not _finite(g)
+    ]
 
 
 class _Watch:
@@ -262,9 +301,15 @@ def _tensors(obj: Any) -> Iterator[torch.Tensor]:
 
 
 @torch.no_grad()  # isfinite decomposes into differentiable ops: under activation checkpointing, anything they
-def _finite(obj: Any) -> bool:  # saved for backward would change the count checkpoint compares in recompute
+def _finite(
+    obj: Any,
+) -> bool:  # saved for backward would change the count checkpoint compares in recompute
     """True when every floating-point tensor in `obj` (a tensor or nested lists/tuples/dicts) is finite."""
-    return all(bool(torch.isfinite(t).all()) for t in _tensors(obj) if t.is_floating_point() or t.is_complex())
+    return all(
+        bool(torch.isfinite(t).all())
+        for t in _tensors(obj)
+        if t.is_floating_point() or t.is_complex()
+    )
 
 
 @contextlib.contextmanager
@@ -283,7 +328,11 @@ def _train_mode(model: nn.Module) -> Iterator[None]:
 def _training_rng_kept(model: nn.Module) -> Iterator[None]:
     """Fork the default CPU and current-GPU streams, and save the sequence-parallel dropout stream (Keel's
     `ShardedRNG`, reached through the layers' `tp` contexts), so the replay draws nothing from training's RNG."""
-    sharded = {id(rng): rng for m in model.modules() if (rng := getattr(getattr(m, "tp", None), "sharded_rng", None))}
+    sharded = {
+        id(rng): rng
+        for m in model.modules()
+        if (rng := getattr(getattr(m, "tp", None), "sharded_rng", None))
+    }
     saved = {key: rng.state_dict() for key, rng in sharded.items()}
     use_cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
     try:
@@ -294,8 +343,11 @@ def _training_rng_kept(model: nn.Module) -> Iterator[None]:
             rng.load_state_dict(saved[key])
 
 
-def _samples(findings: list[Finding], micro_batches: Sequence[torch.Tensor],
-             sample_indices: Sequence[int] | None) -> list[int]:
+def _samples(
+    findings: list[Finding],
+    micro_batches: Sequence[torch.Tensor],
+    sample_indices: Sequence[int] | None,
+) -> list[int]:
     if sample_indices is None:
         return []
     starts = [0]
@@ -308,9 +360,15 @@ def _samples(findings: list[Finding], micro_batches: Sequence[torch.Tensor],
     return samples
 
 
-def localize_on_all_ranks(model: nn.Module, micro_batches: Sequence[torch.Tensor], samples: Sequence[int],
-                          local_loss: float | None, control: comm.Group, fixed_batch: torch.Tensor | None = None,
-                          bad_state: tuple[int, list[str]] = (0, [])) -> dict[str, Any]:
+def localize_on_all_ranks(
+    model: nn.Module,
+    micro_batches: Sequence[torch.Tensor],
+    samples: Sequence[int],
+    local_loss: float | None,
+    control: comm.Group,
+    fixed_batch: torch.Tensor | None = None,
+    bad_state: tuple[int, list[str]] = (0, []),
+) -> dict[str, Any]:
     """Every rank replays its own micro-batches of the skipped step; the findings are gathered (over the world's
     control channel) and combined into one summary all ranks hold (a collective: call on every rank).
 
@@ -321,25 +379,50 @@ def localize_on_all_ranks(model: nn.Module, micro_batches: Sequence[torch.Tensor
     (their collectives), and deciding first would take a second gather for a one-micro-batch saving."""
     event = localize(model, micro_batches, samples).event()
     fixed = bool(replay(model, [fixed_batch])) if fixed_batch is not None else False
-    return combine_rank_findings(comm.all_gather_object(
-        {**event, "local_loss": local_loss, "host": socket.gethostname(), "fixed_batch_nonfinite": fixed,
-         "bad_state": bad_state[0], "bad_state_tensors": bad_state[1]}, control))
+    return combine_rank_findings(
+        comm.all_gather_object(
+            {
+                **event,
+                "local_loss": local_loss,
+                "host": socket.gethostname(),
+                "fixed_batch_nonfinite": fixed,
+                "bad_state": bad_state[0],
+                "bad_state_tensors": bad_state[1],
+            },
+            control,
+        )
+    )
 
 
 def combine_rank_findings(found: list[dict[str, Any]]) -> dict[str, Any]:
     """Corrupt state on any rank (its own check, or the fixed batch non-finite) makes the step "state", no samples
     blamed; otherwise the first rank whose batch reproduces the fault names it ("data"); otherwise it was
     transient, on the ranks whose replays or own loss saw a non-finite value."""
-    state = [rank for rank, e in enumerate(found) if e.get("bad_state") or e.get("fixed_batch_nonfinite")]
+    state = [
+        rank for rank, e in enumerate(found) if e.get("bad_state") or e.get("fixed_batch_nonfinite")
+    ]
     if state:
-        return {"classification": STATE, "bad_ranks": state, "hosts": [found[r].get("host") for r in state],
-                "fixed_batch_nonfinite": [r for r in state if found[r].get("fixed_batch_nonfinite")],
-                "bad_state": {str(r): found[r]["bad_state_tensors"] for r in state if found[r].get("bad_state")},
-                "replay_reproduced": any(e["classification"] == DATA for e in found)}
+        return {
+            "classification": STATE,
+            "bad_ranks": state,
+            "hosts": [found[r].get("host") for r in state],
+            "fixed_batch_nonfinite": [r for r in state if found[r].get("fixed_batch_nonfinite")],
+            "bad_state": {
+                str(r): found[r]["bad_state_tensors"] for r in state if found[r].get("bad_state")
+            },
+            "replay_reproduced": any(e["classification"] == DATA for e in found),
+        }
     data = [(rank, e) for rank, e in enumerate(found) if e["classification"] == DATA]
     if data:
         rank, event = data[0]
         return {**event, "classification": DATA, "bad_rank": rank}
-    flaky = [rank for rank, e in enumerate(found)
-             if e["replays_nonfinite"] or not math.isfinite(e["local_loss"] or 0.0)]
-    return {"classification": TRANSIENT, "bad_ranks": flaky, "hosts": [found[r].get("host") for r in flaky]}
+    flaky = [
+        rank
+        for rank, e in enumerate(found)
+        if e["replays_nonfinite"] or not math.isfinite(e["local_loss"] or 0.0)
+    ]
+    return {
+        "classification": TRANSIENT,
+        "bad_ranks": flaky,
+        "hosts": [found[r].get("host") for r in flaky],
+    }

@@ -20,15 +20,26 @@ class NonfiniteGuard:
         self.consecutive = 0
 
     def check(self, stats: StepStats) -> tuple[Decision, dict | None]:
-        bad = [name for name, v in (("loss", stats.loss), ("grad_norm", stats.grad_norm))
-               if v is not None and not math.isfinite(v)]
+        bad = [
+            name
+            for name, v in (("loss", stats.loss), ("grad_norm", stats.grad_norm))
+            if v is not None and not math.isfinite(v)
+        ]
         if not bad:
             self.consecutive = 0
             return Decision(), None
         self.consecutive += 1
-        event = {"non_finite": bad, "samples": list(stats.sample_range), "consecutive": self.consecutive}
+        event = {
+            "non_finite": bad,
+            "samples": list(stats.sample_range),
+            "consecutive": self.consecutive,
+        }
         if self.consecutive >= self.cfg.max_nonfinite:
-            stop = Decision(Action.STOP, f"{self.consecutive} consecutive non-finite steps", exit_code=ExitCode.FAILED)
+            stop = Decision(
+                Action.STOP,
+                f"{self.consecutive} consecutive non-finite steps",
+                exit_code=ExitCode.FAILED,
+            )
             return stop, event
         return Decision(Action.SKIP, f"non-finite {', '.join(bad)}"), event
 
@@ -58,9 +69,15 @@ class LossScaleGuard:
         advice = "consider bf16, which needs no loss scaling"
         if scale <= self.min_scale and not self.warned_floor:
             self.warned_floor = True
-            event = {"scale": scale, "reason": f"loss scale reached min_loss_scale={self.min_scale}; {advice}"}
+            event = {
+                "scale": scale,
+                "reason": f"loss scale reached min_loss_scale={self.min_scale}; {advice}",
+            }
         elif len(self.halvings) >= self.cfg.loss_scale_halvings:
-            event = {"scale": scale, "reason": f"loss scale halved {len(self.halvings)} times in "
-                                               f"{self.cfg.loss_scale_window} steps; {advice}"}
+            event = {
+                "scale": scale,
+                "reason": f"loss scale halved {len(self.halvings)} times in "
+                f"{self.cfg.loss_scale_window} steps; {advice}",
+            }
             self.halvings.clear()
         return event

@@ -59,7 +59,10 @@ class SpikeGuard:
         if not self.cfg.spike or not math.isfinite(stats.loss):
             return Decision(), None  # non-finite values are the non-finite guard's
         over = {}
-        for name, stat, value in (("loss", self.loss, stats.loss), ("grad_norm", self.grad_norm, stats.grad_norm)):
+        for name, stat, value in (
+            ("loss", self.loss, stats.loss),
+            ("grad_norm", self.grad_norm, stats.grad_norm),
+        ):
             if value is None or not math.isfinite(value):
                 continue
             limit = stat.threshold()
@@ -70,19 +73,30 @@ class SpikeGuard:
             if stats.grad_norm is not None and math.isfinite(stats.grad_norm):
                 self.grad_norm.add(stats.grad_norm)
             return Decision(), None
-        self.recent_spikes = [s for s in self.recent_spikes if stats.step - s < self.cfg.rollback_window]
+        self.recent_spikes = [
+            s for s in self.recent_spikes if stats.step - s < self.cfg.rollback_window
+        ]
         self.recent_spikes.append(stats.step)
-        event = {"values": over, "samples": list(stats.sample_range), "spikes_in_window": len(self.recent_spikes)}
+        event = {
+            "values": over,
+            "samples": list(stats.sample_range),
+            "spikes_in_window": len(self.recent_spikes),
+        }
         if len(self.recent_spikes) >= self.cfg.rollback_spikes:
             event["first_spike_step"] = self.recent_spikes[0]
             self.recent_spikes = []
-            return Decision(Action.ROLLBACK, f"{self.cfg.rollback_spikes} spikes within "
-                                             f"{self.cfg.rollback_window} steps"), event
+            return Decision(
+                Action.ROLLBACK,
+                f"{self.cfg.rollback_spikes} spikes within {self.cfg.rollback_window} steps",
+            ), event
         return Decision(Action.SKIP, f"spike in {', '.join(over)}"), event
 
     def state_dict(self) -> dict:
-        return {"loss": self.loss.state_dict(), "grad_norm": self.grad_norm.state_dict(),
-                "recent_spikes": list(self.recent_spikes)}
+        return {
+            "loss": self.loss.state_dict(),
+            "grad_norm": self.grad_norm.state_dict(),
+            "recent_spikes": list(self.recent_spikes),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.loss.load_state_dict(state["loss"])

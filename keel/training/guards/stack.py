@@ -22,7 +22,6 @@ from keel.training.guards.spike import SpikeGuard
 log = logging.getLogger("keel")
 
 
-
 class GuardStack:
     def __init__(self, cfg: RunConfig, engine, topology: Topology, anomalies: AnomalyLog):
         stability = cfg.stability
@@ -31,11 +30,19 @@ class GuardStack:
         self.topology = topology
         self.nonfinite = NonfiniteGuard(stability)
         self.spike = SpikeGuard(stability)
-        min_scale = float(engine.config.get("fp16", {}).get("min_loss_scale", 1)) if engine.fp16_enabled() else 1.0
+        min_scale = (
+            float(engine.config.get("fp16", {}).get("min_loss_scale", 1))
+            if engine.fp16_enabled()
+            else 1.0
+        )
         self.loss_scale = LossScaleGuard(stability, min_scale)
-        self.loss_outliers = LossOutlierCheck(topology, stability.loss_check_sigmas, stability.loss_check_repeats)
+        self.loss_outliers = LossOutlierCheck(
+            topology, stability.loss_check_sigmas, stability.loss_check_repeats
+        )
         checksummer = Checksummer()
-        self.checksums = ChecksumCheck(engine.module, topology, engine.zero_optimization_stage(), checksummer)
+        self.checksums = ChecksumCheck(
+            engine.module, topology, engine.zero_optimization_stage(), checksummer
+        )
         self.at_rest = AtRestCheck(engine, checksummer)
         self.last_event: dict | None = None
 
@@ -59,8 +66,14 @@ class GuardStack:
             decision, event = guard.check(stats)
             if event is not None:
                 self.last_event = self.anomalies.record(
-                    guard.name, stats.step, action=decision.action.name.lower(), reason=decision.reason,
-                    loss=stats.loss, grad_norm=stats.grad_norm, **event)
+                    guard.name,
+                    stats.step,
+                    action=decision.action.name.lower(),
+                    reason=decision.reason,
+                    loss=stats.loss,
+                    grad_norm=stats.grad_norm,
+                    **event,
+                )
                 log.warning("step %d: %s — %s", stats.step, guard.name, decision.reason)
             decisions.append(decision)
             if decision.action != Action.STEP:
@@ -74,8 +87,15 @@ class GuardStack:
             return Decision(Action.SKIP, "fp16 overflow: DeepSpeed lowered the loss scale")
         stats.grad_norm = math.nan
         decision, event = self.nonfinite.check(stats)
-        self.last_event = self.anomalies.record("nonfinite", stats.step, action=decision.action.name.lower(),
-                                                reason=decision.reason, loss=stats.loss, grad_norm=None, **event)
+        self.last_event = self.anomalies.record(
+            "nonfinite",
+            stats.step,
+            action=decision.action.name.lower(),
+            reason=decision.reason,
+            loss=stats.loss,
+            grad_norm=None,
+            **event,
+        )
         log.warning("step %d: nonfinite — %s (detected by DeepSpeed)", stats.step, decision.reason)
         return decision
 
@@ -95,24 +115,49 @@ class GuardStack:
         if stability.loss_check_interval and step % stability.loss_check_interval == 0:
             for event in self.loss_outliers.check(local_loss):
                 self.anomalies.record("loss_outlier", step, **event)
-                log.warning("step %d: data-parallel rank %d (global rank %d on %s) loss %.4f is %.1fσ from its "
-                            "peers' %.4f", step, event["dp_rank"], event["flagged_rank"], event["host"],
-                            event["loss"], event["sigmas"], event["others_mean"])
+                log.warning(
+                    "step %d: data-parallel rank %d (global rank %d on %s) loss %.4f is %.1fσ from its "
+                    "peers' %.4f",
+                    step,
+                    event["dp_rank"],
+                    event["flagged_rank"],
+                    event["host"],
+                    event["loss"],
+                    event["sigmas"],
+                    event["others_mean"],
+                )
         if self._checks_at(step):
             mismatches = self.checksums.check(self.at_rest.take())
             for event in mismatches:
-                self.anomalies.record("checksum_mismatch", step, action=stability.checksum_action, **event)
+                self.anomalies.record(
+                    "checksum_mismatch", step, action=stability.checksum_action, **event
+                )
                 if event["group"] == "at_rest":
-                    log.error("step %d: %s of parameter %s changed at rest on rank %s", step,
-                              "/".join(event["states"]), event["parameter"], event["ranks"][0])
+                    log.error(
+                        "step %d: %s of parameter %s changed at rest on rank %s",
+                        step,
+                        "/".join(event["states"]),
+                        event["parameter"],
+                        event["ranks"][0],
+                    )
                 else:
-                    log.error("step %d: parameter %s differs on rank(s) %s of its %s group", step,
-                              event["parameter"], event["ranks"], event["group"])
+                    log.error(
+                        "step %d: parameter %s differs on rank(s) %s of its %s group",
+                        step,
+                        event["parameter"],
+                        event["ranks"],
+                        event["group"],
+                    )
             if mismatches and stability.checksum_action == "stop":
-                return Decision(Action.STOP, "parameter checksum mismatch", exit_code=ExitCode.CHECKSUM)
+                return Decision(
+                    Action.STOP, "parameter checksum mismatch", exit_code=ExitCode.CHECKSUM
+                )
             if mismatches and stability.checksum_action == "restore":
-                return Decision(Action.ROLLBACK, "parameter checksum mismatch: restoring the last checkpoint",
-                                restore=True)
+                return Decision(
+                    Action.ROLLBACK,
+                    "parameter checksum mismatch: restoring the last checkpoint",
+                    restore=True,
+                )
         return Decision()
 
     def state_dict(self) -> dict:
@@ -122,4 +167,3 @@ class GuardStack:
         self.at_rest.forget()
         if "spike" in state:
             self.spike.load_state_dict(state["spike"])
-

@@ -34,7 +34,9 @@ from keel.training.guards.base import Action, Decision
 
 log = logging.getLogger("keel")
 
-CHUNK = 1 << 24  # elements per reduction: bounds any kernel workspace, large enough to stay bandwidth-bound
+CHUNK = (
+    1 << 24
+)  # elements per reduction: bounds any kernel workspace, large enough to stay bandwidth-bound
 MAX_NAMED = 8  # corrupt tensors named per rank in an event (the count is always exact)
 
 
@@ -51,7 +53,9 @@ def state_tensors(engine) -> Iterator[tuple[str, torch.Tensor]]:
 
     optimizer = inner_optimizer(engine)
     # ZeRO-3 lists a sub-group's flat fp32 partition in `param_groups` only while stepping it; `state` keeps it
-    stepped = [p for group in optimizer.param_groups for p in group["params"]] + list(optimizer.state)
+    stepped = [p for group in optimizer.param_groups for p in group["params"]] + list(
+        optimizer.state
+    )
     for i, param in enumerate(dict.fromkeys(stepped)):
         where = names.get(id(param), f"flat {i}")
         if first_time(param.data):
@@ -74,8 +78,12 @@ def nonfinite_state(engine) -> tuple[int, list[str]]:
     for label, tensor in state_tensors(engine):
         flags.setdefault(tensor.device, []).append((len(labels), _nonfinite(tensor)))
         labels.append(label)
-    bad = sorted(index for on_device in flags.values()
-                 for (index, _), flag in zip(on_device, torch.stack([f for _, f in on_device]).tolist()) if flag)
+    bad = sorted(
+        index
+        for on_device in flags.values()
+        for (index, _), flag in zip(on_device, torch.stack([f for _, f in on_device]).tolist())
+        if flag
+    )
     return len(bad), [labels[i] for i in bad[:MAX_NAMED]]
 
 
@@ -85,7 +93,9 @@ def _nonfinite(tensor: torch.Tensor) -> torch.Tensor:
         flat, step = tensor.view(-1), CHUNK
     else:  # a strided view: chunks of whole rows, reduced in place (never copied)
         flat, step = tensor, max(1, CHUNK // max(1, tensor[0].numel()))
-    extremes = [torch.stack(torch.aminmax(flat[i:i + step])) for i in range(0, flat.shape[0], step)]
+    extremes = [
+        torch.stack(torch.aminmax(flat[i : i + step])) for i in range(0, flat.shape[0], step)
+    ]
     return ~torch.isfinite(torch.cat(extremes) if len(extremes) > 1 else extremes[0]).all()
 
 
@@ -95,8 +105,13 @@ class CorruptStateGuard:
     Every method is a collective over the world's control channel (the rollback choice through
     `agreed_checkpoint`, the checkpointer's agreement), called on every rank at the same point."""
 
-    def __init__(self, engine, agreed_checkpoint: Callable[[int], str | None], topology: Topology,
-                 anomalies: AnomalyLog):
+    def __init__(
+        self,
+        engine,
+        agreed_checkpoint: Callable[[int], str | None],
+        topology: Topology,
+        anomalies: AnomalyLog,
+    ):
         """`agreed_checkpoint(step)`: the newest intact checkpoint at or before `step` that every rank sees (a
         collective), None if there is none — the guard names where to return, the trainer goes there."""
         self.engine = engine
@@ -104,7 +119,9 @@ class CorruptStateGuard:
         self.control = topology.control("world")
         self.rank = topology.rank
         self.anomalies = anomalies
-        self.returned_to: str | None = None  # the checkpoint the last corrupt-state rollback returned to
+        self.returned_to: str | None = (
+            None  # the checkpoint the last corrupt-state rollback returned to
+        )
 
     def check_here(self) -> tuple[int, list[str]]:
         """This rank's own check (local): (non-finite tensors, the first MAX_NAMED of their labels)."""
@@ -114,19 +131,37 @@ class CorruptStateGuard:
         """How many ranks found corrupt state: one one-integer all-reduce."""
         count, labels = found_here
         if count:
-            log.error("rank %d holds non-finite state in %d tensor(s): %s", self.rank, count, ", ".join(labels))
-        return int(comm.all_reduce(torch.tensor([int(count > 0)], dtype=torch.int64), self.control, "sum").item())
+            log.error(
+                "rank %d holds non-finite state in %d tensor(s): %s",
+                self.rank,
+                count,
+                ", ".join(labels),
+            )
+        return int(
+            comm.all_reduce(
+                torch.tensor([int(count > 0)], dtype=torch.int64), self.control, "sum"
+            ).item()
+        )
 
     def allows_save(self, step: int) -> bool:
         """Before every save: True when every rank's state is finite. A refused save must write nothing — the
         caller returns before any checkpoint is written — so the last good checkpoint stays `latest`."""
         bad_ranks = self.ranks_with_it(self.check_here())
         if bad_ranks:
-            self.anomalies.record("corrupt_state", step, phase="save", ranks_with_corrupt_state=bad_ranks,
-                                  action="save refused")
+            self.anomalies.record(
+                "corrupt_state",
+                step,
+                phase="save",
+                ranks_with_corrupt_state=bad_ranks,
+                action="save refused",
+            )
             if self.rank == 0:
-                log.error("step %d: checkpoint save refused: %d rank(s) hold non-finite weights or optimizer "
-                          "state; the last good checkpoint stays latest", step, bad_ranks)
+                log.error(
+                    "step %d: checkpoint save refused: %d rank(s) hold non-finite weights or optimizer "
+                    "state; the last good checkpoint stays latest",
+                    step,
+                    bad_ranks,
+                )
         return bad_ranks == 0
 
     def refused_save(self, step: int, ending: bool) -> Decision:
@@ -134,19 +169,30 @@ class CorruptStateGuard:
         stays latest); otherwise it returns to that checkpoint (`decide`)."""
         reason = "non-finite weights or optimizer state at a checkpoint save"
         if ending:
-            return Decision(Action.STOP, f"{reason}: the last good checkpoint stays latest",
-                            exit_code=ExitCode.CORRUPT_STATE)
+            return Decision(
+                Action.STOP,
+                f"{reason}: the last good checkpoint stays latest",
+                exit_code=ExitCode.CORRUPT_STATE,
+            )
         return self.decide(step, reason)
 
     def decide(self, step: int, reason: str, **event) -> Decision:
         """The rollback (or stop) for corrupt state found at `step`; `event` goes to anomalies.jsonl (no
         samples: they were innocent)."""
         tag = self.agreed_checkpoint(step - 1)  # rank 0 chooses, every rank verifies
-        decision = corrupt_state_decision(tag, again=tag is not None and tag == self.returned_to, reason=reason)
+        decision = corrupt_state_decision(
+            tag, again=tag is not None and tag == self.returned_to, reason=reason
+        )
         if decision.action == Action.ROLLBACK:
             self.returned_to = tag
-        self.anomalies.record("corrupt_state", step, action=decision.action.name.lower(), reason=decision.reason,
-                              checkpoint=tag, **event)
+        self.anomalies.record(
+            "corrupt_state",
+            step,
+            action=decision.action.name.lower(),
+            reason=decision.reason,
+            checkpoint=tag,
+            **event,
+        )
         log.error("step %d: %s", step, decision.reason)
         return decision
 
@@ -156,8 +202,15 @@ def corrupt_state_decision(returns_to: str | None, again: bool, reason: str) -> 
     LR; a stop with ExitCode.CORRUPT_STATE when there is no checkpoint to return to, or when the state went bad again
     after a rollback to the same checkpoint (`again`)."""
     if returns_to is None:
-        return Decision(Action.STOP, f"{reason}, and no checkpoint to return to", exit_code=ExitCode.CORRUPT_STATE)
+        return Decision(
+            Action.STOP,
+            f"{reason}, and no checkpoint to return to",
+            exit_code=ExitCode.CORRUPT_STATE,
+        )
     if again:
-        return Decision(Action.STOP, f"{reason} again after rolling back to {returns_to}",
-                        exit_code=ExitCode.CORRUPT_STATE)
+        return Decision(
+            Action.STOP,
+            f"{reason} again after rolling back to {returns_to}",
+            exit_code=ExitCode.CORRUPT_STATE,
+        )
     return Decision(Action.ROLLBACK, reason, restore=True, rewind_data=True, to=returns_to)

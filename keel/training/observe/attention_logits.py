@@ -25,7 +25,9 @@ PREFIX, SUFFIX = "attn/", "/max_logit"
 class AttentionLogitProbes:
     """The probes of the blocks this rank holds: `arm` before a monitor step's forward passes, `read` after."""
 
-    def __init__(self, blocks: list[tuple[int, Any]], n_layers_total: int, device: torch.device) -> None:
+    def __init__(
+        self, blocks: list[tuple[int, Any]], n_layers_total: int, device: torch.device
+    ) -> None:
         self.attentions = [(index, block.attention) for index, block in blocks]
         self.n_layers_total = n_layers_total
         self.device = device
@@ -36,7 +38,9 @@ class AttentionLogitProbes:
 
     def read(self) -> torch.Tensor:
         """Per position of the full layer list, this rank's maximum (-inf where it holds no attention); disarms."""
-        values = torch.full((self.n_layers_total,), float("-inf"), dtype=torch.float64, device=self.device)
+        values = torch.full(
+            (self.n_layers_total,), float("-inf"), dtype=torch.float64, device=self.device
+        )
         for index, attention in self.attentions:
             if attention.logit_probe is not None:
                 values[index] = attention.logit_probe.double()
@@ -68,19 +72,29 @@ class AttentionLogitWarning:
         for key, value in record.items():
             if not (key.startswith(PREFIX) and key.endswith(SUFFIX)):
                 continue
-            block = key[len(PREFIX):-len(SUFFIX)]
+            block = key[len(PREFIX) : -len(SUFFIX)]
             first = self.first.setdefault(block, value)
             reason = ""
             if self.warn_at > 0 and value > self.warn_at:
                 reason = f"above stability.attn_logit_warn={self.warn_at:g}"
             elif self.growth > 0 and first > 0 and value > self.growth * first:
-                reason = f"{value / first:.1f}x its first recorded {first:.4g} (stability.attn_logit_growth=" \
-                         f"{self.growth:g})"
+                reason = (
+                    f"{value / first:.1f}x its first recorded {first:.4g} (stability.attn_logit_growth="
+                    f"{self.growth:g})"
+                )
             if reason and block not in self.warned:
                 self.warned.add(block)
                 fired.append(block)
-                self.anomalies.record("attention_logits", step, layer=block, max_logit=value, reason=reason)
+                self.anomalies.record(
+                    "attention_logits", step, layer=block, max_logit=value, reason=reason
+                )
                 if self.anomalies.rank == 0:
-                    log.warning("step %d: %s's largest attention logit is %.4g, %s — attention is heading for "
-                                "overflow (fp16 max 65504); model.qk_norm bounds it", step, block, value, reason)
+                    log.warning(
+                        "step %d: %s's largest attention logit is %.4g, %s — attention is heading for "
+                        "overflow (fp16 max 65504); model.qk_norm bounds it",
+                        step,
+                        block,
+                        value,
+                        reason,
+                    )
         return fired

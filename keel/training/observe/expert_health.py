@@ -29,7 +29,9 @@ log = logging.getLogger("keel")
 
 
 class ExpertHealth:
-    def __init__(self, cfg: RunConfig, model: torch.nn.Module, topology: Topology, anomalies: AnomalyLog):
+    def __init__(
+        self, cfg: RunConfig, model: torch.nn.Module, topology: Topology, anomalies: AnomalyLog
+    ):
         stability = cfg.stability
         self.num_experts = cfg.model.moe_experts
         self.layers = moe_layers(model)
@@ -37,7 +39,10 @@ class ExpertHealth:
         self.block_ids = [i for i in range(cfg.model.n_layers) if is_moe_block(cfg.model, i)]
         self.slot = {block: n for n, block in enumerate(self.block_ids)}
         self.interval = stability.expert_interval
-        self.collapse_share, self.collapse_checks = stability.expert_collapse_share, stability.expert_collapse_checks
+        self.collapse_share, self.collapse_checks = (
+            stability.expert_collapse_share,
+            stability.expert_collapse_checks,
+        )
         self.bias_update = cfg.model.moe_bias_update
         self.top_k = cfg.model.moe_top_k
         # the pipeline engine averages gradients over its data axis, which holds the Ulysses sp ranks: their aux
@@ -46,7 +51,9 @@ class ExpertHealth:
         self.contributes = topology.rank_in("tp") == 0
         # the counts live where the model runs: the device channel. Each step's bias update needs only this
         # stage's layers (the stage group); the periodic health record reports every stage's (the world).
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        )
         self.stage_group, self.world_group = topology.device("stage"), topology.device("world")
         self.anomalies = anomalies
         self.streaks = [[0] * self.num_experts for _ in self.block_ids]
@@ -55,7 +62,9 @@ class ExpertHealth:
             offset[cfg.faults.starve_expert] = -1e4  # below any score: never among the top k
             for layer in self.layers:
                 layer.router.choice_offset = offset
-            log.warning("fault injection: the routers never choose expert %d", cfg.faults.starve_expert)
+            log.warning(
+                "fault injection: the routers never choose expert %d", cfg.faults.starve_expert
+            )
 
     @property
     def active(self) -> bool:
@@ -80,18 +89,26 @@ class ExpertHealth:
         if not self.active:
             return {}
         if self.bias_update > 0:
-            counts = self._all_layers(self.num_experts, lambda layer: layer.stats.step_routed, self.stage_group)
+            counts = self._all_layers(
+                self.num_experts, lambda layer: layer.stats.step_routed, self.stage_group
+            )
             if applied:
                 self._nudge_biases(counts)
         for layer in self.layers:
             layer.stats.step_routed.zero_()
         if not self.interval or step % self.interval:
             return {}
-        table = self._all_layers(self.num_experts + 3, lambda layer: layer.stats.vector(), self.world_group)
+        table = self._all_layers(
+            self.num_experts + 3, lambda layer: layer.stats.vector(), self.world_group
+        )
         for layer in self.layers:
             layer.stats.reset()
-        return {"moe": {f"L{block}": self._report(step, n, block, row.tolist())
-                        for n, (block, row) in enumerate(zip(self.block_ids, table))}}
+        return {
+            "moe": {
+                f"L{block}": self._report(step, n, block, row.tolist())
+                for n, (block, row) in enumerate(zip(self.block_ids, table))
+            }
+        }
 
     @torch.no_grad()
     def _nudge_biases(self, counts: torch.Tensor) -> None:
@@ -102,7 +119,7 @@ class ExpertHealth:
             layer.router.balance_bias.add_(step.to(layer.router.balance_bias))
 
     def _report(self, step: int, slot: int, block: int, row: list[float]) -> dict:
-        routed, (dropped, entropy, tokens) = row[:self.num_experts], row[self.num_experts:]
+        routed, (dropped, entropy, tokens) = row[: self.num_experts], row[self.num_experts :]
         total = sum(routed) or 1.0
         shares = [r / total for r in routed]
         load_entropy = -sum(p * math.log(p) for p in shares if p > 0) / math.log(self.num_experts)
@@ -110,12 +127,30 @@ class ExpertHealth:
             starving = share < self.collapse_share / self.num_experts
             self.streaks[slot][expert] = self.streaks[slot][expert] + 1 if starving else 0
             if self.streaks[slot][expert] == self.collapse_checks:
-                self.anomalies.record("expert_collapse", step, layer=block, expert=expert, share=share,
-                                      checks=self.collapse_checks)
+                self.anomalies.record(
+                    "expert_collapse",
+                    step,
+                    layer=block,
+                    expert=expert,
+                    share=share,
+                    checks=self.collapse_checks,
+                )
                 if self.anomalies.rank == 0:
-                    log.warning("step %d: expert collapse in block %d: expert %d got %.4f of the rows for %d checks "
-                                "(uniform %.4f); raise model.moe_aux_loss or enable model.moe_bias_update", step,
-                                block, expert, share, self.collapse_checks, 1 / self.num_experts)
-        return {"tokens_per_expert": [round(r) for r in routed], "load_entropy": load_entropy,
-                "min_share": min(shares) * self.num_experts, "max_share": max(shares) * self.num_experts,
-                "dropped": dropped / max(tokens * self.top_k, 1.0), "router_entropy": entropy / max(tokens, 1.0)}
+                    log.warning(
+                        "step %d: expert collapse in block %d: expert %d got %.4f of the rows for %d checks "
+                        "(uniform %.4f); raise model.moe_aux_loss or enable model.moe_bias_update",
+                        step,
+                        block,
+                        expert,
+                        share,
+                        self.collapse_checks,
+                        1 / self.num_experts,
+                    )
+        return {
+            "tokens_per_expert": [round(r) for r in routed],
+            "load_entropy": load_entropy,
+            "min_share": min(shares) * self.num_experts,
+            "max_share": max(shares) * self.num_experts,
+            "dropped": dropped / max(tokens * self.top_k, 1.0),
+            "router_entropy": entropy / max(tokens, 1.0),
+        }

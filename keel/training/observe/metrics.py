@@ -25,8 +25,15 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
 
 
 class MetricsWriter:
-    def __init__(self, run_dir: Path, enabled: bool, resumed_step: int, log_interval: int, total_steps: int,
-                 progress: Progress | None = None):
+    def __init__(
+        self,
+        run_dir: Path,
+        enabled: bool,
+        resumed_step: int,
+        log_interval: int,
+        total_steps: int,
+        progress: Progress | None = None,
+    ):
         """`progress`: the step line's MFU and ETA (keel/training/observe/progress.py); None leaves them out."""
         self.enabled = enabled
         self.progress = progress
@@ -61,10 +68,15 @@ class MetricsWriter:
         if not self.enabled:
             return
         self._file.write(json.dumps(record) + "\n")
-        suffix = self.progress.describe(record) if self.progress is not None else ""  # every step: the ETA's window
+        suffix = (
+            self.progress.describe(record) if self.progress is not None else ""
+        )  # every step: the ETA's window
         step = record["step"]
         if step % self.log_interval == 0 or step == self.total_steps or "val_loss" in record:
-            print(format_line(record, self.total_steps) + (f" | {suffix}" if suffix else ""), flush=True)
+            print(
+                format_line(record, self.total_steps) + (f" | {suffix}" if suffix else ""),
+                flush=True,
+            )
 
     def close(self) -> None:
         if self._file is not None:

@@ -56,7 +56,9 @@ def _local_layers(module: nn.Module) -> tuple[int, list[tuple[int, nn.Module]]]:
     return len(module.layers), list(enumerate(module.layers))
 
 
-def _counted_params(layers: Iterable[tuple[int, nn.Module]], topology: Topology) -> list[tuple[int, nn.Parameter]]:
+def _counted_params(
+    layers: Iterable[tuple[int, nn.Module]], topology: Topology
+) -> list[tuple[int, nn.Parameter]]:
     """(layer index, parameter) for every parameter this rank counts, by grad_norm.py's rule: shards on every TP
     rank, replicas on TP rank 0 only, tied pipeline copies not at all (the first stage counts them), and a
     Parameter shared between layers (the tied head) once, under its first layer (the embedding)."""
@@ -73,7 +75,9 @@ def _counted_params(layers: Iterable[tuple[int, nn.Module]], topology: Topology)
     return counted
 
 
-CHUNK = 1 << 20  # elements per chunk of an update's difference: 4 MiB of fp32 temporaries per tensor
+CHUNK = (
+    1 << 20
+)  # elements per chunk of an update's difference: 4 MiB of fp32 temporaries per tensor
 
 
 def _sq(t: torch.Tensor) -> torch.Tensor:
@@ -87,8 +91,8 @@ def _diff_sq(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
     new, old = new.detach().reshape(-1), old.detach().reshape(-1)
     total = torch.zeros((), dtype=torch.float64, device=new.device)
     for start in range(0, new.numel(), CHUNK):
-        chunk = new[start:start + CHUNK].to(old.dtype).float()
-        total += _sq(chunk - old[start:start + CHUNK].float())
+        chunk = new[start : start + CHUNK].to(old.dtype).float()
+        total += _sq(chunk - old[start : start + CHUNK].float())
     return total
 
 
@@ -96,7 +100,7 @@ def _share(t: torch.Tensor, index: int, parts: int) -> torch.Tensor:
     """This replica's 1/parts slice of a replicated tensor (a view), so replicas split the work and the sums."""
     flat = t.detach().reshape(-1)
     step = -(-flat.numel() // parts)
-    return flat[index * step:(index + 1) * step]
+    return flat[index * step : (index + 1) * step]
 
 
 def _is_engine(model: Any) -> bool:
@@ -142,22 +146,37 @@ class ModelMonitor:
         total, local = _local_layers(self.module)
         self.names = [layer_name(i, total) for i in range(total)]
         self._params = _counted_params(local, topology)
-        self._params_per_layer = [float(sum(index == i for index, _ in self._params)) for i in range(total)]
+        self._params_per_layer = [
+            float(sum(index == i for index, _ in self._params)) for i in range(total)
+        ]
         self._blocks = [(index, layer) for index, layer in local if isinstance(layer, Block)]
-        self._probes = AttentionLogitProbes(self._blocks, total, next(self.module.parameters()).device)
+        self._probes = AttentionLogitProbes(
+            self._blocks, total, next(self.module.parameters()).device
+        )
         self._partitioned = [self.engine is not None and is_partitioned(p) for _, p in self._params]
         # a replicated (not partitioned) parameter is split among its replicas: (index, parts) per parameter
-        self._shares = [(0, 1) if part else (topology.rank_in(g), topology.size(g)) for part, g in
-                        zip(self._partitioned, ("sp_dp" if getattr(p, "allreduce", True) else "expert_dp"
-                                                for _, p in self._params))]
+        self._shares = [
+            (0, 1) if part else (topology.rank_in(g), topology.size(g))
+            for part, g in zip(
+                self._partitioned,
+                (
+                    "sp_dp" if getattr(p, "allreduce", True) else "expert_dp"
+                    for _, p in self._params
+                ),
+            )
+        ]
         self._device = next(self.module.parameters()).device
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
-        self._logits: torch.Tensor | None = None  # [layer] the largest attention logit (-inf: no attention here)
+        self._logits: torch.Tensor | None = (
+            None  # [layer] the largest attention logit (-inf: no attention here)
+        )
         self._armed: int | None = None
         self._in_forward = False
         self._acts: torch.Tensor | None = None  # [layer, (tokens, sum, sum of squares, max-abs)]
         self._grad_sq: torch.Tensor | None = None  # [layer]
-        self._snapshot: list[torch.Tensor | None] | None = None  # ZeRO-0: this rank's slices before the step
+        self._snapshot: list[torch.Tensor | None] | None = (
+            None  # ZeRO-0: this rank's slices before the step
+        )
         self._update_sq: torch.Tensor | None = None
         self._updated: set[int] = set()
         if any(self._partitioned):
@@ -175,9 +194,14 @@ class ModelMonitor:
             return
         self._acts = torch.zeros(len(self.names), 4, dtype=torch.float64, device=self._device)
         # Count a Block only inside the model's own forward, not when activation checkpointing reruns it in backward.
-        self._hooks.append(self.module.register_forward_pre_hook(lambda *_: self._set_in_forward(True)))
-        self._hooks.append(self.module.register_forward_hook(lambda *_: self._set_in_forward(False),
-                                                             always_call=True))
+        self._hooks.append(
+            self.module.register_forward_pre_hook(lambda *_: self._set_in_forward(True))
+        )
+        self._hooks.append(
+            self.module.register_forward_hook(
+                lambda *_: self._set_in_forward(False), always_call=True
+            )
+        )
         for index, block in self._blocks:
             self._hooks.append(block.register_forward_hook(self._activation_hook(index)))
         self._probes.arm()
@@ -224,9 +248,13 @@ class ModelMonitor:
             if grad is not None:
                 per_layer[index].append(_sq(_share(grad, *share)))
         zero = torch.zeros((), dtype=torch.float64, device=self._device)
-        self._grad_sq = torch.stack([torch.stack(sq).sum() if sq else zero for sq in per_layer]) / scale**2
-        self._snapshot = [None if part else _share(p, *share).clone()
-                          for (_, p), part, share in zip(self._params, self._partitioned, self._shares)]
+        self._grad_sq = (
+            torch.stack([torch.stack(sq).sum() if sq else zero for sq in per_layer]) / scale**2
+        )
+        self._snapshot = [
+            None if part else _share(p, *share).clone()
+            for (_, p), part, share in zip(self._params, self._partitioned, self._shares)
+        ]
         self._update_sq, self._updated = zero.clone(), set()
 
     def _after_inner_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
@@ -234,7 +262,11 @@ class ModelMonitor:
         into the working weights: the update is master − working copy, for the parameters just stepped."""
         if self._update_sq is None:
             return
-        stepped = {q.untyped_storage().data_ptr() for group in optimizer.param_groups for q in group["params"]}
+        stepped = {
+            q.untyped_storage().data_ptr()
+            for group in optimizer.param_groups
+            for q in group["params"]
+        }
         for i, ((_, p), part) in enumerate(zip(self._params, self._partitioned)):
             pair = update_pair(p) if part and i not in self._updated else None
             if pair is not None and pair[0].untyped_storage().data_ptr() in stepped:
@@ -267,7 +299,9 @@ class ModelMonitor:
             return 1.0
         return loss_scale(self.engine) or 1.0
 
-    def _value(self, p: nn.Parameter, partitioned: bool, share: tuple[int, int]) -> torch.Tensor | None:
+    def _value(
+        self, p: nn.Parameter, partitioned: bool, share: tuple[int, int]
+    ) -> torch.Tensor | None:
         """This rank's part of θ after the step: its fp32 master fragment, or its slice of the replicated θ."""
         if partitioned:
             return master_state(self.engine, p).get("fp32")
@@ -279,11 +313,15 @@ class ModelMonitor:
         if not self.is_monitor_step(step):
             return {}
         if self._snapshot is None or self._acts is None:
-            raise RuntimeError(f"monitor: after_step({step}) needs arm({step}) before the forward passes and "
-                               f"before_step({step}) before the optimizer step (or attach(engine))")
+            raise RuntimeError(
+                f"monitor: after_step({step}) needs arm({step}) before the forward passes and "
+                f"before_step({step}) before the optimizer step (or attach(engine))"
+            )
         param_sq = torch.zeros((), dtype=torch.float64, device=self._device)
         update_sq = self._update_sq
-        for (_, p), part, share, old in zip(self._params, self._partitioned, self._shares, self._snapshot):
+        for (_, p), part, share, old in zip(
+            self._params, self._partitioned, self._shares, self._snapshot
+        ):
             new = self._value(p, part, share)
             if new is not None:
                 param_sq += _sq(new)
@@ -294,7 +332,9 @@ class ModelMonitor:
 
         n_layers = len(self.names)
         grad_count = torch.tensor(self._params_per_layer, dtype=torch.float64, device=self._device)
-        summed = torch.cat([grad_sq, grad_count, acts[:, :3].flatten(), param_sq.view(1), update_sq.view(1)])
+        summed = torch.cat(
+            [grad_sq, grad_count, acts[:, :3].flatten(), param_sq.view(1), update_sq.view(1)]
+        )
         maxes = torch.cat([acts[:, 3], self._logits])
         self._logits = None
         world = self.topology.device("world")  # one sum for everything additive, one max
@@ -302,17 +342,21 @@ class ModelMonitor:
         comm.all_reduce(maxes, world, "max")
         values, maxes_list = summed.tolist(), maxes.tolist()  # the one device → host sync
         maxes_list, logit_list = maxes_list[:n_layers], maxes_list[n_layers:]
-        grad_sq_list, counts = values[:n_layers], values[n_layers:2 * n_layers]
-        act_list = values[2 * n_layers:5 * n_layers]
+        grad_sq_list, counts = values[:n_layers], values[n_layers : 2 * n_layers]
+        act_list = values[2 * n_layers : 5 * n_layers]
         total_param_sq, total_update_sq = values[-2], values[-1]
 
-        out = {"params/norm": math.sqrt(total_param_sq),
-               "params/update_ratio": math.sqrt(total_update_sq / total_param_sq) if total_param_sq > 0 else 0.0}
+        out = {
+            "params/norm": math.sqrt(total_param_sq),
+            "params/update_ratio": math.sqrt(total_update_sq / total_param_sq)
+            if total_param_sq > 0
+            else 0.0,
+        }
         for name, sq, count in zip(self.names, grad_sq_list, counts):
             if count > 0:  # a tied head has no parameters of its own
                 out[f"grad_norm/{name}"] = math.sqrt(sq)
         for index, name in enumerate(self.names):
-            tokens, total, total_sq = act_list[3 * index:3 * index + 3]
+            tokens, total, total_sq = act_list[3 * index : 3 * index + 3]
             if tokens > 0:
                 mean = total / tokens
                 out[f"act/{name}/mean"] = mean

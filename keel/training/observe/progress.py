@@ -54,7 +54,9 @@ def run_progress(cfg: RunConfig, world_size: int, device: Any) -> Progress:
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     share = param_share(cfg.model, Layout())
     flops = flops_per_token(cfg.model, cfg.data.seq_len, share.total, share.expert)
-    return Progress(cfg.train.steps, flops, world_size, peak_tflops(device_name, cfg.logging.peak_tflops))
+    return Progress(
+        cfg.train.steps, flops, world_size, peak_tflops(device_name, cfg.logging.peak_tflops)
+    )
 
 
 def format_eta(seconds: float) -> str:
@@ -69,7 +71,9 @@ def format_eta(seconds: float) -> str:
 class Progress:
     """Keeps the last steps' wall times; says the ETA and MFU of a metrics record."""
 
-    def __init__(self, total_steps: int, flops_per_token: float, world_size: int, peak_tflops: float | None):
+    def __init__(
+        self, total_steps: int, flops_per_token: float, world_size: int, peak_tflops: float | None
+    ):
         self.total_steps = total_steps
         self.flops_per_token = flops_per_token
         self.peak_flops = world_size * peak_tflops * 1e12 if peak_tflops else None
@@ -79,7 +83,11 @@ class Progress:
         """(MFU as a fraction or None when the peak is unknown, ETA in seconds) after the step `record`."""
         self._wall.append(sum(record.get(key, 0.0) for key in STEP_COSTS))
         eta = (self.total_steps - record["step"]) * sum(self._wall) / len(self._wall)
-        mfu = record["tokens_per_s"] * self.flops_per_token / self.peak_flops if self.peak_flops else None
+        mfu = (
+            record["tokens_per_s"] * self.flops_per_token / self.peak_flops
+            if self.peak_flops
+            else None
+        )
         return mfu, eta
 
     def describe(self, record: dict[str, Any]) -> str:

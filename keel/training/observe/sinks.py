@@ -54,11 +54,15 @@ def check_sinks(stability: StabilityConfig) -> None:
     instead of rank 0 failing while the others wait in a collective; a launcher may call it before any rank starts.
     """
     if stability.tensorboard and importlib.util.find_spec("tensorboard") is None:
-        raise ConfigError("stability.tensorboard: true but the tensorboard package is not installed; "
-                          "pip install tensorboard, or set stability.tensorboard=false")
+        raise ConfigError(
+            "stability.tensorboard: true but the tensorboard package is not installed; "
+            "pip install tensorboard, or set stability.tensorboard=false"
+        )
     if stability.wandb and importlib.util.find_spec("wandb") is None:
-        raise ConfigError("stability.wandb: true but the wandb package is not installed; "
-                          "pip install wandb, or set stability.wandb=false")
+        raise ConfigError(
+            "stability.wandb: true but the wandb package is not installed; "
+            "pip install wandb, or set stability.wandb=false"
+        )
 
 
 def wandb_run_id(run_dir: Path) -> str:
@@ -79,8 +83,14 @@ class Sinks:
     the first values and warns about (and drops) steps logged again below its last one.
     """
 
-    def __init__(self, run_dir: str | Path, stability: StabilityConfig, run_config: dict[str, Any] | None = None,
-                 enabled: bool = True, resumed_step: int = 0) -> None:
+    def __init__(
+        self,
+        run_dir: str | Path,
+        stability: StabilityConfig,
+        run_config: dict[str, Any] | None = None,
+        enabled: bool = True,
+        resumed_step: int = 0,
+    ) -> None:
         check_sinks(stability)
         self._tensorboard = None
         self._wandb = None
@@ -88,15 +98,25 @@ class Sinks:
             return
         run_dir = Path(run_dir)
         if stability.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter  # optional sink (check_sinks), ~1 s to import
+            from torch.utils.tensorboard import (
+                SummaryWriter,
+            )  # optional sink (check_sinks), ~1 s to import
 
-            self._tensorboard = SummaryWriter(str(RunDir(run_dir).tensorboard),
-                                              purge_step=resumed_step + 1 if resumed_step > 0 else None)
+            self._tensorboard = SummaryWriter(
+                str(RunDir(run_dir).tensorboard),
+                purge_step=resumed_step + 1 if resumed_step > 0 else None,
+            )
         if stability.wandb:
             import wandb  # optional dependency (the wandb extra)
 
-            self._wandb = wandb.init(project=stability.wandb_project, dir=str(run_dir), mode=stability.wandb_mode,
-                                     config=run_config or {}, resume="allow", id=wandb_run_id(run_dir))
+            self._wandb = wandb.init(
+                project=stability.wandb_project,
+                dir=str(run_dir),
+                mode=stability.wandb_mode,
+                config=run_config or {},
+                resume="allow",
+                id=wandb_run_id(run_dir),
+            )
 
     def log(self, step: int, scalars: dict[str, Any]) -> None:
         """Write one metrics record (or any dict of scalars) at `step`."""
@@ -113,7 +133,10 @@ class Sinks:
         """Steps after `step` will be trained again (a rollback): TensorBoard drops its events past `step`, as
         `MetricsWriter.rewind` moves those records aside. W&B keeps its first values (see above)."""
         if self._tensorboard is not None:
-            from tensorboard.compat.proto.event_pb2 import Event, SessionLog  # optional, as in __init__
+            from tensorboard.compat.proto.event_pb2 import (
+                Event,
+                SessionLog,
+            )  # optional, as in __init__
 
             # What SummaryWriter(purge_step=...) writes, but into the open file: read after the events it purges.
             restart = Event(step=step + 1, session_log=SessionLog(status=SessionLog.START))

@@ -18,11 +18,15 @@ def write_summary(run_dir: Path, finished: bool, exit_code: int, reason: str = "
     lines.append(f"- status: {status}{': ' + reason if reason else ''}")
     if records:
         first, last = records[0], records[-1]
-        lines.append(f"- steps: {last['step']} (loss {first['loss']:.4f} at step {first['step']} → "
-                     f"{last['loss']:.4f} at step {last['step']})")
+        lines.append(
+            f"- steps: {last['step']} (loss {first['loss']:.4f} at step {first['step']} → "
+            f"{last['loss']:.4f} at step {last['step']})"
+        )
         vals = [r for r in records if "val_loss" in r]
         if vals:
-            lines.append(f"- validation loss: {vals[-1]['val_loss']:.4f} at step {vals[-1]['step']}")
+            lines.append(
+                f"- validation loss: {vals[-1]['val_loss']:.4f} at step {vals[-1]['step']}"
+            )
         lines.append(f"- skipped steps: {sum(1 for r in records if r.get('skipped'))}")
         lines.append(f"- tokens: {last['tokens']:,}; last LR scale: {last.get('lr_scale', 1.0):g}")
     counts = Counter(e["kind"] for e in events)

@@ -31,7 +31,11 @@ class SyncCounter:
     def __init__(self, mode: str, device: torch.device | str, run_dir: Path, rank: int) -> None:
         self.enabled = bool(mode) and torch.device(device).type == "cuda"
         if mode and not self.enabled and rank == 0:
-            log.info("logging.sync_debug=%s: needs CUDA, nothing to count on %s", mode, torch.device(device).type)
+            log.info(
+                "logging.sync_debug=%s: needs CUDA, nothing to count on %s",
+                mode,
+                torch.device(device).type,
+            )
         self.mode = mode
         self.path = Path(run_dir) / f"sync_debug_rank{rank}.json"
         self.rank = rank
@@ -66,7 +70,17 @@ class SyncCounter:
             return
         counted = max(self.steps - 1, 0)
         total = sum(self.sites.values())
-        self.path.write_text(json.dumps({"steps": counted, "syncs": total, "sites": dict(self.sites.most_common())},
-                                        indent=1))
-        log.info("rank %d: %d synchronizing CUDA calls in %d optimizer steps (%.1f per step), by site in %s",
-                 self.rank, total, counted, total / max(counted, 1), self.path)
+        self.path.write_text(
+            json.dumps(
+                {"steps": counted, "syncs": total, "sites": dict(self.sites.most_common())},
+                indent=1,
+            )
+        )
+        log.info(
+            "rank %d: %d synchronizing CUDA calls in %d optimizer steps (%.1f per step), by site in %s",
+            self.rank,
+            total,
+            counted,
+            total / max(counted, 1),
+            self.path,
+        )

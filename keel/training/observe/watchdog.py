@@ -56,7 +56,9 @@ from keel.run_dir import AnomalyLog, ExitCode, RunDir
 if TYPE_CHECKING:
     from keel.parallel import comm
 
-BACKSTOP_MARGIN_S = 60.0  # the faulthandler backstop fires this long after the watchdog thread last ran
+BACKSTOP_MARGIN_S = (
+    60.0  # the faulthandler backstop fires this long after the watchdog thread last ran
+)
 PEER_WINDOW_S = 5.0  # an exception this close to the deadline is a peer's hang reaching this rank
 
 
@@ -71,8 +73,14 @@ class Watchdog:
     Use one per process: the faulthandler backstop is process-global.
     """
 
-    def __init__(self, run_dir: Path, rank: int, timeout_s: float, anomalies: AnomalyLog | None = None,
-                 backstop: bool = True):
+    def __init__(
+        self,
+        run_dir: Path,
+        rank: int,
+        timeout_s: float,
+        anomalies: AnomalyLog | None = None,
+        backstop: bool = True,
+    ):
         self.run_dir = Path(run_dir)
         self.rank = rank
         self.timeout_s = float(timeout_s)
@@ -82,8 +90,12 @@ class Watchdog:
         self._beat: tuple[int, float, float, str] | None = None
         self._pauses = 0  # nesting depth; written by the main thread only
         self._stop = threading.Event()
-        self._wake = threading.Event()  # a phase with an earlier deadline than the one the thread sleeps toward
-        self._firing = threading.Lock()  # the watchdog thread and a failing main thread may both try to fire
+        self._wake = (
+            threading.Event()
+        )  # a phase with an earlier deadline than the one the thread sleeps toward
+        self._firing = (
+            threading.Lock()
+        )  # the watchdog thread and a failing main thread may both try to fire
         self._thread: threading.Thread | None = None
 
     # -- the trainer's side ---------------------------------------------------------------------------------
@@ -92,11 +104,18 @@ class Watchdog:
             if self.backstop:
                 try:
                     faulthandler.dump_traceback_later(self.timeout_s + BACKSTOP_MARGIN_S, exit=True)
-                except (RuntimeError, ValueError, AttributeError, OSError):  # no stderr file descriptor to write to
+                except (
+                    RuntimeError,
+                    ValueError,
+                    AttributeError,
+                    OSError,
+                ):  # no stderr file descriptor to write to
                     self.backstop = False
             self._stop.clear()
             self._wake.clear()
-            self._thread = threading.Thread(target=self._watch, name=f"keel-watchdog-r{self.rank}", daemon=True)
+            self._thread = threading.Thread(
+                target=self._watch, name=f"keel-watchdog-r{self.rank}", daemon=True
+            )
             self._thread.start()
         return self
 
@@ -160,12 +179,16 @@ class Watchdog:
             if self.backstop:
                 faulthandler.dump_traceback_later(self.timeout_s + BACKSTOP_MARGIN_S, exit=True)
             wait = self.timeout_s
-            beat = self._beat if self._pauses == 0 else None  # pause count first, then the beat (see resume)
+            beat = (
+                self._beat if self._pauses == 0 else None
+            )  # pause count first, then the beat (see resume)
             if beat is not None:
                 elapsed = time.monotonic() - beat[1]
                 if elapsed >= beat[2]:
                     self._fire()
-                wait = min(self.timeout_s, beat[2] - elapsed)  # this deadline; at least every timeout_s (backstop)
+                wait = min(
+                    self.timeout_s, beat[2] - elapsed
+                )  # this deadline; at least every timeout_s (backstop)
             self._wake.wait(wait)
             self._wake.clear()
         if self.backstop:
@@ -182,24 +205,38 @@ class Watchdog:
         if not self._firing.acquire(blocking=False):
             while True:  # the other thread is already firing and will end the process
                 time.sleep(60)
-        if self.backstop:  # if writing the diagnosis hangs (a dead filesystem), the backstop still exits
+        if (
+            self.backstop
+        ):  # if writing the diagnosis hangs (a dead filesystem), the backstop still exits
             faulthandler.dump_traceback_later(BACKSTOP_MARGIN_S, exit=True)
         step, last, timeout, phase = self._beat or (0, time.monotonic(), self.timeout_s, "step")
         elapsed = time.monotonic() - last
         running = f"step {step}" if phase == "step" else f"{phase} after step {step}"
         what = f"{running} has run {elapsed:.1f} s without a heartbeat (timeout {timeout:g} s)"
         if cause is not None:
-            what = f"{running} failed after {elapsed:.1f} s, close to its {timeout:g} s timeout: " \
-                   f"most likely a peer hung ({type(cause).__name__}, below)"
+            what = (
+                f"{running} failed after {elapsed:.1f} s, close to its {timeout:g} s timeout: "
+                f"most likely a peer hung ({type(cause).__name__}, below)"
+            )
         try:
             path = self._dump_stacks(step, what, cause)
-            self.anomalies.record("hang", step, all_ranks=True, phase=phase, seconds=round(elapsed, 2),
-                                  timeout_s=timeout, pid=os.getpid(), stacks=str(path),
-                                  cause=repr(cause) if cause else None)
+            self.anomalies.record(
+                "hang",
+                step,
+                all_ranks=True,
+                phase=phase,
+                seconds=round(elapsed, 2),
+                timeout_s=timeout,
+                pid=os.getpid(),
+                stacks=str(path),
+                cause=repr(cause) if cause else None,
+            )
             line = f"keel r{self.rank}: watchdog: {what}; stacks in {path}; exiting with code {ExitCode.HANG}"
         except BaseException as err:  # report, and exit whatever went wrong
-            line = f"keel r{self.rank}: watchdog: {what}; writing the diagnosis failed ({err!r}); exiting " \
-                   f"with code {ExitCode.HANG}"
+            line = (
+                f"keel r{self.rank}: watchdog: {what}; writing the diagnosis failed ({err!r}); exiting "
+                f"with code {ExitCode.HANG}"
+            )
         try:
             print(line, file=sys.stderr)
             sys.stdout.flush()
@@ -213,12 +250,19 @@ class Watchdog:
         now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         # faulthandler names threads only by id; this maps the ids to names (MainThread, keel-watchdog-r0, ...)
         threads = "\n".join(f"  0x{t.ident or 0:016x} {t.name}" for t in threading.enumerate())
-        with open(path, "a") as f:  # append: a restarted run that hangs at the same step keeps both dumps
-            f.write(f"keel watchdog: rank {self.rank} on {socket.gethostname()} pid {os.getpid()} at {now}: "
-                    f"{what}\nthreads:\n{threads}\n\n")
+        with open(
+            path, "a"
+        ) as f:  # append: a restarted run that hangs at the same step keeps both dumps
+            f.write(
+                f"keel watchdog: rank {self.rank} on {socket.gethostname()} pid {os.getpid()} at {now}: "
+                f"{what}\nthreads:\n{threads}\n\n"
+            )
             if cause is not None:
                 f.write("the step failed near its deadline with:\n")
-                f.write("".join(traceback.format_exception(type(cause), cause, cause.__traceback__)) + "\n")
+                f.write(
+                    "".join(traceback.format_exception(type(cause), cause, cause.__traceback__))
+                    + "\n"
+                )
             f.flush()  # faulthandler writes to the file descriptor directly, after what is buffered here
             faulthandler.dump_traceback(f, all_threads=True)
         return path
@@ -260,11 +304,20 @@ class StragglerMonitor:
         slow = max(range(len(times)), key=times.__getitem__)
         fast = min(range(len(times)), key=times.__getitem__)
         spread = (times[slow] - times[fast]) / times[fast] if times[fast] > 0 else 0.0
-        line = (f"stragglers: slowest rank {self._ranks[slow]} ({self._hosts[slow]}) {times[slow]:.2f} s, "
-                f"fastest rank {self._ranks[fast]} {times[fast]:.2f} s, spread {spread:.0%}")
+        line = (
+            f"stragglers: slowest rank {self._ranks[slow]} ({self._hosts[slow]}) {times[slow]:.2f} s, "
+            f"fastest rank {self._ranks[fast]} {times[fast]:.2f} s, spread {spread:.0%}"
+        )
         by_rank = [t for _, t in sorted(zip(self._ranks, times))]
-        return StragglerReport(line, {"step_time_max": times[slow], "step_time_min": times[fast],
-                                      "slowest_rank": self._ranks[slow], "step_time_by_rank": by_rank})
+        return StragglerReport(
+            line,
+            {
+                "step_time_max": times[slow],
+                "step_time_min": times[fast],
+                "slowest_rank": self._ranks[slow],
+                "step_time_by_rank": by_rank,
+            },
+        )
 
     def _gather(self, value: float) -> list[float]:
         import torch  # here, not at the top: the watchdog above must stay importable without torch's start-up
