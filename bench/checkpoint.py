@@ -58,9 +58,8 @@ def build(size_mb: float):
         12 * dim * dim,
         VOCAB * dim,
     )  # attention (GQA ~ 3d²) + SwiGLU (~8d²) + norms, roughly
-    layers = max(
-        1, round((size_mb * 2**20 / 12 - embed) / per_layer)
-    )  # 12 bytes/param: weight + 2 moments
+    # 12 bytes/param: weight + 2 moments
+    layers = max(1, round((size_mb * 2**20 / 12 - embed) / per_layer))
     cfg = RunConfig(
         model=ModelConfig(
             vocab_size=VOCAB,
@@ -128,9 +127,8 @@ def run_mode(
         window = step_times[
             step : step + interval - 1
         ]  # the steps after the save, up to the next one
-        span = max(
-            interval // 2, concluded_at.get(step, step) - step
-        )  # the writer's steps, or the first half
+        # the writer's steps, or the first half
+        span = max(interval // 2, concluded_at.get(step, step) - step)
         rest = window[span:] or step_times[: interval - 1]
         extra.append(save_calls[step] + sum(t - statistics.median(rest) for t in window[:span]))
         spanned.append(span)
@@ -181,9 +179,8 @@ def main() -> None:
         }
         saver = AsyncCheckpointer(checkpointers["async"], pin=False)
         warmup = torch.Generator().manual_seed(1)
-        for _ in range(
-            3
-        ):  # first steps (allocations) and first saves (the snapshot's buffers) are not measured
+        # first steps (allocations) and first saves (the snapshot's buffers) are not measured
+        for _ in range(3):
             train_step(engine, warmup)
         checkpointers["sync"].save(engine, TrainState(step=0))
         saver.save(engine, TrainState(step=0))

@@ -116,9 +116,8 @@ def main() -> None:
 
     total_tb = args.params * BYTES_PER_PARAM / 1e12
     per_rank_gb = total_tb * 1e3 / args.ranks
-    largest_gb = (
-        args.params * 12 / args.ranks / 1e9
-    )  # ZeRO-1/2: the rank's optimizer shard is its largest file
+    # ZeRO-1/2: the rank's optimizer shard is its largest file
+    largest_gb = args.params * 12 / args.ranks / 1e9
     print(
         f"projection: {args.params / 1e9:.0f}B params x {BYTES_PER_PARAM} B = {total_tb:.2f} TB per checkpoint, "
         f"{per_rank_gb:.2f} GB per rank of {args.ranks} (largest file {largest_gb:.2f} GB)."

@@ -80,9 +80,8 @@ class Op:
     """A wrapped collective: which argument holds the full logical tensor, and its per-rank cost factor."""
 
     name: str  # attribute of torch.distributed
-    logical: (
-        str  # parameter holding the full logical tensor (a tensor, or a list of tensors summed)
-    )
+    # parameter holding the full logical tensor (a tensor, or a list of tensors summed)
+    logical: str
     factor: Callable[
         [int], float
     ]  # per-rank bytes moved / logical bytes, for group size t (ring algorithms)
@@ -106,9 +105,8 @@ class Call:
     numel: int  # elements of the full logical tensor
     element_size: int
     group_size: int
-    sent: float | None = (
-        None  # bytes leaving this rank when known exactly (an uneven all-to-all's splits)
-    )
+    # bytes leaving this rank when known exactly (an uneven all-to-all's splits)
+    sent: float | None = None
 
     @property
     def logical_bytes(self) -> int:
@@ -249,9 +247,8 @@ def _ep_step(shape: Shape, experts: int = 8, top_k: int = 2) -> tuple[list[Call]
     ep = parallel.ep
     cfg = dataclasses.replace(shape.model_config(), moe_experts=experts, moe_top_k=top_k)
     model = CausalLM(cfg, seed=0, parallel=parallel)
-    tokens = _tokens(shape)[dist.get_rank() : dist.get_rank() + 1].repeat(
-        shape.batch, 1
-    )  # each rank its own
+    # each rank its own
+    tokens = _tokens(shape)[dist.get_rank() : dist.get_rank() + 1].repeat(shape.batch, 1)
     with CollectiveRecorder() as recorder:
         model(tokens[:, :-1], tokens[:, 1:]).backward()
     local = experts // ep_size
@@ -288,9 +285,8 @@ def _ulysses_step(shape: Shape) -> list[Call]:
 
 def _ulysses_analytic(shape: Shape, t: int) -> Analytic:
     head_dim = shape.dim // shape.n_heads
-    kv = (
-        shape.n_kv_heads if shape.n_kv_heads % t == 0 else shape.n_heads
-    )  # too few kv heads: sent per q head
+    # too few kv heads: sent per q head
+    kv = shape.n_kv_heads if shape.n_kv_heads % t == 0 else shape.n_heads
     per_layer = (
         2
         * (2 * shape.n_heads + 2 * kv)
@@ -312,9 +308,8 @@ class Case:
     world: int
     # runs in every rank of an initialised world; returns its calls (and, without `analytic`, its own Analytic)
     step: Callable[[Shape], list[Call] | tuple[list[Call], Analytic]]
-    analytic: Callable[[Shape, int], Analytic] | None = (
-        None  # (shape, world) → per-rank bytes per the paper
-    )
+    # (shape, world) → per-rank bytes per the paper
+    analytic: Callable[[Shape, int], Analytic] | None = None
 
 
 CASES = (
@@ -399,9 +394,8 @@ def measure_all(cases: list[Case] | tuple[Case, ...], shape: Shape) -> list[Resu
 
 
 def _result(case: Case, per_rank: dict, shape: Shape) -> Result:
-    if (
-        case.analytic is None
-    ):  # the step judged its own routing: report rank 0's calls against rank 0's minimum
+    # the step judged its own routing: report rank 0's calls against rank 0's minimum
+    if case.analytic is None:
         calls, analytic = per_rank[0]
         return Result(case, tuple(calls), analytic)
     if any(calls != per_rank[0] for calls in per_rank.values()):

@@ -23,9 +23,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-FIXED_MIB = (
-    96  # measured 63 MiB: transformers' tokenizer and config code on first use (imports, protobuf)
-)
+# measured 63 MiB: transformers' tokenizer and config code on first use (imports, protobuf)
+FIXED_MIB = 96
 
 
 def write_checkpoint(run_dir: Path, dim: int, layers: int, vocab: int, tp: int) -> dict:

@@ -129,9 +129,8 @@ class Sampler(threading.Thread):
         lines = 0
         while self.proc.poll() is None:
             now = time.perf_counter()
-            if (
-                len(pids) < self.ranks and self.metrics.exists()
-            ):  # the ranks are up once rank 0 logs a step
+            # the ranks are up once rank 0 logs a step
+            if len(pids) < self.ranks and self.metrics.exists():
                 # the rank processes: the descendants holding the most memory
                 pids = sorted(_descendants(self.proc.pid), key=lambda p: _rss_mb(p) or 0)[
                     -self.ranks :

@@ -44,9 +44,8 @@ def measure(timeout: float, stall_step: int, phase: str = "step") -> tuple[float
             f"faults.sleep_s={STALL_S}",
             f"stability.watchdog_timeout={timeout}",
         ]
-        before_stall = (
-            stall_step - 1
-        )  # the sleep is at the start of stall_step: its line never comes
+        # the sleep is at the start of stall_step: its line never comes
+        before_stall = stall_step - 1
     else:
         fault = [
             f"checkpoint.interval={stall_step}",

@@ -144,9 +144,8 @@ def sync(device: str) -> None:
 
 
 def peak_bytes(fn: Callable, inputs: Inputs, device: str) -> int:
-    for (
-        t
-    ) in inputs:  # the previous call's gradients are freed before the baseline, not inside the call
+    # the previous call's gradients are freed before the baseline, not inside the call
+    for t in inputs:
         t.grad = None
     if device == "cuda":
         torch.cuda.synchronize()

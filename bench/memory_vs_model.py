@@ -30,9 +30,8 @@ def main(run_dir: Path) -> None:
             "gradient_accumulation_steps",
         )
     ]
-    dp = (
-        batch[0] // (batch[1] * batch[2]) if all(isinstance(v, int) for v in batch) else 1
-    )  # resolved in the run
+    # resolved in the run
+    dp = batch[0] // (batch[1] * batch[2]) if all(isinstance(v, int) for v in batch) else 1
     model = estimate(cfg, ds, Layout(tp=p.tp, pp=p.pp, dp=dp, ep=p.ep, sp=p.sp))
     measured = f"{max(peaks):.3f} GiB" if peaks else "n/a (no CUDA peak recorded)"
     print(

@@ -105,9 +105,8 @@ ANALYTIC_LABEL = {
 @dataclass(frozen=True)
 class Shape:
     dim: int = 256
-    n_layers: int = (
-        8  # a multiple of every stage count (p; 2p under DualPipeV and interleaved): equal blocks
-    )
+    # a multiple of every stage count (p; 2p under DualPipeV and interleaved): equal blocks
+    n_layers: int = 8
     vocab: int = 512
     seq_len: int = 128
     micro_batch: int = 4
@@ -267,9 +266,8 @@ def launch(p: int, ms: list[int], shape: Shape, schedule: str = "1f1b") -> list[
         proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True)
         if proc.returncode != 0 or not out.exists():
             text = proc.stdout + proc.stderr
-            first = text.find(
-                "Traceback"
-            )  # the failing rank's own error, not torchrun's summary after it
+            # the failing rank's own error, not torchrun's summary after it
+            first = text.find("Traceback")
             raise RuntimeError(
                 f"{schedule} p={p} ranks failed (exit {proc.returncode}):\n"
                 f"{text[first : first + 6000] if first >= 0 else text[-6000:]}"
@@ -282,16 +280,14 @@ class Row:
     schedule: str
     p: int
     m: int
-    analytic: (
-        float  # mean idle over ranks on one device per rank (pipeline_schedule_model.analytic_idle)
-    )
+    # mean idle over ranks on one device per rank (pipeline_schedule_model.analytic_idle)
+    analytic: float
     idle_wall: list[float]  # per rank: 1 - wall busy / phase
     idle_cpu: list[float]  # per rank: 1 - CPU busy / phase
     slot_ms: list[float]  # per rank: wall fwd+bwd per micro-batch (both stages under DualPipeV), ms
     phase_ms: float  # pipeline phase per step
-    on_cpu: (
-        float  # CPU busy / wall busy, all ranks and steps: 1.0 when every rank has a core to itself
-    )
+    # CPU busy / wall busy, all ranks and steps: 1.0 when every rank has a core to itself
+    on_cpu: float
     tail_share: float  # (step - phase) / step: optimizer, grad sync and loss broadcast, excluded
     p2p_share: list[
         float
@@ -309,9 +305,8 @@ class Row:
 def summarize(p: int, m: int, stages: list[list[dict]], schedule: str = "1f1b") -> Row:
     """Per rank, the median over measured steps (a step disturbed by another process does not skew it)."""
     stages = [[r for r in records if r["m"] == m] for records in stages]
-    per_micro_batch = (
-        2 * STAGES_PER_RANK[schedule]
-    )  # one forward and one backward per stage a rank holds
+    # one forward and one backward per stage a rank holds
+    per_micro_batch = 2 * STAGES_PER_RANK[schedule]
     if any(r["instructions"] != per_micro_batch * m for records in stages for r in records):
         raise RuntimeError(
             f"{schedule} p={p} m={m}: a rank did not run one forward and one backward per "
@@ -513,9 +508,8 @@ def main(argv: list[str] | None = None) -> int:
             f"--n-layers {shape.n_layers} must be a multiple of every stage count {counts} (p, and 2p "
             "under DualPipeV and interleaved: balanced stages)"
         )
-    check_1f1b(
-        [(p, m) for p in ps for m in ms]
-    )  # the replay behind the DualPipeV column reproduces the formula
+    # the replay behind the DualPipeV column reproduces the formula
+    check_1f1b([(p, m) for p in ps for m in ms])
     runs, skipped = plan(schedules, ps, ms)
     cores = len(os.sched_getaffinity(0))
     print(

@@ -30,9 +30,8 @@ from keel.config.schema import PIPELINE_SCHEDULES
 from keel.engine.memory_model import rank_stages
 
 FORWARD_COST, BACKWARD_COST = 1.0, 2.0
-SCHEDULES = (
-    PIPELINE_SCHEDULES  # a schedule Keel gains needs a replay here too (`instruction_streams`)
-)
+# a schedule Keel gains needs a replay here too (`instruction_streams`)
+SCHEDULES = PIPELINE_SCHEDULES
 # DualPipeV: rank r holds stage r (phase 0) and 2p-1-r (phase 1); interleaved: v = 2 (parallel.virtual_stages
 # default) stages r and r+p; Keel's memory model says how many
 STAGES_PER_RANK = {schedule: len(rank_stages(1, schedule)[0]) for schedule in SCHEDULES}
@@ -78,9 +77,8 @@ def _channel(cmd, rank: int, schedule: str, p: int) -> tuple[str, int, int, int]
     if schedule == "interleaved":
         phase, downstream, upstream = -1, (rank + 1) % p, (rank - 1) % p
     else:
-        downstream = (
-            rank + 1 if phase == 0 else rank - 1
-        )  # DualPipeVEngine._downstream_stage; 1F1B is phase 0
+        # DualPipeVEngine._downstream_stage; 1F1B is phase 0
+        downstream = rank + 1 if phase == 0 else rank - 1
         upstream = rank - 1 if phase == 0 else rank + 1
     if isinstance(cmd, (SendActivation, RecvActivation)):
         sender, receiver = (
@@ -107,9 +105,8 @@ def _ops(
         elif isinstance(cmd, (ds.SendActivation, ds.SendGrad, ds.RecvActivation, ds.RecvGrad)):
             channel = _channel(cmd, rank, schedule, p)
             if isinstance(cmd, (ds.RecvActivation, ds.RecvGrad)):
-                ops.append(
-                    ("recv", channel, received[channel])
-                )  # the n-th receive takes the n-th send
+                # the n-th receive takes the n-th send
+                ops.append(("recv", channel, received[channel]))
                 received[channel] += 1
             else:
                 ops.append(("send", channel))
@@ -135,9 +132,8 @@ def simulate(
         _ops(stream, rank, forward, backward, deferred, schedule, p)
         for rank, stream in enumerate(streams)
     ]
-    sent: dict[tuple, list[float]] = defaultdict(
-        list
-    )  # channel -> issue time of each send, in order
+    # channel -> issue time of each send, in order
+    sent: dict[tuple, list[float]] = defaultdict(list)
     clock, busy, compute_end, pc = [0.0] * p, [0.0] * p, [0.0] * p, [0] * p
     sends: list[list[tuple]] = [[] for _ in range(p)]  # queued, not yet issued
     recvs: list[list[tuple]] = [[] for _ in range(p)]  # queued (channel, index), not yet complete

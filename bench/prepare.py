@@ -107,9 +107,8 @@ def _digest(prefix: Path) -> str:
 
 def _spin(seconds: list) -> None:
     start, x = time.perf_counter(), 0
-    for i in range(
-        15_000_000
-    ):  # ~0.5 s: long against the fork and join it is timed with (0.1 s read 1.35 idle)
+    # ~0.5 s: long against the fork and join it is timed with (0.1 s read 1.35 idle)
+    for i in range(15_000_000):
         x += i
     seconds.append(time.perf_counter() - start)
 

@@ -303,9 +303,8 @@ def run_once(workdir: Path, args, index: int) -> dict:
         deadline = time.monotonic() + 600
         ready = False
         while True:
-            ready = (
-                ready or job.ready()
-            )  # checked until true only: it is slow, and the kill must not wait
+            # checked until true only: it is slow, and the kill must not wait
+            ready = ready or job.ready()
             records = read_metrics(run_dir / "metrics.jsonl")
             if ready and records and records[-1]["step"] >= args.kill_at:
                 break

@@ -193,9 +193,8 @@ def hf_step(trainer: PairedTrainer, hf, dtype: torch.dtype) -> Callable[[int], f
     from keel.model import causal_lm_loss
 
     t = trainer.cfg.train
-    with (
-        torch.no_grad()
-    ):  # parameters only: HF's RoPE inv_freq stays fp32, as Keel's tables are computed in fp32
+    # parameters only: HF's RoPE inv_freq stays fp32, as Keel's tables are computed in fp32
+    with torch.no_grad():
         for p in hf.parameters():
             p.data = p.data.to(dtype)
     params = [p for p in hf.parameters() if p.requires_grad]  # a tied weight appears once
@@ -285,9 +284,8 @@ def main() -> None:
     from keel.training.entry import exit_now
 
     args = parse_args()
-    tmp = Path(
-        tempfile.mkdtemp(prefix="keel-throughput-")
-    )  # the run dir: config, metrics, the final checkpoint
+    # the run dir: config, metrics, the final checkpoint
+    tmp = Path(tempfile.mkdtemp(prefix="keel-throughput-"))
     try:
         run_dir = write_run(args, tmp / "run")
         if args.ranks > 1:

@@ -220,9 +220,8 @@ class AnomalyLog:
         }
         self.events.append(event)
         if self.rank == 0 or all_ranks:
-            with open(
-                self.path, "a"
-            ) as f:  # one short line per write: appends of whole lines do not interleave
+            # one short line per write: appends of whole lines do not interleave
+            with open(self.path, "a") as f:
                 f.write(json.dumps(event, default=str) + "\n")
         return event
 

@@ -93,9 +93,8 @@ def write_run(
         for index in range(cfg.model.n_layers + 3):
             prefix = f"layers.{index}."
             layer = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
-            if (
-                cfg.model.tie_embeddings and index == cfg.model.n_layers + 2
-            ):  # the pipeline's tied copy
+            # the pipeline's tied copy
+            if cfg.model.tie_embeddings and index == cfg.model.n_layers + 2:
                 layer = {"tok_embeddings.weight": layer["output.weight"]}
             torch.save(layer, tag_dir / f"layer_{index:02d}-model_{rank:02d}-model_states.pt")
     if complete:

@@ -129,9 +129,8 @@ class Run:
     nproc: int
     ds_config: str = ZERO0
     changes: tuple[tuple[str, str], ...] = ()
-    resume_at: int = (
-        0  # > 0: stop with a checkpoint every this many steps, and resume, until the end
-    )
+    # > 0: stop with a checkpoint every this many steps, and resume, until the end
+    resume_at: int = 0
     ds_patch: str = ""  # JSON merged into the DeepSpeed config's sections (e.g. {"fp16": {...}})
     expect_code: int = 0  # the exit code the run ends with: non-zero for a run a guard stops
 
@@ -213,9 +212,8 @@ class RunCache:
                 for k, r in self._declared.items()
                 if r.nproc == wanted.nproc and k not in self._done and k != wanted.key
             ]
-            self._launch(
-                sorted(batch, key=lambda run: run.expect_code == 0)
-            )  # stopped runs first (see above)
+            # stopped runs first (see above)
+            self._launch(sorted(batch, key=lambda run: run.expect_code == 0))
         return self._done[wanted.key]
 
     def overrides(self, **changes: Any) -> list[str]:

@@ -100,9 +100,8 @@ class TwoNodes:
             except subprocess.TimeoutExpired:
                 pass
         for netns in self._created:
-            for _ in range(
-                20
-            ):  # a process that is still exiting keeps the namespace busy for a moment
+            # a process that is still exiting keeps the namespace busy for a moment
+            for _ in range(20):
                 if _ip("netns", "del", netns, check=False).returncode == 0:
                     break
                 self._kill_pids(netns)

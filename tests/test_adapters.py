@@ -272,9 +272,8 @@ def test_every_checkpoint_file_goes_through_the_checkpoint_engine_seam(probed, k
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_vetoed_step_changes_nothing_and_an_allowed_one_updates(probed, kind):
     vetoed, stepped = probed[kind]["vetoed"], probed[kind]["stepped"]
-    assert (
-        stepped["applied"] and stepped["changed"] and stepped["lr_steps"] == 1
-    )  # params moved, moments created
+    # params moved, moments created
+    assert stepped["applied"] and stepped["changed"] and stepped["lr_steps"] == 1
     assert (
         vetoed["consulted"]
         and not vetoed["applied"]

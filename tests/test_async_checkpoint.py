@@ -46,9 +46,8 @@ def _awkward_state() -> dict:
     """What DeepSpeed's state dicts contain, and what changes torch.save's bytes if a copy gets it wrong."""
     flat = torch.arange(12, dtype=torch.float32)
     weight = torch.nn.Parameter(torch.randn(3, 4))
-    module = collections.OrderedDict(
-        w=flat[2:8].view(2, 3), b=flat[8:], t=flat[1:7:2]
-    )  # views of one storage
+    # views of one storage
+    module = collections.OrderedDict(w=flat[2:8].view(2, 3), b=flat[8:], t=flat[1:7:2])
     module._metadata = collections.OrderedDict({"": {"version": 1}})
     tied, placeholder = (
         torch.randn(5, requires_grad=True),
@@ -294,15 +293,13 @@ def test_async_files_equal_a_synchronous_saves_byte_for_byte(compared, kind):
         assert any("optim_states" in name for name in files), files
     for name, file in files.items():
         assert file["equal"] and file["reported"] == file["size"] and file["sha256"], (name, file)
-    assert got["snapshot_bytes"] <= sum(
-        f["size"] for f in files.values()
-    )  # one host copy of the rank's files
+    # one host copy of the rank's files
+    assert got["snapshot_bytes"] <= sum(f["size"] for f in files.values())
 
 
 # -- a crash while a writer is paused, then resume (multi-process) ------------------------------------------------
-REFERENCE = Run.of(
-    "zero0", 2
-)  # shared with tests/test_keel_train.py: TINY, 10 steps, saved only at the end
+# shared with tests/test_keel_train.py: TINY, 10 steps, saved only at the end
+REFERENCE = Run.of("zero0", 2)
 KEEL_RUNS = [REFERENCE]
 
 
@@ -337,9 +334,8 @@ def test_a_crash_during_a_background_write_resumes_bitwise(runs, tmp_path):
     # rank 1's writer had written its file aside and was paused before renaming it into place
     assert (ckpt / "step00000006" / ".async_rank1" / "keel_rng_rank1.pt").is_file()
     assert not (ckpt / "step00000006" / "keel_rng_rank1.pt").exists()
-    keel_train(
-        run_dir, 2, runs.overrides(**common)
-    )  # resumes from step 3, saves 6 (again), 9 and 10
+    # resumes from step 3, saves 6 (again), 9 and 10
+    keel_train(run_dir, 2, runs.overrides(**common))
     assert json.loads((ckpt / "step00000010" / COMPLETE).read_text())["step"] == 10
     assert not (ckpt / "step00000006" / ".async_rank1").exists()
     want, got = final_weights(reference), final_weights(run_dir)

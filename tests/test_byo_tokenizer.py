@@ -232,9 +232,8 @@ def test_prepare_with_a_given_tokenizer(
         [str(tmp_path / "corpus")], tmp_path / "cache", 4096, progress=False, tokenizer=source
     )
     copy = load_tokenizer(prepared.tokenizer_path)
-    assert (
-        prepared.tokenizer_path.parent == prepared.data_prefix.parent
-    )  # the entry holds its tokenizer
+    # the entry holds its tokenizer
+    assert prepared.tokenizer_path.parent == prepared.data_prefix.parent
     assert (copy.kind, copy.vocab_size, copy.bos_id, copy.eos_id, copy.pad_id) == (
         given.kind,
         given.vocab_size,

@@ -139,13 +139,11 @@ def test_rng_state_restores_every_stream_and_reports_what_an_old_checkpoint_lack
     want = model.draw()
     model.draw()
     assert rng_state.restore(saved, model) == []
-    assert torch.equal(
-        model.draw(), want
-    )  # the sharded dropout stream and the default one both resumed
+    # the sharded dropout stream and the default one both resumed
+    assert torch.equal(model.draw(), want)
     old = {
         k: saved[k] for k in ("python", "numpy", "torch")
     }  # a checkpoint from before the new fields
     assert rng_state.restore(old, DropoutModel()) == ["sharded"]
-    assert (
-        rng_state.restore(old, torch.nn.Linear(2, 2)) == []
-    )  # no dropout stream: nothing is missing
+    # no dropout stream: nothing is missing
+    assert rng_state.restore(old, torch.nn.Linear(2, 2)) == []

@@ -128,9 +128,8 @@ def test_the_lint_sees_direct_collectives(source, expected):
 
 def test_a_tensor_on_the_wrong_device_for_its_channel_is_refused():
     gpu_world = comm.Group("world", (0, 1), 0, comm.DEVICE, device_type="cuda")
-    with pytest.raises(
-        RuntimeError, match="needs a cuda tensor, got one on cpu"
-    ):  # the old pipeline loss on GPUs
+    # the old pipeline loss on GPUs
+    with pytest.raises(RuntimeError, match="needs a cuda tensor, got one on cpu"):
         comm.check("all_reduce_sum", gpu_world, torch.zeros(()))
     control = comm.Group("world", (0, 1), 0, comm.CONTROL, device_type="cuda")
     with pytest.raises(
@@ -139,9 +138,8 @@ def test_a_tensor_on_the_wrong_device_for_its_channel_is_refused():
         comm.check("all_reduce_max", control, torch.zeros((), device="meta"))
     with pytest.raises(RuntimeError, match="Python objects belongs on the control channel"):
         comm.check("all_gather_object", gpu_world, None)
-    comm.check(
-        "all_reduce_max", control, torch.zeros(2, dtype=torch.int64)
-    )  # right device: accepted
+    # right device: accepted
+    comm.check("all_reduce_max", control, torch.zeros(2, dtype=torch.int64))
     comm.check("all_gather_object", control, None)
 
 

@@ -121,8 +121,7 @@ def test_auto_compiles_only_where_it_was_measured_to_win(monkeypatch):
     )[0]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert "CUDA" in should_compile(RunConfig(model=big, train=long_run), 1, "fp32")[1]
-    assert (
-        build_config({"model": {"compile": True}}).model.compile == "True"
-    )  # YAML's boolean, read as a setting
+    # YAML's boolean, read as a setting
+    assert build_config({"model": {"compile": True}}).model.compile == "True"
     with pytest.raises(ConfigError, match="model.compile: expected auto, true or false"):
         validate(build_config({"model": {"compile": "sometimes"}}), 1)

@@ -265,9 +265,8 @@ def test_model_vocabulary_smaller_than_the_token_files_is_refused_before_any_ran
     spec = build_run(None, overrides, None, str(tmp_path / "first"), 2)
     prepare_data(spec)
     assert spec.cfg.model.vocab_size == 512
-    sidecar = Path(
-        spec.data["prefix"] + ".json"
-    )  # the vocabulary lives beside the Megatron-format pair
+    # the vocabulary lives beside the Megatron-format pair
+    sidecar = Path(spec.data["prefix"] + ".json")
     sidecar.write_text(json.dumps({**json.loads(sidecar.read_text()), "vocab_size": 600}))
     args = ["train", "--nproc", "2", "--run-dir", str(tmp_path / "run")]
     for item in overrides + ["model.vocab_size=512"]:

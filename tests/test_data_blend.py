@@ -73,9 +73,8 @@ def test_index_is_cached_atomically(tmp_path: Path) -> None:
     w = normalized_weights([0.7, 0.3])
     path = ensure_blend_index(tmp_path / "blend.npy", w, 1000)
     mtime = path.stat().st_mtime_ns
-    assert (
-        ensure_blend_index(path, w, 500) == path and path.stat().st_mtime_ns == mtime
-    )  # long enough: reused
+    # long enough: reused
+    assert ensure_blend_index(path, w, 500) == path and path.stat().st_mtime_ns == mtime
     np.testing.assert_array_equal(np.load(path, mmap_mode="r"), build_blend(w, 1000))
     path.write_bytes(b"garbage")
     ensure_blend_index(path, w, 1000)
@@ -96,9 +95,8 @@ def test_blended_batches_follow_the_index_and_wrap_small_sources() -> None:
     tags = rows[:, 0] // 1000
     np.testing.assert_array_equal(tags, build_blend(w, 400)["source"] + 1)
     small = rows[tags == 2, 0] % 1000
-    assert len(small) == 80 and sorted(small[:7]) == list(
-        range(7)
-    )  # each epoch of the small source is a permutation
+    # each epoch of the small source is a permutation
+    assert len(small) == 80 and sorted(small[:7]) == list(range(7))
     assert not np.array_equal(small[:7], small[7:14])  # reshuffled per epoch
     # the same (seed, weights) in a fresh order, from the middle: the same samples (exact resume)
     again = BlendedOrder(build_blend(w, 100), w, samples, seed=3)

@@ -50,9 +50,8 @@ def test_round_trip(tmp_path, vocab: int, dtype: type) -> None:
         ds.document_start_at(0) == 0
         and ds.document_start_at(ds.num_tokens - 1) == ds.doc_offsets[-2]
     )
-    assert (
-        ds.document_start_at(22) == 22 and ds.document_start_at(21) == 5
-    )  # documents start at 0 5 5 22 23
+    # documents start at 0 5 5 22 23
+    assert ds.document_start_at(22) == 22 and ds.document_start_at(21) == 5
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "d.bin",
         "d.idx",
@@ -153,15 +152,13 @@ def test_corrupt_files_raise_one_line(written, suffix: str, edit, match: str) ->
 def test_validate_finds_what_opening_does_not_look_at(written) -> None:
     """Opening checks sizes and end points only; validate() streams pointers, documents and ids."""
     idx = written.with_name(written.name + ".idx")
-    pointers = (
-        34 + 4 * 3
-    )  # header + int32 lengths; the second pointer says 'sequence 1 starts at byte 4'
+    # header + int32 lengths; the second pointer says 'sequence 1 starts at byte 4'
+    pointers = 34 + 4 * 3
     _rewrite(idx, lambda b: b[: pointers + 8] + (4).to_bytes(8, "little") + b[pointers + 16 :])
     with pytest.raises(DataError, match="pointers do not follow the sequence lengths"):
         IndexedDataset(written).validate()
-    _rewrite(
-        idx, lambda b: b[: pointers + 8] + (20).to_bytes(8, "little") + b[pointers + 16 :]
-    )  # repaired
+    # repaired
+    _rewrite(idx, lambda b: b[: pointers + 8] + (20).to_bytes(8, "little") + b[pointers + 16 :])
     IndexedDataset(written).validate()
     with pytest.raises(
         DataError, match=r"token 55 is id 25, outside the tokenizer's vocabulary \[0, 25\)"

@@ -146,9 +146,8 @@ def test_workers_write_byte_identical_files(
     tmp_path: Path, given_tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     files = write_corpus(tmp_path / "corpus", n_files=30)
-    monkeypatch.setattr(
-        prepare_mod, "_BATCH_CHARS", 3000
-    )  # dozens of batches, finishing out of order
+    # dozens of batches, finishing out of order
+    monkeypatch.setattr(prepare_mod, "_BATCH_CHARS", 3000)
     outputs = {}
     for workers in (1, 2, 3):
         prepared = prepare_corpus(
@@ -189,9 +188,8 @@ def test_given_tokenizer_reads_the_corpus_once(
         tokenizer=given_tokenizer,
         workers=2,
     )
-    assert sorted(reads) == sorted(
-        files + [tmp_path / "corpus" / "empty.txt"]
-    )  # every file exactly once
+    # every file exactly once
+    assert sorted(reads) == sorted(files + [tmp_path / "corpus" / "empty.txt"])
     assert prepared.tokenizer_path == given_tokenizer.model_path and prepared.vocab_size == 400
     meta = IndexedDataset(prepared.data_prefix).metadata
     assert meta["eos_id"] == given_tokenizer.eos_id and meta["tokenizer"] == str(

@@ -58,13 +58,11 @@ def test_the_batch_check_names_the_global_sample_and_stands_in(corrupt) -> None:
             ExitCode.BAD_DATA,
             sample,
         )
-        assert (
-            int(batch[0][1, 7]) == 0 and int(raw[0][1, 7]) == 1000
-        )  # stand-in id where the bad one was
+        # stand-in id where the bad one was
+        assert int(batch[0][1, 7]) == 0 and int(raw[0][1, 7]) == 1000
         assert all(torch.equal(a, b) for a, b in zip(batch[1:], raw[1:]))
-    with pytest.raises(
-        DataError, match=r"holds token id 1000"
-    ):  # the checked read still refuses it on its own
+    # the checked read still refuses it on its own
+    with pytest.raises(DataError, match=r"holds token id 1000"):
         step_batch(order, samples, GLOBAL, GLOBAL, MICRO, 1, DP)
 
 

@@ -41,9 +41,8 @@ def _tail(path, n: int = 6000) -> str:
 )
 def test_node_loss_shrinks_to_one_node_and_finishes_on_the_same_samples(runs, tmp_path):
     sets = dict(train__steps=STEPS, checkpoint__interval=INTERVAL)
-    straight = runs.get(
-        "elastic-ref", 2, "ds_configs/zero1.json", **sets
-    )  # also prepares the shared data
+    # also prepares the shared data
+    straight = runs.get("elastic-ref", 2, "ds_configs/zero1.json", **sets)
     overrides = runs.overrides(**sets)
     try:
         nodes = TwoNodes().__enter__()

@@ -21,9 +21,8 @@ SPIKES = dict(
     faults__spike_steps="[12, 13, 14]",
     faults__spike_factor=1000,
 )
-STORM = dict(
-    initial_scale_power=40, hysteresis=1, loss_scale_window=1000
-)  # every early step overflows
+# every early step overflows
+STORM = dict(initial_scale_power=40, hysteresis=1, loss_scale_window=1000)
 KEEL_RUNS = [
     Run.of("spikes", 1, "ds_configs/zero1.json", **SPIKES),
     Run.of(
@@ -73,9 +72,8 @@ def test_spikes_are_skipped_and_a_cluster_rolls_back(runs):
         "grad_norm/block0",
         "act/block1/std",
     } <= tags
-    assert [e.step for e in events_tb.Scalars("train/loss")] == list(
-        range(1, 21)
-    )  # rolled-back steps replaced
+    # rolled-back steps replaced
+    assert [e.step for e in events_tb.Scalars("train/loss")] == list(range(1, 21))
 
 
 @pytest.mark.fault("fp16 overflow storm", "steps skipped, loss scale halved, warning to use bf16")
@@ -90,8 +88,7 @@ def test_fp16_overflow_storm_halves_the_scale_and_warns(runs):
     records = read_metrics(run / "metrics.jsonl")
     scales = [r["loss_scale"] for r in records]
     skipped = [r["step"] for r in records if r["skipped"]]
-    assert (
-        len(skipped) >= 4 and scales[skipped[-1] - 1] < 2.0**40 / 2**3
-    )  # each overflow halved the scale
+    # each overflow halved the scale
+    assert len(skipped) >= 4 and scales[skipped[-1] - 1] < 2.0**40 / 2**3
     warnings = events(run, "loss_scale")
     assert warnings and "bf16" in warnings[0]["reason"]

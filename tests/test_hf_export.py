@@ -361,6 +361,5 @@ def test_half_precision_runs_export_their_fp32_masters(runs, precision):
         rows = value.shape[0]
         torch.testing.assert_close(value, theirs[name][:rows].float(), atol=0, rtol=0, msg=name)
         torch.testing.assert_close(value.to(half), module[name][:rows], atol=0, rtol=0, msg=name)
-    assert any(
-        not torch.equal(v, v.to(half).float()) for v in ours.values()
-    )  # not merely the half weights
+    # not merely the half weights
+    assert any(not torch.equal(v, v.to(half).float()) for v in ours.values())

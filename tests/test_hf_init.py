@@ -33,9 +33,8 @@ def save_hf_llama(path: Path, cfg: ModelConfig, seed: int = 0) -> None:
 
     torch.manual_seed(seed)
     hf = LlamaForCausalLM(to_hf_config(cfg))
-    with (
-        torch.no_grad()
-    ):  # HF initialises norms to 1: make them differ, so a norm read wrongly shows; and a
+    # HF initialises norms to 1: make them differ, so a norm read wrongly shows; and a
+    with torch.no_grad():
         for (
             name,
             param,
@@ -251,7 +250,6 @@ def test_first_step_loss_is_hf_loss(runs, init_runs, layout):
     )
     first = read_metrics(run_dir / "metrics.jsonl")[0]["loss"]
     expected = hf_loss(hf_dir, rows.long()).item()
-    assert (
-        abs(expected - math.log(cfg.model.vocab_size)) > 0.5
-    )  # far from what any random init would give
+    # far from what any random init would give
+    assert abs(expected - math.log(cfg.model.vocab_size)) > 0.5
     assert abs(first - expected) <= 1e-5 * abs(expected), (first, expected)

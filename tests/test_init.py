@@ -45,9 +45,8 @@ def test_tp_shards_are_slices_of_the_tp1_weights(tp_size, init):
                 continue
             width = param.shape[dim]
             start = rank * width
-            if (
-                "tok_embeddings" in name or "output" in name
-            ):  # vocabulary rows: padding past vocab_size is zero
+            # vocabulary rows: padding past vocab_size is zero
+            if "tok_embeddings" in name or "output" in name:
                 real = max(0, min(width, cfg.vocab_size - start))
                 assert torch.equal(param[:real], full[start : start + real]), name
                 assert param[real:].abs().sum() == 0, name

@@ -63,9 +63,8 @@ def test_timetable_runs_everything_once_after_its_input(p, m, v):
             assert made[(stage - 1) % p, Work("F", (stage - 1) // p, work.micro_batch)] < t
         elif work.kind == "B" and stage < v * p - 1:
             assert made[(stage + 1) % p, Work("B", (stage + 1) // p, work.micro_batch)] < t
-        elif (
-            work.kind == "B"
-        ):  # the loss stage: its own forward, earlier or earlier in the same iteration
+        # the loss stage: its own forward, earlier or earlier in the same iteration
+        elif work.kind == "B":
             assert made[rank, Work("F", work.chunk, work.micro_batch)] <= t
 
 

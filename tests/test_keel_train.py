@@ -36,9 +36,8 @@ def test_default_run_learns(tmp_path):
     assert last < first - 2.0, (first, last)
     assert any("val_loss" in r for r in records)
     assert "step    300/300" in proc.stdout
-    assert (
-        "| mfu n/a | eta 0s" in proc.stdout
-    )  # the step line's last fields (CPU: no peak FLOP/s to divide by)
+    # the step line's last fields (CPU: no peak FLOP/s to divide by)
+    assert "| mfu n/a | eta 0s" in proc.stdout
     # Running the same command again resumes from the final checkpoint and has nothing left to do.
     again = subprocess.run(
         [sys.executable, "-m", "keel.launcher.cli", "train", "--run-dir", str(tmp_path)],

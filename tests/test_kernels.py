@@ -208,9 +208,8 @@ def test_liger_rmsnorm_and_swiglu_match_the_reference_on_cuda(dtype, rows, width
     elementwise = tol if dtype == torch.float32 else BF16_ELEMENTWISE_RTOL
     for ref, got in zip(seen[0][:3], seen[1][:3]):  # norm, act, b.grad: elementwise
         torch.testing.assert_close(got, ref, rtol=elementwise, atol=0.0)
-    for ref, got in zip(
-        seen[0][3:], seen[1][3:]
-    ):  # x.grad (terms that cancel), w.grad (a sum over rows)
+    # x.grad (terms that cancel), w.grad (a sum over rows)
+    for ref, got in zip(seen[0][3:], seen[1][3:]):
         assert_close_to_scale(got, ref, tol)
     q, k = (
         torch.randn(2, 4, 9, 16, device="cuda").to(dtype),

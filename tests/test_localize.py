@@ -85,9 +85,8 @@ def test_first_bad_and_origin_differ_when_a_parent_makes_the_value():
     model.layers[0].register_forward_hook(huge)  # the residual stream entering block 1
     model.layers[1].attention.register_forward_hook(huge)  # its attention branch
     loc = localize(model, micro_batches(n=1))
-    assert (
-        loc.first_bad_module == "layers.1.ffn_norm"
-    )  # first to return a non-finite value: its input was inf
+    # first to return a non-finite value: its input was inf
+    assert loc.first_bad_module == "layers.1.ffn_norm"
     assert (loc.origin_module, loc.origin_class) == (
         "layers.1",
         "Block",
@@ -105,9 +104,8 @@ def test_transient_fault_in_the_step_is_not_reproduced():
 
     model.layers[1].feed_forward.register_forward_hook(once)
     batches = micro_batches()
-    assert math.isnan(
-        model(batches[0][:, :-1], batches[0][:, 1:]).item()
-    )  # the step that was skipped
+    # the step that was skipped
+    assert math.isnan(model(batches[0][:, :-1], batches[0][:, 1:]).item())
     loc = localize(model, batches)
     assert loc.first_bad_module is None and loc.bad_micro_batches == [] and loc.samples == []
     assert not loc.reproducible and loc.classification == TRANSIENT and loc.replays_nonfinite == 0
@@ -124,9 +122,8 @@ def test_fault_in_one_replay_only_is_transient_and_reported():
     model.layers[1].feed_forward.register_forward_hook(once)
     loc = localize(model, micro_batches())
     assert loc.classification == TRANSIENT and loc.replays_nonfinite == 1 and not loc.reproducible
-    assert (
-        loc.first_bad_module == "layers.1.feed_forward" and loc.micro_batch == 0
-    )  # found by the first replay
+    # found by the first replay
+    assert loc.first_bad_module == "layers.1.feed_forward" and loc.micro_batch == 0
 
 
 def test_inf_in_the_loss_only_points_at_the_model():
@@ -156,9 +153,8 @@ def test_backward_only_nan_is_found_in_the_gradients():
         loc = localize(model, micro_batches())
     assert loc.first_bad_module is None and loc.origin_module is None and math.isfinite(loc.loss)
     assert loc.bad_grads[0] == "layers.2.feed_forward.w2.weight"
-    assert (
-        "layers.3.norm.weight" not in loc.bad_grads
-    )  # downstream of the NaN: its gradient stays finite
+    # downstream of the NaN: its gradient stays finite
+    assert "layers.3.norm.weight" not in loc.bad_grads
     assert loc.classification == DATA
 
 
@@ -183,9 +179,8 @@ def test_replay_leaves_grads_hooks_rng_and_modes_alone(checkpoint_interval):
     fired = []
     accumulators = []
     for p in params:
-        p.register_post_accumulate_grad_hook(
-            lambda p: fired.append("post")
-        )  # ZeRO's hook on torch >= 2.1
+        # ZeRO's hook on torch >= 2.1
+        p.register_post_accumulate_grad_hook(lambda p: fired.append("post"))
         accumulator = p.expand_as(p).grad_fn.next_functions[0][
             0
         ]  # the older AccumulateGrad-node hook
@@ -198,9 +193,8 @@ def test_replay_leaves_grads_hooks_rng_and_modes_alone(checkpoint_interval):
 
     loc = localize(model, micro_batches())
 
-    assert (
-        loc.first_bad_module == "layers.2.attention.wo" and loc.classification == DATA
-    )  # dropout masks agree
+    # dropout masks agree
+    assert loc.first_bad_module == "layers.2.attention.wo" and loc.classification == DATA
     assert fired == []
     for p, before in zip(params, grads_before):
         if before is None:
@@ -221,14 +215,12 @@ def test_both_replays_draw_the_same_dropout_masks():
     losses = []
     model.register_forward_hook(lambda module, args, loss: losses.append(loss.item()))
     localize(model, micro_batches())
-    assert (
-        len(losses) == 4 and losses[:2] == losses[2:]
-    )  # the second replay saw exactly what the first did
+    # the second replay saw exactly what the first did
+    assert len(losses) == 4 and losses[:2] == losses[2:]
     model.eval()
     batch = micro_batches()[0]
-    assert (
-        model(batch[:, :-1], batch[:, 1:]).item() != losses[0]
-    )  # and dropout was on in the replay
+    # and dropout was on in the replay
+    assert model(batch[:, :-1], batch[:, 1:]).item() != losses[0]
 
 
 def test_classify_needs_the_same_place_twice():
@@ -255,9 +247,8 @@ def _engine(stage: int, tp: int = 1):
     ds_raw = json.loads(
         (Path(__file__).parents[1] / "ds_configs" / f"zero{stage}.json").read_text()
     )
-    ds_raw["zero_optimization"]["stage3_param_persistence_threshold"] = (
-        0  # partition even tiny params
-    )
+    # partition even tiny params
+    ds_raw["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     dp = int(os.environ["WORLD_SIZE"]) // tp
     cfg = RunConfig(
         model=ModelConfig(**CFG),
@@ -327,9 +318,8 @@ def test_localize_under_zero_leaves_training_unchanged(stage):
         and poisoned["classification"] == DATA
     )
     n_params = sum(1 for p in tiny().parameters() if p.requires_grad)
-    assert (
-        poisoned["n_bad_grads"] == n_params
-    )  # ZeRO-3 too: autograd.grad reaches partitioned params (full grads)
+    # ZeRO-3 too: autograd.grad reaches partitioned params (full grads)
+    assert poisoned["n_bad_grads"] == n_params
     if stage == 3:
         assert results["left_gathered"] == ["layers.0.tok_embeddings.weight"]
     assert results["losses"][True] == results["losses"][False]
@@ -348,9 +338,8 @@ def _every_rank_worker(
     engine = _engine(stage, tp)
     dp_rank = rank // tp  # tp is the innermost grid axis
     batches = micro_batches(n=2, seed=dp_rank)
-    if (
-        rank == 0
-    ):  # a fault on one rank only: in a column-parallel shard under tp, in its batch under dp
+    # a fault on one rank only: in a column-parallel shard under tp, in its batch under dp
+    if rank == 0:
         # the value part of the fused k/v projection: on AVX-512 CPUs torch 2.13's SDPA returns finite outputs for
         # NaN queries or keys (measured), so only a NaN in v is certain to reach the attention's all-reduce
         engine.module.layers[2].attention.wkv.register_forward_hook(
@@ -359,9 +348,8 @@ def _every_rank_worker(
     results[rank] = localize(engine.module, batches).event()
     if stage == 3:
         engine.empty_partition_cache()
-    _step(
-        engine, batches
-    )  # the ranks are still in step: a collective after localization does not hang
+    # the ranks are still in step: a collective after localization does not hang
+    _step(engine, batches)
 
 
 @pytest.mark.slow

@@ -66,9 +66,8 @@ def test_inverse_sqrt_is_noam():
 
 def test_inverse_sqrt_floor_and_zero_warmup():
     floored = TrainConfig(steps=10, warmup_steps=4, lr_schedule="inverse_sqrt", min_lr_ratio=0.25)
-    assert lr_multiplier(63, floored) == pytest.approx(
-        0.25
-    )  # sqrt(4/64) = 0.25 exactly at the floor
+    # sqrt(4/64) = 0.25 exactly at the floor
+    assert lr_multiplier(63, floored) == pytest.approx(0.25)
     assert lr_multiplier(10_000, floored) == pytest.approx(0.25)
     no_warmup = TrainConfig(steps=10, warmup_steps=0, lr_schedule="inverse_sqrt", min_lr_ratio=0.0)
     assert [lr_multiplier(s, no_warmup) for s in (0, 3, 99)] == pytest.approx([1.0, 0.5, 0.1])
@@ -90,9 +89,8 @@ def test_wsd_decay_never_starts_inside_warmup():
         steps=20, warmup_steps=15, lr_schedule="wsd", decay_fraction=0.5, min_lr_ratio=0.0
     )
     values = curve(cfg)
-    assert values[14] == pytest.approx(1.0) and values[15] == pytest.approx(
-        1.0
-    )  # decay starts at 15, not 10
+    # decay starts at 15, not 10
+    assert values[14] == pytest.approx(1.0) and values[15] == pytest.approx(1.0)
     assert values[20] == pytest.approx(0.0)
     assert all(b < a for a, b in zip(values[15:], values[16:]))
 
@@ -147,12 +145,10 @@ def test_rampup_off_is_the_global_batch():
     "params",
     [
         RAMP,
-        dict(
-            global_batch_size=64, micro_batch_size=4, rampup_start_batch=8, rampup_steps=5
-        ),  # jumps several units
-        dict(
-            global_batch_size=1024, micro_batch_size=8, rampup_start_batch=16, rampup_steps=300
-        ),  # long plateaus
+        # jumps several units
+        dict(global_batch_size=64, micro_batch_size=4, rampup_start_batch=8, rampup_steps=5),
+        # long plateaus
+        dict(global_batch_size=1024, micro_batch_size=8, rampup_start_batch=16, rampup_steps=300),
         dict(global_batch_size=12, micro_batch_size=1, rampup_start_batch=4, rampup_steps=1),
     ],
 )
@@ -287,9 +283,8 @@ def test_range_test_smooths_with_bias_correction_and_stops_on_divergence():
         return 5.0 - 2.0 * math.tanh(lr * 300) + (0.0 if lr < 0.02 else 1e4 * lr)
 
     result = range_test(loss_at, lrs)
-    assert result.smoothed[0] == pytest.approx(
-        result.losses[0]
-    )  # bias correction: no pull towards 0
+    # bias correction: no pull towards 0
+    assert result.smoothed[0] == pytest.approx(result.losses[0])
     average = 0.0
     for i, loss in enumerate(result.losses):
         average = 0.98 * average + 0.02 * loss

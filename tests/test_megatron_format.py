@@ -20,9 +20,8 @@ from keel.data import (
 from keel.data.tokenizer import train_tokenizer
 from tests.test_data_prepare import write_corpus
 
-with (
-    warnings.catch_warnings()
-):  # "Transformer Engine and Apex are not installed": irrelevant to its data code
+# "Transformer Engine and Apex are not installed": irrelevant to its data code
+with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     from megatron.core.datasets.indexed_dataset import IndexedDataset as MegatronDataset
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
@@ -75,9 +74,8 @@ def test_keel_writes_megatrons_bytes(tmp_path: Path, vocab: int) -> None:
 def test_megatron_builder_output_reads_in_keel(tmp_path: Path, dtype: type) -> None:
     docs = _documents(3000, seed=2)
     _megatron_build(tmp_path / "m", docs, dtype)
-    ours = IndexedDataset(
-        tmp_path / "m", vocab_size=3000
-    )  # no sidecar: the vocabulary is the caller's
+    # no sidecar: the vocabulary is the caller's
+    ours = IndexedDataset(tmp_path / "m", vocab_size=3000)
     assert ours.metadata is None and ours.dtype == np.dtype(dtype) and len(ours) == len(docs)
     assert ours.num_tokens == sum(map(len, docs))
     for i, doc in enumerate(docs):
@@ -124,9 +122,8 @@ def test_megatron_token_file_is_a_corpus_used_in_place(
     )
     spec = [str(tmp_path / f"pile_text_document{suffix}")]
     prepared = ensure_prepared(spec, tmp_path / "cache", 4096, progress=False, tokenizer=tokenizer)
-    assert (
-        prepared.data_prefix == prepared.sources[0] == tmp_path / "pile_text_document"
-    )  # not copied
+    # not copied
+    assert prepared.data_prefix == prepared.sources[0] == tmp_path / "pile_text_document"
     assert (
         prepared.num_tokens == sum(map(len, docs))
         and prepared.vocab_size == tokenizer.vocab_size == 400

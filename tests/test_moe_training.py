@@ -258,9 +258,8 @@ def test_ep2_zero1_resume_is_exact(runs):
     assert a.keys() == b.keys() and any("expert" in key for key in a)
     restored = _model_states(resumed, tag="step00000005")  # what the second half started from
     biases = [key for key in restored if key.endswith("balance_bias")]
-    assert biases and all(
-        restored[key].abs().sum() > 0 for key in biases
-    )  # the bias had moved when restored
+    # the bias had moved when restored
+    assert biases and all(restored[key].abs().sum() > 0 for key in biases)
     for key in a:
         assert torch.equal(a[key], b[key]), key
 

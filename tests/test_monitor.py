@@ -82,9 +82,8 @@ def test_tensorboard_resume_drops_steps_trained_again(tmp_path):
     for step in range(1, 5):
         first.log(step, {"loss": float(step)})
     first.close()
-    time.sleep(
-        1.1
-    )  # a restart is a new process: its event file's name (a timestamp) sorts after the old one's
+    # a restart is a new process: its event file's name (a timestamp) sorts after the old one's
+    time.sleep(1.1)
     resumed = Sinks(tmp_path, stability, resumed_step=2)  # steps 3, 4 are trained again
     for step in (3, 4):
         resumed.log(step, {"loss": 10.0 * step})
@@ -122,9 +121,8 @@ def test_missing_wandb_is_one_clear_line(monkeypatch):
         importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a)
     )
     with pytest.raises(ConfigError) as err:
-        Sinks(
-            "unused", StabilityConfig(wandb=True), enabled=False
-        )  # every rank checks, not only the writer
+        # every rank checks, not only the writer
+        Sinks("unused", StabilityConfig(wandb=True), enabled=False)
     message = str(err.value)
     assert "\n" not in message
     assert message.startswith("stability.wandb: true but the wandb package is not installed")
@@ -212,17 +210,15 @@ def test_monitor_matches_hand_computation(tie, optimizer):
     for handle in mine:
         handle.remove()
     monitor.before_step(2)
-    assert all(
-        not b._forward_hooks for b in blocks
-    )  # hooks are gone once the forward passes are done
+    # hooks are gone once the forward passes are done
+    assert all(not b._forward_hooks for b in blocks)
 
     grad_sq: dict[str, float] = {}
     for (
         name,
         p,
-    ) in (
-        model.named_parameters()
-    ):  # named_parameters yields the tied weight once, as the embedding's
+        # named_parameters yields the tied weight once, as the embedding's
+    ) in model.named_parameters():
         layer = _layer_of(name, cfg.n_layers)
         grad_sq[layer] = grad_sq.get(layer, 0.0) + p.grad.double().pow(2).sum().item()
     total = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()
@@ -361,9 +357,8 @@ def test_zero_stages_give_the_same_layer_statistics(tmp_path):
     reference = results["zero0"]
     assert all(r["has_grad"] for r in reference)
     n_params = sum(p.numel() for p in CausalLM(ModelConfig(**TINY)).parameters())
-    assert all(
-        r["copies"] == n_params for r in reference
-    )  # plain ZeRO-0, one rank: its share is everything
+    # plain ZeRO-0, one rank: its share is everything
+    assert all(r["copies"] == n_params for r in reference)
     assert all(r["copies"] == 0 for name in ("zero1", "zero3", "fp16") for r in results[name])
     for name, rel in [("zero1", 1e-5), ("zero1_attach", 1e-5), ("zero3", 1e-5), ("fp16", 2e-2)]:
         for step, (got, want) in enumerate(zip(results[name], reference), start=1):

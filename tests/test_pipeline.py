@@ -115,9 +115,8 @@ def test_pipeline_resume_is_exact(runs):
         r.get("val_loss") for r in read_metrics(straight / "metrics.jsonl")
     ]
     a, b = _layer_states(resumed), _layer_states(straight)
-    assert (
-        a.keys() == b.keys() and len(a) == 4
-    )  # embedding, 2 blocks, final norm (the tied head is the embedding)
+    # embedding, 2 blocks, final norm (the tied head is the embedding)
+    assert a.keys() == b.keys() and len(a) == 4
     for name in a:
         for key in a[name]:
             assert torch.equal(a[name][key], b[name][key]), (name, key)

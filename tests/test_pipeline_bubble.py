@@ -95,9 +95,8 @@ def test_judge_only_judges_quiet_rows(bench):
         "verdict 1f1b p=2: idle does NOT fall with m (0.300 -> 0.400); does NOT track the analytic idle "
         f"within {tol} (largest gap -0.200 at m=1); not judged (on-cpu < {bench.ON_CPU_QUIET}): m=8"
     ]
-    assert (
-        bench.judge([row(4, 0.4, 0.2)], cores=1) == []
-    )  # p=2 on one core: ranks share it, nothing judged
+    # p=2 on one core: ranks share it, nothing judged
+    assert bench.judge([row(4, 0.4, 0.2)], cores=1) == []
 
 
 def test_summarize_on_an_ideal_timeline(bench):

@@ -37,9 +37,8 @@ def test_a_rank_without_norms_is_refused_under_zero():
         r"EmbeddingLayer, EmbeddingLayer, without no_decay .*=type:Block",
     ):
         check_pipeline_plan(tiny(partition="parameters"), zero_stage=1)
-    check_pipeline_plan(
-        tiny(partition="parameters"), zero_stage=0
-    )  # Keel's own clipping: one norm, no hang
+    # Keel's own clipping: one norm, no hang
+    check_pipeline_plan(tiny(partition="parameters"), zero_stage=0)
     check_pipeline_plan(tiny(), zero_stage=1)
 
 

@@ -185,9 +185,8 @@ def test_sibling_groups_of_one_kind_are_compared():
 def test_late_ranks_are_named_beyond_the_clock_uncertainty():
     records = [record(r, groups=ring(3), late_s=0.02 if r == 1 else 0.0005) for r in range(3)]
     assert verdict_of(records).bad_ranks.keys() == {1}
-    loose = judge(
-        records, [ClockOffset(0.0, 0.03)] * 3, NEEDS, 0, "cpu"
-    )  # lateness within the uncertainty
+    # lateness within the uncertainty
+    loose = judge(records, [ClockOffset(0.0, 0.03)] * 3, NEEDS, 0, "cpu")
     assert loose.exit_code == 0
 
 
@@ -285,13 +284,11 @@ def test_group_kinds_fold_identical_groups_and_pipeline_pairs_are_neighbours():
 def test_matmul_check_is_deterministic_and_catches_a_corrupted_element():
     digest, error = check_matmul("cpu")
     assert (digest, error) == check_matmul("cpu") and error < 1
-    bad_digest, bad_error = check_matmul(
-        "cpu", corrupt=0.01
-    )  # 1 % off: far outside fp32's rounding bound
+    # 1 % off: far outside fp32's rounding bound
+    bad_digest, bad_error = check_matmul("cpu", corrupt=0.01)
     assert bad_digest != digest and bad_error > 10
-    subtle_digest, subtle_error = check_matmul(
-        "cpu", corrupt=1e-6
-    )  # within the bound: only the bits differ
+    # within the bound: only the bits differ
+    subtle_digest, subtle_error = check_matmul("cpu", corrupt=1e-6)
     assert subtle_digest != digest and subtle_error < 1
 
 
@@ -503,9 +500,8 @@ def test_every_injected_fault_is_named_in_one_three_rank_launch(runs, tmp_path):
     )
     assert any("every link slow" in m for m in bad["2"])
     assert all(any("GiB free in the checkpoint directory" in m for m in bad[r]) for r in bad)
-    assert not any(
-        "late" in m or "straggler" in m for m in bad["1"] + bad["2"]
-    )  # only the injected ones
+    # only the injected ones
+    assert not any("late" in m or "straggler" in m for m in bad["1"] + bad["2"])
     assert [w for w in report["warnings"] if "clock" in w] == [report["warnings"][0]]
     assert "rank 2: clock +2.0" in report["warnings"][0]
     assert "keel preflight: exit 9, bad ranks 0 (" in proc.stdout
@@ -585,7 +581,6 @@ def test_a_slurm_job_with_a_bad_node_stops_at_its_preflight_step(slurm_cluster, 
     assert job["JobState"] == "FAILED" and job["ExitCode"] == f"{ExitCode.PREFLIGHT}:0", log[-3000:]
     assert "bad ranks 1 (node2)" in log  # under srun each rank names its SLURM node
     assert "keel-slurm: preflight found bad node(s) in node[1-2]: not training" in log
-    assert (
-        not (tmp_path / "metrics.jsonl").exists() and "keel-slurm: ranks exited" not in log
-    )  # never trained
+    # never trained
+    assert not (tmp_path / "metrics.jsonl").exists() and "keel-slurm: ranks exited" not in log
     assert json.loads(RunDir(tmp_path).preflight.read_text())["bad_ranks"].keys() == {"1"}

@@ -22,9 +22,8 @@ def test_peak_comes_from_the_config_or_the_device_table():
     assert peak_tflops("NVIDIA H100 PCIe", 0.0) == 756.0
     assert peak_tflops("NVIDIA A100-SXM4-80GB", 0.0) == 312.0
     assert peak_tflops("NVIDIA A100-SXM4-80GB", 250.0) == 250.0  # logging.peak_tflops wins
-    assert (
-        peak_tflops(None, 0.0) is None and peak_tflops("Tesla T4", 0.0) is None
-    )  # CPU, unlisted: n/a
+    # CPU, unlisted: n/a
+    assert peak_tflops(None, 0.0) is None and peak_tflops("Tesla T4", 0.0) is None
 
 
 def test_flops_per_token_is_6n_plus_attention_and_counts_top_k_experts():

@@ -84,9 +84,8 @@ def test_readme_journeys_run_as_written(tmp_path: Path) -> None:
     assert [s["weight"] for s in blend["sources"]] == pytest.approx([0.7, 0.3])
     assert blend["tokenizer_info"]["kind"] == "hf"
     megatron = json.loads((tmp_path / "runs" / "megatron" / "data.json").read_text())
-    assert megatron["prefix"] == str(
-        tmp_path / "pile_text_document"
-    )  # used in place, not re-tokenized
+    # used in place, not re-tokenized
+    assert megatron["prefix"] == str(tmp_path / "pile_text_document")
     assert (tmp_path / "hf_out" / "config.json").is_file() and (
         tmp_path / "hf_out" / "tokenizer.json"
     ).is_file()

@@ -43,21 +43,18 @@ def test_report_of_the_spike_run_draws_and_marks_what_the_run_wrote(runs, tmp_pa
     assert loss["train"] == _column(metrics, "loss")
     assert loss["rolled_back"] == _column(discarded, "loss")
     skipped = sorted(r["step"] for r in metrics + discarded if r["skipped"])
-    assert (
-        [m["step"] for m in loss["skipped"]] == skipped == [12, 13, 14]
-    )  # exactly the skipped steps
-    assert all(
-        m["rolled_back"] for m in loss["skipped"]
-    )  # each one's record went aside with the rollback
+    # exactly the skipped steps
+    assert [m["step"] for m in loss["skipped"]] == skipped == [12, 13, 14]
+    # each one's record went aside with the rollback
+    assert all(m["rolled_back"] for m in loss["skipped"])
     rollbacks = [e for e in read_anomalies(run) if e["kind"] == "rollback"]
     assert loss["rollbacks"] == [{"step": e["step"], "to_step": e["to_step"]} for e in rollbacks]
     assert loss["rollbacks"] == [{"step": 14, "to_step": 10}] and loss["resumes"] == []
     assert plots["lr"]["lr"] == _column(metrics, "lr")
     assert plots["grad_norm"]["grad_norm"] == _column(metrics, "grad_norm")
     per_layer = plots["grad_norm"]["per_layer"]
-    assert (
-        list(per_layer)[:2] == ["embedding", "block0"] and len(per_layer) >= 4
-    )  # the model's order
+    # the model's order
+    assert list(per_layer)[:2] == ["embedding", "block0"] and len(per_layer) >= 4
     for name, column in per_layer.items():
         assert column == _column(metrics, f"grad_norm/{name}") and column["step"] == [
             5,
@@ -98,6 +95,5 @@ def test_report_of_the_fp16_storm_plots_the_loss_scale(runs, tmp_path):
     assert [m["step"] for m in plots["loss"]["skipped"]] == [
         r["step"] for r in metrics if r["skipped"]
     ]
-    assert (
-        "loss_scale 2" in (report.out_dir / "report.md").read_text()
-    )  # the storm's warnings, in the table
+    # the storm's warnings, in the table
+    assert "loss_scale 2" in (report.out_dir / "report.md").read_text()

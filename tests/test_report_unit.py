@@ -28,9 +28,8 @@ def _record(step: int) -> dict:
         "tokens_per_s": 1000.0 + 10 * step,
         "step_time_s": 0.5 - 0.01 * step,
     }
-    if (
-        step % 4 == 0
-    ):  # a straggler check on 4 ranks, rank 2 the slowest; the expert-health record of 2 layers
+    # a straggler check on 4 ranks, rank 2 the slowest; the expert-health record of 2 layers
+    if step % 4 == 0:
         times = [0.4, 0.41, 0.6 + 0.01 * step, 0.42]
         record.update(
             step_time_by_rank=times, slowest_rank=2, step_time_max=max(times), step_time_min=0.4
@@ -76,9 +75,8 @@ def live_run(tmp_path: Path) -> Path:
 def test_synthetic_run_draws_every_plot_from_its_records(live_run, tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()
-    (out / "stale.png").write_bytes(
-        b"an older report"
-    )  # a previous report: replaced as a whole, not merged
+    # a previous report: replaced as a whole, not merged
+    (out / "stale.png").write_bytes(b"an older report")
     (out / "report.md").write_text("# an older report\n")
     main_args = ["report", str(live_run), "--out", str(out)]
     with pytest.raises(SystemExit) as exit_info:
@@ -147,9 +145,8 @@ def test_synthetic_run_draws_every_plot_from_its_records(live_run, tmp_path, cap
     assert "- rollbacks: 1: step 11 → 10" in report and "- resumes: 1: at step 7" in report
     assert "- left out of metrics.jsonl: a partial last line (still being written)" in report
     assert "| 11 | rollback | 0 | done=True; to_step=10; reason=3 spikes |" in report
-    assert (
-        "| 11 | spike | 0 | action=rollback; reason=loss 9 \\| 7 σ |" in report
-    )  # a "|" escaped in its cell
+    # a "|" escaped in its cell
+    assert "| 11 | spike | 0 | action=rollback; reason=loss 9 \\| 7 σ |" in report
     for name in plots:
         assert f"![{name}]({name}.png)" in report
     assert "Plots skipped" not in report

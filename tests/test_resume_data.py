@@ -56,9 +56,8 @@ def _prepared(overrides: list[str], run: Path):
 def test_changed_order_settings_are_refused_in_one_line_naming_each(runs, tmp_path, capsys):
     run = _resumable(tmp_path / "run", runs.overrides())
     recorded = {name: (run / name).read_bytes() for name in ("config.yaml", "data.json")}
-    _prepared(
-        runs.overrides(train__steps=20, data__skip_ranges='["8:16"]'), run
-    )  # these keep the order
+    # these keep the order
+    _prepared(runs.overrides(train__steps=20, data__skip_ranges='["8:16"]'), run)
     args = ["train", "--nproc", "2", "--run-dir", str(run)]
     for item in runs.overrides(data__seq_len=64, data__val_fraction=0.05, train__seed=7):
         args += ["--set", item]
@@ -126,6 +125,5 @@ def test_other_blend_weights_are_refused_unless_allowed(runs, tmp_path, capsys):
         f"keel: warning: resuming {run} on changed data (data.allow_change_on_resume): data.corpus weights "
         "[0.7, 0.3] → [0.5, 0.5]; its sample count now indexes the new order"
     )
-    _prepared(
-        runs.overrides(data__corpus=_blend((7, 3))), run
-    )  # the same normalized weights resume
+    # the same normalized weights resume
+    _prepared(runs.overrides(data__corpus=_blend((7, 3))), run)

@@ -106,9 +106,8 @@ def test_no_module_but_run_dir_spells_a_run_dir_name_or_an_exit_code():
 
 def test_the_check_finds_what_it_is_for(tmp_path):
     """The check itself, on a planted module: each kind of spelling is found, a docstring mention is not."""
-    planted = (
-        KEEL / "_planted_check_module.py"
-    )  # must sit under keel/ for relative_to; removed below
+    # must sit under keel/ for relative_to; removed below
+    planted = KEEL / "_planted_check_module.py"
     planted.write_text(
         '"""Writes metrics.jsonl."""\nimport os, sys\nEXIT_HANG = 4\n'
         'def f(run_dir):\n    """anomalies.jsonl"""\n    p = run_dir / "metrics.jsonl"\n'

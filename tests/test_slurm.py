@@ -27,9 +27,8 @@ from tests.slurm_cluster import SlurmCluster
 DS = "ds_configs/zero1.json"
 STEPS = 16  # both cluster runs and the local reference: the same config, so the same losses
 KEEL_RUNS = [Run.of("slurm-reference", 4, DS, train__steps=STEPS)]
-SLEEP_STEP = (
-    6  # the preempted run sleeps here (rank 0), so the signal surely lands in the middle of a run
-)
+# the preempted run sleeps here (rank 0), so the signal surely lands in the middle of a run
+SLEEP_STEP = 6
 
 
 def keel_slurm(
@@ -182,9 +181,8 @@ def test_render_gpus_and_quoting():
     ):
         assert line in lines, line
     assert not any(line.startswith("#SBATCH --time") for line in lines)  # the partition's default
-    assert (
-        "'data.corpus=['\"'\"'a b.txt'\"'\"']'" in script
-    )  # shell-quoted into the KEEL_TRAIN array
+    # shell-quoted into the KEEL_TRAIN array
+    assert "'data.corpus=['\"'\"'a b.txt'\"'\"']'" in script
     array = subprocess.run(
         [
             "bash",
@@ -249,9 +247,8 @@ def test_two_nodes_two_tasks_each(slurm_cluster, runs, reference, tmp_path):
     )
     assert "world=4 " in log, log[-4000:]
     assert "rendezvous 127.0.0.1:" in log  # node1 does not resolve: its NodeAddr
-    assert losses(tmp_path) == losses(
-        reference
-    )  # the same ranks, data and order as the local launcher
+    # the same ranks, data and order as the local launcher
+    assert losses(tmp_path) == losses(reference)
 
 
 @pytest.mark.slow
@@ -303,9 +300,8 @@ def test_usr1_checkpoints_requeues_and_resumes(slurm_cluster, runs, reference, t
 
     records = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
-    assert losses(tmp_path) == losses(
-        reference
-    )  # bitwise: fp32 on CPU, same world size and data order
+    # bitwise: fp32 on CPU, same world size and data order
+    assert losses(tmp_path) == losses(reference)
     ours, theirs = final_weights(tmp_path), final_weights(reference)
     assert ours.keys() == theirs.keys()
     for name in ours:

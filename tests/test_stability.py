@@ -15,9 +15,8 @@ pytestmark = pytest.mark.slow
 
 GB = 8  # tests/keel_runs.py TINY global batch
 NAN = dict(faults__nan_step=5, faults__nan_rank=1)
-CLEAN = dict(
-    data__skip_ranges=json.dumps([f"{4 * GB}:{5 * GB}"]), train__exit_after=9
-)  # NAN's batch skipped
+# NAN's batch skipped
+CLEAN = dict(data__skip_ranges=json.dumps([f"{4 * GB}:{5 * GB}"]), train__exit_after=9)
 NOISE = dict(
     faults__noise_rank=2, stability__loss_check_interval=2, stability__loss_check_repeats=2
 )
@@ -77,9 +76,8 @@ def test_nan_on_one_rank_skips_the_step_everywhere(runs):
         and detected["action"] == "skip"
     )
     assert localized["phase"] == "localized" and localized["classification"] == "data"
-    assert (
-        localized["bad_rank"] == 1 and localized["first_bad_module"] == "layers.0"
-    )  # the poisoned embedding
+    # the poisoned embedding
+    assert localized["bad_rank"] == 1 and localized["first_bad_module"] == "layers.0"
     assert localized["samples"] == [
         4 * GB + GB // 2
     ]  # the poisoned row: rank 1's first sample of step 5
@@ -143,9 +141,8 @@ def test_low_bit_flip_in_the_source_of_truth_is_caught_at_every_zero_stage(runs,
     replicas = [e for e in found if e["group"] != "at_rest"]
     if stage == 0:  # the replicas differ: the cross-replica comparison sees it too
         assert replicas[0]["step"] == 6 and {e["parameter"] for e in replicas} == {FLIPPED}
-        assert all(
-            e["ranks"] == [0, 1] and e["ambiguous"] for e in replicas
-        )  # two replicas: no majority
+        # two replicas: no majority
+        assert all(e["ranks"] == [0, 1] and e["ambiguous"] for e in replicas)
     else:  # the working copies are rebuilt from the partitions, so replicas agree
         assert replicas == []
     clean = runs.get(f"zero{stage}", 2, f"ds_configs/zero{stage}.json")
@@ -238,9 +235,8 @@ def test_sleeping_rank_trips_the_watchdog(runs, tmp_path):
         f"watchdog: ranks exited {time.time() - stalled_at:.1f} s after step 3 (timeout {timeout} s)"
     )
     dump = (tmp_path / "stacks" / "rank1-step4.txt").read_text()
-    assert (
-        "faults.py" in dump and "in before_forward" in dump
-    )  # the stalled frame: the injected sleep
+    # the stalled frame: the injected sleep
+    assert "faults.py" in dump and "in before_forward" in dump
     hangs = events(tmp_path, "hang")
     assert any(e["rank"] == 1 and e["step"] == 4 for e in hangs)
 

@@ -13,9 +13,8 @@ from keel.training.observe.sync_debug import SyncCounter
 
 def test_counts_sync_warnings_by_site_and_passes_others_on(tmp_path):
     counter = SyncCounter("warn", "cpu", tmp_path, rank=1)
-    counter.enabled = (
-        True  # CPU makes no such warnings: feed the counter what torch would issue on CUDA
-    )
+    # CPU makes no such warnings: feed the counter what torch would issue on CUDA
+    counter.enabled = True
     with warnings.catch_warnings(record=True) as outer:
         warnings.simplefilter("always")
         for _ in range(3):

@@ -228,9 +228,8 @@ def test_the_id_sample_is_bounded_and_spread(
     tokens = np.fromfile(tmp_path / "d.bin", dtype=np.uint16)
     tokens[outside] = 1000
     tokens.tofile(tmp_path / "d.bin")
-    check_token_file(
-        tmp_path / "d", 1000
-    )  # the sample does not read it: left to the at-sample check
+    # the sample does not read it: left to the at-sample check
+    check_token_file(tmp_path / "d", 1000)
     tokens[outside], tokens[spans[2][0] + 3] = 5, 1000
     tokens.tofile(tmp_path / "d.bin")
     with pytest.raises(DataError, match=rf"d\.bin: token {spans[2][0] + 3} is id 1000"):
@@ -310,16 +309,14 @@ def megatron_file_with_a_late_bad_id(
     from keel.config import RunConfig
     from keel.data.samples import GlobalSampleOrder, step_sample_indices, val_boundary
 
-    with (
-        warnings.catch_warnings()
-    ):  # "Transformer Engine and Apex are not installed": irrelevant to its data code
+    # "Transformer Engine and Apex are not installed": irrelevant to its data code
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
     rng = np.random.default_rng(0)
-    tokens = rng.integers(0, vocab, 1_500_000).astype(
-        np.int32
-    )  # 6 MB: larger than the 4 MiB id sample
+    # 6 MB: larger than the 4 MiB id sample
+    tokens = rng.integers(0, vocab, 1_500_000).astype(np.int32)
     builder = IndexedDatasetBuilder(f"{root / 'late'}.bin", dtype=np.int32)
     for first in range(0, len(tokens), 1500):
         builder.add_item(torch.from_numpy(tokens[first : first + 1500]))
@@ -362,9 +359,8 @@ def test_a_bad_id_at_the_sample_stops_every_rank_with_one_line(tmp_path: Path) -
     files = write_corpus(tmp_path / "corpus", n_files=3)
     tokenizer = train_tokenizer((f.read_text() for f in files), 300, tmp_path / "tokenizer")
     prefix, token, sample = megatron_file_with_a_late_bad_id(tmp_path, 300, step=2, rank=1)
-    check_token_file(
-        prefix, 300
-    )  # the pre-launch check passes: the sample does not read the bad id
+    # the pre-launch check passes: the sample does not read the bad id
+    check_token_file(prefix, 300)
     run = tmp_path / "run"
     proc = keel_train(
         run,
@@ -388,9 +384,8 @@ def test_a_bad_id_at_the_sample_stops_every_rank_with_one_line(tmp_path: Path) -
     }
     assert len(lines[0]) == len(lines[1]) == 1, proc.stdout[-3000:]
     said = lines[1][0].removeprefix("[keel r1] stopping at step 2: ")
-    assert (
-        lines[0][0] == f"[keel r0] stopping at step 2: {said}"
-    )  # the rank that never held it says the same
+    # the rank that never held it says the same
+    assert lines[0][0] == f"[keel r0] stopping at step 2: {said}"
     assert said.startswith(
         f"{prefix}.bin: token {token} is id 300, outside the tokenizer's vocabulary [0, 300) "
         f"(byte {4 * token}, sequence {token // 1500}, document {token // 1500}, train sample "

@@ -86,9 +86,8 @@ def test_resume_is_exact(runs, tmp_path):
     first = read_metrics(resumed / "metrics.jsonl")
     assert [r["step"] for r in first] == list(range(1, 11))
     assert (resumed / "checkpoints" / "latest").read_text() == "step00000010"
-    keel_train(
-        resumed, 2, runs.overrides(train__steps=20), "ds_configs/zero1.json"
-    )  # a fresh process resumes
+    # a fresh process resumes
+    keel_train(resumed, 2, runs.overrides(train__steps=20), "ds_configs/zero1.json")
     assert losses(resumed) == losses(straight)  # bitwise: same floats
     a, b = final_weights(resumed), final_weights(straight)
     assert a.keys() == b.keys()

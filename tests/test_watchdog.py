@@ -257,9 +257,8 @@ def test_hung_rank_and_its_blocked_peer_both_exit_with_hang_code(tmp_path, late)
     assert ended - float(outs[1][0].split()[0]) < 3.0 + 10.0
     assert "in sleeping_in_step" in (tmp_path / "stacks" / "rank1-step3.txt").read_text()
     peer = (tmp_path / "stacks" / "rank0-step3.txt").read_text()
-    assert (
-        "all_reduce" in peer
-    )  # where the peer waited: in its stack, or in the traceback of the broken collective
+    # where the peer waited: in its stack, or in the traceback of the broken collective
+    assert "all_reduce" in peer
     events = {e["rank"]: e for e in read_anomalies(tmp_path)}
     assert {r: (e["kind"], e["step"]) for r, e in events.items()} == {
         0: ("hang", 3),

@@ -80,21 +80,18 @@ class ModelConfig:
     # where each block normalizes (keel/model/llama.py Block): pre (Llama) | post (the original Transformer) |
     # sandwich (pre plus a norm on each branch's output, CogView)
     norm_placement: str = "pre"
-    deepnorm: bool = (
-        False  # DeepNet (decoder-only, post-norm): residual x·(2N)^¼; v/wo/MLP init × (8N)^-¼
-    )
+    # DeepNet (decoder-only, post-norm): residual x·(2N)^¼; v/wo/MLP init × (8N)^-¼
+    deepnorm: bool = False
     qk_norm: bool = False  # RMSNorm on each head's q and k (one weight over head_dim) before RoPE: bounds the logits
     rope_theta: float = 10000.0
     tie_embeddings: bool = True
     dropout: float = 0.0
     init: str = "normal"  # normal | truncated_normal | small_init (std = sqrt(2 / (5·dim)), replacing init_std)
     init_std: float = 0.02
-    embedding_init_std: float = (
-        0.0  # the token table's std (and a tied head's); 0: the matrices' std
-    )
-    vocab_pad_multiple: int = (
-        128  # embedding rows padded to a multiple of this × tp; padding gets no probability
-    )
+    # the token table's std (and a tied head's); 0: the matrices' std
+    embedding_init_std: float = 0.0
+    # embedding rows padded to a multiple of this × tp; padding gets no probability
+    vocab_pad_multiple: int = 128
     kernels: str = "auto"  # auto (liger on CUDA when importable, else torch) | liger | torch (keel/model/kernels.py)
     # torch.compile each block (torchtitan's per-block scheme): auto (where measured faster: CPU, fp32, dense,
     # tp = pp = sp = 1, ZeRO 0-2; keel/engine/compile_policy.py) | true | false
@@ -107,29 +104,23 @@ class ModelConfig:
     # parallel.ep. They stay flat `model.moe_*` keys (not a nested section) so every run dir's config.yaml stays
     # readable and resumable as written.
     moe_experts: int = 0
-    moe_every: int = (
-        1  # block i is MoE when (i + 1) % moe_every == 0: 1 = all blocks, 2 = every second
-    )
+    # block i is MoE when (i + 1) % moe_every == 0: 1 = all blocks, 2 = every second
+    moe_every: int = 1
     moe_top_k: int = 2
     moe_ffn_hidden: int = 0  # each expert's SwiGLU width; 0: the dense ffn width
     moe_scoring: str = "softmax"  # softmax | sigmoid
-    moe_jitter: float = (
-        0.0  # multiplicative input noise U(1-ε, 1+ε) on the router input while training
-    )
-    moe_shared_expert: bool = (
-        False  # a dense SwiGLU every token passes through, added to the routed output
-    )
+    # multiplicative input noise U(1-ε, 1+ε) on the router input while training
+    moe_jitter: float = 0.0
+    # a dense SwiGLU every token passes through, added to the routed output
+    moe_shared_expert: bool = False
     moe_aux_loss: float = 0.01  # Switch/GShard load-balancing loss weight
     moe_z_loss: float = 0.001  # router z-loss weight (ST-MoE)
-    moe_capacity_factor: float = (
-        0.0  # tokens per expert = ceil(factor · tokens · k / experts); 0: dropless
-    )
-    moe_drop_policy: str = (
-        "probability"  # over capacity, drop the lowest-probability or the latest tokens
-    )
-    moe_bias_update: float = (
-        0.0  # aux-loss-free balancing: per-expert bias step toward uniform load (0: off)
-    )
+    # tokens per expert = ceil(factor · tokens · k / experts); 0: dropless
+    moe_capacity_factor: float = 0.0
+    # over capacity, drop the lowest-probability or the latest tokens
+    moe_drop_policy: str = "probability"
+    # aux-loss-free balancing: per-expert bias step toward uniform load (0: off)
+    moe_bias_update: float = 0.0
 
     @property
     def head_dim(self) -> int:
@@ -148,9 +139,8 @@ class ModelConfig:
 class DataConfig:
     # "default" = this Python's stdlib source; or weighted sources [{path: GLOB, weight: 0.7}, ...] (a blend)
     corpus: list[str | dict] = field(default_factory=lambda: ["default"])
-    skip_ranges: list[str] = field(
-        default_factory=list
-    )  # global sample ranges "start:end" the sampler jumps over
+    # global sample ranges "start:end" the sampler jumps over
+    skip_ranges: list[str] = field(default_factory=list)
     text_field: str = "text"  # for .jsonl inputs
     # train: a sentencepiece BPE trained on the corpus | PATH: a sentencepiece .model, an HF tokenizer.json, or an
     # HF tokenizer / model directory (relative paths: from the config file's directory)
@@ -159,9 +149,8 @@ class DataConfig:
     seq_len: int = 128
     val_fraction: float = 0.01
     cache_dir: str = "~/.cache/keel"
-    document_mask: bool = (
-        False  # attention stops at EOS and RoPE positions restart per document (packed windows)
-    )
+    # attention stops at EOS and RoPE positions restart per document (packed windows)
+    document_mask: bool = False
     # resume on another corpus, blend weights, seq_len, val_fraction or train.seed (refused unless true: the
     # checkpoint's sample count would index a different order)
     allow_change_on_resume: bool = False
@@ -177,13 +166,11 @@ class TrainConfig:
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 30
-    lr_schedule: str = (
-        "cosine"  # cosine | linear | constant | inverse_sqrt | wsd (warmup-stable-decay)
-    )
+    # cosine | linear | constant | inverse_sqrt | wsd (warmup-stable-decay)
+    lr_schedule: str = "cosine"
     decay_fraction: float = 0.2  # wsd: the final fraction of steps that decays to min_lr_ratio
-    rampup_start_batch: int = (
-        0  # batch-size ramp-up: start from this global batch (0: no ramp-up) ...
-    )
+    # batch-size ramp-up: start from this global batch (0: no ramp-up) ...
+    rampup_start_batch: int = 0
     rampup_steps: int = 0  # ... and reach train.global_batch_size linearly over this many steps
     rampup_lr_scaling: str = "sqrt"  # LR follows the batch during ramp-up: linear | sqrt | none
     betas: tuple[float, float] = (0.9, 0.95)
@@ -193,9 +180,8 @@ class TrainConfig:
     ds_config: str = "ds_configs/zero1.json"
     eval_interval: int = 100  # 0 disables validation
     eval_batches: int = 4
-    activation_checkpoint_interval: int = (
-        0  # recompute activations every N layers in backward (0: off)
-    )
+    # recompute activations every N layers in backward (0: off)
+    activation_checkpoint_interval: int = 0
     label_smoothing: float = 0.0
     z_loss: float = 0.0  # PaLM's auxiliary z_loss · logsumexp² per token
 
@@ -206,12 +192,10 @@ class ParallelConfig:
     pp: int = 1
     ep: int = 1
     sp: int = 1
-    sequence_parallel: bool = (
-        False  # Megatron sequence parallel over the tp group (needs tp > 1 to matter)
-    )
-    pipeline_partition: str = (
-        "parameters"  # parameters | uniform | type:Block (DeepSpeed's partition methods)
-    )
+    # Megatron sequence parallel over the tp group (needs tp > 1 to matter)
+    sequence_parallel: bool = False
+    # parameters | uniform | type:Block (DeepSpeed's partition methods)
+    pipeline_partition: str = "parameters"
     pipeline_schedule: str = "1f1b"  # 1f1b | dualpipev | interleaved (PIPELINE_SCHEDULES)
     virtual_stages: int = 2  # interleaved: stages (chunks) per pipeline rank, Megatron's v
 
@@ -235,14 +219,12 @@ class CheckpointConfig:
 @dataclass
 class LoggingConfig:
     log_interval: int = 10  # stdout line every N steps; metrics.jsonl gets every step
-    collective_trace: bool = (
-        False  # record every Keel collective per rank in RUN_DIR/collectives/ (debug, tests)
-    )
+    # record every Keel collective per rank in RUN_DIR/collectives/ (debug, tests)
+    collective_trace: bool = False
     # "warn": count the synchronizing CUDA calls of each step (keel/training/observe/sync_debug.py)
     sync_debug: str = ""
-    peak_tflops: float = (
-        0.0  # one device's peak, for the step line's MFU (0: H100/H200/A100 by name, else n/a)
-    )
+    # one device's peak, for the step line's MFU (0: H100/H200/A100 by name, else n/a)
+    peak_tflops: float = 0.0
 
 
 @dataclass
@@ -250,9 +232,8 @@ class StabilityConfig:
     """Guards that keep a run going through bad batches and numerics, or stop it with a diagnosis."""
 
     spike: bool = True
-    spike_mode: str = (
-        "window"  # window: mean + k·σ over the last `spike_window` steps | ema: multiplicative EMA
-    )
+    # window: mean + k·σ over the last `spike_window` steps | ema: multiplicative EMA
+    spike_mode: str = "window"
     spike_window: int = 128
     spike_sigmas: float = 6.0
     spike_warmup: int = 64  # steps of history before the spike guard acts
@@ -262,45 +243,37 @@ class StabilityConfig:
     rollback_window: int = 50  # ... within this many steps trigger a rollback
     rollback_lr_factor: float = 0.5
     max_nonfinite: int = 5  # consecutive non-finite steps before the run stops with the diagnosis
-    localize_nonfinite: bool = (
-        True  # replay a non-finite batch with hooks to name the first bad module
-    )
+    # replay a non-finite batch with hooks to name the first bad module
+    localize_nonfinite: bool = True
     loss_scale_halvings: int = 4  # fp16: warn when the scale halves this many times ...
     loss_scale_window: int = 100  # ... within this many steps
     loss_check_interval: int = 50  # cross-rank loss check every N steps (0: off)
     loss_check_sigmas: float = 3.0
     loss_check_repeats: int = 2  # flag a rank after this many consecutive outlier checks
     checksum_interval: int = 100  # parameter checksum comparison every N steps (0: off)
-    checksum_action: str = (
-        "stop"  # stop (exit code 3) | restore (reload the last checkpoint) | warn
-    )
-    watchdog_timeout: float = (
-        600.0  # seconds a step may take before stacks are dumped and the rank exits (0: off)
-    )
+    # stop (exit code 3) | restore (reload the last checkpoint) | warn
+    checksum_action: str = "stop"
+    # seconds a step may take before stacks are dumped and the rank exits (0: off)
+    watchdog_timeout: float = 600.0
     # the phases between steps, each with its own deadline (0: that phase unwatched); keep them below the process
     # group's timeout (30 min), or a dead peer is reported by the collective's timeout instead
-    watchdog_check_timeout: float = (
-        600.0  # periodic checks: checksums, loss-outlier gathers, monitor
-    )
+    # periodic checks: checksums, loss-outlier gathers, monitor
+    watchdog_check_timeout: float = 600.0
     watchdog_eval_timeout: float = 900.0  # validation
     watchdog_save_timeout: float = 1200.0  # checkpoint save, and the load of a rollback
     straggler_interval: int = 50  # log slowest/fastest rank step time every N steps (0: off)
-    monitor_interval: int = (
-        50  # per-layer grad norms and activation statistics every N steps (0: off)
-    )
+    # per-layer grad norms and activation statistics every N steps (0: off)
+    monitor_interval: int = 50
     # the monitor's largest attention logit per block (keel/training/observe/attention_logits.py): warn above this
     # (0: off)
     attn_logit_warn: float = 1e4
     attn_logit_growth: float = 0.0  # ... or above this factor × its first recorded value (0: off)
-    expert_interval: int = (
-        10  # MoE: per-layer expert load, dropped fraction, router entropy every N steps (0: off)
-    )
-    expert_collapse_share: float = (
-        0.1  # an expert under this fraction of the uniform share 1/E is starving ...
-    )
-    expert_collapse_checks: int = (
-        3  # ... for this many consecutive checks: the expert-collapse warning
-    )
+    # MoE: per-layer expert load, dropped fraction, router entropy every N steps (0: off)
+    expert_interval: int = 10
+    # an expert under this fraction of the uniform share 1/E is starving ...
+    expert_collapse_share: float = 0.1
+    # ... for this many consecutive checks: the expert-collapse warning
+    expert_collapse_checks: int = 3
     tensorboard: bool = True
     wandb: bool = False
     wandb_project: str = "keel"
@@ -312,57 +285,46 @@ class FaultsConfig:
     """Fault injection for tests and for rehearsing recovery; every value 0/-1 means off."""
 
     nan_step: int = 0
-    starve_expert: int = (
-        -1
-    )  # MoE: the router never chooses this expert (an imbalanced router, for the warning)
+    # MoE: the router never chooses this expert (an imbalanced router, for the warning)
+    starve_expert: int = -1
     nan_rank: int = 0
     spike_step: int = 0  # one step, or...
     spike_steps: list[int] = field(default_factory=list)  # ...several steps whose loss is scaled
     spike_factor: float = 1000.0
     bitflip_step: int = 0
     bitflip_rank: int = 0
-    bitflip_param: str = (
-        ""  # parameter name; empty: the first parameter whose state this rank holds
-    )
+    # parameter name; empty: the first parameter whose state this rank holds
+    bitflip_param: str = ""
     sleep_step: int = 0
     sleep_rank: int = 0
     sleep_s: float = 0.0
     noise_rank: int = -1  # this rank's data replaced by uniform random tokens
-    save_stall_rank: int = (
-        -1
-    )  # this rank sleeps save_stall_s inside every checkpoint save (a peer dead mid-save)
+    # this rank sleeps save_stall_s inside every checkpoint save (a peer dead mid-save)
+    save_stall_rank: int = -1
     save_stall_s: float = 0.0
-    save_enospc_rank: int = (
-        -1
-    )  # this rank's disk fills inside DeepSpeed's shard write: ENOSPC after ...
+    # this rank's disk fills inside DeepSpeed's shard write: ENOSPC after ...
+    save_enospc_rank: int = -1
     save_enospc_bytes: int = 4096  # ... this many bytes of its first file ...
     save_enospc_step: int = 0  # ... in the save at this step (0: every save)
-    checkpoint_dir_rank: int = (
-        -1
-    )  # this rank reads checkpoint_dir instead of <run_dir>/checkpoints (a stale view)
+    # this rank reads checkpoint_dir instead of <run_dir>/checkpoints (a stale view)
+    checkpoint_dir_rank: int = -1
     checkpoint_dir: str = ""
     save_stall_step: int = 0  # save_stall_rank stalls only in the save at this step (0: every save)
-    crash_step: int = (
-        0  # every rank exits at once (code 1, no cleanup) after this step: the job lost mid-run
-    )
+    # every rank exits at once (code 1, no cleanup) after this step: the job lost mid-run
+    crash_step: int = 0
     # `keel preflight` (keel/tools/preflight/): each check proven by a fault it must name
-    preflight_bad_matmul_rank: int = (
-        -1
-    )  # this rank's check matmul comes out wrong in one element (silent corruption)
-    preflight_bad_matmul_error: float = (
-        0.01  # ...by this relative error (below ~1e-5 only the majority vote sees it)
-    )
-    preflight_slow_rank: int = (
-        -1
-    )  # this rank computes 8x slower and arrives late at every timed collective
-    preflight_slow_link_rank: int = (
-        -1
-    )  # every transfer through this rank carries 16x the bytes (a slow link)
+    # this rank's check matmul comes out wrong in one element (silent corruption)
+    preflight_bad_matmul_rank: int = -1
+    # ...by this relative error (below ~1e-5 only the majority vote sees it)
+    preflight_bad_matmul_error: float = 0.01
+    # this rank computes 8x slower and arrives late at every timed collective
+    preflight_slow_rank: int = -1
+    # every transfer through this rank carries 16x the bytes (a slow link)
+    preflight_slow_link_rank: int = -1
     preflight_clock_skew_rank: int = -1  # this rank's clock runs preflight_clock_skew_s ahead
     preflight_clock_skew_s: float = 0.0
-    preflight_free_bytes: int = (
-        -1
-    )  # >= 0: every rank sees this much free space in the checkpoint directory
+    # >= 0: every rank sees this much free space in the checkpoint directory
+    preflight_free_bytes: int = -1
     # corrupt training state: after this step, once, NaN fills this rank's share of one tensor of the first
     # parameter it holds: exp_avg_sq (Adam's second moment), master (its fp32 master copy), param (its working copy)
     corrupt_state_step: int = 0

@@ -45,9 +45,8 @@ def blend_block(
     due = (ordinals + 0.5) / weights[sources]
     pick = np.lexsort((sources, due))[:size]
     chosen = np.bincount(sources[pick], minlength=n_sources)
-    if np.any(
-        chosen >= take
-    ):  # the candidate bound failed: the block would not be the exact prefix
+    # the candidate bound failed: the block would not be the exact prefix
+    if np.any(chosen >= take):
         raise RuntimeError(
             f"blend block under-provisioned: took {chosen.tolist()} of {take.tolist()}"
         )

@@ -75,9 +75,8 @@ def prepare_blend(
             train = PackedSamples(
                 IndexedDataset(prepared.data_prefix), seq_len, "train", val_fraction
             )
-        except (
-            DataError
-        ) as err:  # name the source: "the corpus" alone would not say which one is too small
+        # name the source: "the corpus" alone would not say which one is too small
+        except DataError as err:
             raise DataError(f"data.corpus source {paths}: {err}") from None
         records.append(
             {

@@ -148,18 +148,17 @@ def _load_json(path: Path):
 
 
 def _load_directory(path: Path):
-    hf_tokenizer_files(
-        path
-    )  # a directory without tokenizer files gets its own line, not transformers' message
+    # a directory without tokenizer files gets its own line, not transformers' message
+    hf_tokenizer_files(path)
+    # slow to import (seconds): only for a tokenizer directory
     from transformers import (
         AutoTokenizer,
-    )  # slow to import (seconds): only for a tokenizer directory
+    )
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    except (
-        Exception
-    ) as exc:  # transformers raises ValueError, OSError, KeyError, ... for files it cannot read
+    # transformers raises ValueError, OSError, KeyError, ... for files it cannot read
+    except Exception as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise DataError(
             f"data.tokenizer: transformers cannot load the tokenizer in {path} ({first}); "

@@ -24,9 +24,8 @@ from keel.run_dir import write_atomic
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
-HEADER = struct.Struct(
-    "<9sQBQQ"
-)  # magic, version, dtype code, sequence count, document count: 34 bytes
+# magic, version, dtype code, sequence count, document count: 34 bytes
+HEADER = struct.Struct("<9sQBQQ")
 # Megatron-Core's DType enum.
 DTYPE_CODES: dict[int, np.dtype] = {
     1: np.dtype(np.uint8),
@@ -124,9 +123,8 @@ def write_index(out: BinaryIO, dtype: np.dtype, lengths: BinaryIO, sequence_coun
         out.write(chunk.tobytes())
     pointer = 0
     lengths.seek(0)
-    for chunk in _chunks(
-        lengths, sequence_count
-    ):  # byte pointers: the exclusive running sum of length*itemsize
+    # byte pointers: the exclusive running sum of length*itemsize
+    for chunk in _chunks(lengths, sequence_count):
         ends = np.cumsum(chunk, dtype=np.int64) * dtype.itemsize + pointer
         starts = np.empty_like(ends)
         starts[0], starts[1:] = pointer, ends[:-1]

@@ -30,12 +30,10 @@ from keel.data.tokenizer import train_tokenizer
 from keel.data.tokenizer_source import load_or_train_tokenizer, load_tokenizer, source_sha256
 from keel.run_dir import temp_sibling, write_atomic
 
-FORMAT_VERSION = (
-    2  # bump whenever tokenizer settings or the on-disk layout change (2: Megatron .bin/.idx)
-)
-TOKENIZER_NAME = (
-    "tokenizer"  # -> tokenizer.model (trained or a given sentencepiece), .json or a directory (HF)
-)
+# bump whenever tokenizer settings or the on-disk layout change (2: Megatron .bin/.idx)
+FORMAT_VERSION = 2
+# -> tokenizer.model (trained or a given sentencepiece), .json or a directory (HF)
+TOKENIZER_NAME = "tokenizer"
 DATA_NAME = "data"  # -> data.bin / data.idx / data.json
 DONE_NAME = "done.json"
 # Text per worker task: small enough that the 4 x workers in flight stay a few MB (a worker holds its batch's ids
@@ -366,9 +364,8 @@ def _load_entry(entry: Path) -> PreparedData | None:
         record = json.loads((entry / DONE_NAME).read_text())
         if record.get("format") != FORMAT_VERSION:
             return None
-        tokenizer = (
-            None if record["tokenizer"] is None else entry / record["tokenizer"]
-        )  # absolute stays absolute
+        # absolute stays absolute
+        tokenizer = None if record["tokenizer"] is None else entry / record["tokenizer"]
         vocab = int(record["vocab_size"])
         prefixes = []
         for source in record["sources"]:
@@ -393,9 +390,8 @@ def _load_entry(entry: Path) -> PreparedData | None:
 
 def _discard_damaged(entry: Path) -> None:
     """Remove an entry that exists but does not load (complete entries only appear whole, so it is damaged)."""
-    if (
-        _load_entry(entry) is not None
-    ):  # another process may have just renamed a finished one into place
+    # another process may have just renamed a finished one into place
+    if _load_entry(entry) is not None:
         return
     trash = entry.with_name(f".{entry.name}.{os.getpid()}.trash")
     try:

@@ -18,9 +18,8 @@ from keel.data.errors import DataError
 from keel.data.indexed import IndexedDataset
 
 SPLITS = ("train", "val")
-_CACHED_EPOCHS = (
-    2  # a step can straddle one epoch boundary; older permutations are not needed again
-)
+# a step can straddle one epoch boundary; older permutations are not needed again
+_CACHED_EPOCHS = 2
 
 
 class PackedSamples:
@@ -85,9 +84,8 @@ class PackedSamples:
 
     def __getitem__(self, i: int) -> np.ndarray:
         window = self.window(i)
-        if window.size and (
-            int(window.min()) < 0 or int(window.max()) >= self.dataset.vocab_size
-        ):  # negligible
+        # negligible
+        if window.size and (int(window.min()) < 0 or int(window.max()) >= self.dataset.vocab_size):
             bad = int(window.min()) if int(window.min()) < 0 else int(window.max())
             begin = self.origin(i)[1]
             raise DataError(
@@ -116,9 +114,8 @@ def val_boundary(dataset: IndexedDataset, seq_len: int, val_fraction: float) -> 
             f"data: the corpus has {n:,} tokens, too few for seq_len={seq_len} with val_fraction={val_fraction} "
             f"(needs about {need:,}); add text or lower data.seq_len"
         )
-    doc_start = dataset.document_start_at(
-        latest
-    )  # binary searches in the index maps: no per-document copy
+    # binary searches in the index maps: no per-document copy
+    doc_start = dataset.document_start_at(latest)
     if doc_start >= window and latest - doc_start <= want:
         return doc_start
     return latest
@@ -134,9 +131,8 @@ class GlobalSampleOrder:
             raise DataError(f"train.seed must be non-negative, got {seed}")
         self.num_samples = num_samples
         self.seed = seed
-        self.stream = (
-            stream  # a blend's source index: equal-sized sources get different permutations
-        )
+        # a blend's source index: equal-sized sources get different permutations
+        self.stream = stream
         self._perms: dict[int, np.ndarray] = {}
 
     def permutation(self, epoch: int) -> np.ndarray:

@@ -28,9 +28,8 @@ UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
 # small vocabulary while keeping training to seconds however large the corpus is.
 _MAX_SENTENCES = 200_000
 _CHUNK_CHARS = 1000
-_MAX_SENTENCE_BYTES = (
-    16_384  # a longer single line is left out of training (it still gets encoded later)
-)
+# a longer single line is left out of training (it still gets encoded later)
+_MAX_SENTENCE_BYTES = 16_384
 _HASH_BLOCK = 1 << 20
 
 

@@ -62,9 +62,8 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     if _is_sentencepiece(path):
         return SentencePieceTokenizer(path)
     if path.is_dir() and [p.name for p in hf_tokenizer_files(path)] == ["tokenizer.model"]:
-        return SentencePieceTokenizer(
-            path / "tokenizer.model"
-        )  # e.g. an original Llama checkpoint's directory
+        # e.g. an original Llama checkpoint's directory
+        return SentencePieceTokenizer(path / "tokenizer.model")
     if path.exists() or path.suffix.lower() == ".json":
         return HFTokenizer(path)
     raise DataError(f"tokenizer {path} is missing; re-run `keel prepare`")

@@ -152,9 +152,8 @@ def build_engine(
         )
     model = model if model is not None else build_model(cfg, topology, ds, document_eos)
     groups = weight_decay_groups(model, cfg.train.weight_decay)
-    if (
-        cfg.model.moe_experts
-    ):  # expert params in groups of their own, which ZeRO partitions over edp only
+    # expert params in groups of their own, which ZeRO partitions over edp only
+    if cfg.model.moe_experts:
         groups = split_params_into_different_moe_groups_for_optimizer(groups)
     optimizer = None
     if "optimizer" not in ds:
@@ -178,9 +177,8 @@ def build_engine(
         mpu=topology if topology.shape.world_size > 1 and cfg.parallel.pp == 1 else None,
     )
     if cfg.parallel.pp > 1 and cfg.parallel.pipeline_schedule == "interleaved":
-        engine = as_interleaved(
-            engine, cfg.parallel.virtual_stages
-        )  # initialize has no engine-class hook
+        # initialize has no engine-class hook
+        engine = as_interleaved(engine, cfg.parallel.virtual_stages)
     check_engine(engine)  # an upgrade that removed an internal Keel needs fails here, naming it
     check_torch()
     return engine

@@ -18,9 +18,8 @@ import torch
 from keel.config import RunConfig
 from keel.config.rules import compile_setting, unsupported_compile_layout
 
-MIN_DIM = (
-    256  # the narrowest width measured to pay its compilation back (bench/results/compile_cpu_*.md)
-)
+# the narrowest width measured to pay its compilation back (bench/results/compile_cpu_*.md)
+MIN_DIM = 256
 MIN_STEPS = 1000  # the yardstick: a win over a 1000-step run, compilation included
 
 

@@ -261,9 +261,8 @@ def check_with_deepspeed(ds: dict[str, Any]) -> None:
     )
     try:
         _deepspeed_config_class()(parsed)
-    except (
-        Exception
-    ) as exc:  # its parser raises ValueError, AssertionError, pydantic's ValidationError ...
+    # its parser raises ValueError, AssertionError, pydantic's ValidationError ...
+    except Exception as exc:
         raise ConfigError(
             f"train.ds_config: DeepSpeed refuses it: {type(exc).__name__}: {exc}"
         ) from None
@@ -281,18 +280,18 @@ def _deepspeed_config_class() -> type:
     """DeepSpeedConfig, imported with the notice DeepSpeed logs on stdout when it finds no GPU ("Setting accelerator
     to CPU") held back: the pre-launch check runs in commands whose stdout is their output (keel slurm --dry-run
     prints the sbatch script)."""
-    notices = logging.getLogger(
-        "DeepSpeed"
-    )  # DeepSpeed's logger (deepspeed.utils.logging), created at its import
+    # DeepSpeed's logger (deepspeed.utils.logging), created at its import
+    notices = logging.getLogger("DeepSpeed")
 
     def hold(record: logging.LogRecord) -> bool:
         return not record.getMessage().startswith("Setting accelerator to CPU")
 
     notices.addFilter(hold)
     try:
+        # here, to hold back the notice (docstring)
         from deepspeed.runtime.config import (
             DeepSpeedConfig,
-        )  # here, to hold back the notice (docstring)
+        )
     finally:
         notices.removeFilter(hold)
     return DeepSpeedConfig

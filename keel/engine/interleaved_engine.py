@@ -39,9 +39,8 @@ class InterleavedModule(DualPipeVModule):
     def _partition_layers(self, method: str = "uniform") -> None:
         ranks = self.num_stages
         self.num_stages = ranks * self.chunks
-        PipelineModule._partition_layers(
-            self, method
-        )  # cuts self.parts and sets stage 0's bounds on rank r
+        # cuts self.parts and sets stage 0's bounds on rank r
+        PipelineModule._partition_layers(self, method)
         stages = [c * ranks + self.stage_id for c in range(self.chunks)]
         self.phase_bounds = [(self.parts[s], self.parts[s + 1]) for s in stages]
         self.pipeline_ranks = ranks
@@ -60,9 +59,8 @@ class InterleavedModule(DualPipeVModule):
     def _precompute_checkpointable_values(self) -> None:
         for phase in self._phases():
             self.activate_phase(phase)
-            self.is_checkpointable_results_interval = (
-                None  # the parent caches per interval, not per phase
-            )
+            # the parent caches per interval, not per phase
+            self.is_checkpointable_results_interval = None
             PipelineModule._precompute_checkpointable_values(self)
             self.phase_checkpointable[phase] = self.is_checkpointable_results
 

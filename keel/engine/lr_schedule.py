@@ -37,9 +37,8 @@ def lr_multiplier(step: int, cfg: TrainConfig) -> float:
     """
     if cfg.warmup_steps > 0 and step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
-    if (
-        cfg.lr_schedule not in AFTER_WARMUP
-    ):  # a TrainConfig that skipped validation: the config's own error
+    # a TrainConfig that skipped validation: the config's own error
+    if cfg.lr_schedule not in AFTER_WARMUP:
         validate_schedule_choices(cfg)
     return AFTER_WARMUP[cfg.lr_schedule](step, cfg)
 

@@ -30,9 +30,8 @@ class ZeRO3Placement(Placement):
     def __init__(self, ds: dict[str, Any], topology: Topology, dtype: torch.dtype) -> None:
         super().__init__(get_accelerator().current_device_name(), dtype)
         self.ds = ds
-        self.mpu = (
-            topology if topology.shape.world_size > 1 else None
-        )  # the groups build_engine hands DeepSpeed
+        # the groups build_engine hands DeepSpeed
+        self.mpu = topology if topology.shape.world_size > 1 else None
 
     def build(self, construct: Callable[[], T]) -> T:
         # dtype=None: zero.Init then takes it from the config (the same one `self.dtype` was derived from). An

@@ -127,9 +127,8 @@ def _train_in_place(args: argparse.Namespace, world_size: int) -> int:
     from keel.parallel import comm  # torch: keel --help start-up
     from keel.training.entry import run_sequence  # torch: keel --help start-up
 
-    spec = build_run(
-        args.config, args.set, args.ds_config, args.run_dir, world_size
-    )  # cheap: every rank checks
+    # cheap: every rank checks
+    spec = build_run(args.config, args.set, args.ds_config, args.run_dir, world_size)
     init_distributed()
     verdict = None
     if dist.get_rank() == 0:
@@ -155,9 +154,8 @@ def cmd_preflight(args: argparse.Namespace) -> int:
             run_preflight,
         )  # torch: keel --help start-up
 
-        spec = build_run(
-            args.config, args.set, args.ds_config, args.run_dir, external
-        )  # every rank checks
+        # every rank checks
+        spec = build_run(args.config, args.set, args.ds_config, args.run_dir, external)
         resolve_vocab_size(spec)
         return run_preflight(spec)
     if args.launcher == "deepspeed":
@@ -168,9 +166,8 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     nproc = args.nproc or _default_nproc()
     if nproc < 1:
         raise ConfigError(f"--nproc: must be >= 1, got {nproc}")
-    spec = build_run(
-        args.config, args.set, args.ds_config, args.run_dir, nproc
-    )  # refused here, before any rank
+    # refused here, before any rank
+    spec = build_run(args.config, args.set, args.ds_config, args.run_dir, nproc)
     print(f"keel: preflight | run dir {spec.run_dir} | {nproc} local rank(s)", flush=True)
     return launch_module(
         ["keel.launcher.cli", "preflight", *_rank_args(args, spec.run_dir)],
@@ -200,9 +197,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     print(f"tokenizer {prepared.tokenizer_path}")
     for prefix in prepared.sources:
         print(f"tokens {prefix}.bin")
-        if (
-            args.check_all_ids
-        ):  # the offline full pass; training checks the ids it uses at the sample
+        # the offline full pass; training checks the ids it uses at the sample
+        if args.check_all_ids:
             IndexedDataset(prefix, vocab_size=prepared.vocab_size).validate(prepared.vocab_size)
             print(f"  every id lies in [0, {prepared.vocab_size})")
     print(f"({prepared.num_tokens} tokens, {prepared.num_docs} documents)")
@@ -232,9 +228,8 @@ def cmd_lr_find(args: argparse.Namespace) -> int:
         )
     if not 0 <= args.beta < 1:
         raise ConfigError(f"--beta: the smoothing must lie in [0, 1), got {args.beta}")
-    if (
-        importlib.util.find_spec("matplotlib") is None
-    ):  # the plot comes after the sweep: say it before any work
+    # the plot comes after the sweep: say it before any work
+    if importlib.util.find_spec("matplotlib") is None:
         raise ConfigError(
             "lr-find plots its curve with matplotlib, which is not installed: "
             "pip install 'keel[plot]' (or pip install matplotlib)"
@@ -480,9 +475,8 @@ def main(argv: list[str] | None = None) -> None:
 
     in_place = False
     try:
-        in_place = (
-            _external_world_size() is not None
-        )  # a rank of an external launcher (torchrun, deepspeed, srun)
+        # a rank of an external launcher (torchrun, deepspeed, srun)
+        in_place = _external_world_size() is not None
         code = args.func(args)
     except (ConfigError, DataError) as exc:
         print(f"keel: error: {exc}", file=sys.stderr)

@@ -57,7 +57,6 @@ def launch_module(
         failures = ", ".join(f"rank {r} exit {f.exitcode}" for r, f in sorted(exc.failures.items()))
         print(f"keel: {what} failed ({failures}); see the log above and {where}", file=sys.stderr)
         codes = [f.exitcode for f in exc.failures.values() if f.exitcode and f.exitcode > 0]
-        return (
-            max(codes) if codes else 1
-        )  # keep Keel's documented codes (3 checksum, 4 hang) for the caller
+        # keep Keel's documented codes (3 checksum, 4 hang) for the caller
+        return max(codes) if codes else 1
     return 0

@@ -48,9 +48,8 @@ def data_changes(
     """'field old → new' for every setting that orders the samples and differs between the two runs."""
     changes = []
     (old_sizes, old_shown), (new_sizes, new_shown) = _corpus(old_cfg, old_data), _corpus(cfg, data)
-    if old_sizes != new_sizes and not any(
-        None in pair for pair in old_sizes
-    ):  # an old record without sizes
+    # an old record without sizes
+    if old_sizes != new_sizes and not any(None in pair for pair in old_sizes):
         changes.append(f"data.corpus {old_shown} → {new_shown}")
     elif _weights(old_data) != _weights(data):
         changes.append(f"data.corpus weights {_weights(old_data)} → {_weights(data)}")

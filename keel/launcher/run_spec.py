@@ -75,14 +75,12 @@ def build_run(
     ds_path = resolve_path(cfg.train.ds_config, *bases)
     cfg.train.ds_config = str(ds_path)
     clamped = clamp_warmup(cfg.train)
-    if (
-        clamped and os.environ.get("RANK", "0") == "0"
-    ):  # under an external launcher every rank builds the run
+    # under an external launcher every rank builds the run
+    if clamped and os.environ.get("RANK", "0") == "0":
         print(f"keel: warning: {clamped}", file=sys.stderr, flush=True)
     validate(cfg, world_size)
-    if (
-        cfg.model.init_from
-    ):  # relative to the config's directory, like the corpus; ranks may run elsewhere
+    # relative to the config's directory, like the corpus; ranks may run elsewhere
+    if cfg.model.init_from:
         cfg.model.init_from = str(resolve_path(cfg.model.init_from, *bases))
     _check_init_from(cfg)
     ds_raw = load_ds_config(ds_path)
@@ -145,9 +143,8 @@ def prepare_data(spec: RunSpec) -> None:
     ):
         # continued pretraining: the weights' own tokenizer, not a fresh one whose ids they never saw
         cfg.data.tokenizer = cfg.model.init_from
-    source = resolve_tokenizer_path(
-        cfg.data.tokenizer, spec.base_dir
-    )  # None: train one on the corpus
+    # None: train one on the corpus
+    source = resolve_tokenizer_path(cfg.data.tokenizer, spec.base_dir)
     weighted = weighted_sources(cfg.data.corpus)
     if weighted is not None:
         data = _prepare_blend(spec, weighted, source)
@@ -193,9 +190,8 @@ def prepare_data(spec: RunSpec) -> None:
         )
     resolve_special_ids(cfg.model, tokenizer)
     _check_init_from(cfg)  # again, now that model.vocab_size is known
-    check_pipeline_plan(
-        cfg, zero_stage(spec.ds_raw)
-    )  # the partition weighs the embedding by the vocabulary
+    # the partition weighs the embedding by the vocabulary
+    check_pipeline_plan(cfg, zero_stage(spec.ds_raw))
     record = tokenizer_record(tokenizer, source, None if source is None else source_sha256(source))
     check_same_tokenizer(spec.run_dir, cfg, record)
     spec.data = {

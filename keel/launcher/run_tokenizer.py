@@ -54,9 +54,8 @@ def check_same_tokenizer(run_dir: Path, cfg: RunConfig, record: dict[str, Any]) 
         return  # no readable record of the old run: nothing to compare against
     if not isinstance(old, dict) or old.get("sha256") in (None, record["sha256"]):
         return
-    if (
-        old.get("source") == record["source"] == "train"
-    ):  # trained on the corpus: the corpus (or size) changed
+    # trained on the corpus: the corpus (or size) changed
+    if old.get("source") == record["source"] == "train":
         raise ConfigError(
             f"data.tokenizer: the checkpoints in {run_dir} were trained with a tokenizer trained on their corpus "
             f"(sha256 {str(old['sha256'])[:12]}), this run's data.corpus / data.tokenizer_vocab_size train another "

@@ -25,9 +25,8 @@ def document_layout(tokens: torch.Tensor, eos_id: int) -> DocumentLayout:
     starts[:, 0] = True
     starts[:, 1:] = tokens[:, :-1] == eos_id
     idx = torch.arange(s, device=tokens.device).expand(b, s)
-    first = (
-        torch.where(starts, idx, torch.zeros_like(idx)).cummax(dim=1).values
-    )  # each token's document start
+    # each token's document start
+    first = torch.where(starts, idx, torch.zeros_like(idx)).cummax(dim=1).values
     doc = starts.cumsum(dim=1)
     causal = torch.ones(s, s, dtype=torch.bool, device=tokens.device).tril()
     mask = (doc[:, :, None] == doc[:, None, :]) & causal

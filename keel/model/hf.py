@@ -78,9 +78,10 @@ def to_hf_config(cfg: ModelConfig, max_position_embeddings: int = 8192) -> trans
 
     Token ids (bos/eos/pad) belong to the tokenizer and are left unset for the caller to fill in.
     """
+    # ~3 s to import; keel.model imports this module, training never needs it
     from transformers import (
         LlamaConfig,
-    )  # ~3 s to import; keel.model imports this module, training never needs it
+    )
 
     _require_rmsnorm(cfg)
     if cfg.vocab_size <= 0:
@@ -156,9 +157,8 @@ def from_hf_state_dict(model: CausalLM, state_dict: dict[str, torch.Tensor]) -> 
             continue
         hf = hf_names[0]
         value = state_dict[_EMBED if tied and hf == _HEAD else hf]
-        if (
-            hf in (_EMBED, _HEAD) and value.shape[0] < own[keel].shape[0]
-        ):  # pad to Keel's padded vocabulary
+        # pad to Keel's padded vocabulary
+        if hf in (_EMBED, _HEAD) and value.shape[0] < own[keel].shape[0]:
             value = torch.cat(
                 [value, value.new_zeros(own[keel].shape[0] - value.shape[0], value.shape[1])]
             )

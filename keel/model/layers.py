@@ -147,9 +147,8 @@ class RotaryEmbedding(nn.Module):
         inv_freq = 1.0 / (self.theta**exponents)
         positions = torch.arange(seq_len, dtype=torch.float32, device=device)
         freqs = torch.outer(positions, inv_freq)
-        angles = torch.cat(
-            (freqs, freqs), dim=-1
-        )  # rotate_half layout: [θ_0..θ_{d/2-1}, θ_0..θ_{d/2-1}]
+        # rotate_half layout: [θ_0..θ_{d/2-1}, θ_0..θ_{d/2-1}]
+        angles = torch.cat((freqs, freqs), dim=-1)
         self.cos = angles.cos().to(dtype)
         self.sin = angles.sin().to(dtype)
         self._built_dtype = dtype
@@ -207,9 +206,8 @@ class Attention(nn.Module):
         self.logit_probe: torch.Tensor | None = None
         self.liger = resolve(cfg.kernels) == "liger"
         heads_per_rank, n_rep = cfg.n_heads // tp.size, cfg.n_heads // cfg.n_kv_heads
-        self.kv_head = (
-            tp.rank * heads_per_rank
-        ) // n_rep  # the one kv head used here when replicated
+        # the one kv head used here when replicated
+        self.kv_head = (tp.rank * heads_per_rank) // n_rep
         self.sp_size = sp.size
         self.ulysses = ulysses_attention(self._attend, sp) if sp.size > 1 else None
 
@@ -229,9 +227,8 @@ class Attention(nn.Module):
         if self.ulysses is None:
             out = self._attend(q, k, v, document)
         else:
-            if (
-                k.shape[2] % self.sp_size
-            ):  # too few kv heads to split over sp: send one per query head
+            # too few kv heads to split over sp: send one per query head
+            if k.shape[2] % self.sp_size:
                 k, v = (t.repeat_interleave(q.shape[2] // k.shape[2], dim=2) for t in (k, v))
             out = self.ulysses(q, k, v, 0)
         return exit(self.wo(out.reshape(b, s, -1)), self.tp)
@@ -287,9 +284,8 @@ def record_max_logit(
     best = torch.full((), float("-inf"), device=q.device)
     for start in range(0, s, rows):
         stop = min(s, start + rows)
-        scores = (
-            qg[:, :, :, start:stop] @ kf.transpose(-1, -2) / d**0.5
-        )  # [b, groups, rep, rows, s]
+        # [b, groups, rep, rows, s]
+        scores = qg[:, :, :, start:stop] @ kf.transpose(-1, -2) / d**0.5
         if mask is None:
             allowed = torch.ones(stop - start, s, dtype=torch.bool, device=q.device).tril(start)
         else:

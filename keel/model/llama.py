@@ -95,16 +95,16 @@ class Block(nn.Module):
         self.attention_out_norm = make_norm(cfg, parallel) if sandwich else None
         self.ffn_out_norm = make_norm(cfg, parallel) if sandwich else None
         if is_moe_block(cfg, layer_id):
+            # imports DeepSpeed (~1.5 s, a stdout notice on CPU): dense models never do
             from keel.model.moe import (
                 MoE,
-            )  # imports DeepSpeed (~1.5 s, a stdout notice on CPU): dense models never do
+            )
 
             self.feed_forward = MoE(cfg, parallel, layer_id)
         else:
             self.feed_forward = SwiGLU(cfg, parallel)
-        self.tp = (
-            parallel.tp
-        )  # its sharded_rng: dropout on sequence shards (and found there by checkpoints)
+        # its sharded_rng: dropout on sequence shards (and found there by checkpoints)
+        self.tp = parallel.tp
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, document: DocumentLayout | None = None) -> torch.Tensor:
@@ -269,9 +269,8 @@ def init_weights(
     truncated = TRUNCATED_BY_INIT[
         cfg.init
     ]  # cfg was validated: by build_layers, or as the run's config
-    done: set[int] = (
-        set()
-    )  # a Parameter shared between layers is initialised once, by its first owner
+    # a Parameter shared between layers is initialised once, by its first owner
+    done: set[int] = set()
     for offset, layer in enumerate(layers):
         index = first_index + offset
         for name, param in layer.named_parameters():
@@ -297,9 +296,8 @@ def _writer(
         tied_head = (
             isinstance(layer, OutputLayer) and cfg.tie_embeddings and name == "output.weight"
         )
-        if tied_head or isinstance(
-            layer, EmbeddingLayer
-        ):  # every copy of the table draws as layer 0's
+        # every copy of the table draws as layer 0's
+        if tied_head or isinstance(layer, EmbeddingLayer):
             std, key_index, key = (
                 cfg.embedding_init_std or base_init_std(cfg),
                 0,
@@ -346,9 +344,8 @@ class CausalLM(nn.Module):
     ) -> None:
         super().__init__()
         self.cfg = cfg
-        self.document_eos = (
-            document_eos  # data.document_mask: attention and positions restart after this id
-        )
+        # data.document_mask: attention and positions restart after this id
+        self.document_eos = document_eos
         self.checkpoint_interval = checkpoint_interval
         placement = placement or Placement()  # on meta, then this rank's shards on the CPU in fp32
         self.layers = nn.ModuleList(placement.build(lambda: build_layers(cfg, parallel)))
@@ -357,9 +354,8 @@ class CausalLM(nn.Module):
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (this rank's vocabulary shard, padding included) or, given `labels`, the mean loss."""
-        fused = labels is not None and getattr(
-            self.loss_fn, "fuses_head", False
-        )  # any callable(logits, labels) works
+        # any callable(logits, labels) works
+        fused = labels is not None and getattr(self.loss_fn, "fuses_head", False)
         layers = self.layers[:-1] if fused else self.layers
         h = tokens
         document = None if self.document_eos is None else document_layout(tokens, self.document_eos)
@@ -377,9 +373,8 @@ class CausalLM(nn.Module):
                 )
             else:
                 h = _run_layers(chunk, h, document)
-        if (
-            fused
-        ):  # through the head's own call, so hooks on it (non-finite localization) still see it
+        # through the head's own call, so hooks on it (non-finite localization) still see it
+        if fused:
             return self.layers[-1](h, labels, self.loss_fn)
         return h if labels is None else self.loss_fn(h, labels)
 
@@ -426,9 +421,8 @@ class VocabParallelLoss:
         self.z_loss = z_loss
         self.scale = 1.0  # fault injection multiplies a step's loss (faults.spike_step)
         self.sp = parallel.sp
-        self.engine_averages_sp = (
-            engine_averages_sp  # the pipeline engine: see keel/parallel/ulysses.py
-        )
+        # the pipeline engine: see keel/parallel/ulysses.py
+        self.engine_averages_sp = engine_averages_sp
         self.fuses_head = tp.size == 1 and resolve_kernels(cfg.kernels) == "liger"
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -60,13 +60,11 @@ class ExpertStats:
 
     def reset(self) -> None:
         device = self.step_routed.device
-        self.routed = torch.zeros(
-            self.num_experts, dtype=torch.float64, device=device
-        )  # rows chosen, pre-drop
+        # rows chosen, pre-drop
+        self.routed = torch.zeros(self.num_experts, dtype=torch.float64, device=device)
         self.dropped = torch.zeros((), dtype=torch.float64, device=device)
-        self.entropy = torch.zeros(
-            (), dtype=torch.float64, device=device
-        )  # Σ over tokens of routing entropy
+        # Σ over tokens of routing entropy
+        self.entropy = torch.zeros((), dtype=torch.float64, device=device)
         self.tokens = torch.zeros((), dtype=torch.float64, device=device)
 
     @torch.no_grad()
@@ -101,9 +99,8 @@ class MoE(DeepSpeedMoE):
     def __init__(
         self, cfg: ModelConfig, parallel: LayerParallel = NO_PARALLEL, layer_id: int = 0
     ) -> None:
-        nn.Module.__init__(
-            self
-        )  # DeepSpeed's __init__ would build its own gate, experts and process groups
+        # DeepSpeed's __init__ would build its own gate, experts and process groups
+        nn.Module.__init__(self)
         ep = parallel.ep
         self.tp, self.ep = parallel.tp, ep
         self.layer_id = layer_id  # the block's index, for health reports
@@ -122,14 +119,12 @@ class MoE(DeepSpeedMoE):
         for offset, mlp in enumerate(self.local_experts):
             for param in mlp.parameters():
                 mark_expert_param(param, ep.size)
-                param.expert_id = (
-                    first + offset
-                )  # init draws each expert from its own stream (llama.py)
+                # init draws each expert from its own stream (llama.py)
+                param.expert_id = first + offset
         self.shared = SwiGLU(cfg, parallel) if cfg.moe_shared_expert else None
         self.aux_grad_scale = 1.0  # set by the trainer: loss_scale / gradient_accumulation_steps
-        self.grouped_gemm: bool | None = (
-            None  # None: torch's grouped GEMM on CUDA in bf16, the expert loop elsewhere
-        )
+        # None: torch's grouped GEMM on CUDA in bf16, the expert loop elsewhere
+        self.grouped_gemm: bool | None = None
         self.stats = ExpertStats(cfg.moe_experts)
 
     @property
@@ -185,9 +180,8 @@ class MoE(DeepSpeedMoE):
         # The experts stay separate Parameters (DeepSpeed's per-expert checkpoint keys); stacking them costs one
         # copy of this rank's local expert weights per layer, which the single kernel launch repays.
         offsets = routes.device_counts.cumsum(0).to(torch.int32)
-        w13 = torch.stack(
-            [mlp.w13.weight for mlp in self.local_experts]
-        )  # [E, 2, hidden, dim]: gate, up
+        # [E, 2, hidden, dim]: gate, up
+        w13 = torch.stack([mlp.w13.weight for mlp in self.local_experts])
         w2 = torch.stack([mlp.w2.weight for mlp in self.local_experts])
         gate, up = F.grouped_mm(inputs, w13.flatten(1, 2).transpose(-2, -1), offs=offsets).chunk(
             2, dim=-1

@@ -58,14 +58,12 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(cfg.moe_experts, cfg.dim))
         # Aux-loss-free balancing bias: a persistent buffer (checkpointed), moved by ExpertHealth after each step.
         self.register_buffer("balance_bias", torch.zeros(cfg.moe_experts))
-        self.choice_offset: torch.Tensor | None = (
-            None  # fault injection: added to the choice scores only
-        )
+        # fault injection: added to the choice scores only
+        self.choice_offset: torch.Tensor | None = None
 
     def forward(self, tokens: torch.Tensor) -> Routing:
-        if (
-            self.training and self.jitter > 0
-        ):  # Switch's multiplicative jitter, same draw on every tp rank
+        # Switch's multiplicative jitter, same draw on every tp rank
+        if self.training and self.jitter > 0:
             tokens = tokens * torch.empty_like(tokens).uniform_(
                 1.0 - self.jitter, 1.0 + self.jitter
             )
@@ -117,9 +115,8 @@ class Router(nn.Module):
             return torch.ones_like(experts, dtype=torch.bool)
         tokens, k = experts.shape
         capacity = math.ceil(self.capacity_factor * tokens * k / self.num_experts)
-        if (
-            self.drop_policy == "position"
-        ):  # every first choice, then every second choice, each in token order
+        # every first choice, then every second choice, each in token order
+        if self.drop_policy == "position":
             priority = torch.argsort(experts.t().flatten(), stable=True)
             row_ids = (
                 torch.arange(tokens * k, device=experts.device)

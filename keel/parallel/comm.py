@@ -156,9 +156,8 @@ def all_to_all(
     """Rows of `tensor` split by `send_splits` go to each peer; returns the rows received (`recv_splits`)."""
     if not group.active:
         return tensor if out is None else out.copy_(tensor)
-    uneven = (
-        send_splits is not None or recv_splits is not None
-    )  # ranks agree on the row size, not the rows
+    # ranks agree on the row size, not the rows
+    uneven = send_splits is not None or recv_splits is not None
     _enter(
         "all_to_all_uneven" if uneven else "all_to_all",
         group,
@@ -215,9 +214,10 @@ def post_p2p(ops: list) -> list:
     pairing that keeps them hang-free (both ends post a transfer in the same batch) is proven by
     tests/test_interleaved_schedule.py. Activations and gradients only: every tensor must be on one device type.
     """
+    # ~1.5 s: every Topology imports comm, config checks included
     from deepspeed import (
         comm as ds_comm,
-    )  # ~1.5 s: every Topology imports comm, config checks included
+    )
 
     devices = {op.tensor.device.type for op in ops}
     if len(devices) > 1:

@@ -87,9 +87,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         x = logits_shard.detach() if in_place else logits_shard.to(compute_dtype, copy=True)
         x[..., n_real:] = float("-inf")
 
-        row_max = x.amax(
-            dim=-1
-        )  # -inf on a shard that is all padding; the MAX over the group is finite
+        # -inf on a shard that is all padding; the MAX over the group is finite
+        row_max = x.amax(dim=-1)
         _all_reduce(row_max, "max", group)
         x.sub_(row_max.unsqueeze(-1))  # shifted logits: exp cannot overflow
 

@@ -97,12 +97,10 @@ class Routes:
     send: list[int]  # rows this rank sends to each ep peer
     recv: list[int]  # rows this rank receives from each ep peer
     expert_counts: list[int]  # rows per local expert, in local-expert order (after the regrouping)
-    device_counts: (
-        torch.Tensor
-    )  # the same on the device (grouped GEMM offsets without a host-to-device copy)
-    per_peer: (
-        torch.Tensor | None
-    )  # [peer, local expert] received counts on the device (None: ep = 1)
+    # the same on the device (grouped GEMM offsets without a host-to-device copy)
+    device_counts: torch.Tensor
+    # [peer, local expert] received counts on the device (None: ep = 1)
+    per_peer: torch.Tensor | None
 
     @property
     def sent_rows(self) -> int:

@@ -40,9 +40,8 @@ def global_grad_norm(params: Iterable[torch.nn.Parameter], topology: Topology) -
     device = next((p.grad.device for p in params if p.grad is not None), torch.device("cpu"))
     tp_rank0 = topology.rank_in("tp") == 0
     dense = torch.zeros((), dtype=torch.float64, device=device)
-    experts = torch.zeros(
-        (), dtype=torch.float64, device=device
-    )  # ep ranks hold different experts: sum over ep
+    # ep ranks hold different experts: sum over ep
+    experts = torch.zeros((), dtype=torch.float64, device=device)
     for p in params:
         if p.grad is None or is_pipe_replicated(p):
             continue

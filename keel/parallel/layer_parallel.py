@@ -52,6 +52,5 @@ class LayerParallel:
         )
 
 
-NO_PARALLEL = (
-    LayerParallel()
-)  # a single process: the layers' default (frozen, so one shared instance is safe)
+# a single process: the layers' default (frozen, so one shared instance is safe)
+NO_PARALLEL = LayerParallel()

@@ -32,9 +32,8 @@ class TPContext:
     rank: int = 0
     size: int = 1
     sequence_parallel: bool = False
-    sharded_rng: ShardedRNG | None = (
-        None  # dropout stream for sequence-parallel (per-rank) activations
-    )
+    # dropout stream for sequence-parallel (per-rank) activations
+    sharded_rng: ShardedRNG | None = None
 
     @classmethod
     def from_topology(cls, topology, sequence_parallel: bool = False, seed: int = 0) -> TPContext:

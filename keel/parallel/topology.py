@@ -125,9 +125,8 @@ class Topology:
         shape.check()
         self.shape = shape
         self.rank = rank
-        self.pipeline_schedule = (
-            pipeline_schedule  # which stages a pipeline rank holds (one, or DualPipeV's two)
-        )
+        # which stages a pipeline rank holds (one, or DualPipeV's two)
+        self.pipeline_schedule = pipeline_schedule
         self.virtual_stages = virtual_stages  # interleaved: v stages per pipeline rank
         self.coords = shape.coords(rank)
         self._groups: dict[str, object] = {WORLD: None}

@@ -65,8 +65,9 @@ def sequence_mean(
 
 def ulysses_attention(attend, sp: SPContext):
     """Wrap `attend(q, k, v)` (layout [b, s, heads, d]) so it sees the whole sequence and heads / sp."""
+    # ~1.5 s: a model without Ulysses never needs it
     from deepspeed.sequence.layer import (
         DistributedAttention,
-    )  # ~1.5 s: a model without Ulysses never needs it
+    )
 
     return DistributedAttention(attend, sp.group.handle, scatter_idx=2, gather_idx=SEQ_DIM)

@@ -146,9 +146,8 @@ def write_plot(path: Path, result: RangeTestResult) -> None:
         ax.axvline(lr, color="C3", linestyle="--", linewidth=1)
         ax.plot([lr], [result.smoothed[index]], "o", color="C3", label=f"suggested lr {lr:.2e}")
     finite = [v for v in result.losses + result.smoothed if math.isfinite(v)]
-    if finite and math.isfinite(
-        result.smoothed[0]
-    ):  # a diverging tail would flatten the interesting part
+    # a diverging tail would flatten the interesting part
+    if finite and math.isfinite(result.smoothed[0]):
         start, low = result.smoothed[0], min(finite)
         high = min(max(finite), start + max(start - low, 0.1 * abs(start)))
         pad = 0.05 * max(high - low, 1e-6)

@@ -89,9 +89,8 @@ def run_rank(run_dir: Path) -> int:
             order,
             checkpointer,
         ).fit()
-    except (
-        CheckpointDisagreement
-    ) as err:  # resume or rollback: every rank raised it, after one agreed gather
+    # resume or rollback: every rank raised it, after one agreed gather
+    except CheckpointDisagreement as err:
         return checkpoint_disagreement(run_dir, rank, err)
     finally:
         release_run(engine)
@@ -103,9 +102,8 @@ def run_rank(run_dir: Path) -> int:
         summary = write_summary(run_dir, result.finished, result.exit_code, result.reason)
         log.info("summary: %s", summary)
     if result.exit_code:
-        return (
-            result.exit_code
-        )  # a guard stopped the run; peers stop at the same step with the same code
+        # a guard stopped the run; peers stop at the same step with the same code
+        return result.exit_code
     comm.barrier(topology.control("world"))
     return ExitCode.OK
 
@@ -131,20 +129,17 @@ def reshard_if_needed(cfg, ds_raw: dict, topology, checkpointer) -> dict:
     to DeepSpeed's universal format and every rank loads that; the global batch stays fixed because gradient
     accumulation is derived from the new data-parallel size. The checkpoint is verified here, before converting
     (the trainer's resume then finds it verified)."""
-    tag = (
-        checkpointer.agreed_resume() if cfg.checkpoint.resume else None
-    )  # rank 0 chooses, every rank verifies
+    # rank 0 chooses, every rank verifies
+    tag = checkpointer.agreed_resume() if cfg.checkpoint.resume else None
     if tag is None or not checkpointer.needs_universal(tag, zero_stage(ds_raw)):
         return ds_raw
     log = logging.getLogger("keel")
     saved = checkpointer.read_manifest(tag)["topology"]
-    if (
-        cfg.model.moe_experts
-    ):  # DeepSpeed's converter cannot place experts: Keel's own (moe_reshard.py)
+    # DeepSpeed's converter cannot place experts: Keel's own (moe_reshard.py)
+    if cfg.model.moe_experts:
         check_moe_reshard(saved, topology.stamp(), zero_stage(ds_raw), cfg.model.moe_experts)
-    pipelined = (
-        max(saved["pp"], topology.shape.pp) > 1
-    )  # the schedule matters (and is shown) only then
+    # the schedule matters (and is shown) only then
+    pipelined = max(saved["pp"], topology.shape.pp) > 1
     shown = ("world_size", "dp", "ep", "tp", "pp") + (
         ("pipeline_schedule", "virtual_stages") if pipelined else ()
     )

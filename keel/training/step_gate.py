@@ -33,9 +33,8 @@ class StepGate:
         self.engine = engine
         self.control = control
         self.signalled = signalled
-        self.preempted = (
-            False  # agreed: some rank was signalled by the time of this step's agreement
-        )
+        # agreed: some rank was signalled by the time of this step's agreement
+        self.preempted = False
         self.optimizer = inner_optimizer(engine)
         self._step = self.optimizer.step
 
@@ -62,9 +61,8 @@ class StepGate:
             raise RuntimeError(
                 "the optimizer stepped outside StepGate.deciding(): the guards were not asked"
             )
-        if (
-            not self.consulted
-        ):  # ZeRO-3 calls step once per parameter sub-group: decide once per step
+        # ZeRO-3 calls step once per parameter sub-group: decide once per step
+        if not self.consulted:
             self.decision, self.preempted = agree(self._decide(), self.signalled(), self.control)
             self.consulted = True
         vetoed = self.decision.action != Action.STEP

@@ -82,12 +82,10 @@ class StepBatch:
     loss: float = float("nan")  # the data-parallel mean, once known
     # (this rank's loss or None, the data-parallel mean) as device scalars, until the step's one read-back
     device_losses: tuple[torch.Tensor | None, torch.Tensor] | None = None
-    grad_norm: float | None = (
-        None  # the global norm the guards decided on (None: not known on this path)
-    )
-    data_stop: Decision | None = (
-        None  # this rank's batch held ids outside the vocabulary (keel/training/data_stop.py)
-    )
+    # the global norm the guards decided on (None: not known on this path)
+    grad_norm: float | None = None
+    # this rank's batch held ids outside the vocabulary (keel/training/data_stop.py)
+    data_stop: Decision | None = None
 
     @property
     def end(self) -> int:
@@ -189,9 +187,8 @@ class Trainer:
         self.monitor = ModelMonitor(engine, topology, cfg.stability.monitor_interval)
         self.attention_logits = AttentionLogitWarning(cfg.stability, self.anomalies)
         if self.is_pipeline:
-            self.monitor.attach(
-                engine
-            )  # train_batch leaves no gap between the last backward and the step
+            # train_batch leaves no gap between the last backward and the step
+            self.monitor.attach(engine)
         self.experts = ExpertHealth(cfg, engine.module, topology, self.anomalies)
         self.syncs = SyncCounter(cfg.logging.sync_debug, engine.device, run_dir, topology.rank)
         self._local_loss: float | None = None
@@ -210,27 +207,23 @@ class Trainer:
         with self.gate.deciding(lambda: self._decide(batch)):
             loss = self._forward_backward(batch)
         self.loss_fn.scale = 1.0
-        self.guards.after_update(
-            batch.step
-        )  # seals this rank's state before anything else can touch it
+        # seals this rank's state before anything else can touch it
+        self.guards.after_update(batch.step)
         self.faults.after_step(batch.step)
         applied = self.engine.was_step_applied()
         decision = self.gate.decision
-        if (
-            not applied and not self.gate.consulted
-        ):  # DeepSpeed dropped the step before asking (non-finite, fp16)
+        # DeepSpeed dropped the step before asking (non-finite, fp16)
+        if not applied and not self.gate.consulted:
             stats = self._stats(batch)
             decision = self.gate.agree_unconsulted(
                 with_data_stop(
                     self.guards.engine_skipped(stats, self.engine.fp16_enabled()), batch.data_stop
                 )
             )
-            batch.grad_norm = (
-                stats.grad_norm
-            )  # NaN unless fp16 (where the loss scaler's overflow is routine)
-        if (
-            decision.sample is not None
-        ):  # some rank's batch held a bad id: every rank names it, the same way
+            # NaN unless fp16 (where the loss scaler's overflow is routine)
+            batch.grad_norm = stats.grad_norm
+        # some rank's batch held a bad id: every rank names it, the same way
+        if decision.sample is not None:
             decision = named_stop(decision, self.train_samples, self.order, batch.step)
             self.anomalies.record(
                 "bad_token_id", batch.step, reason=decision.reason, sample=decision.sample
@@ -259,9 +252,8 @@ class Trainer:
         start = skip_to(state.consumed_samples, self.skip_ranges)
         size = rampup_batch_size(state.step, train, dp)
         engine_size = size * engine_batch_copies(self.cfg)
-        if (
-            engine_size != self.engine.train_batch_size()
-        ):  # batch-size ramp-up: DeepSpeed adjusts accumulation
+        # batch-size ramp-up: DeepSpeed adjusts accumulation
+        if engine_size != self.engine.train_batch_size():
             self.engine.set_train_batch_size(engine_size)
         self.experts.before_step(
             loss_scale(self.engine) or 1.0, self.engine.gradient_accumulation_steps()
@@ -289,9 +281,8 @@ class Trainer:
         if self.is_pipeline:  # DeepSpeed's 1F1B schedule runs every micro-batch and the step
             pairs = iter([(mb[:, :-1], mb[:, 1:]) for mb in batch.micro_batches])
             mean = self.engine.train_batch(data_iter=pairs)  # dp-averaged, broadcast to all stages
-            if (
-                not self.gate.consulted
-            ):  # DeepSpeed dropped the step before asking: `_decide` read nothing
+            # DeepSpeed dropped the step before asking: `_decide` read nothing
+            if not self.gate.consulted:
                 self._local_loss, batch.loss = None, mean.item()
             return batch.loss
         losses = []
@@ -306,9 +297,8 @@ class Trainer:
         batch.device_losses = (local, _device_mean(local, self.dp_group))  # read back in `_decide`
         self.monitor.before_step(batch.step)
         self.engine.step()
-        if (
-            batch.device_losses is not None
-        ):  # DeepSpeed dropped the step before asking: read them now
+        # DeepSpeed dropped the step before asking: read them now
+        if batch.device_losses is not None:
             self._read_step_values(batch, None)
         return batch.loss
 
@@ -451,13 +441,11 @@ class Trainer:
         )
         stragglers = StragglerMonitor(self.topology.control("world"), stability.straggler_interval)
         try:
-            with (
-                watchdog
-            ):  # leaving the block within a hang's deadline counts as that hang (see watchdog.py)
+            # leaving the block within a hang's deadline counts as that hang (see watchdog.py)
+            with watchdog:
                 result = self._loop(state, metrics, watchdog, stragglers)
-                with watchdog.phase(
-                    "checkpoint save", stability.watchdog_save_timeout
-                ):  # the last save completes
+                # the last save completes
+                with watchdog.phase("checkpoint save", stability.watchdog_save_timeout):
                     stop = self.checkpoints.background(wait=True, final=True)
                 if stop.action != Action.STOP or result.exit_code:
                     return result
@@ -487,9 +475,8 @@ class Trainer:
                 record, decision = self.train_step(state)
             steps_here += 1
             record = self._timed(record, state, time.perf_counter() - start, stragglers)
-            if (
-                save_time is not None
-            ):  # the save after the previous step: its cost, next to the step's own
+            # the save after the previous step: its cost, next to the step's own
+            if save_time is not None:
                 record["save_time_s"], save_time = save_time, None
             # periodic checks and evaluation: collectives of their own, each phase with its own deadline
             with (
@@ -576,9 +563,8 @@ class Trainer:
             "consumed_samples": state.consumed_samples,
             "lr_scale": state.lr_scale,
         }
-        if (
-            torch.device(self.engine.device).type == "cuda"
-        ):  # the allocator's own counter: no device sync
+        # the allocator's own counter: no device sync
+        if torch.device(self.engine.device).type == "cuda":
             record["gpu_mem_peak_gib"] = torch.cuda.max_memory_allocated(self.engine.device) / 2**30
         report = stragglers.update(state.step, elapsed)
         if report is not None:

@@ -424,9 +424,8 @@ def ds_breaks(draw, case: Case) -> tuple[str, ...]:
 # -- whole cases ---------------------------------------------------------------------------------------------------
 @st.composite
 def invalid_cases(draw) -> Case:
-    case = draw(
-        valid_cases(extra=2, lists=False)
-    )  # the breakage is the point: a small base draws fast
+    # the breakage is the point: a small base draws fast
+    case = draw(valid_cases(extra=2, lists=False))
     kind = draw(
         st.sampled_from(
             ["field"] * 6

@@ -55,14 +55,12 @@ class Case:
     sets: list[str]
     ds: dict[str, Any] | str  # the DeepSpeed JSON: a mapping to dump, or raw text
     world: int
-    values: dict[str, Any] = field(
-        default_factory=dict
-    )  # valid: each field set and what it must read back as
+    # valid: each field set and what it must read back as
+    values: dict[str, Any] = field(default_factory=dict)
     names: tuple[str, ...] = ()  # invalid: the error line names one of these
     ds_path: str = ""  # given instead of writing `ds` (a missing file, a directory)
-    ds_by_field: bool = (
-        False  # the DeepSpeed JSON named by train.ds_config in the YAML instead of --ds-config
-    )
+    # the DeepSpeed JSON named by train.ds_config in the YAML instead of --ds-config
+    ds_by_field: bool = False
     saved_config: str | None = None  # text of an existing run dir's config.yaml
 
     def put(self, name: str, value: Any, as_set: bool) -> None:
@@ -196,9 +194,8 @@ def valid_values(name: str) -> st.SearchStrategy:
 
 
 # -- the related fields, drawn together ----------------------------------------------------------------------------
-SEED = st.integers(
-    0, 2**64 - 1
-)  # one draw seeds every number of a layout: hypothesis's cost is per draw
+# one draw seeds every number of a layout: hypothesis's cost is per draw
+SEED = st.integers(0, 2**64 - 1)
 
 
 class Picker:
@@ -244,9 +241,8 @@ def layouts(draw) -> tuple[dict[str, Any], int, dict[str, Any]]:
         "model.moe_ffn_hidden": pick.one([0, tp * pick.int(1, 512)]),
         "data.seq_len": sp * tp * pick.int(1, 64),
         "data.document_mask": pp == 1 and sp == 1 and pick.coin(),
-        "data.tokenizer_vocab_size": pick.int(
-            300, 1 << 20
-        ),  # byte fallback needs 300 when training
+        # byte fallback needs 300 when training
+        "data.tokenizer_vocab_size": pick.int(300, 1 << 20),
         "parallel.tp": tp,
         "parallel.pp": pp,
         "parallel.sp": sp,
@@ -263,13 +259,11 @@ def layouts(draw) -> tuple[dict[str, Any], int, dict[str, Any]]:
         values["train.rampup_steps"] = pick.int(1, 1000)
     first_micro_batches = values.get("train.rampup_start_batch", micro * dp * ga) // (micro * dp)
     schedules, chunks = ["1f1b"], pick.int(2, 4)
-    if (
-        pp > 1 and not moe and first_micro_batches >= 2 * pp
-    ):  # both run on DeepSpeed's DualPipeVEngine
+    # both run on DeepSpeed's DualPipeVEngine
+    if pp > 1 and not moe and first_micro_batches >= 2 * pp:
         schedules += ["dualpipev"] if 2 * pp <= n_layers + 3 else []
-        grouped = (
-            ga % pp == 0 and "train.rampup_start_batch" not in values
-        )  # interleaved: groups of pp
+        # interleaved: groups of pp
+        grouped = ga % pp == 0 and "train.rampup_start_batch" not in values
         schedules += ["interleaved"] if grouped and chunks * pp <= n_layers + 3 else []
     values["parallel.pipeline_schedule"] = schedule = pick.one(schedules)
     values["parallel.virtual_stages"] = chunks
@@ -336,13 +330,11 @@ def valid_cases(draw, extra: int = 8, lists: bool = True) -> Case:
     if values.get("model.deepnorm"):
         values["model.norm_placement"] = "post"  # DeepNet is post-norm
     if 0 < values.get("stability.attn_logit_growth", 0) <= 1:
-        values["stability.attn_logit_growth"] += (
-            1.5  # a growth factor is > 1 (0: off); +1 can round to 1.0
-        )
+        # a growth factor is > 1 (0: off); +1 can round to 1.0
+        values["stability.attn_logit_growth"] += 1.5
     case = Case({}, [], ds, world)
-    channels = draw(
-        st.integers(0, 2 ** len(values) - 1)
-    )  # bit i: the i-th field as --set (one draw, not one each)
+    # bit i: the i-th field as --set (one draw, not one each)
+    channels = draw(st.integers(0, 2 ** len(values) - 1))
     for i, (name, value) in enumerate(values.items()):
         as_set = bool(channels >> i & 1)
         if as_set and name == "data.skip_ranges" and value:

@@ -139,9 +139,8 @@ def test_rollback_goes_past_a_corrupt_checkpoint_and_latest_stays(tmp_path):
     ckpt = saved(tmp_path, steps=(10, 20, 30))
     flip(ckpt.directory / "step00000020" / MODEL, 200)
     assert ckpt.agreed_at_or_before(29) == "step00000010"
-    assert (
-        ckpt.directory / "latest"
-    ).read_text() == "step00000030"  # it named a good one: left alone
+    # it named a good one: left alone
+    assert (ckpt.directory / "latest").read_text() == "step00000030"
     assert ckpt.complete_tags() == ["step00000010", "step00000030"]
 
 
@@ -211,9 +210,8 @@ def assert_intact(ckpt: Checkpointer, tag: str) -> None:
     "save discarded on every rank, previous checkpoint stays latest",
 )
 def test_disk_full_mid_shard_discards_the_save_and_keeps_the_previous(tmp_path):
-    ckpt = saved(
-        tmp_path, steps=(10,), keep_last=1
-    )  # keep_last=1: a committed save would prune step 10
+    # keep_last=1: a committed save would prune step 10
+    ckpt = saved(tmp_path, steps=(10,), keep_last=1)
     outcome = ckpt.save(FakeEngine(), TrainState(step=20), disk_room=200)
     assert not outcome.ok and outcome.tag == "step00000020"
     assert outcome.error.startswith(
@@ -281,9 +279,8 @@ def test_real_dev_full_write_is_kept_on_the_rank(tmp_path):
     ckpt = saved(tmp_path, steps=(10,), keep_last=1)
     tag_dir = ckpt.directory / "step00000020"
     tag_dir.mkdir()
-    (tag_dir / SHARD).symlink_to(
-        "/dev/full"
-    )  # DeepSpeed's own open() of the shard lands on a full device
+    # DeepSpeed's own open() of the shard lands on a full device
+    (tag_dir / SHARD).symlink_to("/dev/full")
     outcome = ckpt.save(FakeEngine(), TrainState(step=20))
     assert "[Errno 28] No space left on device" in outcome.error, outcome.error
     assert not tag_dir.exists() and os.path.exists("/dev/full")
@@ -430,9 +427,8 @@ def test_disk_full_during_a_save_stops_cleanly_when_asked(faulted):
     )
     disk_full_checks(run, "stop")
     lines = [line for line in out.splitlines() if "could not be saved" in line]
-    assert len(lines) == 2 and len({line.split("] ", 1)[1] for line in lines}) == 1, (
-        lines
-    )  # every rank, alike
+    # every rank, alike
+    assert len(lines) == 2 and len({line.split("] ", 1)[1] for line in lines}) == 1, lines
     assert (
         "[keel r0] stopping at step 10: checkpoint step00000010 could not be saved (rank 1: writing"
         in out

@@ -37,9 +37,8 @@ from tests.keel_runs import REPO
 
 VALID_CASES, INVALID_CASES, WORLD_SIZE_CASES = 400, 1500, 100
 PER_EXAMPLE = 3  # invalid cases per hypothesis example: its per-example bookkeeping costs as much as a small case
-DUMPER = getattr(
-    yaml, "CSafeDumper", yaml.SafeDumper
-)  # how a user's YAML file looks (PyYAML's own writer)
+# how a user's YAML file looks (PyYAML's own writer)
+DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 PARSER = build_parser()  # built once: argparse's construction would be a third of each case
 
 

@@ -36,9 +36,8 @@ KEEL_RUNS = [
     Run.of("state-too-early", 1, ZERO1, expect_code=ExitCode.CORRUPT_STATE, **TOO_EARLY),
     Run.of("state-at-the-end", 1, ZERO1, expect_code=ExitCode.CORRUPT_STATE, **AT_THE_END),
     Run.of("state-bad-batch", 1, ZERO1, **BAD_BATCH),
-    Run.of(
-        "zero1", 2, ZERO1
-    ),  # tests/test_stability.py's clean two-rank run: the reference for rank 1's
+    # tests/test_stability.py's clean two-rank run: the reference for rank 1's
+    Run.of("zero1", 2, ZERO1),
     Run.of("state-corrupt-rank1", 2, ZERO1, **ON_RANK_1),
 ]
 
@@ -141,9 +140,8 @@ def test_corrupt_state_on_one_rank_rolls_every_rank_back(runs):
     run = runs.get("state-corrupt-rank1", 2, ZERO1, **ON_RANK_1)
     assert_rolled_back_to_step_3(run)
     (found,) = events(run, "corrupt_state")
-    assert any(
-        t.startswith("exp_avg_sq") for t in found["bad_state"]["1"]
-    )  # named on the rank that holds it
+    # named on the rank that holds it
+    assert any(t.startswith("exp_avg_sq") for t in found["bad_state"]["1"])
     assert_same_weights(run, runs.get("zero1", 2, ZERO1))
 
 
@@ -259,9 +257,8 @@ def test_state_that_comes_back_after_a_rollback_stops_with_7(tmp_path):
         and again.exit_code == ExitCode.CORRUPT_STATE
         and "again" in again.reason
     )
-    checkpointer.tag = (
-        "step00000009"  # a newer good checkpoint since: a new occurrence, rolled back again
-    )
+    # a newer good checkpoint since: a new occurrence, rolled back again
+    checkpointer.tag = "step00000009"
     assert guard.decide(12, "bad").action == Action.ROLLBACK
     assert [e["action"] for e in read_anomalies(tmp_path)] == ["rollback", "stop", "rollback"]
 
@@ -287,9 +284,8 @@ def _engine(kind: str):
     )
     ds = json.loads((REPO / "ds_configs" / f"{kind}.json").read_text())
     if kind == "fp16":
-        ds["fp16"]["initial_scale_power"] = (
-            8  # the first step must not overflow: it creates the moments
-        )
+        # the first step must not overflow: it creates the moments
+        ds["fp16"]["initial_scale_power"] = 8
     torch.manual_seed(0)
     engine = build_engine(cfg, ds, Topology.from_env())
     batch = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))

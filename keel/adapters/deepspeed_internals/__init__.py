@@ -119,9 +119,8 @@ def route_checkpoint_writes(engine, route: Callable[[Callable, Any, str], None])
     from skipping the save's closing barrier)."""
     checkpoint_engine = engine.checkpoint_engine
     save = checkpoint_engine.save
-    own = vars(checkpoint_engine).get(
-        "save"
-    )  # an instance attribute already there (else the class's method)
+    # an instance attribute already there (else the class's method)
+    own = vars(checkpoint_engine).get("save")
 
     def routed(state_dict: Any, path: str) -> None:
         route(save, state_dict, path)

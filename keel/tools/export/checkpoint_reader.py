@@ -33,9 +33,8 @@ from keel.model.router import is_moe_block
 from keel.parallel.layer_parallel import LayerParallel
 from keel.run_dir import COMPLETE, LATEST, TAG, RunDir, read_run_dir, tag_for
 
-_EXPERT_KEY = (
-    "deepspeed_moe.experts.deepspeed_experts"  # DeepSpeed's key pattern for expert parameters
-)
+# DeepSpeed's key pattern for expert parameters
+_EXPERT_KEY = "deepspeed_moe.experts.deepspeed_experts"
 
 
 @dataclass(frozen=True)
@@ -46,9 +45,8 @@ class ParamLayout:
     local_shape: tuple[int, ...]
     full_shape: tuple[int, ...]
     dim: int | None
-    same_as: str | None = (
-        None  # the first name of a Parameter shared by several modules (a tied head)
-    )
+    # the first name of a Parameter shared by several modules (a tied head)
+    same_as: str | None = None
 
 
 @dataclass
@@ -289,9 +287,10 @@ class CheckpointReader:
             yield name, value.view(shape)
 
     def _zero3_shards(self, names: list[str], tp_rank: int):
+        # imports deepspeed: ZeRO-3 only
         from keel.adapters.deepspeed_internals.zero3_reader import (
             zero3_fp32_state,
-        )  # imports deepspeed: ZeRO-3 only
+        )
 
         files = [
             self.ckpt.tag_dir / f"zero_pp_rank_{dp}_mp_rank_{tp_rank:02d}_{kind}_states.pt"

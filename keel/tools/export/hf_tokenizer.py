@@ -60,9 +60,8 @@ def sentencepiece_as_llama(model_file: Path):
         raise ConfigError(
             f"tokenizer {model_file} has no BOS or EOS piece; an HF Llama tokenizer needs both"
         )
-    extracted = SentencePieceExtractor(str(model_file)).extract(
-        None
-    )  # None: the model's own type (BPE)
+    # None: the model's own type (BPE)
+    extracted = SentencePieceExtractor(str(model_file)).extract(None)
     return LlamaTokenizer(
         vocab=extracted["vocab"],
         merges=extracted["merges"],

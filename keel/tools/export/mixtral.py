@@ -44,9 +44,10 @@ def check_mixtral(cfg: ModelConfig) -> None:
 
 
 def mixtral_config(cfg: ModelConfig, max_position_embeddings: int):
+    # slow to import (seconds): only when an MoE model exports
     from transformers import (
         MixtralConfig,
-    )  # slow to import (seconds): only when an MoE model exports
+    )
 
     return MixtralConfig(
         vocab_size=cfg.vocab_size,

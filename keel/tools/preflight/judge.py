@@ -26,19 +26,15 @@ from keel.tools.preflight.storage import StorageResult
 class Thresholds:
     straggler: float = 0.5  # matmul TFLOP/s below this fraction of its hardware group's median
     slow_link: float = 0.25  # a rank pair's bandwidth below this fraction of the best pair's
-    slow_group: float = (
-        0.25  # a group's bus bandwidth below this fraction of the best group of its kind
-    )
-    late_s: float = (
-        0.005  # median lateness at collectives above this (plus the clock's uncertainty)
-    )
+    # a group's bus bandwidth below this fraction of the best group of its kind
+    slow_group: float = 0.25
+    # median lateness at collectives above this (plus the clock's uncertainty)
+    late_s: float = 0.005
     clock_skew_s: float = 0.1  # |offset to rank 0| above this (beyond its uncertainty): a warning
-    slow_storage: float = (
-        0.25  # write or read bandwidth below this fraction of the median rank's: a warning
-    )
-    memory_margin: float = (
-        0.8  # state above this fraction of free memory: a warning (activations come on top)
-    )
+    # write or read bandwidth below this fraction of the median rank's: a warning
+    slow_storage: float = 0.25
+    # state above this fraction of free memory: a warning (activations come on top)
+    memory_margin: float = 0.8
 
 
 @dataclass(frozen=True)

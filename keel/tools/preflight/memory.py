@@ -22,9 +22,8 @@ from keel.engine.memory_model import BYTES, Layout, estimate, param_share
 
 @dataclass(frozen=True)
 class RunNeeds:
-    rank_state_bytes: (
-        int  # one rank's params + grads + optimizer + buckets (the largest pipeline stage's)
-    )
+    # one rank's params + grads + optimizer + buckets (the largest pipeline stage's)
+    rank_state_bytes: int
     checkpoint_bytes: int  # one whole checkpoint, all ranks' files together
     keep_last: int
 

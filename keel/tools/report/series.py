@@ -13,9 +13,8 @@ from typing import Any
 
 from keel.tools.report.read import RunRecords
 
-GRAD_NORM_PREFIX = (
-    "grad_norm/"  # the model monitor's per-layer gradient norms (keel/training/observe/monitor.py)
-)
+# the model monitor's per-layer gradient norms (keel/training/observe/monitor.py)
+GRAD_NORM_PREFIX = "grad_norm/"
 
 
 @dataclass(frozen=True)

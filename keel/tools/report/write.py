@@ -23,9 +23,8 @@ from keel.tools.report.read import RunRecords, read_run
 from keel.tools.report.series import Skipped, all_series
 
 INSTALL_HINT = "keel report draws with matplotlib, which is not installed: pip install 'keel[plot]'"
-ANOMALY_ROWS = (
-    200  # report.md's table keeps the last this many events (anomalies.jsonl has them all)
-)
+# report.md's table keeps the last this many events (anomalies.jsonl has them all)
+ANOMALY_ROWS = 200
 
 
 @dataclass
@@ -39,9 +38,10 @@ class Report:
 def write_report(run_dir: Path, out_dir: Path | None = None) -> Report:
     if importlib.util.find_spec("matplotlib") is None:
         raise ConfigError(INSTALL_HINT)
+    # imports matplotlib, an optional dependency: checked just above
     from keel.tools.report.plots import (
         DRAW,
-    )  # imports matplotlib, an optional dependency: checked just above
+    )
 
     run_dir = run_dir.expanduser().resolve()
     out_dir = (out_dir or RunDir(run_dir).report).expanduser().resolve()

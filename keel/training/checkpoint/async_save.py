@@ -67,9 +67,8 @@ class WriteReport:
     files: dict[str, tuple[int, str]] = field(default_factory=dict)
     error: str = ""
     seconds: float = 0.0  # the writer's wall time
-    cpu_seconds: float = (
-        0.0  # the writer's and its hashing threads' CPU time (what they take from a busy host)
-    )
+    # the writer's and its hashing threads' CPU time (what they take from a busy host)
+    cpu_seconds: float = 0.0
 
     @property
     def ok(self) -> bool:
@@ -161,9 +160,8 @@ def write_files(
         for planned in files:
             path = staging / planned.name
             path.parent.mkdir(parents=True, exist_ok=True)
-            with _FollowingHash(
-                path
-            ) as hashed:  # hashes what torch.save has written so far, as it writes
+            # hashes what torch.save has written so far, as it writes
+            with _FollowingHash(path) as hashed:
                 planned.save(planned.state, str(path))
             records[planned.name] = hashed.record()
             hashing_cpu += hashed.cpu_seconds
@@ -213,9 +211,8 @@ class _FollowingHash(threading.Thread):
                     return  # the write failed before creating the file: its own error is reported
             with open(self.path, "rb", buffering=0) as f:
                 while True:
-                    finished = (
-                        self.written.is_set()
-                    )  # read before the read: an empty read then means the end
+                    # read before the read: an empty read then means the end
+                    finished = self.written.is_set()
                     chunk = f.read(_CHUNK)
                     if chunk:
                         self.digest.update(chunk)

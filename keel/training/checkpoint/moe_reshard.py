@@ -134,9 +134,8 @@ def _extract_fragments(tag_dir: Path, saved: dict[str, int], num_experts: int, o
                         tensor.narrow(0, fragment.start, fragment.numel).clone(),
                         folder / f"{state_name}.{part:06d}.pt",
                     )
-                if (
-                    "step" in state and not (folder / "step.pt").is_file()
-                ):  # every partition holds the same step
+                # every partition holds the same step
+                if "step" in state and not (folder / "step.pt").is_file():
                     torch.save(state["step"], folder / "step.pt")
                 names[tp_rank][key] = "step" in state
         del optim
@@ -202,9 +201,8 @@ def _start_folder(folder: Path, tag_dir: Path, head: dict[str, Any], ep: int) ->
     groups = [
         dict(g, name=f"ep_size_{ep}") if g.get("moe") else dict(g) for g in head["param_groups"]
     ]
-    torch.save(
-        {**head, "param_groups": groups}, zero / "optimizer_state.pt"
-    )  # the expert group's new name
+    # the expert group's new name
+    torch.save({**head, "param_groups": groups}, zero / "optimizer_state.pt")
     return zero
 
 

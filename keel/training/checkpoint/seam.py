@@ -70,9 +70,8 @@ class RunCheckpoints:
         """The state to start from: the agreed latest checkpoint's (and the guards' and LR scale's), or a new one."""
         if not self.cfg.checkpoint.resume:
             return TrainState()
-        tag = (
-            self.checkpointer.agreed_resume()
-        )  # rank 0 chooses, every rank verifies (once per run)
+        # rank 0 chooses, every rank verifies (once per run)
+        tag = self.checkpointer.agreed_resume()
         if tag is None:
             return TrainState()
         state = self.checkpointer.load(self.engine, tag, self.cfg.train.seed)
@@ -99,9 +98,8 @@ class RunCheckpoints:
         started = time.perf_counter()
         saved = self._save(state)
         seconds = time.perf_counter() - started
-        if (
-            saved is None
-        ):  # corrupt state: a run that ends so stops; else it returns to a good checkpoint
+        # corrupt state: a run that ends so stops; else it returns to a good checkpoint
+        if saved is None:
             return seconds, self.corrupt_state.refused_save(state.step, ending)
         if not saved.ok:  # discarded on every rank (keel/training/checkpoint/save_failures.py)
             failed = after_failed_save(
@@ -172,9 +170,8 @@ class RunCheckpoints:
         the data cursor (or, `rewind_data`, continue from the checkpoint's: its samples were innocent);
         `rewind(step)` truncates the run's logs to the restored step. A pending background save must have
         concluded (`background(wait=True)`): the choice of where to return counts it."""
-        tag = to or self.checkpointer.agreed_at_or_before(
-            first_bad_step - 1
-        )  # rank 0 chooses, every rank verifies
+        # rank 0 chooses, every rank verifies
+        tag = to or self.checkpointer.agreed_at_or_before(first_bad_step - 1)
         if tag is None:
             self.anomalies.record(
                 "rollback", state.step, done=False, reason=f"{reason}; no checkpoint to return to"

@@ -314,17 +314,14 @@ class Checkpointer:
                     guards,
                     zero_stage,
                 )
-            except (
-                OSError
-            ) as exc:  # the manifest or `latest` could not be written: the save failed after all
+            # the manifest or `latest` could not be written: the save failed after all
+            except OSError as exc:
                 errors = [f"rank 0: committing {tag}: {failure_text(exc)}"]
-        if (
-            self.topology.rank == 0 and errors
-        ):  # half-written: all still in memory, and a full disk needs the space
+        # half-written: all still in memory, and a full disk needs the space
+        if self.topology.rank == 0 and errors:
             shutil.rmtree(self.directory / tag, ignore_errors=True)
-        errors = comm.broadcast_object(
-            errors, self.control
-        )  # rank 0's commit, and the end of the save everywhere
+        # rank 0's commit, and the end of the save everywhere
+        errors = comm.broadcast_object(errors, self.control)
         if errors:
             more = f" (and {len(errors) - 1} more rank(s))" if len(errors) > 1 else ""
             return SaveOutcome(tag, errors[0] + more)
@@ -341,9 +338,8 @@ class Checkpointer:
         """Rank 0, after an agreed verdict that every rank's files are written: the manifest (every file's size
         and sha256), then `latest`, then pruning down to `keep_last`."""
         tag_dir = self.directory / tag
-        for path in sorted(
-            tag_dir.iterdir()
-        ):  # a file written outside the seam (none today): described here
+        # a file written outside the seam (none today): described here
+        for path in sorted(tag_dir.iterdir()):
             if (
                 path.is_file()
                 and path.name != COMPLETE
@@ -385,9 +381,8 @@ class Checkpointer:
             return True
         # ZeRO partitions over data × Ulysses-sequence parallel ranks
         partitions = saved["dp"] * saved.get("sp", 1), now["dp"] * now["sp"]
-        if (
-            saved.get("ep", 1) != now["ep"]
-        ):  # experts move between ranks (keel/training/checkpoint/moe_reshard.py)
+        # experts move between ranks (keel/training/checkpoint/moe_reshard.py)
+        if saved.get("ep", 1) != now["ep"]:
             return True
         return (
             partitions[0] != partitions[1]

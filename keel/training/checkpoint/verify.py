@@ -22,9 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-CHUNK = (
-    8 << 20
-)  # bytes read per update: hashlib releases the GIL on buffers this size, so threads overlap
+# bytes read per update: hashlib releases the GIL on buffers this size, so threads overlap
+CHUNK = 8 << 20
 VERIFY_THREADS = 4
 CORRUPT_SUFFIX = ".corrupt"
 

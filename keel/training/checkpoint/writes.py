@@ -95,9 +95,8 @@ class WrittenFiles:
     def write(self, path: str | os.PathLike, write: Callable[[Any], None]) -> None:
         """`write(target)` the file at `path` (target: the path, or a file object standing in for it), then hash
         it in the background; a failure is kept on the rank (see the module docstring)."""
-        if (
-            self.error
-        ):  # this save already failed here: write nothing more, let DeepSpeed reach its barrier
+        # this save already failed here: write nothing more, let DeepSpeed reach its barrier
+        if self.error:
             return
         path = Path(path)
         try:

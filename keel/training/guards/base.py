@@ -27,15 +27,13 @@ class Decision:
     action: Action = Action.STEP
     reason: str = ""
     exit_code: int = 0  # for STOP
-    restore: bool = (
-        False  # ROLLBACK to repair state (e.g. a corrupted replica), without the spike LR cut
-    )
+    # ROLLBACK to repair state (e.g. a corrupted replica), without the spike LR cut
+    restore: bool = False
     # STOP on bad data: the global sample index holding ids outside the vocabulary (every rank names it the same)
     sample: int | None = None
     rewind_data: bool = False  # ROLLBACK with the data cursor rewound to the checkpoint's (the samples were innocent)
-    to: str | None = (
-        None  # ROLLBACK: the checkpoint every rank already agreed to return to (None: choose it then)
-    )
+    # ROLLBACK: the checkpoint every rank already agreed to return to (None: choose it then)
+    to: str | None = None
 
     @staticmethod
     def most_severe(decisions: list[Decision]) -> Decision:

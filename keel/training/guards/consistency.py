@@ -69,9 +69,8 @@ class LossOutlierCheck:
         return events
 
 
-CHUNK_WORDS = (
-    1 << 18
-)  # words per chunk: 2 MiB of int64 temporaries + 2 MiB of weights, whatever the tensor size
+# words per chunk: 2 MiB of int64 temporaries + 2 MiB of weights, whatever the tensor size
+CHUNK_WORDS = 1 << 18
 
 
 def _words(chunk: torch.Tensor) -> torch.Tensor:
@@ -108,9 +107,8 @@ class Checksummer:
     @torch.no_grad()
     def checksum(self, tensor: torch.Tensor) -> torch.Tensor:
         """0-d int64 on `tensor`'s device (no host sync)."""
-        flat = tensor.detach().reshape(
-            -1
-        )  # a view for contiguous tensors (parameters, partitions, states)
+        # a view for contiguous tensors (parameters, partitions, states)
+        flat = tensor.detach().reshape(-1)
         total = torch.zeros((), dtype=torch.int64, device=flat.device)
         if flat.numel() == 0:
             return total
@@ -120,9 +118,8 @@ class Checksummer:
         for k, start in enumerate(range(0, flat.numel(), step)):
             words = _words(flat[start : start + step].contiguous())
             n = words.numel()
-            torch.mul(
-                words, weights[:n], out=scratch[:n]
-            )  # widened to int64 as it multiplies: no allocation
+            # widened to int64 as it multiplies: no allocation
+            torch.mul(words, weights[:n], out=scratch[:n])
             total += scratch[:n].sum() * (2 * k + 1)
         return total
 
@@ -229,9 +226,8 @@ class ChecksumCheck:
             else torch.zeros(0, dtype=torch.bool, device=self.device)
         )
         count = comm.all_reduce(flags.sum().to(torch.int64).view(1), self.topology.device("world"))
-        host = torch.cat(
-            [t.flatten() for _, _, t in gathered] + [count]
-        ).tolist()  # the one device → host sync
+        # the one device → host sync
+        host = torch.cat([t.flatten() for _, _, t in gathered] + [count]).tolist()
         events, offset = [], 0
         for group, names, table in gathered:
             rows, cols = table.shape

@@ -58,9 +58,8 @@ class Finding:
     """What one replay saw in one micro-batch; only micro-batches with something non-finite get one."""
 
     micro_batch: int
-    first_bad_module: (
-        str | None
-    )  # first module, in execution order, with a non-finite output (None: forward fine)
+    # first module, in execution order, with a non-finite output (None: forward fine)
+    first_bad_module: str | None
     first_bad_class: str | None
     origin_module: str | None  # first module whose inputs were finite and whose output was not
     origin_class: str | None
@@ -193,9 +192,8 @@ def replay(
                 loss = model(batch[:, :-1], batch[:, 1:])
             finally:
                 watch.remove()  # before backward: activation checkpointing re-runs forwards there
-            bad_grads = _bad_grads(
-                loss * grad_scale, named_params
-            )  # even from a non-finite loss: which grads?
+            # even from a non-finite loss: which grads?
+            bad_grads = _bad_grads(loss * grad_scale, named_params)
             if watch.first is None and not bad_grads and _finite(loss):
                 continue
             first_name, first_class = watch.first or (None, None)

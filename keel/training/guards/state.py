@@ -34,9 +34,8 @@ from keel.training.guards.base import Action, Decision
 
 log = logging.getLogger("keel")
 
-CHUNK = (
-    1 << 24
-)  # elements per reduction: bounds any kernel workspace, large enough to stay bandwidth-bound
+# elements per reduction: bounds any kernel workspace, large enough to stay bandwidth-bound
+CHUNK = 1 << 24
 MAX_NAMED = 8  # corrupt tensors named per rank in an event (the count is always exact)
 
 
@@ -119,9 +118,8 @@ class CorruptStateGuard:
         self.control = topology.control("world")
         self.rank = topology.rank
         self.anomalies = anomalies
-        self.returned_to: str | None = (
-            None  # the checkpoint the last corrupt-state rollback returned to
-        )
+        # the checkpoint the last corrupt-state rollback returned to
+        self.returned_to: str | None = None
 
     def check_here(self) -> tuple[int, list[str]]:
         """This rank's own check (local): (non-finite tensors, the first MAX_NAMED of their labels)."""

@@ -68,9 +68,8 @@ class MetricsWriter:
         if not self.enabled:
             return
         self._file.write(json.dumps(record) + "\n")
-        suffix = (
-            self.progress.describe(record) if self.progress is not None else ""
-        )  # every step: the ETA's window
+        # every step: the ETA's window
+        suffix = self.progress.describe(record) if self.progress is not None else ""
         step = record["step"]
         if step % self.log_interval == 0 or step == self.total_steps or "val_loss" in record:
             print(

@@ -75,9 +75,8 @@ def _counted_params(
     return counted
 
 
-CHUNK = (
-    1 << 20
-)  # elements per chunk of an update's difference: 4 MiB of fp32 temporaries per tensor
+# elements per chunk of an update's difference: 4 MiB of fp32 temporaries per tensor
+CHUNK = 1 << 20
 
 
 def _sq(t: torch.Tensor) -> torch.Tensor:
@@ -167,16 +166,14 @@ class ModelMonitor:
         ]
         self._device = next(self.module.parameters()).device
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
-        self._logits: torch.Tensor | None = (
-            None  # [layer] the largest attention logit (-inf: no attention here)
-        )
+        # [layer] the largest attention logit (-inf: no attention here)
+        self._logits: torch.Tensor | None = None
         self._armed: int | None = None
         self._in_forward = False
         self._acts: torch.Tensor | None = None  # [layer, (tokens, sum, sum of squares, max-abs)]
         self._grad_sq: torch.Tensor | None = None  # [layer]
-        self._snapshot: list[torch.Tensor | None] | None = (
-            None  # ZeRO-0: this rank's slices before the step
-        )
+        # ZeRO-0: this rank's slices before the step
+        self._snapshot: list[torch.Tensor | None] | None = None
         self._update_sq: torch.Tensor | None = None
         self._updated: set[int] = set()
         if any(self._partitioned):

@@ -98,9 +98,10 @@ class Sinks:
             return
         run_dir = Path(run_dir)
         if stability.tensorboard:
+            # optional sink (check_sinks), ~1 s to import
             from torch.utils.tensorboard import (
                 SummaryWriter,
-            )  # optional sink (check_sinks), ~1 s to import
+            )
 
             self._tensorboard = SummaryWriter(
                 str(RunDir(run_dir).tensorboard),

@@ -56,9 +56,8 @@ from keel.run_dir import AnomalyLog, ExitCode, RunDir
 if TYPE_CHECKING:
     from keel.parallel import comm
 
-BACKSTOP_MARGIN_S = (
-    60.0  # the faulthandler backstop fires this long after the watchdog thread last ran
-)
+# the faulthandler backstop fires this long after the watchdog thread last ran
+BACKSTOP_MARGIN_S = 60.0
 PEER_WINDOW_S = 5.0  # an exception this close to the deadline is a peer's hang reaching this rank
 
 
@@ -90,12 +89,10 @@ class Watchdog:
         self._beat: tuple[int, float, float, str] | None = None
         self._pauses = 0  # nesting depth; written by the main thread only
         self._stop = threading.Event()
-        self._wake = (
-            threading.Event()
-        )  # a phase with an earlier deadline than the one the thread sleeps toward
-        self._firing = (
-            threading.Lock()
-        )  # the watchdog thread and a failing main thread may both try to fire
+        # a phase with an earlier deadline than the one the thread sleeps toward
+        self._wake = threading.Event()
+        # the watchdog thread and a failing main thread may both try to fire
+        self._firing = threading.Lock()
         self._thread: threading.Thread | None = None
 
     # -- the trainer's side ---------------------------------------------------------------------------------
@@ -179,16 +176,14 @@ class Watchdog:
             if self.backstop:
                 faulthandler.dump_traceback_later(self.timeout_s + BACKSTOP_MARGIN_S, exit=True)
             wait = self.timeout_s
-            beat = (
-                self._beat if self._pauses == 0 else None
-            )  # pause count first, then the beat (see resume)
+            # pause count first, then the beat (see resume)
+            beat = self._beat if self._pauses == 0 else None
             if beat is not None:
                 elapsed = time.monotonic() - beat[1]
                 if elapsed >= beat[2]:
                     self._fire()
-                wait = min(
-                    self.timeout_s, beat[2] - elapsed
-                )  # this deadline; at least every timeout_s (backstop)
+                # this deadline; at least every timeout_s (backstop)
+                wait = min(self.timeout_s, beat[2] - elapsed)
             self._wake.wait(wait)
             self._wake.clear()
         if self.backstop:
@@ -205,9 +200,8 @@ class Watchdog:
         if not self._firing.acquire(blocking=False):
             while True:  # the other thread is already firing and will end the process
                 time.sleep(60)
-        if (
-            self.backstop
-        ):  # if writing the diagnosis hangs (a dead filesystem), the backstop still exits
+        # if writing the diagnosis hangs (a dead filesystem), the backstop still exits
+        if self.backstop:
             faulthandler.dump_traceback_later(BACKSTOP_MARGIN_S, exit=True)
         step, last, timeout, phase = self._beat or (0, time.monotonic(), self.timeout_s, "step")
         elapsed = time.monotonic() - last
@@ -250,9 +244,8 @@ class Watchdog:
         now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         # faulthandler names threads only by id; this maps the ids to names (MainThread, keel-watchdog-r0, ...)
         threads = "\n".join(f"  0x{t.ident or 0:016x} {t.name}" for t in threading.enumerate())
-        with open(
-            path, "a"
-        ) as f:  # append: a restarted run that hangs at the same step keeps both dumps
+        # append: a restarted run that hangs at the same step keeps both dumps
+        with open(path, "a") as f:
             f.write(
                 f"keel watchdog: rank {self.rank} on {socket.gethostname()} pid {os.getpid()} at {now}: "
                 f"{what}\nthreads:\n{threads}\n\n"
