@@ -44,11 +44,11 @@ def _is_int(node: ast.AST | None) -> bool:
     return isinstance(node, ast.Constant) and type(node.value) is int
 
 
-def spelled_out(path: Path, names: set[str]) -> list[str]:
+def spelled_out(path: Path, names: set[str], root: Path = KEEL.parent) -> list[str]:
     """file:line for each run-dir file name or exit-code number written in `path` outside keel/run_dir.py."""
     tree = ast.parse(path.read_text(), filename=str(path))
     skip = _docstrings(tree)
-    where = path.relative_to(KEEL.parent)
+    where = path.relative_to(root)
     found = []
     files = {
         name for name in names if "." in name
@@ -73,7 +73,7 @@ def spelled_out(path: Path, names: set[str]) -> list[str]:
         elif isinstance(node, ast.Call):
             func = node.func
             called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
-            if called in ("exit", "_exit", "SystemExit") and node.args and _is_int(node.args[0]):
+            if "exit" in called.lower() and node.args and _is_int(node.args[0]):  # exit_now(2) too
                 found.append(f"{where}:{node.lineno}: exit code {node.args[0].value} in {called}()")
             for keyword in node.keywords:
                 if (
@@ -107,18 +107,16 @@ def test_no_module_but_run_dir_spells_a_run_dir_name_or_an_exit_code():
 def test_the_check_finds_what_it_is_for(tmp_path):
     """The check itself, on a planted module: each kind of spelling is found, a docstring mention is not."""
     # must sit under keel/ for relative_to; removed below
-    planted = KEEL / "_planted_check_module.py"
+    planted = tmp_path / "keel" / "planted.py"
+    planted.parent.mkdir()
     planted.write_text(
         '"""Writes metrics.jsonl."""\nimport os, sys\nEXIT_HANG = 4\n'
         'def f(run_dir):\n    """anomalies.jsonl"""\n    p = run_dir / "metrics.jsonl"\n'
         '    r = run_dir / "stacks"\n    key = "tensorboard"\n'
-        '    q = f"{run_dir}/checkpoints"\n    os._exit(4)\n    sys.exit(2)\n'
+        '    q = f"{run_dir}/checkpoints"\n    os._exit(4)\n    sys.exit(2)\n    exit_now(3)\n'
         '    g(exit_code=7)\n    return "x/latest"\n'
     )
-    try:
-        found = spelled_out(planted, run_dir_names())
-    finally:
-        planted.unlink()
+    found = spelled_out(planted, run_dir_names(), tmp_path)
     lines = [line.split(": ", 1)[1] for line in found]
     assert sorted(lines) == sorted(
         [
@@ -126,6 +124,7 @@ def test_the_check_finds_what_it_is_for(tmp_path):
             "run-dir name 'metrics.jsonl'",
             "exit code 4 in _exit()",
             "exit code 2 in exit()",
+            "exit code 3 in exit_now()",
             "exit_code=7",
             "run-dir name '/checkpoints'",
             "run-dir name 'x/latest'",

@@ -183,7 +183,7 @@ def run_sequence(run_dirs: list[Path]) -> int:
 def main() -> None:
     if len(sys.argv) < 2:
         print("usage: python -m keel.training.entry RUN_DIR [RUN_DIR ...]", file=sys.stderr)
-        exit_now(2)
+        exit_now(ExitCode.USAGE)
     try:
         code = run_sequence([Path(arg) for arg in sys.argv[1:]])
     except Exception:
