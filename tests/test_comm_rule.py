@@ -48,8 +48,20 @@ COLLECTIVES = {
 }
 
 
-def direct_collectives(source: str) -> list[tuple[int, str]]:
-    """(line, call) for every collective `source` calls on torch.distributed / deepspeed.comm, however imported."""
+# a group's life: created by its members once per process, destroyed at teardown (keel/parallel/process_groups.py)
+GROUP_LIFECYCLE = {"new_group", "split_group", "new_subgroups", "new_subgroups_by_enumeration"}
+GROUP_LIFECYCLE_OWNERS = {
+    KEEL / "parallel" / "process_groups.py",
+    # the fake world's own teardown (it replaces new_group and split_group to count them)
+    KEEL / "engine" / "simulated_world.py",
+}
+
+
+def direct_collectives(
+    source: str, names: set[str] | frozenset[str] = frozenset(COLLECTIVES)
+) -> list[tuple[int, str]]:
+    """(line, call) for every call of `names` (the collectives) `source` makes on torch.distributed /
+    deepspeed.comm, however imported."""
     tree = ast.parse(source)
     modules: set[str] = set()  # local names bound to a distributed module
     functions: dict[str, str] = {}  # local name → collective imported by name
@@ -63,7 +75,7 @@ def direct_collectives(source: str) -> list[tuple[int, str]]:
                 full = f"{node.module}.{alias.name}"
                 if full in DIST_MODULES:
                     modules.add(alias.asname or alias.name)
-                elif node.module in DIST_MODULES and alias.name in COLLECTIVES:
+                elif node.module in DIST_MODULES and alias.name in names:
                     functions[alias.asname or alias.name] = alias.name
     found = []
     for node in ast.walk(tree):
@@ -72,7 +84,7 @@ def direct_collectives(source: str) -> list[tuple[int, str]]:
         func = node.func
         if isinstance(func, ast.Name) and func.id in functions:
             found.append((node.lineno, functions[func.id]))
-        elif isinstance(func, ast.Attribute) and func.attr in COLLECTIVES:
+        elif isinstance(func, ast.Attribute) and func.attr in names:
             owner = ast.unparse(func.value)
             if owner in modules or owner in DIST_MODULES:
                 found.append((node.lineno, f"{owner}.{func.attr}"))
@@ -91,6 +103,25 @@ def test_no_collective_outside_comm():
     assert not offenders, (
         "collectives must go through keel/parallel/comm.py with a channel:\n" + "\n".join(offenders)
     )
+
+
+def test_groups_are_made_and_destroyed_in_one_place():
+    """A group created outside ProcessGroups is world-wide on every rank and never destroyed."""
+    names = GROUP_LIFECYCLE | {"destroy_process_group"}
+    offenders = [
+        f"{path.relative_to(KEEL.parent)}:{line}: {call}"
+        for path in sorted(KEEL.rglob("*.py"))
+        if path not in GROUP_LIFECYCLE_OWNERS
+        for line, call in direct_collectives(path.read_text(), names)
+    ]
+    assert not offenders, (
+        "process groups are created and destroyed by keel/parallel/process_groups.py:\n"
+        + "\n".join(offenders)
+    )
+    # the pair groups preflight made on cbd7c25
+    assert direct_collectives(
+        "import torch.distributed as dist\nh = [dist.new_group(list(p)) for p in pairs]\n", names
+    ) == [(2, "dist.new_group")]
 
 
 OLD_PIPELINE_LOSS = """

@@ -15,7 +15,12 @@ import torch
 from deepspeed.accelerator import get_accelerator
 from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
-from keel.adapters.deepspeed_internals import allow_fp16_on_cpu, check_engine, replace_fp32_clipping
+from keel.adapters.deepspeed_internals import (
+    allow_fp16_on_cpu,
+    check_engine,
+    replace_fp32_clipping,
+    serve_group_requests,
+)
 from keel.adapters.torch_internals import check_torch
 from keel.config import RunConfig
 from keel.engine.compile_policy import should_compile
@@ -150,32 +155,35 @@ def build_engine(
         log.warning(
             "fp16 on CPU: overriding DeepSpeed's CPU accelerator fp16 check (slow; use bf16 on CPU)"
         )
-    model = model if model is not None else build_model(cfg, topology, ds, document_eos)
-    groups = weight_decay_groups(model, cfg.train.weight_decay)
-    # expert params in groups of their own, which ZeRO partitions over edp only
-    if cfg.model.moe_experts:
-        groups = split_params_into_different_moe_groups_for_optimizer(groups)
-    optimizer = None
-    if "optimizer" not in ds:
-        optimizer = torch.optim.AdamW(
-            groups,
-            lr=cfg.train.lr,
-            betas=tuple(cfg.train.betas),
-            eps=cfg.train.eps,
-            weight_decay=cfg.train.weight_decay,
-            **adamw_implementation(),
+    # DeepSpeed's own group requests (pipeline grid, world group) get Keel's groups
+    with serve_group_requests(topology.process_groups.get):
+        model = model if model is not None else build_model(cfg, topology, ds, document_eos)
+        groups = weight_decay_groups(model, cfg.train.weight_decay)
+        # expert params in groups of their own, which ZeRO partitions over edp only
+        if cfg.model.moe_experts:
+            groups = split_params_into_different_moe_groups_for_optimizer(groups)
+        optimizer = None
+        if "optimizer" not in ds:
+            optimizer = torch.optim.AdamW(
+                groups,
+                lr=cfg.train.lr,
+                betas=tuple(cfg.train.betas),
+                eps=cfg.train.eps,
+                weight_decay=cfg.train.weight_decay,
+                **adamw_implementation(),
+            )
+        engine, _, _, _ = deepspeed.initialize(
+            model=model,
+            model_parameters=groups,
+            optimizer=optimizer,
+            lr_scheduler=lambda opt: build_scheduler(
+                opt, cfg.train, dp=topology.dp_size, extra_scale=(lr_scale or LRScale()).get
+            ),
+            config=ds,
+            # the pipeline engine asks for its groups from the PipelineModule's topology (same grid order as
+            # ours): serve_group_requests answers with ours
+            mpu=topology if topology.shape.world_size > 1 and cfg.parallel.pp == 1 else None,
         )
-    engine, _, _, _ = deepspeed.initialize(
-        model=model,
-        model_parameters=groups,
-        optimizer=optimizer,
-        lr_scheduler=lambda opt: build_scheduler(
-            opt, cfg.train, dp=topology.dp_size, extra_scale=(lr_scale or LRScale()).get
-        ),
-        config=ds,
-        # the pipeline engine builds its groups from the PipelineModule's topology (same grid order as ours)
-        mpu=topology if topology.shape.world_size > 1 and cfg.parallel.pp == 1 else None,
-    )
     if cfg.parallel.pp > 1 and cfg.parallel.pipeline_schedule == "interleaved":
         # initialize has no engine-class hook
         engine = as_interleaved(engine, cfg.parallel.virtual_stages)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from keel.adapters.deepspeed_internals import serve_group_requests
 from keel.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
 from keel.engine.memory_model import layer_list, rank_layer_indices
 from keel.engine.simulated_world import DEEPSPEED, MODEL, TOPOLOGY, SimulatedWorld
@@ -144,7 +145,11 @@ def _deepspeed_engine(
 
     placement = MetaPlacement() if engine == "meta" else Placement()
     try:
-        with contextlib.redirect_stdout(io.StringIO()):  # rank 0 prints the whole pipeline grid
+        # rank 0 prints the whole pipeline grid; DeepSpeed's group requests get Keel's groups (build.py)
+        with (
+            contextlib.redirect_stdout(io.StringIO()),
+            serve_group_requests(topology.process_groups.get),
+        ):
             if cfg.parallel.pp > 1:
                 model = build_pipeline(cfg, topology, parallel, placement)
             else:

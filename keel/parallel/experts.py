@@ -13,7 +13,9 @@ name, so DeepSpeed never builds a second, differently-ordered grid.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -30,8 +32,10 @@ class EPContext:
     rank: int = 0
     size: int = 1
     ranks: tuple[int, ...] = (0,)
-    edp_group: object = None  # torch's group, for DeepSpeed
     edp_ranks: tuple[int, ...] = (0,)
+    # torch's group of a kind ("ep", "expert_dp"), for DeepSpeed; asked only by MoE layers, as a group of one
+    # rank (ep=1) is created on request (keel/parallel/process_groups.py)
+    torch_group: Callable[[str], Any] | None = None
 
     @classmethod
     def from_topology(cls, topology) -> EPContext:
@@ -42,8 +46,8 @@ class EPContext:
             topology.rank_in("ep"),
             topology.size("ep"),
             tuple(topology.ranks("ep")),
-            topology.group("expert_dp"),
             tuple(topology.ranks("expert_dp")),
+            topology.group,
         )
 
 
@@ -65,9 +69,11 @@ def register_expert_groups(ep: EPContext) -> None:
     param groups, MoE checkpoints); its own builder would derive them from a different rank order. Writing
     ours there is the seam DeepSpeed itself uses when a layer calls `set_deepspeed_parallelism`.
     """
-    ep_handle = ep.group.handle if ep.group is not None else None
+    ep_group, edp_group = (
+        (ep.torch_group("ep"), ep.torch_group("expert_dp")) if ep.torch_group else (None, None)
+    )
     deepspeed_internals.register_expert_groups(
-        expert_group_name(ep.size), ep_handle, ep.ranks, ep.edp_group, ep.edp_ranks
+        expert_group_name(ep.size), ep_group, ep.ranks, edp_group, ep.edp_ranks
     )
 
 

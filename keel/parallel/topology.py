@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from keel.config import validate_world_size
 from keel.parallel import comm
+from keel.parallel.process_groups import ProcessGroups
 
 AXES = ("pp", "edp", "ep", "sp", "tp")
 
@@ -82,6 +83,14 @@ class GridShape:
             groups.append(sorted(ranks))
         return groups
 
+    def group_of(self, rank: int, axes: tuple[str, ...]) -> list[int]:
+        """The ranks of `rank`'s group along `axes` (its other coordinates fixed), sorted: O(group size)."""
+        sizes, coords = self.sizes(), self.coords(rank)
+        return sorted(
+            self.rank_of({**coords, **dict(zip(axes, varying))})
+            for varying in itertools.product(*(range(sizes[a]) for a in axes))
+        )
+
 
 # Which grid axes each named group spans.
 GROUP_AXES = {
@@ -115,12 +124,19 @@ WORLD = "world"  # every rank: the default process group (no group of its own is
 class Topology:
     """This rank's place in the grid, and the process groups of every dimension it belongs to.
 
-    Every rank must construct the Topology (group creation is collective). With a single process and no
-    initialized process group, all groups are None and all sizes are 1, so layers can run unparallelized.
+    Every rank constructs its Topology; it creates only the groups of more than one rank that this rank is in,
+    through `groups` (the process's `ProcessGroups`: a rank set already created is reused, so the next run in the
+    same process creates nothing). With a single process and no initialized process group, all groups are None
+    and all sizes are 1, so layers can run unparallelized.
     """
 
     def __init__(
-        self, shape: GridShape, rank: int, pipeline_schedule: str = "1f1b", virtual_stages: int = 1
+        self,
+        shape: GridShape,
+        rank: int,
+        pipeline_schedule: str = "1f1b",
+        virtual_stages: int = 1,
+        groups: ProcessGroups | None = None,
     ):
         shape.check()
         self.shape = shape
@@ -129,6 +145,7 @@ class Topology:
         self.pipeline_schedule = pipeline_schedule
         self.virtual_stages = virtual_stages  # interleaved: v stages per pipeline rank
         self.coords = shape.coords(rank)
+        self.process_groups = groups if groups is not None else ProcessGroups()
         self._groups: dict[str, object] = {WORLD: None}
         self._ranks: dict[str, list[int]] = {WORLD: list(range(shape.world_size))}
         initialized = dist.is_available() and dist.is_initialized()
@@ -137,13 +154,12 @@ class Topology:
         self.device_type = "cuda" if initialized and "nccl" in str(dist.get_backend()) else "cpu"
         self.trace: comm.CollectiveTrace | None = None
         self._handles: dict[tuple[str, str], comm.Group] = {}
+        # in GROUP_AXES order on every rank: members of a group meet to create it (process_groups.py)
         for name, axes in GROUP_AXES.items():
-            for ranks in shape.groups_along(axes):
-                # new_group is collective over the whole world: every rank creates every group, in order.
-                group = dist.new_group(ranks) if initialized and shape.world_size > 1 else None
-                if rank in ranks:
-                    self._groups[name] = group
-                    self._ranks[name] = ranks
+            ranks = shape.group_of(rank, axes)
+            self._ranks[name] = ranks
+            if len(ranks) > 1:
+                self._groups[name] = self.process_groups.get(ranks)
 
     @classmethod
     def from_env(
@@ -154,17 +170,26 @@ class Topology:
         sp: int = 1,
         pipeline_schedule: str = "1f1b",
         virtual_stages: int = 1,
+        groups: ProcessGroups | None = None,
     ) -> Topology:
         if dist.is_available() and dist.is_initialized():
             world, rank = dist.get_world_size(), dist.get_rank()
         else:
             world, rank = 1, 0
         return cls(
-            GridShape(world, tp=tp, pp=pp, ep=ep, sp=sp), rank, pipeline_schedule, virtual_stages
+            GridShape(world, tp=tp, pp=pp, ep=ep, sp=sp),
+            rank,
+            pipeline_schedule,
+            virtual_stages,
+            groups,
         )
 
     # -- generic access -------------------------------------------------------------------------------------
     def group(self, name: str):
+        """torch's process group of `name`, for libraries that take one (DeepSpeed's mpu, its expert tables). A
+        group of one rank is created only here, on first request: Keel's own channels of one rank are local."""
+        if name not in self._groups:
+            self._groups[name] = self.process_groups.get(self._ranks[name])
         return self._groups[name]
 
     def comm(self, name: str, channel: str) -> comm.Group:
@@ -178,7 +203,7 @@ class Topology:
                 tuple(self._ranks[name]),
                 self.rank_in(name),
                 channel,
-                self._groups[name],
+                self._groups.get(name),
                 self.device_type,
                 self.trace,
             )

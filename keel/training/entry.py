@@ -22,6 +22,7 @@ from keel.engine.build import LRScale, build_engine, document_eos
 from keel.engine.distributed import init_distributed, setup_logging
 from keel.engine.ds_config import zero_stage
 from keel.parallel import comm
+from keel.parallel.process_groups import ProcessGroups
 from keel.parallel.random import data_parallel_seed, seed_everything
 from keel.parallel.topology import STAMP_DEFAULTS, Topology
 from keel.run_dir import AnomalyLog, ExitCode, RunDir, checkpoint_dir, read_run_dir
@@ -31,8 +32,8 @@ from keel.training.observe.summary import write_summary
 from keel.training.trainer import Trainer
 
 
-def run_rank(run_dir: Path) -> int:
-    """Train the run described by `run_dir`; returns the process exit code."""
+def run_rank(run_dir: Path, groups: ProcessGroups) -> int:
+    """Train the run described by `run_dir` with this process's `groups`; returns the process exit code."""
     cfg, ds_raw, data = read_run_dir(run_dir)
     init_distributed()
     rank = dist.get_rank()
@@ -46,6 +47,7 @@ def run_rank(run_dir: Path) -> int:
         sp=parallel.sp,
         pipeline_schedule=parallel.pipeline_schedule,
         virtual_stages=parallel.virtual_stages,
+        groups=groups,
     )
     if cfg.logging.collective_trace:
         topology.trace_into(RunDir(run_dir).collectives)
@@ -118,8 +120,9 @@ def checkpoint_disagreement(run_dir: Path, rank: int, err) -> int:
 
 
 def release_run(engine) -> None:
-    """Free what one run held so the next run in this process starts clean: the engine's buffers and the groups
-    it handed DeepSpeed (the Topology's own groups stay with torch.distributed, as every rank created them)."""
+    """Free what one run held so the next run in this process starts clean: the engine's buffers and DeepSpeed's
+    references to the groups it was handed (the groups themselves stay in the process's `ProcessGroups`, for the
+    next run's Topology)."""
     engine.destroy()
     forget_run_groups()
 
@@ -175,8 +178,11 @@ def run_sequence(run_dirs: list[Path]) -> int:
     if restarts:  # back off before rejoining: a failing node or filesystem often needs a moment
         time.sleep(min(2 ** (restarts - 1), 30))
     code = ExitCode.OK
+    groups = ProcessGroups()  # created once, reused by every run here, destroyed after the last
     for run_dir in run_dirs:
-        code = max(code, run_rank(run_dir))
+        code = max(code, run_rank(run_dir, groups))
+    # not after an exception: a peer may still be inside a collective of these groups
+    groups.destroy()
     return code
 
 

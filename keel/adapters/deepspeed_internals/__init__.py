@@ -26,9 +26,11 @@ from keel.adapters.deepspeed_internals.probes import (
     DeepSpeedInternalsError,
     accelerator,
     check_engine,
+    comm_backend,
     expert_group_tables,
     fp16_scale_holder,
     groups_module,
+    serves_new_group,
     wraps_optimizer,
 )
 
@@ -293,6 +295,33 @@ def allow_fp16_on_cpu() -> bool:
 
 
 # -- several runs in one process ------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def serve_group_requests(get: Callable[[list[int]], Any]) -> Iterator[None]:
+    """While DeepSpeed builds (its PipelineModule's world group and grid, tied-weight and expert groups), every
+    `deepspeed.comm.new_group(ranks)` it makes is answered by `get` (keel/parallel/process_groups.py): a rank
+    set Keel already created is handed back, others are created by their members only. Missing public API: a
+    way to give DeepSpeed's pipeline grid caller-built groups (`PipelineParallelGrid` creates its own, each a
+    world-wide `new_group` on every rank, one of size 1 per rank at tp=1, again for every engine)."""
+    backend = comm_backend()
+    if backend is None:  # no process group: DeepSpeed creates no groups
+        yield
+        return
+    if not serves_new_group():
+        raise DeepSpeedInternalsError(
+            "DeepSpeed's deepspeed.comm.new_group no longer asks cdb.new_group, which Keel answers with its own "
+            "process groups; install a DeepSpeed in the range setup.py pins"
+        )
+    outer = backend.__dict__.get("new_group")  # an enclosing serve_group_requests
+    backend.new_group = lambda ranks: get(list(ranks))  # shadows TorchBackend.new_group
+    try:
+        yield
+    finally:
+        if outer is None:
+            del backend.new_group
+        else:
+            backend.new_group = outer
+
+
 def forget_run_groups() -> None:
     """Drop the process groups one run handed DeepSpeed (`groups.mpu`, the expert-group tables), so the next run
     in the same process starts from DeepSpeed's initial state; `deepspeed.comm.destroy_process_group` releases

@@ -165,6 +165,12 @@ INTERNALS = [
         lambda e: expert_group_tables() is not None,
     ),
     Internal(
+        "deepspeed.comm.comm.cdb.new_group",
+        "giving DeepSpeed's pipeline grid and world group caller-built process groups",
+        lambda e: True,
+        lambda e: serves_new_group(),
+    ),
+    Internal(
         "deepspeed.utils.groups.mpu",
         "resetting the groups a finished run handed DeepSpeed",
         lambda e: True,
@@ -230,6 +236,21 @@ def groups_module():
     from deepspeed.utils import groups  # lazy: see the package docstring
 
     return groups
+
+
+def comm_backend():
+    """DeepSpeed's communication backend object (`deepspeed.comm.comm.cdb`, a TorchBackend), None before
+    `deepspeed.init_distributed`."""
+    from deepspeed.comm import comm as ds_comm  # lazy: see the package docstring
+
+    return ds_comm.cdb
+
+
+def serves_new_group() -> bool:
+    """`deepspeed.comm.new_group` asks `cdb.new_group`, which an instance attribute can answer."""
+    from deepspeed.comm import comm as ds_comm  # lazy: see the package docstring
+
+    return hasattr(ds_comm, "cdb") and "cdb.new_group(" in inspect.getsource(ds_comm.new_group)
 
 
 def expert_group_tables():

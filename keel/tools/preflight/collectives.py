@@ -21,7 +21,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from keel.parallel import comm
 from keel.parallel.topology import GROUP_AXES, WORLD, Topology
@@ -189,8 +188,8 @@ def measure_kinds(topology: Topology, timer: Timer) -> list[Timing]:
 
 
 def measure_links(topology: Topology, timer: Timer) -> list[Timing]:
-    """Ring pairs, then pipeline-neighbour pairs. Their groups are made here, every rank creating every pair's
-    in the same order (new_group is collective over the world)."""
+    """Ring pairs, then pipeline-neighbour pairs. A rank creates only its own pairs' groups (at most two of each
+    kind), through the process's groups, walking the pairs in the same order on every rank."""
     timings = []
     cases = [("all_reduce", size) for size in PAIR_SIZES]
     for kind, rounds in (
@@ -198,16 +197,12 @@ def measure_links(topology: Topology, timer: Timer) -> list[Timing]:
         ("pp", pipeline_pairs(topology)),
     ):
         for pairs in rounds:
-            handles = [dist.new_group(list(p)) for p in pairs]
+            mine = [pair for pair in pairs if topology.rank in pair]
+            handles = [topology.process_groups.get(pair) for pair in mine]
             comm.barrier(topology.control(WORLD))
-            for pair, handle in zip(pairs, handles):
-                if topology.rank in pair:
-                    index = pair.index(topology.rank)
-                    device = comm.Group(
-                        kind, pair, index, comm.DEVICE, handle, topology.device_type
-                    )
-                    control = comm.Group(
-                        kind, pair, index, comm.CONTROL, handle, topology.device_type
-                    )
-                    timings += timer.time_group(kind, device, control, cases)
+            for pair, handle in zip(mine, handles):
+                index = pair.index(topology.rank)
+                device = comm.Group(kind, pair, index, comm.DEVICE, handle, topology.device_type)
+                control = comm.Group(kind, pair, index, comm.CONTROL, handle, topology.device_type)
+                timings += timer.time_group(kind, device, control, cases)
     return timings

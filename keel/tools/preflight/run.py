@@ -95,7 +95,9 @@ def run_preflight(spec: RunSpec) -> int:
     code = 0
     if rank == 0:
         code = _judge_and_report(spec, topology, records, offsets, elapsed, Path(checkpoints))
-    return comm.broadcast_object(code, world)
+    code = comm.broadcast_object(code, world)
+    topology.process_groups.destroy()  # the last collective is done
+    return code
 
 
 def _judge_and_report(
