@@ -71,6 +71,13 @@ def tag_for(step: int) -> str:
     return f"step{step:08d}"
 
 
+def step_of(tag: str) -> int:
+    """The optimizer step of checkpoint tag `tag` (`tag_for`'s inverse)."""
+    if not TAG.fullmatch(tag):
+        raise ValueError(f"{tag!r} is not a checkpoint tag (step followed by 8 digits)")
+    return int(tag.removeprefix("step"))
+
+
 @dataclass(frozen=True)
 class RunDir:
     """Where everything a run writes lives. Directories are created by whoever writes into them first."""

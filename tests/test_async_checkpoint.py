@@ -191,6 +191,17 @@ def test_an_async_save_publishes_what_a_synchronous_save_would(tmp_path):
     assert saver.poll() == []  # nothing pending: no collective either
 
 
+def test_a_save_concludes_only_once_the_step_agreed_it_written(tmp_path):
+    """Polling adds no collective: the step's agreement says which save every rank has written."""
+    saver = AsyncCheckpointer(Checkpointer(tmp_path, 2, Topology.from_env()), pin=False)
+    saver.save(_Engine(), TrainState(step=10))
+    saver.pending.writer.join()
+    assert saver.writing() == ("step00000010", False)
+    assert saver.poll() == [] and saver.poll(written="step00000020") == []  # not agreed yet
+    [outcome] = saver.poll(written="step00000010")
+    assert outcome.ok and outcome.tag == "step00000010" and saver.writing() == (None, False)
+
+
 @pytest.mark.fault(
     "a background checkpoint write fails (disk full)",
     "the save is discarded on every rank: not published, its directory removed; latest stays",

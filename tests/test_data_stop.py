@@ -83,26 +83,19 @@ def test_the_agreement_carries_the_stop_and_every_rank_names_it_the_same(
     # a second bad sample on another rank, later in the step: the lowest one is named
     other = Decision(Action.STOP, "bad", ExitCode.BAD_DATA, sample=sample + 1)
 
-    def codes(d: Decision) -> torch.Tensor:  # what agree() sends for `d`
-        return torch.tensor(
-            [
-                int(d.action),
-                0,
-                d.exit_code,
-                0 if d.sample is None else step_gate._NO_SAMPLE - d.sample,
-            ]
-        )
-
     def all_reduce_max(
         tensor: torch.Tensor, group, op: str = "sum"
     ) -> torch.Tensor:  # three ranks' MAX
-        assert op == "max" and tensor.numel() == 4  # still one small all-reduce per step
-        return torch.stack([codes(d) for d in own + [other]]).max(dim=0).values
+        assert op == "max" and tensor.numel() == 6  # still one small all-reduce per step
+        sent = [step_gate.encode(d, False, rank) for rank, d in enumerate(own + [other])]
+        return torch.stack(sent).max(dim=0).values
 
     monkeypatch.setattr(comm, "all_reduce", all_reduce_max)
     lines = []
-    for mine in own + [other]:
-        agreed, preempted = step_gate.agree(mine, False, comm.single("world", comm.CONTROL))
+    for rank, mine in enumerate(own + [other]):
+        world = comm.Group("world", (0, 1, 2), rank, comm.CONTROL)
+        outcome = step_gate.agree(mine, False, world)
+        agreed, preempted = outcome.decision, outcome.preempted
         assert (agreed.action, agreed.exit_code, agreed.sample, preempted) == (
             Action.STOP,
             ExitCode.BAD_DATA,

@@ -100,13 +100,14 @@ def drive_step(world: SimulatedWorld, topology: Topology, pipelined: bool) -> No
 
 
 def drive_async_save_poll(world: SimulatedWorld, topology: Topology) -> None:
-    """What a step adds while an async save is being written: `AsyncCheckpointer.poll` with its
-    writer alive (on the fake backend no rank's writer finishes, so the save does not conclude)."""
-    pending = SimpleNamespace(writer=SimpleNamespace(is_alive=lambda: True))
+    """What a step adds while an async save is being written: this rank's writer state rides on the step's
+    agreement (`StepGate`), and `AsyncCheckpointer.poll` concludes from the agreed tag (on the fake backend no
+    rank's writer finishes, so none is agreed)."""
+    pending = SimpleNamespace(tag="step00000100", writer=SimpleNamespace(is_alive=lambda: True))
+    saver = SimpleNamespace(pending=pending, control=topology.control(WORLD), concluded=[])
     with world.phase(ASYNC_SAVE_STEP):
-        AsyncCheckpointer.poll(
-            SimpleNamespace(pending=pending, control=topology.control(WORLD), concluded=[])
-        )
+        AsyncCheckpointer.writing(saver)
+        AsyncCheckpointer.poll(saver, written=None)
 
 
 def stand_in_parameters(layers: list[nn.Module]) -> nn.ParameterList:

@@ -17,24 +17,44 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
 from keel.adapters.deepspeed_internals import inner_optimizer, veto_step
 from keel.adapters.torch_internals import keep_scheduler_mark
 from keel.parallel import comm
+from keel.run_dir import step_of, tag_for
 from keel.training.guards.base import Action, Decision
 
 
+@dataclass(frozen=True)
+class Agreed:
+    """What every rank acts on after a step's agreement."""
+
+    decision: Decision
+    preempted: bool  # some rank was signalled
+    writing: bool = False  # some rank's background save writer was still writing
+
+
 class StepGate:
-    def __init__(self, engine, control: comm.Group, signalled: Callable[[], bool] = lambda: False):
-        """`control`: the world's control channel; `signalled()`: this rank's preemption flag, agreed each step."""
+    def __init__(
+        self,
+        engine,
+        control: comm.Group,
+        signalled: Callable[[], bool] = lambda: False,
+        writing: Callable[[], tuple[str | None, bool]] = lambda: (None, False),
+    ):
+        """`control`: the world's control channel; `signalled()`: this rank's preemption flag, agreed each step;
+        `writing()`: the pending background save's tag and whether this rank still writes it, agreed each step."""
         self.engine = engine
         self.control = control
         self.signalled = signalled
+        self.writing = writing
         # agreed: some rank was signalled by the time of this step's agreement
         self.preempted = False
+        # agreed: the background save every rank had written by this step's agreement (its tag), else None
+        self.written: str | None = None
         self.optimizer = inner_optimizer(engine)
         self._step = self.optimizer.step
 
@@ -51,6 +71,7 @@ class StepGate:
     def deciding(self, decide: Callable[[], Decision]) -> Iterator[StepGate]:
         """Within the block, the engine's optimizer step asks `decide()` once and acts on the agreed answer."""
         self._decide, self.decision, self.consulted = decide, Decision(), False
+        self.written = None
         try:
             yield self
         finally:
@@ -63,7 +84,7 @@ class StepGate:
             )
         # ZeRO-3 calls step once per parameter sub-group: decide once per step
         if not self.consulted:
-            self.decision, self.preempted = agree(self._decide(), self.signalled(), self.control)
+            self._agree(self._decide())
             self.consulted = True
         vetoed = self.decision.action != Action.STEP
         veto_step(self.engine, vetoed)
@@ -71,27 +92,82 @@ class StepGate:
 
     def agree_unconsulted(self, decision: Decision) -> Decision:
         """The agreement for a step the engine dropped before asking the gate (its fp16 overflow handling)."""
-        self.decision, self.preempted = agree(decision, self.signalled(), self.control)
+        self._agree(decision)
         return self.decision
 
+    def _agree(self, decision: Decision) -> None:
+        tag, writing = self.writing()
+        agreed = agree(decision, self.signalled(), self.control, writing)
+        self.decision, self.preempted = agreed.decision, agreed.preempted
+        self.written = tag if tag is not None and not agreed.writing else None
 
+
+# The agreement is one all-reduce (MAX) of int64s. A decision's fields travel behind a key that orders ranks by
+# the severity of their action, then by lowest rank: the MAX of `key << _FIELD_BITS | field` is the winning rank's
+# field, so every rank receives one rank's whole decision (its checkpoint, restore and data rewind) — not a mix.
+_RANK_BITS = 20  # up to 1,048,576 ranks
+_FIELD_BITS = 40  # a checkpoint's step, up to 10^12
+assert max(Action) < 2 ** (63 - _FIELD_BITS - _RANK_BITS)  # the keyed words stay positive int64s
 # An agreed sample index travels as _NO_SAMPLE - index, so MAX picks the lowest index and 0 means none.
 _NO_SAMPLE = 2**62
 
 
-def agree(decision: Decision, signalled: bool, control: comm.Group) -> tuple[Decision, bool]:
-    """Every rank acts on the most severe decision any rank reached, with the highest exit code any rank chose, and
-    stops if any rank was signalled; a data stop's sample (the lowest, when several ranks saw one) reaches every
-    rank, which names it the same way (keel/training/data_stop.py). One four-element all-reduce (MAX) on the control
-    channel."""
+def encode(decision: Decision, signalled: bool, rank: int, writing: bool = False) -> torch.Tensor:
+    """What `rank` sends to the agreement: [keyed checkpoint step, keyed flags, signalled, exit code, sample,
+    writing]."""
+    if not 0 <= rank < 2**_RANK_BITS:
+        raise ValueError(
+            f"the step agreement addresses up to {2**_RANK_BITS} ranks, not rank {rank}"
+        )
+    key = (int(decision.action) << _RANK_BITS) | (2**_RANK_BITS - 1 - rank)
+    to = 0 if decision.to is None else step_of(decision.to) + 1
+    flags = int(decision.restore) << 1 | int(decision.rewind_data)
     sample = 0 if decision.sample is None else _NO_SAMPLE - decision.sample
-    codes = torch.tensor(
-        [int(decision.action), int(signalled), decision.exit_code, sample], dtype=torch.int64
+    return torch.tensor(
+        [
+            key << _FIELD_BITS | to,
+            key << _FIELD_BITS | flags,
+            int(signalled),
+            decision.exit_code,
+            sample,
+            int(writing),
+        ],
+        dtype=torch.int64,
     )
-    action, preempted, exit_code, sample = comm.all_reduce(codes, control, "max").tolist()
+
+
+def decode(agreed: list[int], own: Decision, rank: int) -> Agreed:
+    """What every rank acts on, from the agreement's MAX: the winning rank's whole decision (`own`, with its
+    reason, on that rank), the highest exit code, the lowest data-stop sample; whether any rank was signalled,
+    and whether any rank's background save writer was still writing."""
+    keyed_to, keyed_flags, preempted, exit_code, sample, writing = agreed
+    key = keyed_to >> _FIELD_BITS
+    winner = 2**_RANK_BITS - 1 - (key & (2**_RANK_BITS - 1))
     agreed_sample = None if sample == 0 else _NO_SAMPLE - sample
-    if action == decision.action:  # keep this rank's own reason
-        return replace(decision, exit_code=exit_code, sample=agreed_sample), bool(preempted)
-    return Decision(
-        Action(action), reason="decided on another rank", exit_code=exit_code, sample=agreed_sample
-    ), bool(preempted)
+    if winner == rank:  # keep this rank's own reason
+        mine = replace(own, exit_code=exit_code, sample=agreed_sample)
+        return Agreed(mine, bool(preempted), bool(writing))
+    to = keyed_to & (2**_FIELD_BITS - 1)
+    flags = keyed_flags & (2**_FIELD_BITS - 1)
+    theirs = Decision(
+        Action(key >> _RANK_BITS),
+        reason=f"decided on rank {winner}",
+        exit_code=exit_code,
+        restore=bool(flags >> 1 & 1),
+        sample=agreed_sample,
+        rewind_data=bool(flags & 1),
+        to=tag_for(to - 1) if to else None,
+    )
+    return Agreed(theirs, bool(preempted), bool(writing))
+
+
+def agree(
+    decision: Decision, signalled: bool, control: comm.Group, writing: bool = False
+) -> Agreed:
+    """Every rank acts on the whole decision of the rank with the most severe one (the lowest such rank), with the
+    highest exit code any rank chose, and stops if any rank was signalled; a data stop's sample (the lowest, when
+    several ranks saw one) reaches every rank, which names it the same way (keel/training/data_stop.py); a
+    background save concludes when no rank is `writing` it. One six-element all-reduce (MAX) on the control
+    channel."""
+    codes = comm.all_reduce(encode(decision, signalled, control.rank, writing), control, "max")
+    return decode(codes.tolist(), decision, control.rank)

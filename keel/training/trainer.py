@@ -183,7 +183,9 @@ class Trainer:
             self.lr_scale,
         )
         self.preemption = PreemptionHandler()
-        self.gate = StepGate(engine, topology.control("world"), self.preemption.signalled)
+        self.gate = StepGate(
+            engine, topology.control("world"), self.preemption.signalled, self.checkpoints.writing
+        )
         self.monitor = ModelMonitor(engine, topology, cfg.stability.monitor_interval)
         self.attention_logits = AttentionLogitWarning(cfg.stability, self.anomalies)
         if self.is_pipeline:
@@ -484,7 +486,8 @@ class Trainer:
                 _clock(record, "check_time_s"),
             ):
                 checks = self.guards.after_step(state.step, record["loss_scale"], self._local_loss)
-                decision = Decision.most_severe([decision, checks, self.checkpoints.background()])
+                saved = self.checkpoints.background(written=self.gate.written)
+                decision = Decision.most_severe([decision, checks, saved])
             if train.eval_interval and (
                 state.step % train.eval_interval == 0 or state.step == train.steps
             ):

@@ -289,15 +289,21 @@ class AsyncCheckpointer:
         pending.writer.start()
         return tag
 
-    def poll(self, wait: bool = False) -> list[BackgroundSave]:
-        """Saves concluded since the last poll. A pending save concludes here once every rank's writer is done:
-        one 1-int all-reduce per step while a save is pending, no collective otherwise (`wait`: `finish` first)."""
+    def writing(self) -> tuple[str | None, bool]:
+        """(the pending save's tag, None without one; whether this rank's writer is still writing it): what this
+        rank adds to the step's agreement (keel/training/step_gate.py), so that concluding needs no collective."""
+        if self.pending is None:
+            return None, False
+        return self.pending.tag, self.pending.writer.is_alive()
+
+    def poll(self, wait: bool = False, written: str | None = None) -> list[BackgroundSave]:
+        """Saves concluded since the last poll. The pending save concludes once the step's agreement found every
+        rank's writer done with it (`written`: its tag then; the agreement rides on the step's one all-reduce,
+        so polling adds no collective); `wait`: `finish` first."""
         if wait:
             self.finish()
-        if self.pending is not None:
-            done = torch.tensor([int(not self.pending.writer.is_alive())], dtype=torch.int32)
-            if int(comm.all_reduce(done, self.control, op="min").item()) == 1:
-                self._conclude()
+        if self.pending is not None and self.pending.tag == written:
+            self._conclude()
         outcomes, self.concluded = self.concluded, []
         return outcomes
 

@@ -136,11 +136,18 @@ class RunCheckpoints:
             disk_room=self.faults.disk_room(state.step),
         )
 
-    def background(self, wait: bool = False, final: bool = False) -> Decision:
-        """Publish the background saves every rank has written (`wait`: the pending one first); a failed one was
-        discarded on every rank and follows checkpoint.on_save_error like a synchronous one (`final`: the run's
-        last save, whose failure always stops with ExitCode.SAVE_FAILED). No collective without async saves."""
-        outcomes = [] if self.saves is None else self.saves.poll(wait)
+    def writing(self) -> tuple[str | None, bool]:
+        """(the pending background save's tag, whether this rank still writes it); (None, False) without one."""
+        return (None, False) if self.saves is None else self.saves.writing()
+
+    def background(
+        self, wait: bool = False, final: bool = False, written: str | None = None
+    ) -> Decision:
+        """Publish the background saves every rank has written (`written`: the tag the step's agreement found
+        written on every rank; `wait`: the pending one first); a failed one was discarded on every rank and
+        follows checkpoint.on_save_error like a synchronous one (`final`: the run's last save, whose failure
+        always stops with ExitCode.SAVE_FAILED)."""
+        outcomes = [] if self.saves is None else self.saves.poll(wait, written)
         for outcome in outcomes:
             if outcome.ok:
                 continue

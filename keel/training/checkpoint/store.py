@@ -43,7 +43,7 @@ import torch
 from keel.parallel import comm
 from keel.parallel.random import seed_everything
 from keel.parallel.topology import STAMP_DEFAULTS, Topology
-from keel.run_dir import COMPLETE, LATEST, TAG, UNIVERSAL, ExitCode, tag_for
+from keel.run_dir import COMPLETE, LATEST, TAG, UNIVERSAL, ExitCode, step_of, tag_for
 from keel.training.checkpoint import rng_state, verify
 from keel.training.checkpoint.moe_reshard import MOE_UNIVERSAL, moe_universal_tag
 from keel.training.checkpoint.writes import WrittenFiles, failure_text
@@ -115,7 +115,7 @@ class Checkpointer:
     # -- discovery ------------------------------------------------------------------------------------------
     def tag_at_or_before(self, step: int) -> str | None:
         """The newest complete checkpoint written at or before `step` (the last healthy one for a rollback)."""
-        tags = [t for t in self.complete_tags() if int(t.removeprefix("step")) <= step]
+        tags = [t for t in self.complete_tags() if step_of(t) <= step]
         return tags[-1] if tags else None
 
     def complete_tags(self) -> list[str]:
@@ -216,7 +216,7 @@ class Checkpointer:
 
     def _set_aside(self, tag: str, corrupt: list[tuple[str, str]]) -> None:
         """Record the corrupt checkpoint, rename it `<tag>.corrupt` and repoint `latest` (rank 0 renames)."""
-        step = int(tag.removeprefix("step"))
+        step = step_of(tag)
         if self.anomalies is not None:
             self.anomalies.record(
                 "checkpoint_corrupt",
