@@ -78,20 +78,7 @@ def test_each_transfer_is_posted_by_both_ranks_in_the_same_batch(p, m, v, forwar
     batches = [
         _batches(schedule(m, p, rank, v, forward_only).steps(), rank, p, m) for rank in range(p)
     ]
-    pairs = 0
-    for a in range(p):
-        for b in {(a + 1) % p, (a - 1) % p} - {a}:
-            mine = [
-                sorted((kind, mb, out) for peer, kind, mb, out in batch if peer == b)
-                for batch in batches[a]
-            ]
-            theirs = [
-                sorted((kind, mb, not out) for peer, kind, mb, out in batch if peer == a)
-                for batch in batches[b]
-            ]
-            assert [x for x in mine if x] == [x for x in theirs if x]
-            pairs += sum(map(bool, mine))
-    assert pairs > 0
+    assert _matched_in_posting_order(batches, p) > 0
     if not forward_only:
         tail = list(schedule(m, p, 0, v).steps())[-1]
         assert [type(c).__name__ for c in tail][-3:] == [
@@ -99,6 +86,50 @@ def test_each_transfer_is_posted_by_both_ranks_in_the_same_batch(p, m, v, forwar
             "ReduceGrads",
             "OptimizerStep",
         ]
+
+
+def _matched_in_posting_order(batches: list[list[tuple[int, str, int, bool]]], p: int) -> int:
+    """Assert that between any two ranks the k-th batch carrying transfers holds, in posting order and one
+    direction at a time, the one's sends as the other's receives; returns how many batches carried sends.
+
+    NCCL pairs the k-th send to a peer with that peer's k-th receive from it, so at p=2 (one peer both ways) a
+    swapped activation and gradient of one shape would be matched with each other: silent corruption, not a
+    hang. Comparing sorted batches would not see it."""
+    pairs = 0
+    for a in range(p):
+        for b in {(a + 1) % p, (a - 1) % p} - {a}:
+            sends = [
+                [(kind, mb) for peer, kind, mb, out in batch if peer == b and out]
+                for batch in batches[a]
+            ]
+            receives = [
+                [(kind, mb) for peer, kind, mb, out in batch if peer == a and not out]
+                for batch in batches[b]
+            ]
+            assert [x for x in sends if x] == [x for x in receives if x]
+            pairs += sum(map(bool, sends))
+    return pairs
+
+
+def test_the_pairing_check_sees_a_swapped_order():
+    """At p=2 some batch sends an activation and a gradient to the one peer: swapped, the check fails."""
+    p, m, v = 2, 4, 2
+    schedule = interleaved_schedule_class()
+    batches = [_batches(schedule(m, p, rank, v).steps(), rank, p, m) for rank in range(p)]
+    assert _matched_in_posting_order(batches, p) > 0
+    both = next(
+        (i, batch)
+        for i, batch in enumerate(batches[0])
+        if len({kind for _, kind, _, out in batch if out}) == 2
+    )
+    index, batch = both
+    outgoing = [j for j, t in enumerate(batch) if t[3]]
+    first, second = outgoing[0], next(j for j in outgoing if batch[j][1] != batch[outgoing[0]][1])
+    swapped = list(batch)
+    swapped[first], swapped[second] = batch[second], batch[first]
+    batches[0][index] = swapped
+    with pytest.raises(AssertionError):
+        _matched_in_posting_order(batches, p)
 
 
 def _batches(steps, rank: int, p: int, m: int) -> list[list[tuple[int, str, int, bool]]]:
