@@ -50,10 +50,11 @@ def test_default_run_learns(tmp_path):
     assert len(read_metrics(tmp_path / "metrics.jsonl")) == 300
     # keel report: every plot a dense bf16-less run has data for, and the resume at step 300 marked
     report = write_report(tmp_path)
-    assert report.drawn == ["loss", "lr", "grad_norm", "throughput", "step_time_by_rank"]
+    assert report.drawn == ["loss", "lr", "grad_norm", "throughput", "stragglers"]
     series = json.loads((report.out_dir / "series.json").read_text())["plots"]
     assert series["loss"]["resumes"] == [300] and series["loss"]["skipped"] == []
-    assert series["step_time_by_rank"]["by_rank"]["0"]["step"] == list(range(50, 301, 50))
+    assert series["stragglers"]["slowest"]["step"] == list(range(50, 301, 50))
+    assert set(series["stragglers"]["slowest"]["rank"]) == {0}  # one rank: slowest and fastest
 
 
 def test_runs_in_place_under_torchrun(runs, tmp_path):

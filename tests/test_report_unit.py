@@ -32,7 +32,7 @@ def _record(step: int) -> dict:
     if step % 4 == 0:
         times = [0.4, 0.41, 0.6 + 0.01 * step, 0.42]
         record.update(
-            step_time_by_rank=times, slowest_rank=2, step_time_max=max(times), step_time_min=0.4
+            slowest_rank=2, fastest_rank=0, step_time_max=max(times), step_time_min=min(times)
         )
         record["moe"] = {
             f"L{layer}": {"tokens_per_expert": [10 * step, 20, 30 + layer, 40], "load_entropy": 0.9}
@@ -83,10 +83,7 @@ def test_synthetic_run_draws_every_plot_from_its_records(live_run, tmp_path, cap
         main(main_args)
     assert exit_info.value.code == 0
     stdout = capsys.readouterr().out
-    assert (
-        "7 plot(s) (loss, lr, grad_norm, loss_scale, throughput, step_time_by_rank, experts)"
-        in stdout
-    )
+    assert "7 plot(s) (loss, lr, grad_norm, loss_scale, throughput, stragglers, experts)" in stdout
     assert "left out of metrics.jsonl: a partial last line (still being written)" in stdout
     assert sorted(p.name for p in out.iterdir()) == sorted(
         [
@@ -97,7 +94,7 @@ def test_synthetic_run_draws_every_plot_from_its_records(live_run, tmp_path, cap
                 "grad_norm",
                 "loss_scale",
                 "throughput",
-                "step_time_by_rank",
+                "stragglers",
                 "experts",
             )
         ]
@@ -128,10 +125,10 @@ def test_synthetic_run_draws_every_plot_from_its_records(live_run, tmp_path, cap
     scale = plots["loss_scale"]
     assert scale["loss_scale"]["value"] == [2.0**16] * 4 + [2.0**15, 2.0**14] + [2.0**15] * 6
     assert scale["skipped"] == [5, 6]
-    by_rank = plots["step_time_by_rank"]["by_rank"]
-    assert sorted(by_rank) == ["0", "1", "2", "3"] and by_rank["2"]["step"] == [4, 8, 12]
-    assert by_rank["2"]["value"] == pytest.approx([0.64, 0.68, 0.72])
-    assert plots["step_time_by_rank"]["slowest_rank"] == {"step": [4, 8, 12], "rank": [2, 2, 2]}
+    slowest, fastest = plots["stragglers"]["slowest"], plots["stragglers"]["fastest"]
+    assert slowest["step"] == fastest["step"] == [4, 8, 12]
+    assert slowest["value"] == pytest.approx([0.64, 0.68, 0.72]) and slowest["rank"] == [2, 2, 2]
+    assert fastest["value"] == pytest.approx([0.4] * 3) and fastest["rank"] == [0, 0, 0]
     experts = plots["experts"]["layers"]
     assert list(experts) == ["L1", "L3"] and experts["L3"]["step"] == [4, 8, 12]
     assert experts["L3"]["share"][0] == pytest.approx([40 / 133, 20 / 133, 33 / 133, 40 / 133])
@@ -174,11 +171,11 @@ def test_a_plot_without_data_is_skipped_with_its_reason(tmp_path):
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     report = write_report(run)
     assert report.out_dir == run / "report" and report.drawn == ["loss", "lr", "throughput"]
-    assert set(report.skipped) == {"grad_norm", "loss_scale", "step_time_by_rank", "experts"}
+    assert set(report.skipped) == {"grad_norm", "loss_scale", "stragglers", "experts"}
     text = (run / "report" / "report.md").read_text()
     assert "- status: finished" in text and "## Anomalies\n\nnone" in text
     assert (
-        "- Step time per rank (`step_time_by_rank.png`): no straggler check in the run yet "
+        "- Slowest and fastest rank (`stragglers.png`): no straggler check in the run yet "
         "(stability.straggler_interval=50;"
     ) in text
     assert "- fp16 loss scale (`loss_scale.png`): no loss scale recorded: not an fp16 run" in text

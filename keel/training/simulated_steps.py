@@ -126,7 +126,7 @@ def drive_checks(
     world: SimulatedWorld, topology: Topology, layers: list[nn.Module], zero_stage: int = 1
 ) -> None:
     """Each periodic check once, in a phase of its own ("check:<name>"); the straggler monitor's
-    first check, which also gathers every host name once per run, runs before its counted one."""
+    first check runs before its counted one (on cbd7c25 it gathered every host name once per run)."""
     with world.phase(CHECK + LossOutlierCheck.name):
         LossOutlierCheck(topology, sigmas=3.0, repeats=3).check(1.0)
     with world.phase(CHECK + ChecksumCheck.name):

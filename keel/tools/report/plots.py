@@ -159,11 +159,17 @@ def draw_throughput(s: dict[str, Any]) -> bytes:
     return _png(fig)
 
 
-def draw_step_time_by_rank(s: dict[str, Any]) -> bytes:
+def draw_stragglers(s: dict[str, Any]) -> bytes:
     fig, ax = _pyplot().subplots(figsize=SIZE)
-    for rank, column in s["by_rank"].items():
-        ax.plot(*_points(column), "o-", markersize=4, linewidth=1, label=f"rank {rank}")
-    _finish(ax, "Step time per rank (at each straggler check)", "seconds")
+    for end, color in (("slowest", "C3"), ("fastest", "C2")):
+        ax.plot(*_points(s[end]), "o-", color=color, markersize=4, linewidth=1, label=f"{end} rank")
+    # the slowest rank's index at each check: a rank named again and again is the one to drain
+    for step, value, rank in zip(s["slowest"]["step"], s["slowest"]["value"], s["slowest"]["rank"]):
+        if value is not None and rank is not None:
+            ax.annotate(
+                str(rank), (step, value), fontsize=7, xytext=(0, 4), textcoords="offset points"
+            )
+    _finish(ax, "Slowest and fastest rank's step time (at each straggler check)", "seconds")
     return _png(fig)
 
 
@@ -196,6 +202,6 @@ DRAW: dict[str, Callable[[dict[str, Any]], bytes]] = {
     "grad_norm": draw_grad_norm,
     "loss_scale": draw_loss_scale,
     "throughput": draw_throughput,
-    "step_time_by_rank": draw_step_time_by_rank,
+    "stragglers": draw_stragglers,
     "experts": draw_experts,
 }

@@ -111,7 +111,7 @@ TITLES = {
     "grad_norm": "Gradient norm",
     "loss_scale": "fp16 loss scale",
     "throughput": "Throughput and step time",
-    "step_time_by_rank": "Step time per rank",
+    "stragglers": "Slowest and fastest rank",
     "experts": "MoE expert load",
 }
 

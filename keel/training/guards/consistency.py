@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import socket
+import struct
 from collections.abc import Iterable
 
 import torch
@@ -16,9 +17,30 @@ import torch
 from keel.parallel import comm
 from keel.parallel.topology import Topology
 
+# A replica's loss travels as its float32 bits made order-preserving, keyed with the world rank holding it, so one
+# MAX all-reduce names the highest and the lowest replica
+_RANK_BITS = 20  # up to 1,048,576 ranks
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
+def _ordered(value: float) -> int:
+    """float32 `value`'s bits as an integer in [1, 2**32) that orders as the floats do."""
+    bits = struct.unpack("<I", struct.pack("<f", max(-_FLOAT32_MAX, min(value, _FLOAT32_MAX))))[0]
+    return (~bits & 0xFFFFFFFF) if bits >> 31 else bits | 0x80000000
+
+
+def _float_of(key: int) -> float:
+    bits = (key & 0x7FFFFFFF) if key >> 31 else (~key & 0xFFFFFFFF)
+    return struct.unpack("<f", struct.pack("<I", bits))[0]
+
 
 class LossOutlierCheck:
-    """Flags a data-parallel replica whose local loss is more than k σ from the others, R checks running."""
+    """Flags a data-parallel replica whose local loss is more than k σ from the others, R checks running.
+
+    In O(1) bytes per rank: one rank per replica (its loss holder of tp and sp rank 0) adds its loss to a sum, a sum
+    of squares and a count, and one MAX all-reduce names the highest and the lowest replica, the only ones that can
+    stand out from the rest; each is judged against the others' mean and spread (the sums without it). The host
+    of a flagged replica comes from that rank alone. On cbd7c25 every rank gathered every rank's loss and host."""
 
     name = "loss_outlier"
 
@@ -26,47 +48,77 @@ class LossOutlierCheck:
         self.topology = topology
         self.sigmas = sigmas
         self.repeats = repeats
-        self.streak: dict[int, int] = {}
+        self.streak: dict[
+            int, int
+        ] = {}  # consecutive flags of a replica still flagged (at most two)
 
     def check(self, local_loss: float | None) -> list[dict]:
         """Collective over the world; `local_loss` is this replica's loss where this rank holds it, else None.
 
         Returns one event per flagged replica (identical on every rank)."""
-        value = math.nan if local_loss is None else float(local_loss)
-        gathered = comm.all_gather_object(
-            (value, socket.gethostname()), self.topology.control("world")
+        topology = self.topology
+        world = topology.control("world")
+        holds = (
+            local_loss is not None
+            and math.isfinite(local_loss)
+            and topology.rank_in("tp") == 0
+            and topology.rank_in("sp") == 0
         )
-        per_replica: dict[int, tuple[float, str, int]] = {}
-        for rank, (loss, host) in enumerate(gathered):
-            dp_rank = (
-                self.topology.shape.coords(rank)["edp"] * self.topology.shape.ep
-                + self.topology.shape.coords(rank)["ep"]
-            )
-            if not math.isnan(loss) and dp_rank not in per_replica:
-                per_replica[dp_rank] = (loss, host, rank)
-        events = []
-        if len(per_replica) < 3:  # with two replicas there is no majority to be an outlier from
-            return events
-        for dp_rank, (loss, host, rank) in sorted(per_replica.items()):
-            others = [v[0] for k, v in per_replica.items() if k != dp_rank]
-            mean = sum(others) / len(others)
-            std = math.sqrt(sum((o - mean) ** 2 for o in others) / max(1, len(others) - 1))
-            sigma = max(std, 1e-3 * abs(mean), 1e-8)
+        x = float(local_loss) if holds else 0.0
+        sums = comm.all_reduce(
+            torch.tensor([float(holds), x, x * x], dtype=torch.float64), world
+        ).tolist()
+        low = 2**_RANK_BITS - 1
+        tag = low - world.rank
+        keys = torch.tensor(
+            [_ordered(x) << _RANK_BITS | tag, _ordered(-x) << _RANK_BITS | tag]
+            if holds
+            else [0, 0],
+            dtype=torch.int64,
+        )
+        highest, lowest = comm.all_reduce(keys, world, "max").tolist()
+        count, total, squares = sums
+        n = round(count)
+        if n < 3:  # with two replicas there is no majority to be an outlier from
+            self.streak = {}
+            return []
+        candidates = {}
+        for key, sign in ((highest, 1.0), (lowest, -1.0)):
+            rank = world.ranks[low - (key & low)]
+            candidates[rank] = sign * _float_of(key >> _RANK_BITS)
+        streak, flagged = {}, []
+        for rank, loss in sorted(candidates.items()):
+            mean = (total - loss) / (n - 1)
+            spread = max(0.0, squares - loss * loss - (n - 1) * mean * mean) / max(1, n - 2)
+            sigma = max(math.sqrt(spread), 1e-3 * abs(mean), 1e-8)
             deviation = abs(loss - mean) / sigma
-            self.streak[dp_rank] = self.streak.get(dp_rank, 0) + 1 if deviation > self.sigmas else 0
-            if self.streak[dp_rank] >= self.repeats:
-                events.append(
-                    {
-                        "dp_rank": dp_rank,
-                        "flagged_rank": rank,
-                        "host": host,
-                        "loss": loss,
-                        "others_mean": mean,
-                        "sigmas": deviation,
-                        "consecutive": self.streak[dp_rank],
-                    }
-                )
+            dp_rank = _dp_index(topology, rank)
+            if deviation > self.sigmas:
+                streak[dp_rank] = self.streak.get(dp_rank, 0) + 1
+                if streak[dp_rank] >= self.repeats:
+                    flagged.append((dp_rank, rank, loss, mean, deviation))
+        self.streak = streak
+        events = []
+        for dp_rank, rank, loss, mean, deviation in flagged:
+            host = comm.broadcast_object(socket.gethostname(), world, src=world.ranks.index(rank))
+            events.append(
+                {
+                    "dp_rank": dp_rank,
+                    "flagged_rank": rank,
+                    "host": host,
+                    "loss": loss,
+                    "others_mean": mean,
+                    "sigmas": deviation,
+                    "consecutive": streak[dp_rank],
+                }
+            )
         return events
+
+
+def _dp_index(topology: Topology, rank: int) -> int:
+    """`rank`'s index in its data-parallel group (edp × ep)."""
+    coords = topology.shape.coords(rank)
+    return coords["edp"] * topology.shape.ep + coords["ep"]
 
 
 # words per chunk: 2 MiB of int64 temporaries + 2 MiB of weights, whatever the tensor size

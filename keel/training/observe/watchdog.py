@@ -264,17 +264,23 @@ class Watchdog:
 @dataclass
 class StragglerReport:
     line: str  # for the log
-    # for metrics.jsonl: step_time_max, step_time_min, slowest_rank, and step_time_by_rank (every rank's time, in
-    # rank order: the values the check gathered anyway, for `keel report`'s per-rank plot)
-    metrics: dict[str, float | int | list[float]]
+    # for metrics.jsonl: step_time_max, step_time_min, slowest_rank, fastest_rank
+    metrics: dict[str, float | int]
+
+
+# Step times travel as microseconds keyed with the rank, so one MAX all-reduce names both extremes and their ranks
+_RANK_BITS = 20  # up to 1,048,576 ranks
+_MAX_US = 2**42 - 1  # 50 days
 
 
 class StragglerMonitor:
-    """Every `interval` steps, all-gathers each rank's step time and names the slowest and fastest rank.
+    """Every `interval` steps, names the slowest and fastest rank and their step times, in O(1) bytes per rank.
 
     Over the world group, not data parallel: a slow tensor- or pipeline-parallel rank stalls its whole model
-    replica, and a data-parallel group contains only one rank of each replica, so only the world lets rank 0
-    see every rank. The cost is one all-gather of one float per rank every `interval` steps. Collective: every
+    replica, and a data-parallel group contains only one rank of each replica, so only the world lets every rank
+    see the extremes. The cost is one all-reduce (MAX) of two int64s — each an extreme's step time in microseconds
+    keyed with its rank — and a broadcast of the slowest rank's host name, every `interval` steps: nothing that
+    grows with the world (an all-gather of every rank's time would, and so would keeping it). Collective: every
     rank of the group must call `update` for every step (it communicates only on the interval's steps).
 
     What to pass: ranks leave every collective together, so whole-step wall times converge and one slow rank
@@ -287,41 +293,48 @@ class StragglerMonitor:
         """`control`: the world's control channel (step times are host values); None: one process."""
         self.control = control
         self.interval = interval
-        self._ranks: list[int] = []
-        self._hosts: list[str] = []
 
     def update(self, step: int, step_time_s: float) -> StragglerReport | None:
         if self.interval <= 0 or step % self.interval:
             return None
-        times = self._gather(step_time_s)
-        slow = max(range(len(times)), key=times.__getitem__)
-        fast = min(range(len(times)), key=times.__getitem__)
-        spread = (times[slow] - times[fast]) / times[fast] if times[fast] > 0 else 0.0
+        (slow, slow_s), (fast, fast_s), host = self._extremes(step_time_s)
+        spread = (slow_s - fast_s) / fast_s if fast_s > 0 else 0.0
         line = (
-            f"stragglers: slowest rank {self._ranks[slow]} ({self._hosts[slow]}) {times[slow]:.2f} s, "
-            f"fastest rank {self._ranks[fast]} {times[fast]:.2f} s, spread {spread:.0%}"
+            f"stragglers: slowest rank {slow} ({host}) {slow_s:.2f} s, "
+            f"fastest rank {fast} {fast_s:.2f} s, spread {spread:.0%}"
         )
-        by_rank = [t for _, t in sorted(zip(self._ranks, times))]
         return StragglerReport(
             line,
             {
-                "step_time_max": times[slow],
-                "step_time_min": times[fast],
-                "slowest_rank": self._ranks[slow],
-                "step_time_by_rank": by_rank,
+                "step_time_max": slow_s,
+                "step_time_min": fast_s,
+                "slowest_rank": slow,
+                "fastest_rank": fast,
             },
         )
 
-    def _gather(self, value: float) -> list[float]:
+    def _extremes(self, value: float) -> tuple[tuple[int, float], tuple[int, float], str]:
+        """((slowest rank, its time), (fastest rank, its time), the slowest rank's host); ties go to the lower
+        rank."""
         import torch  # here, not at the top: the watchdog above must stay importable without torch's start-up
 
         from keel.parallel import comm  # imports torch: here for the same reason
 
         if self.control is None or not self.control.active:
-            self._ranks, self._hosts = [0], [socket.gethostname()]
-            return [value]
-        if not self._ranks:  # once: hosts do not change
-            self._ranks = list(self.control.ranks)
-            self._hosts = comm.all_gather_object(socket.gethostname(), self.control)
-        parts = comm.all_gather(torch.tensor([value], dtype=torch.float64), self.control)
-        return [p.item() for p in parts]
+            return (0, value), (0, value), socket.gethostname()
+        low = 2**_RANK_BITS - 1
+        us = min(max(round(value * 1e6), 0), _MAX_US)
+        index = self.control.rank
+        keyed = torch.tensor(
+            [us << _RANK_BITS | (low - index), (_MAX_US - us) << _RANK_BITS | (low - index)],
+            dtype=torch.int64,
+        )
+        slow_key, fast_key = comm.all_reduce(keyed, self.control, "max").tolist()
+        slow_index, fast_index = low - (slow_key & low), low - (fast_key & low)
+        host = comm.broadcast_object(socket.gethostname(), self.control, src=slow_index)
+        ranks = self.control.ranks
+        return (
+            (ranks[slow_index], (slow_key >> _RANK_BITS) / 1e6),
+            (ranks[fast_index], (_MAX_US - (fast_key >> _RANK_BITS)) / 1e6),
+            host,
+        )
