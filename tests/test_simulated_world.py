@@ -258,10 +258,10 @@ def test_step_and_checks_today(records, shape):
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: str(s.world_size))
-def test_preflight_today(records, shape):
+def test_preflight_exchange(records, shape):
     """Pair groups along a ring and between pipeline neighbours, each created by its pair alone
     (on cbd7c25 every rank created all of them, world-wide: 1,920 at 1,024), and every rank's record
-    gathered to every rank."""
+    gathered to rank 0 only (on cbd7c25, to every rank: ~0.6 GB unpickled per rank at 4,096)."""
     world = shape.world_size
     stage = world // shape.pp
     for rank in positions(shape):
@@ -273,18 +273,18 @@ def test_preflight_today(records, shape):
         pairs = record.created((PREFLIGHT,))
         assert {g.ranks for g in pairs} == ring | pipeline
         assert all(g.participants == 2 for g in pairs)
-        gathers = [c for c in record.calls(PREFLIGHT) if c.op == "all_gather_object"]
-        assert [(c.channel, c.size) for c in gathers] == [("control", world)]
-        assert gathers[0].received == world * gathers[0].sent
+        gathers = [c for c in record.calls(PREFLIGHT) if "gather_object" in c.op]
+        assert [(c.channel, c.op, c.size) for c in gathers] == [("control", "gather_object", world)]
+        assert gathers[0].received == (world * gathers[0].sent if rank == 0 else 0)
         kept = {h.what: h.entries for h in record.held}
-        assert kept["every rank's preflight record"] == world
+        assert kept.get("every rank's preflight record") == (world if rank == 0 else None)
 
 
 # -- the bounds, broken today ----------------------------------------------------------------------
 def test_scale_bounds_are_broken_today(records):
-    """Issue 27's bounds, checked on today's code: start-up, the async-save step and the periodic
-    checks hold them; the step's agreement (on the control channel) and preflight's gather still
-    fail, with their numbers. When those fixes land, this test flips to `== []`."""
+    """Issue 27's bounds, checked on today's code: start-up, the async-save step, the periodic
+    checks and preflight hold them; the step's agreement (on the control channel) still fails, with
+    its numbers. When that fix lands, this test flips to `== []`."""
     for shape in SHAPES:
         for rank in positions(shape):
             found = "\n".join(scale_bounds_violations(records[(shape.world_size, rank)]))
@@ -292,7 +292,7 @@ def test_scale_bounds_are_broken_today(records):
             assert "step: 1 control-channel collective(s) per step" in found
             assert "step+async_save" not in found
             assert "check:" not in found
-            assert (f"preflight: rank {rank} receives" in found) == (rank != 0)
+            assert "preflight" not in found
     for small, large in zip(positions(DENSE), positions(MOE)):
         grown = "\n".join(
             growth_violations(records[(DENSE.world_size, small)], records[(MOE.world_size, large)])
@@ -300,8 +300,10 @@ def test_scale_bounds_are_broken_today(records):
         # the MoE layout's two more kinds (ep, edp), not the world: like layouts compare equal in
         # test_group_creation_per_rank_does_not_grow_with_the_world
         assert "group-creation calls per rank: 5 at 1024 ranks → 7 at 4096" in grown
-        assert "check:" not in grown  # bytes per rank per check: the same at 1,024 and 4,096
-        assert ("preflight: records received per rank" in grown) == (small != 0)
+        # bytes per rank per check: the same at 1,024 and 4,096 (the checksum check sends one value per
+        # parameter tensor: the MoE layout's experts, not the world)
+        assert "check:loss_outlier" not in grown and "check:stragglers" not in grown
+        assert "preflight" not in grown
 
 
 # -- the harness itself ----------------------------------------------------------------------------

@@ -86,8 +86,10 @@ def scale_bounds_violations(record: WorldRecord) -> list[str]:
     for h in record.held:  # rank 0 may keep what preflight gathers to it
         if h.entries >= record.world_size and (h.phase != PREFLIGHT or record.rank != 0):
             found.append(f"{h.phase}: keeps {h.what}, {h.entries} entries ({h.nbytes:,} B)")
-    if record.rank != 0:
+    if record.rank != 0:  # a gather to rank 0 sends this rank's own record only
         for c in world_exchanges(record, PREFLIGHT, objects_only=True):
+            if c.received <= c.sent:
+                continue
             found.append(
                 f"preflight: rank {record.rank} receives {c.received:,} B "
                 f"({c.op} over all {c.size})"

@@ -189,6 +189,17 @@ def all_gather_object(obj: Any, group: Group) -> list[Any]:
     return gathered
 
 
+def gather_object(obj: Any, group: Group, dst: int = 0) -> list[Any] | None:
+    """Every rank's `obj`, in group order, on the group's `dst`-th rank; None on the others. What only one rank
+    reads: an all-gather would hand every rank every rank's object (O(world) bytes each)."""
+    if not group.active:
+        return [obj]
+    _enter("gather_object", group, None)
+    gathered: list[Any] | None = [None] * group.size if group.rank == dst else None
+    dist.gather_object(obj, gathered, dst=group.ranks[dst], group=group.handle)
+    return gathered
+
+
 def broadcast_object(obj: Any, group: Group, src: int = 0) -> Any:
     """`obj` from the group's `src`-th rank, on every rank."""
     if not group.active:

@@ -88,7 +88,8 @@ def run_preflight(spec: RunSpec) -> int:
     checkpoints = checkpoint_dir(spec.run_dir, cfg, rank)
     storage = measure_storage(checkpoints, rank, faults.preflight_free_bytes)
     memory = measure_memory(device)
-    records = comm.all_gather_object(
+    # to rank 0 only, which judges: every rank's record names the ranks of every group it timed
+    records = comm.gather_object(
         RankRecord(rank, memory.host, compute, storage, memory, timings), world
     )
     elapsed = time.perf_counter() - start

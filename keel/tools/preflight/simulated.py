@@ -1,6 +1,6 @@
 """Preflight's exchange between ranks in a simulated world (keel/engine/simulated_world.py).
 
-`run_preflight` (run.py) measures, gathers every rank's `RankRecord` and broadcasts rank 0's
+`run_preflight` (run.py) measures, gathers every rank's `RankRecord` to rank 0 and broadcasts its
 verdict. `exchange` runs the same communication in the same order — clock offsets, the timed
 collectives of every group kind and link (with the pair groups they create), the records' gather,
 the verdict — on one rank of a simulated world. What touches hardware (compute, storage, memory) is
@@ -28,8 +28,9 @@ HOST = "simulated"
 
 
 def exchange(world: SimulatedWorld, topology: Topology) -> list[RankRecord]:
-    """Every collective `run_preflight` issues, in its order. Returns the gathered records (this
-    rank's own in every slot, as the fake backend gives); notes on `world` what each rank keeps."""
+    """Every collective `run_preflight` issues, in its order. Returns the records gathered to rank 0
+    (this rank's own in every slot, as the fake backend gives; none on other ranks); notes on
+    `world` what rank 0 keeps."""
     control = topology.control(WORLD)
     clock = Clock()
     comm.barrier(control)
@@ -47,8 +48,9 @@ def exchange(world: SimulatedWorld, topology: Topology) -> list[RankRecord]:
         MemoryResult(HOST, 0, -1),
         timings,
     )
-    records = comm.all_gather_object(record, control)
-    unpickled = deep_size(pickle.loads(pickle.dumps(record)))  # one received record, on a rank
-    world.hold("every rank's preflight record", len(records), len(records) * unpickled)
+    records = comm.gather_object(record, control)
+    if records is not None:  # rank 0, which judges
+        unpickled = deep_size(pickle.loads(pickle.dumps(record)))  # one received record
+        world.hold("every rank's preflight record", len(records), len(records) * unpickled)
     comm.broadcast_object(0, control)
-    return records
+    return records or []
