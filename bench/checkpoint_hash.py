@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from page_cache import drop_cache  # noqa: E402  (bench/, the script's own directory)
 
-from keel.training.checkpoint.verify import describe, verify  # noqa: E402
+from keel.training.checkpoint.verify import Entry, describe, pieces, verify  # noqa: E402
 from keel.training.checkpoint.writes import WrittenFiles  # noqa: E402
 
 BYTES_PER_PARAM = 2 + 4 + 4 + 4  # bf16 weights, fp32 master, Adam exp_avg and exp_avg_sq
@@ -43,6 +43,11 @@ def sha256_rate(buffer: bytes, threads: int, repeats: int) -> float:
             list(pool.map(lambda _: hashlib.sha256(buffer).digest(), range(threads)))
             best = max(best, threads * len(buffer) / (time.perf_counter() - start) / 1e9)
     return best
+
+
+def _entry(path: Path) -> Entry:
+    size, chunks = describe(path)
+    return Entry(size, chunks=tuple(chunks))
 
 
 def save_files(directory: Path, tensors: list[torch.Tensor], hashed: bool) -> float:
@@ -103,15 +108,14 @@ def main() -> None:
             f"(median of {args.repeats}); extra {b - a:+.2f} s = {b / a:.2f}x"
         )
         paths = sorted(directory.iterdir())
-        files = {p.name: describe(p) for p in paths}
-        warm = min(
-            _timed(lambda: verify(directory, files, list(files))) for _ in range(args.repeats)
-        )
+        files = {p.name: _entry(p) for p in paths}
+        work = list(pieces(files))
+        warm = min(_timed(lambda: verify(directory, files, work)) for _ in range(args.repeats))
         print(
             f"verify (4 threads, page cache): {total_gb / warm:.2f} GB/s ({warm:.2f} s for {total_gb:.2f} GB)"
         )
         if drop_cache(*paths):
-            cold = _timed(lambda: verify(directory, files, list(files)))
+            cold = _timed(lambda: verify(directory, files, work))
             print(f"verify (4 threads, pages dropped): {total_gb / cold:.2f} GB/s ({cold:.2f} s)")
 
     total_tb = args.params * BYTES_PER_PARAM / 1e12

@@ -31,6 +31,7 @@ from keel.run_dir import COMPLETE
 from keel.training.checkpoint.async_save import AsyncCheckpointer, snapshot_files, write_files
 from keel.training.checkpoint.host_snapshot import HostSnapshot
 from keel.training.checkpoint.store import Checkpointer, TrainState
+from keel.training.checkpoint.verify import chunk_hashes
 from tests.keel_runs import Run, final_weights, keel_train
 
 KINDS = ["zero0", "zero1", "zero2", "zero3", "fp16", "bf16", "moe", "pipeline"]
@@ -182,11 +183,10 @@ def test_an_async_save_publishes_what_a_synchronous_save_would(tmp_path):
     assert background.complete_tags() == sync.complete_tags() == ["step00000020", "step00000030"]
     mine, theirs = background.read_manifest("step00000030"), sync.read_manifest("step00000030")
     assert mine == theirs and mine["step"] == 30  # the same bytes: the same sizes and sha256 too
-    for name, digest in mine["sha256"].items():
-        assert (
+    for name, digests in mine["sha256_chunks"].items():  # files of one chunk each here
+        assert [
             hashlib.sha256((tmp_path / "async" / "step00000030" / name).read_bytes()).hexdigest()
-            == digest
-        )
+        ] == digests
     assert not any(p.name.startswith(".") for p in (tmp_path / "async" / "step00000030").iterdir())
     assert saver.poll() == []  # nothing pending: no collective either
 
@@ -268,7 +268,7 @@ def _compare_kind(kind: str, root: Path) -> dict:
             "equal": a.is_file() and b.is_file() and a.read_bytes() == b.read_bytes(),
             "size": a.stat().st_size if a.is_file() else -1,
             "reported": size,
-            "sha256": b.is_file() and digest == hashlib.sha256(b.read_bytes()).hexdigest(),
+            "sha256": b.is_file() and digest == chunk_hashes(b),
         }
     return got
 

@@ -99,13 +99,15 @@ def test_agreed_tag_is_verified_against_the_manifest_file_list(tmp_path):
     assert (
         set(manifest["files"])
         == {"mp_rank_00_model_states.pt", "keel_rng_rank0.pt"}
-        == set(manifest["sha256"])
+        == set(manifest["sha256_chunks"])
     )
     assert ckpt.agreed_latest() == "step00000010"
     assert ckpt.agreed_at_or_before(9) is None
     shard = tmp_path / "step00000010" / "mp_rank_00_model_states.pt"
     shard.write_bytes(shard.read_bytes()[:-1])
     (tmp_path / "step00000010" / "keel_rng_rank0.pt").unlink()
+    # a new process (this one verified step 10 and would not read it again)
+    ckpt = Checkpointer(tmp_path, keep_last=3, topology=Topology.from_env())
     with pytest.raises(
         NoIntactCheckpoint, match="every checkpoint in .* is corrupt .step00000010 set aside"
     ) as err:

@@ -111,7 +111,8 @@ def test_every_rank_issues_the_same_collectives(runs, name):
     assert divergences(traces) == []
     channels = {e["channel"] for entries in traces.values() for e in entries}
     assert channels == {"device", "control"}
-    # the step's agreement (decision, preemption flag, exit code, data-stop sample) is one small control collective
+    # the step's agreement (keyed decision and its fields, preemption flag, exit code, data-stop sample, background
+    # save writing) is one small control collective
     steps = max(
         json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
     )
@@ -122,7 +123,7 @@ def test_every_rank_issues_the_same_collectives(runs, name):
             if e["group"] == "world"
             and e["op"] == "all_reduce_max"
             and e["channel"] == "control"
-            and e["numel"] == 4
+            and e["numel"] == 6
         ]
         assert len(agreements) == steps, (rank, len(agreements), steps)
         control_tensors = [

@@ -24,6 +24,7 @@ from keel.config import ConfigError, FaultsConfig, load_config, validate
 from keel.launcher.run_spec import build_run, prepare_data, write_run_dir
 from keel.parallel.topology import Topology
 from keel.run_dir import COMPLETE, AnomalyLog, ExitCode, read_anomalies, tag_for
+from keel.training.checkpoint import verify
 from keel.training.checkpoint.save_failures import after_failed_save
 from keel.training.checkpoint.store import Checkpointer, NoIntactCheckpoint, SaveOutcome, TrainState
 from keel.training.checkpoint.verify import shares
@@ -58,6 +59,11 @@ def checkpointer(directory: Path, keep_last: int = 3) -> Checkpointer:
     )
 
 
+def reopened(ckpt: Checkpointer) -> Checkpointer:
+    """The same checkpoints as a new process sees them (nothing verified yet)."""
+    return Checkpointer(ckpt.directory, ckpt.keep_last, ckpt.topology, ckpt.anomalies)
+
+
 def saved(tmp_path: Path, steps=(10, 20), keep_last: int = 3) -> Checkpointer:
     ckpt = checkpointer(tmp_path, keep_last)
     for step in steps:
@@ -81,9 +87,12 @@ def test_manifest_hashes_equal_the_files_on_disk(tmp_path):
     manifest = ckpt.read_manifest("step00000010")
     tag_dir = ckpt.directory / "step00000010"
     assert set(manifest["files"]) == {MODEL, SHARD, "keel_rng_rank0.pt"}
+    step = manifest["chunk_bytes"]
     for name, size in manifest["files"].items():
         data = (tag_dir / name).read_bytes()
-        assert size == len(data) and manifest["sha256"][name] == hashlib.sha256(data).hexdigest()
+        chunks = [data[i : i + step] for i in range(0, max(1, len(data)), step)]
+        assert size == len(data)
+        assert manifest["sha256_chunks"][name] == [hashlib.sha256(c).hexdigest() for c in chunks]
 
 
 @pytest.mark.fault(
@@ -149,13 +158,81 @@ def test_old_manifest_without_hashes_loads_by_size(tmp_path):
     for tag in ("step00000010", "step00000020"):  # as written before hashes were recorded
         path = ckpt.directory / tag / COMPLETE
         manifest = json.loads(path.read_text())
-        del manifest["sha256"]
+        del manifest["sha256_chunks"], manifest["chunk_bytes"]
         path.write_text(json.dumps(manifest))
     flip(ckpt.directory / "step00000020" / SHARD, 100_000)  # same size: an old manifest cannot tell
     assert ckpt.agreed_latest() == "step00000020"
     shard = ckpt.directory / "step00000020" / SHARD
-    shard.write_bytes(shard.read_bytes()[:-1])  # a size it can
+    shard.write_bytes(
+        shard.read_bytes()[:-1]
+    )  # a size it can (a new process: this one verified it)
+    assert reopened(ckpt).agreed_latest() == "step00000010"
+
+
+def test_old_manifest_with_whole_file_hashes_still_verifies(tmp_path):
+    """Manifests before chunk hashes recorded one sha256 per file: still checked, one piece per file."""
+    ckpt = saved(tmp_path)
+    for tag in ("step00000010", "step00000020"):
+        path = ckpt.directory / tag / COMPLETE
+        manifest = json.loads(path.read_text())
+        del manifest["sha256_chunks"], manifest["chunk_bytes"]
+        manifest["sha256"] = {
+            n: hashlib.sha256((path.parent / n).read_bytes()).hexdigest() for n in manifest["files"]
+        }
+        path.write_text(json.dumps(manifest))
+    flip(ckpt.directory / "step00000020" / SHARD, 100_000)
     assert ckpt.agreed_latest() == "step00000010"
+    [event] = corrupt_events(tmp_path)
+    assert event["reason"] == "sha256 differs from the manifest's (same size: bytes changed)"
+
+
+def test_a_large_file_is_verified_in_chunks_shared_by_the_ranks(tmp_path):
+    """Each chunk of a file is a piece of work of its own: one large file spreads over every rank, and a flipped
+    byte is found by the rank holding its chunk, which names the bytes."""
+    path = tmp_path / "stage.pt"
+    path.write_bytes(bytes(range(256)) * 40)  # 10,240 bytes, 11 chunks of 1,000
+    manifest = {
+        "files": {path.name: 10_240},
+        "chunk_bytes": 1000,
+        "sha256_chunks": {path.name: verify.chunk_hashes(path, 1000)},
+    }
+    files = verify.manifest_files(manifest)
+    work = verify.pieces(files)
+    assert len(work) == 11 and sum(work.values()) == 10_240
+    parts = verify.shares(work, 4)
+    assert sorted(p for part in parts for p in part) == sorted(work)
+    assert [len(part) for part in parts] == [3, 3, 3, 2]
+    assert all(verify.verify(tmp_path, files, part) == [] for part in parts)
+    flip(path, 4321, length=1)
+    found = [verify.verify(tmp_path, files, part) for part in parts]
+    assert sum(map(bool, found)) == 1
+    assert [f for f in found if f] == [
+        [
+            (
+                path.name,
+                "sha256 differs from the manifest's in bytes 4000-5000 (same size: bytes changed)",
+            )
+        ]
+    ]
+    manifest["sha256_chunks"][path.name] = manifest["sha256_chunks"][path.name][:-1]
+    with pytest.raises(ValueError, match="lists 10 chunk hashes"):
+        verify.manifest_files(manifest)
+
+
+def test_a_checkpoint_verified_here_is_not_verified_again_until_written(tmp_path, monkeypatch):
+    """A rollback to a tag this process verified (and has not written since) reads nothing again."""
+    ckpt = saved(tmp_path, steps=(10, 20))
+    checked = []
+    real = verify.verify
+    monkeypatch.setattr(
+        verify, "verify", lambda *a, **k: checked.append(a[0].name) or real(*a, **k)
+    )
+    assert ckpt.agreed_latest() == "step00000020" and ckpt.agreed_at_or_before(25) == "step00000020"
+    assert ckpt.agreed_at_or_before(15) == "step00000010"
+    assert checked == ["step00000020", "step00000010"]
+    ckpt.save(FakeEngine(), TrainState(step=20))  # written again: verified again
+    assert ckpt.agreed_latest() == "step00000020" and checked[-1] == "step00000020"
+    assert len(checked) == 3
 
 
 @pytest.mark.fault("every checkpoint corrupt", "stop with one line, exit 6, none deleted")

@@ -8,12 +8,12 @@ while the files are written.
    rank's RNG file. The host holds one extra copy of the rank's checkpoint shard.
 2. Write, on one writer thread per rank: each file by DeepSpeed's own `save` into `<tag>/.async_rank<R>/` under the
    name a synchronous save gives it (torch.save names the zip archive inside after the file, so the bytes are the
-   same), hashed (sha256, size) by a helper thread reading the file as it grows, fsynced; then every file is
+   same), hashed (size, chunk sha256s) by a helper thread reading the file as it grows, fsynced; then every file is
    renamed into `<tag>/` and the directory fsynced. (Not reniced: a nice writer takes the same CPU time from
    training, only later, and is starved by other processes on a shared host.)
 3. Publish, once every rank's writer is done: one 1-int all-reduce per step while a save is pending says when;
    then the synchronous save's verdict (`Checkpointer.finish_save`: one all-gather of each writer's error and
-   {file: (size, sha256)}, rank 0 writes the manifest, `latest` and prunes). A write error anywhere is a failed
+   {file: (size, chunk sha256s)}, rank 0 writes the manifest, `latest` and prunes). A write error anywhere is a failed
    save: nothing is published and rank 0 removes the tag's directory. A crash before the publish leaves
    the directory without its manifest, which is never loaded.
 
@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import hashlib
 import logging
 import os
 import shutil
@@ -53,6 +52,7 @@ from keel.run_dir import tag_for
 from keel.training.checkpoint import rng_state
 from keel.training.checkpoint.host_snapshot import HostSnapshot
 from keel.training.checkpoint.store import Checkpointer, TrainState
+from keel.training.checkpoint.verify import ChunkedSha256
 
 _CHUNK = 8 << 20
 
@@ -62,9 +62,9 @@ log = logging.getLogger("keel")
 @dataclass
 class WriteReport:
     """One rank's writer, done: `files` maps each file it wrote (relative to the tag's directory) to (size,
-    sha256 hex digest); `error` is "" when every file was written."""
+    chunk sha256 hex digests); `error` is "" when every file was written."""
 
-    files: dict[str, tuple[int, str]] = field(default_factory=dict)
+    files: dict[str, tuple[int, list[str]]] = field(default_factory=dict)
     error: str = ""
     seconds: float = 0.0  # the writer's wall time
     # the writer's and its hashing threads' CPU time (what they take from a busy host)
@@ -179,14 +179,14 @@ def write_files(
 
 
 class _FollowingHash(threading.Thread):
-    """The sha256 and size of a file another thread is writing, read as it grows: torch.save's zip writer writes
-    sequentially (it streams to file objects too), so the hash costs no pass of its own after the write. Then
-    the file is fsynced."""
+    """The chunk sha256s (keel/training/checkpoint/verify.py) and size of a file another thread is writing, read
+    as it grows: torch.save's zip writer writes sequentially (it streams to file objects too), so the hash costs
+    no pass of its own after the write. Then the file is fsynced."""
 
     def __init__(self, path: Path):
         super().__init__(name=f"keel-checkpoint-hash-{path.name}", daemon=True)
         self.path, self.written = path, threading.Event()
-        self.digest, self.size, self.error = hashlib.sha256(), 0, None
+        self.digest, self.size, self.error = ChunkedSha256(), 0, None
         self.cpu_seconds = 0.0
 
     def __enter__(self) -> _FollowingHash:
@@ -225,14 +225,14 @@ class _FollowingHash(threading.Thread):
         except OSError as exc:
             self.error = exc
 
-    def record(self) -> tuple[int, str]:
+    def record(self) -> tuple[int, list[str]]:
         if self.error is not None:
             raise self.error
         if self.size != self.path.stat().st_size:
             raise RuntimeError(
                 f"{self.path}: hashed {self.size} bytes of {self.path.stat().st_size}"
             )
-        return self.size, self.digest.hexdigest()
+        return self.size, self.digest.hexdigests()
 
 
 def _sync_dir(path: Path) -> None:

@@ -4,19 +4,21 @@ Layout of `<run_dir>/checkpoints/`:
     step00000100/            DeepSpeed's model/optimizer files for that step (its own format)
         keel_rng_rank<R>.pt  each rank's RNG streams (keel/training/checkpoint/rng_state.py)
         keel_complete.json   written by rank 0 once every rank's files are written: the checkpoint is whole;
-                             lists every file with its size and sha256 (hashed by the rank that wrote it)
+                             lists every file with its size and chunk sha256s (hashed by the rank that
+                             wrote it)
     step00000050.corrupt/    a checkpoint that failed verification: set aside, never deleted nor loaded
     latest                   DeepSpeed's pointer file, replaced atomically after keel_complete.json exists
 
 A save is: every rank writes its files (keel/training/checkpoint/writes.py: hashed as they close, a failed write
-kept on the rank), then `finish_save` — one all-gather of every rank's (error, file hashes) — and, when no rank
+kept on the rank), then `finish_save` — every rank's (error, file hashes) gathered to rank 0 — and, when no rank
 failed, `commit` on rank 0 (manifest, `latest`, pruning). A failed save is discarded by every rank together: its
 directory removed, nothing committed or pruned, `latest` untouched. A crash mid-save leaves a directory without
 `keel_complete.json`; it is never loaded and is overwritten when that step is saved again.
 
 Which checkpoint to load is chosen once: rank 0 picks the tag and broadcasts it with a digest of its manifest;
 every rank checks that its own view holds that manifest and verifies a byte-balanced share of the files against
-it (keel/training/checkpoint/verify.py); one all-gather of the verdicts follows. A rank whose view lacks the
+it (keel/training/checkpoint/verify.py); the verdicts meet on rank 0, which broadcasts the outcome. A tag this
+process verified and has not written since is not verified again (a rollback to it). A rank whose view lacks the
 manifest makes every rank stop together (`CheckpointDisagreement`, exit code 6) — a stale view of a shared
 filesystem must not load another step's state. A file that does not match (cut short, bytes flipped, missing) is
 corruption: recorded (`checkpoint_corrupt` in anomalies.jsonl), the directory set aside as `stepN.corrupt`,
@@ -111,6 +113,8 @@ class Checkpointer:
         self.control = topology.control("world")
         self.anomalies = anomalies
         self._resume: tuple[str | None] | None = None  # `agreed_resume`'s answer, once agreed
+        # tags every rank verified in this process, by manifest digest (dropped when this process writes the tag)
+        self._verified: dict[str, str] = {}
 
     # -- discovery ------------------------------------------------------------------------------------------
     def tag_at_or_before(self, step: int) -> str | None:
@@ -164,9 +168,16 @@ class Checkpointer:
         set_aside: list[str] = []
         while True:
             tag = choose() if self.topology.rank == 0 else None
-            offer = comm.broadcast_object(
-                {"tag": tag, "digest": self._digest(tag)} if tag else None, self.control
-            )
+            offer = None
+            if tag:
+                digest = self._digest(tag)
+                # verified here before, unchanged since: every rank skips it together (rank 0's word)
+                offer = {
+                    "tag": tag,
+                    "digest": digest,
+                    "verified": self._verified.get(tag) == digest,
+                }
+            offer = comm.broadcast_object(offer, self.control)
             if offer is None:
                 if set_aside:
                     raise NoIntactCheckpoint(
@@ -176,8 +187,11 @@ class Checkpointer:
                     )
                 return None
             tag = offer["tag"]
+            if offer["verified"]:
+                return tag
             corrupt = self._verdicts(tag, offer["digest"])
             if not corrupt:
+                self._verified[tag] = offer["digest"]
                 return tag
             self._set_aside(tag, corrupt)
             set_aside.append(tag)
@@ -186,17 +200,26 @@ class Checkpointer:
         return hashlib.sha256((self.directory / tag / COMPLETE).read_bytes()).hexdigest()
 
     def _verdicts(self, tag: str, digest: str) -> list[tuple[str, str]]:
-        """Every rank's verdict on `tag` in one all-gather: the (file, reason) pairs found corrupt, or raises
-        CheckpointDisagreement when some rank's view lacks rank 0's manifest."""
-        verdicts = comm.all_gather_object(self._verdict(tag, digest), self.control)
-        bad = [f"rank {r}: {view}" for r, (view, _) in zip(self.control.ranks, verdicts) if view]
-        if bad:
-            more = f" (and {len(bad) - 1} more rank(s))" if len(bad) > 1 else ""
+        """Every rank's verdict on `tag`, gathered to rank 0, which broadcasts the outcome: the (file, reason)
+        pairs found corrupt, or CheckpointDisagreement (raised on every rank) when some rank's view lacks rank
+        0's manifest. A rank other than 0 receives the outcome only, not every rank's verdict."""
+        verdicts = comm.gather_object(self._verdict(tag, digest), self.control)
+        outcome = None
+        if verdicts is not None:
+            bad = [
+                f"rank {r}: {view}" for r, (view, _) in zip(self.control.ranks, verdicts) if view
+            ]
+            corrupt = sorted({(name, reason) for _, found in verdicts for name, reason in found})
+            outcome = (bad[0], len(bad)) if bad else corrupt
+        outcome = comm.broadcast_object(outcome, self.control)
+        if isinstance(outcome, tuple):
+            first, count = outcome
+            more = f" (and {count - 1} more rank(s))" if count > 1 else ""
             raise CheckpointDisagreement(
-                f"checkpoint {tag} chosen by rank 0 is not whole on every rank — {bad[0]}{more}; every "
+                f"checkpoint {tag} chosen by rank 0 is not whole on every rank — {first}{more}; every "
                 "rank must see the same checkpoint directory (a stale or different shared-filesystem view?)"
             )
-        return sorted({(name, reason) for _, corrupt in verdicts for name, reason in corrupt})
+        return [tuple(pair) for pair in outcome]
 
     def _verdict(self, tag: str, digest: str) -> tuple[str, list[tuple[str, str]]]:
         """(why this rank's view is not rank 0's, or ""; the files of this rank's share that do not match)."""
@@ -209,10 +232,8 @@ class Checkpointer:
             files = verify.read_manifest_files(manifest)
         except ValueError as err:  # every rank read the same bytes: all of them say so
             return "", [(COMPLETE, f"the manifest {err}")]
-        share = verify.shares({name: size for name, (size, _) in files.items()}, self.control.size)
-        return "", verify.verify(
-            manifest.parent, files, share[self.control.ranks.index(self.topology.rank)]
-        )
+        share = verify.shares(verify.pieces(files), self.control.size)
+        return "", verify.verify(manifest.parent, files, share[self.control.rank])
 
     def _set_aside(self, tag: str, corrupt: list[tuple[str, str]]) -> None:
         """Record the corrupt checkpoint, rename it `<tag>.corrupt` and repoint `latest` (rank 0 renames)."""
@@ -281,6 +302,7 @@ class Checkpointer:
     def begin(self, tag: str) -> Path:
         """Every rank, before writing `tag`: rank 0 marks it incomplete (a re-saved step is not loadable until
         it is whole again), and nobody writes before that."""
+        self._verified.pop(tag, None)  # written again: verified again when loaded
         if self.topology.rank == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
             (self.directory / tag / COMPLETE).unlink(missing_ok=True)
@@ -296,15 +318,19 @@ class Checkpointer:
         tag: str,
         state: TrainState,
         error: str,
-        files: dict[str, tuple[int, str]],
+        files: dict[str, tuple[int, list[str]]],
         guards: dict[str, Any] | None = None,
         zero_stage: int = 0,
     ) -> SaveOutcome:
         """Every rank, once its files for `tag` are written (`error`: its first failure, or ""; `files`: name →
-        (size, sha256) of what it wrote): one all-gather of these verdicts, then rank 0 commits (the manifest from
-        the gathered hashes, `latest`, pruning) or discards the save, and one broadcast tells every rank which."""
-        verdicts = comm.all_gather_object((error, files), self.control)
-        errors = [f"rank {r}: {e}" for r, (e, _) in zip(self.control.ranks, verdicts) if e]
+        (size, chunk sha256s) of what it wrote): these verdicts gathered to rank 0, which commits (the manifest
+        from the gathered hashes, `latest`, pruning) or discards the save, and one broadcast tells every rank
+        which."""
+        # to rank 0 only, which commits: every rank's file list, O(world) there and nowhere else
+        verdicts = comm.gather_object((error, files), self.control)
+        errors = []
+        if verdicts is not None:
+            errors = [f"rank {r}: {e}" for r, (e, _) in zip(self.control.ranks, verdicts) if e]
         if self.topology.rank == 0 and not errors:
             try:
                 self.commit(
@@ -331,7 +357,7 @@ class Checkpointer:
         self,
         tag: str,
         state: TrainState,
-        files: dict[str, tuple[int, str]],
+        files: dict[str, tuple[int, list[str]]],
         guards: dict[str, Any] | None = None,
         zero_stage: int = 0,
     ) -> None:
@@ -355,7 +381,8 @@ class Checkpointer:
             "topology": topology,
             "guards": guards or {},
             "files": {n: files[n][0] for n in names},
-            "sha256": {n: files[n][1] for n in names},
+            "chunk_bytes": verify.CHUNK_HASH_BYTES,
+            "sha256_chunks": {n: files[n][1] for n in names},
         }
         atomic_write_text(tag_dir / COMPLETE, json.dumps(manifest) + "\n")
         atomic_write_text(self.directory / LATEST, tag)

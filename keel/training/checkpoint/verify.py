@@ -3,11 +3,13 @@
 A checkpoint whose completion marker exists can still be bad: a shard cut short by a full disk or a dying node,
 flipped bytes on a failing drive, a rank file deleted by hand. DeepSpeed would load most of these silently and
 the run would go non-finite a few steps later, blaming its data. So `keel_complete.json` records each file's
-size and sha256 (hashed by the rank that wrote it, keel/training/checkpoint/writes.py), and a load verifies them:
-each rank hashes a byte-balanced share of the files (`shares`), on a few threads, so the checkpoint is read once
-in total whatever the world size — at 512 ranks each reads about 1/512 of it — and the verdicts meet in one
-all-gather (keel/training/checkpoint/store.py `Checkpointer.agree_on`). A manifest written before hashes were
-recorded has sizes only; its files are checked by size.
+size and the sha256 of each of its `CHUNK_HASH_BYTES` chunks (hashed by the rank that wrote it,
+keel/training/checkpoint/writes.py), and a load verifies them: the chunks of every file are the pieces of work,
+each rank hashes a byte-balanced share of them (`shares`) on a few threads, so the checkpoint is read once in
+total whatever the world size, and one large file (a pipeline stage's weights, 10+ GB at 70B) is read by many
+ranks in parallel rather than by one thread. The verdicts meet in rank 0
+(keel/training/checkpoint/store.py `Checkpointer.agree_on`). Older manifests verify as they were written: a
+whole-file sha256 (one piece per file), or sizes only.
 
 A bad checkpoint is never deleted: `set_aside` renames it `stepN.corrupt` (kept for a post-mortem, no longer a
 checkpoint: discovery and pruning only see `stepNNNNNNNN` names).
@@ -18,47 +20,123 @@ from __future__ import annotations
 import hashlib
 import heapq
 import json
+import os
+from collections.abc import Hashable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 # bytes read per update: hashlib releases the GIL on buffers this size, so threads overlap
 CHUNK = 8 << 20
+# bytes per manifest hash: the unit of verification work one rank takes
+CHUNK_HASH_BYTES = 256 << 20
 VERIFY_THREADS = 4
 CORRUPT_SUFFIX = ".corrupt"
+Key = TypeVar("Key", bound=Hashable)
 
 
-def sha256_of(path: Path) -> str:
+@dataclass(frozen=True)
+class Entry:
+    """One file as the manifest records it."""
+
+    size: int
+    sha256: str | None = None  # the whole file's (manifests written before chunk hashes)
+    chunks: tuple[str, ...] | None = None  # each `chunk_bytes` of the file's, the last one shorter
+    chunk_bytes: int = CHUNK_HASH_BYTES
+
+
+@dataclass(frozen=True, order=True)
+class Piece:
+    """One unit of verification: bytes [start, start + length) of a file and their sha256 (None: the size only;
+    length -1: the whole file, hashed whole)."""
+
+    name: str
+    start: int = 0
+    length: int = -1
+    sha256: str | None = None
+
+
+def sha256_of(path: Path, start: int = 0, length: int = -1) -> str:
+    """sha256 of `length` bytes of `path` from `start` (-1: to the end)."""
     digest = hashlib.sha256()
+    buffer = bytearray(CHUNK)
+    view = memoryview(buffer)
+    left = length if length >= 0 else float("inf")
+    with open(path, "rb", buffering=0) as f:
+        f.seek(start)
+        while left > 0 and (n := f.readinto(view[: int(min(CHUNK, left))])):
+            digest.update(view[:n])
+            left -= n
+    return digest.hexdigest()
+
+
+class ChunkedSha256:
+    """The sha256 of each `chunk_bytes` of a stream fed in any pieces (`update`), the last chunk shorter."""
+
+    def __init__(self, chunk_bytes: int = CHUNK_HASH_BYTES):
+        self.chunk_bytes = chunk_bytes
+        self._done: list[str] = []
+        self._digest, self._filled = hashlib.sha256(), 0
+
+    def update(self, data: bytes | memoryview) -> None:
+        view = memoryview(data)
+        while len(view):
+            take = min(len(view), self.chunk_bytes - self._filled)
+            self._digest.update(view[:take])
+            self._filled += take
+            view = view[take:]
+            if self._filled == self.chunk_bytes:
+                self._done.append(self._digest.hexdigest())
+                self._digest, self._filled = hashlib.sha256(), 0
+
+    def hexdigests(self) -> list[str]:
+        """Every chunk's digest so far, the partial last one included (one for an empty stream)."""
+        partial = [self._digest.hexdigest()] if self._filled or not self._done else []
+        return self._done + partial
+
+
+def chunk_hashes(path: Path, chunk_bytes: int = CHUNK_HASH_BYTES) -> list[str]:
+    """The sha256 of each `chunk_bytes` of the file at `path`, in one pass."""
+    hashes = ChunkedSha256(chunk_bytes)
     buffer = bytearray(CHUNK)
     view = memoryview(buffer)
     with open(path, "rb", buffering=0) as f:
         while n := f.readinto(buffer):
-            digest.update(view[:n])
-    return digest.hexdigest()
+            hashes.update(view[:n])
+    return hashes.hexdigests()
 
 
-def describe(path: Path) -> tuple[int, str]:
-    """(size, sha256) of a file as it is on disk now."""
+def describe(path: Path) -> tuple[int, list[str]]:
+    """(size, chunk sha256s) of a file as it is on disk now."""
     size = path.stat().st_size
-    return size, sha256_of(path)
+    return size, chunk_hashes(path)
 
 
-def manifest_files(manifest: Any) -> dict[str, tuple[int, str | None]]:
-    """{file name: (size, sha256 or None)} from a manifest (None: written before hashes were recorded).
-    Raises ValueError naming what is wrong when the manifest is not one Keel wrote."""
+def manifest_files(manifest: Any) -> dict[str, Entry]:
+    """{file name: Entry} from a manifest. Raises ValueError naming what is wrong when the manifest is not one
+    Keel wrote."""
     if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
         raise ValueError("has no file list")
     hashes = manifest.get("sha256", {})
+    chunked = manifest.get("sha256_chunks", {})
+    chunk_bytes = manifest.get("chunk_bytes", CHUNK_HASH_BYTES)
+    if not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
+        raise ValueError(f"has chunk_bytes {chunk_bytes!r}")
     files = {}
     for name, size in manifest["files"].items():
         if not isinstance(size, int) or "/" in name or name.startswith("."):
             raise ValueError(f"lists {name!r} with size {size!r}")
-        files[name] = (size, hashes.get(name))
+        chunks = chunked.get(name)
+        if chunks is not None and len(chunks) != max(1, -(-size // chunk_bytes)):
+            raise ValueError(f"lists {len(chunks)} chunk hashes for {name!r} of {size} bytes")
+        files[name] = Entry(
+            size, hashes.get(name), tuple(chunks) if chunks is not None else None, chunk_bytes
+        )
     return files
 
 
-def read_manifest_files(path: Path) -> dict[str, tuple[int, str | None]]:
+def read_manifest_files(path: Path) -> dict[str, Entry]:
     """`manifest_files` of the manifest at `path`; ValueError (with the reason) for a garbled one."""
     try:
         return manifest_files(json.loads(path.read_text()))
@@ -66,46 +144,73 @@ def read_manifest_files(path: Path) -> dict[str, tuple[int, str | None]]:
         raise ValueError(f"is not valid JSON ({err})") from err
 
 
-def shares(sizes: dict[str, int], world: int) -> list[list[str]]:
-    """The files each of `world` ranks verifies: largest first onto the least-loaded rank (within one largest
-    file of the best split). Every rank computes the same split from the same manifest; ties break by name."""
-    heap = [(0, rank) for rank in range(world)]
-    out: list[list[str]] = [[] for _ in range(world)]
-    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
-        load, rank = heapq.heappop(heap)
-        out[rank].append(name)
-        heapq.heappush(heap, (load + sizes[name], rank))
+def pieces(files: Mapping[str, Entry]) -> dict[Piece, int]:
+    """Every piece of verification work, with the bytes it reads (what `shares` balances)."""
+    out = {}
+    for name, entry in sorted(files.items()):
+        if entry.chunks is None:
+            out[Piece(name, sha256=entry.sha256)] = entry.size
+            continue
+        for i, digest in enumerate(entry.chunks):
+            start = i * entry.chunk_bytes
+            length = max(0, min(entry.chunk_bytes, entry.size - start))
+            out[Piece(name, start, length, digest)] = length
     return out
 
 
-def check_file(path: Path, size: int, sha256: str | None) -> str:
-    """Why `path` does not match its manifest entry ("" when it does)."""
+def shares(sizes: Mapping[Key, int], world: int) -> list[list[Key]]:
+    """The items each of `world` ranks takes: largest first onto the least-loaded rank (within one largest item
+    of the best split). Every rank computes the same split from the same manifest; ties break by key."""
+    heap = [(0, rank) for rank in range(world)]
+    out: list[list[Key]] = [[] for _ in range(world)]
+    for key in sorted(sizes, key=lambda k: (-sizes[k], k)):
+        load, rank = heapq.heappop(heap)
+        out[rank].append(key)
+        heapq.heappush(heap, (load + sizes[key], rank))
+    return out
+
+
+def check_piece(path: Path, entry: Entry, piece: Piece) -> str:
+    """Why `piece` of `path` does not match its manifest entry ("" when it does)."""
     if not path.is_file():
         return "missing"
-    actual = path.stat().st_size
-    if actual != size:
-        return f"{actual} bytes, the manifest says {size}"
-    if sha256 is not None and sha256_of(path) != sha256:
+    actual = os.stat(path).st_size
+    if actual != entry.size:
+        return f"{actual} bytes, the manifest says {entry.size}"
+    if piece.sha256 is None or sha256_of(path, piece.start, piece.length) == piece.sha256:
+        return ""
+    if piece.length < 0:
         return "sha256 differs from the manifest's (same size: bytes changed)"
-    return ""
+    end = piece.start + piece.length
+    return f"sha256 differs from the manifest's in bytes {piece.start}-{end} (same size: bytes changed)"
+
+
+def check_file(path: Path, size: int, sha256: str | None) -> str:
+    """Why `path` does not match a whole-file manifest entry ("" when it does)."""
+    return check_piece(path, Entry(size, sha256), Piece(path.name, sha256=sha256))
 
 
 def verify(
     tag_dir: Path,
-    files: dict[str, tuple[int, str | None]],
-    names: list[str],
+    files: Mapping[str, Entry],
+    mine: list[Piece],
     threads: int = VERIFY_THREADS,
 ) -> list[tuple[str, str]]:
-    """(file, reason) for each of `names` (this rank's share) that does not match the manifest."""
+    """(file, reason) for each file with a piece of `mine` (this rank's share) that does not match the
+    manifest; a file once, with its first bad piece's reason."""
 
-    def one(name: str) -> tuple[str, str]:
+    def one(piece: Piece) -> tuple[str, str]:
         try:
-            return name, check_file(tag_dir / name, *files[name])
+            return piece.name, check_piece(tag_dir / piece.name, files[piece.name], piece)
         except OSError as err:  # unreadable: as bad as missing
-            return name, f"unreadable ({err.strerror or err})"
+            return piece.name, f"unreadable ({err.strerror or err})"
 
-    with ThreadPoolExecutor(max(1, min(threads, len(names)))) as pool:
-        return [(name, reason) for name, reason in pool.map(one, names) if reason]
+    found: dict[str, str] = {}
+    with ThreadPoolExecutor(max(1, min(threads, len(mine)))) as pool:
+        for name, reason in pool.map(one, mine):
+            if reason:
+                found.setdefault(name, reason)
+    return sorted(found.items())
 
 
 def set_aside(directory: Path, tag: str) -> Path:

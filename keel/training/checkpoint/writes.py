@@ -4,9 +4,10 @@ DeepSpeed writes each shard through its checkpoint engine's `save(state_dict, pa
 those calls through `write` (`route_checkpoint_writes` in keel/adapters/deepspeed_internals/), and Keel's own
 files go through `write` too. So this rank knows exactly which files it wrote, and:
 
-- each is hashed (size + sha256) on a small thread pool as soon as it is closed, overlapping the next write
-  while its bytes are still in the page cache; the hashes reach rank 0's manifest in the save's one all-gather
-  (keel/training/checkpoint/store.py `Checkpointer.finish_save`), so nobody re-reads the checkpoint to describe it;
+- each is hashed (size + the sha256 of each chunk, keel/training/checkpoint/verify.py) on a small thread pool
+  as soon as it is closed, overlapping the next write while its bytes are still in the page cache; the hashes
+  reach rank 0's manifest through the save's one gather (keel/training/checkpoint/store.py
+  `Checkpointer.finish_save`), so nobody re-reads the checkpoint to describe it;
 - a write that fails (disk full, quota, I/O error) is *kept*, not raised: DeepSpeed's save ends in a collective
   barrier, and a rank that raised would skip it and hang its peers. The rank writes nothing more for this save,
   goes on through DeepSpeed's barrier, and reports the error in the same all-gather; every rank then discards
@@ -75,7 +76,7 @@ def failure_text(exc: BaseException) -> str:
 
 
 class WrittenFiles:
-    """The files this rank wrote for one checkpoint: their (size, sha256), or the first write error."""
+    """The files this rank wrote for one checkpoint: their (size, chunk sha256s), or the first write error."""
 
     def __init__(self, rank: int, disk_room: int | None = None, threads: int = HASH_THREADS):
         self.rank = rank
@@ -121,8 +122,8 @@ class WrittenFiles:
             return
         self._hashes[path.name] = self._pool.submit(describe, path)
 
-    def result(self) -> tuple[str, dict[str, tuple[int, str]]]:
-        """(the first error or "", {file name: (size, sha256)}) once every hash is done."""
+    def result(self) -> tuple[str, dict[str, tuple[int, list[str]]]]:
+        """(the first error or "", {file name: (size, chunk sha256s)}) once every hash is done."""
         files = {}
         for name, future in self._hashes.items():
             try:
