@@ -95,8 +95,32 @@ def test_global_order_is_deterministic_permutation_per_epoch() -> None:
     for ep in epochs:
         assert sorted(ep) == list(range(n))
     assert epochs[0] != epochs[1]
-    assert epochs[2] == np.random.default_rng([7, 2]).permutation(n).tolist()
+    # the order "feistel-v1" (data.json records it): pinned, as a resume depends on it
+    assert epochs[2][:10] == [34, 32, 21, 10, 30, 15, 33, 27, 0, 29]
     assert [GlobalSampleOrder(n, seed=8).sample_id(i) for i in range(n)] != epochs[0]
+    assert [GlobalSampleOrder(n, seed=7, stream=1).sample_id(i) for i in range(n)] != epochs[0]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 255, 256, 257, 4097, 100_003])
+def test_every_epoch_is_a_permutation_of_any_size(n) -> None:
+    order = GlobalSampleOrder(n, seed=3)
+    for epoch in range(2):
+        assert sorted(order.sample_ids(range(epoch * n, (epoch + 1) * n))) == list(range(n))
+
+
+def test_the_order_holds_no_per_sample_state_and_looks_random() -> None:
+    """10^13 tokens in windows of 2,048: no rank stores a permutation, and each id costs microseconds."""
+    n = 10**13 // 2048
+    order = GlobalSampleOrder(n, seed=1234)
+    assert order.sample_ids([0, 1, n - 1, 10**9]) == order.sample_ids([0, 1, n - 1, 10**9])
+    held = sum(v.nbytes if isinstance(v, np.ndarray) else 8 for v in vars(order).values())
+    assert held < 1024  # nothing that grows with the corpus
+    assert all(0 <= i < n for i in order.sample_ids(range(5 * n - 100, 5 * n + 100)))
+    m = 100_003
+    ids = np.array(GlobalSampleOrder(m, seed=3).sample_ids(range(m)))
+    assert abs(np.corrcoef(ids, np.arange(m))[0, 1]) < 0.02  # no trace of the input order
+    gaps = np.abs(np.diff(ids)) / m
+    assert 0.27 < float(np.median(gaps)) < 0.32  # a uniform shuffle's: 1 - 1/sqrt(2)
 
 
 def _ids(

@@ -84,6 +84,23 @@ def test_changed_order_settings_are_refused_in_one_line_naming_each(runs, tmp_pa
 
 
 @pytest.mark.fault(
+    "resume a checkpoint counted in the old sample order",
+    "refused naming the order change; exit 2",
+)
+def test_a_checkpoint_of_the_old_sample_order_is_refused(runs, tmp_path, capsys):
+    """Runs before data.json recorded `sample_order` drew each epoch from numpy's permutation: their sample
+    count indexes that order, not Keel's own."""
+    run = _resumable(tmp_path / "run", runs.overrides())
+    data = json.loads((run / "data.json").read_text())
+    assert data.pop("sample_order") == "feistel-v1"
+    (run / "data.json").write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match=r"the sample order numpy-permutation → feistel-v1"):
+        _prepared(runs.overrides(), run)
+    _prepared(runs.overrides(data__allow_change_on_resume="true"), run)  # a deliberate change
+    assert "the sample order numpy-permutation → feistel-v1" in capsys.readouterr().err
+
+
+@pytest.mark.fault(
     "resume on another corpus", "refused naming old and new corpus and sizes; exit 2"
 )
 def test_another_corpus_is_named_with_its_sizes(runs, tmp_path, small_corpus):

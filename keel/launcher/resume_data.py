@@ -1,7 +1,8 @@
 """A resume continues on the data its checkpoint was counting, or says why not — before any rank starts.
 
 A checkpoint records how many samples the run consumed, not which: sample i is the i-th of an order fixed by the
-token files, the blend weights, the window length, the validation split and the seed. Resuming with any of those
+token files, the blend weights, the window length, the validation split, the seed and the order's own algorithm
+(`sample_order`, changed once, when Keel stopped storing a permutation per epoch). Resuming with any of those
 changed silently continues at the same count in a different order (samples seen twice, others never). So the run
 dir's recorded data (`data.json`, the resolved `config.yaml`) is compared with the new run's, and each changed field
 is named with its old and new value; `data.allow_change_on_resume: true` turns the refusal into a warning for a
@@ -53,6 +54,10 @@ def data_changes(
         changes.append(f"data.corpus {old_shown} → {new_shown}")
     elif _weights(old_data) != _weights(data):
         changes.append(f"data.corpus weights {_weights(old_data)} → {_weights(data)}")
+    # a record without one was written before Keel recorded its order (keel/data/samples.py SAMPLE_ORDER)
+    old_order = old_data.get("sample_order", "numpy-permutation")
+    if old_order != data.get("sample_order", old_order):
+        changes.append(f"the sample order {old_order} → {data['sample_order']} (Keel's own)")
     for field, old, new in (
         ("data.seq_len", old_cfg.data.seq_len, cfg.data.seq_len),
         ("data.val_fraction", old_cfg.data.val_fraction, cfg.data.val_fraction),

@@ -27,6 +27,7 @@ from keel.data import (
 )
 from keel.data.blend_prepare import open_splits, prepare_blend
 from keel.data.hf_tokenizer import HF_TOKENIZER_FILES
+from keel.data.samples import SAMPLE_ORDER
 from keel.data.token_check import check_windows
 from keel.engine.ds_config import (
     check_with_deepspeed,
@@ -199,6 +200,7 @@ def prepare_data(spec: RunSpec) -> None:
         "tokenizer_info": record,
         "vocab_size": data_vocab,
         "eos_id": tokenizer.eos_id,
+        "sample_order": SAMPLE_ORDER,  # the algorithm: a resume on another is refused (resume_data.py)
     }
     check_same_data(spec.run_dir, cfg, spec.data)
     _check_eval_windows(spec)
