@@ -177,16 +177,58 @@ class MoE(DeepSpeedMoE):
         if not grouped:
             chunks = inputs.split(routes.expert_counts)
             return torch.cat([mlp.inner(chunk) for mlp, chunk in zip(self.local_experts, chunks)])
-        # The experts stay separate Parameters (DeepSpeed's per-expert checkpoint keys); stacking them costs one
-        # copy of this rank's local expert weights per layer, which the single kernel launch repays.
+        # the experts stay separate Parameters (DeepSpeed's per-expert checkpoint keys): stacked per call
         offsets = routes.device_counts.cumsum(0).to(torch.int32)
-        # [E, 2, hidden, dim]: gate, up
-        w13 = torch.stack([mlp.w13.weight for mlp in self.local_experts])
-        w2 = torch.stack([mlp.w2.weight for mlp in self.local_experts])
-        gate, up = F.grouped_mm(inputs, w13.flatten(1, 2).transpose(-2, -1), offs=offsets).chunk(
-            2, dim=-1
+        weights = [mlp.w13.weight for mlp in self.local_experts]
+        weights += [mlp.w2.weight for mlp in self.local_experts]
+        return _GroupedSwiGLU.apply(inputs, offsets, len(self.local_experts), *weights)
+
+
+class _GroupedSwiGLU(torch.autograd.Function):
+    """Every local expert's SwiGLU on its contiguous rows, one grouped GEMM per projection, with the experts'
+    weights stacked for the kernel in forward and stacked again in backward rather than kept.
+
+    Left to autograd, `torch.stack` + `grouped_mm` would keep the stacked copies from forward to backward: a second
+    copy of every local expert's weights per MoE layer, per micro-batch in flight (bench/moe_memory.py). Saved here:
+    the rows, the gate/up projection and references to the weights themselves; the restack is one copy, freed
+    as soon as the backward GEMMs are done."""
+
+    @staticmethod
+    def forward(ctx, inputs: torch.Tensor, offsets: torch.Tensor, experts: int, *weights):
+        w13, w2 = _stacked(weights, experts)
+        gate_up = F.grouped_mm(inputs, w13.transpose(-2, -1), offs=offsets)
+        gate, up = gate_up.chunk(2, dim=-1)
+        out = F.grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=offsets)
+        ctx.experts = experts
+        ctx.save_for_backward(inputs, offsets, gate_up, *weights)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        inputs, offsets, gate_up, *weights = ctx.saved_tensors
+        grad_out = grad_out.contiguous()  # the kernel needs real strides (a sum's gradient is expanded)
+        w13, w2 = _stacked(weights, ctx.experts)
+        gate, up = gate_up.chunk(2, dim=-1)
+        sig = torch.sigmoid(gate)
+        silu = gate * sig
+        # out = h @ w2ᵀ per expert, h = silu(gate) * up
+        grad_h = F.grouped_mm(grad_out, w2, offs=offsets)
+        grad_w2 = F.grouped_mm(grad_out.t(), silu * up, offs=offsets)  # [E, dim, hidden]
+        grad_gate_up = torch.cat(
+            [grad_h * up * sig * (1 + gate * (1 - sig)), grad_h * silu], dim=-1
         )
-        return F.grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=offsets)
+        # gate_up = inputs @ w13ᵀ per expert
+        grad_inputs = F.grouped_mm(grad_gate_up, w13, offs=offsets)
+        grad_w13 = F.grouped_mm(grad_gate_up.t(), inputs, offs=offsets)  # [E, 2·hidden, dim]
+        grads = [g.view(w.shape) for g, w in zip(grad_w13, weights[: ctx.experts])]
+        grads += [g.view(w.shape) for g, w in zip(grad_w2, weights[ctx.experts :])]
+        return grad_inputs, None, None, *grads
+
+
+def _stacked(weights, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """([E, 2·hidden, dim] gate and up, [E, dim, hidden] down) from the experts' separate weights."""
+    w13 = torch.stack(weights[:experts]).flatten(1, -2)
+    return w13, torch.stack(weights[experts:])
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:
