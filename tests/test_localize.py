@@ -373,3 +373,28 @@ def test_localize_on_every_rank(stage, tp):
     else:  # rank 1 first sees the NaN after the attention's all-reduce: its own shards were fine
         assert results[1]["first_bad_module"] == results[1]["origin_module"] == "layers.2.attention"
         assert results[1]["classification"] == DATA
+
+
+def test_gradients_are_checked_one_parameter_at_a_time(monkeypatch):
+    """The replay holds one parameter's gradient at a time (under ZeRO-2/3 the whole model's at once would be the
+    full replica the sharded state avoids): when each gradient is checked, no earlier one is still alive."""
+    import weakref
+
+    from keel.training.guards import localize as localize_module
+
+    model = torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(4)))
+    alive_at_check: list[int] = []
+    checked: list[weakref.ref] = []
+    real = localize_module._finite
+
+    def finite(t):
+        if t.dim() and t.shape[-1] == 64 and t.requires_grad is False and t.grad_fn is None:
+            alive_at_check.append(sum(r() is not None for r in checked))
+            checked.append(weakref.ref(t))
+        return real(t)
+
+    monkeypatch.setattr(localize_module, "_finite", finite)
+    loss = model(torch.randn(3, 64)).square().sum()
+    named = list(model.named_parameters())
+    assert localize_module._bad_grads(loss, named) == []
+    assert len(alive_at_check) == len(named) and max(alive_at_check) == 0, alive_at_check

@@ -206,7 +206,9 @@ class _GroupedSwiGLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         inputs, offsets, gate_up, *weights = ctx.saved_tensors
-        grad_out = grad_out.contiguous()  # the kernel needs real strides (a sum's gradient is expanded)
+        grad_out = (
+            grad_out.contiguous()
+        )  # the kernel needs real strides (a sum's gradient is expanded)
         w13, w2 = _stacked(weights, ctx.experts)
         gate, up = gate_up.chunk(2, dim=-1)
         sig = torch.sigmoid(gate)

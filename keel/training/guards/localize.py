@@ -30,7 +30,7 @@ and only `engine.backward` releases them (their module's input needs no gradient
 hook never fires); left gathered they make `GatheredParameters` (checkpoint saving, checksums) raise until the
 next step. Also: the replay bypasses `engine.forward`, so a DeepSpeed `torch_autocast` section is not applied.
 
-Memory: one micro-batch's activations plus one gradient-sized copy of the parameters at a time.
+Memory: one micro-batch's activations plus one parameter's gradient at a time.
 """
 
 from __future__ import annotations
@@ -219,18 +219,32 @@ def _bad_grads(loss: torch.Tensor, named_params: list[tuple[str, nn.Parameter]])
     """Names of the parameters whose gradient is non-finite, nearest the loss first.
 
     `autograd.grad` returns the gradients instead of accumulating them: no `.grad`, no AccumulateGrad node, so
-    none of the hooks ZeRO puts there. Order: a non-finite value spreads to every gradient upstream of where it
-    arose, so in forward (`named_parameters`) order the list would nearly always open with the embedding; reversed
-    it approximates backward order and opens at the parameters nearest to where the gradient went bad.
+    none of the hooks ZeRO puts there. Each gradient is checked as it is made (a hook on the parameter) and
+    handed back as a zero-strided scalar, so memory holds one parameter's gradient at a time rather than the
+    whole model's (unpartitioned under ZeRO-2/3: the full replica, which the shard-sized training state was
+    sized to avoid). Order: a non-finite value spreads to every gradient upstream of where it arose, so in
+    forward (`named_parameters`) order the list would nearly always open with the embedding; reversed it
+    approximates backward order and opens at the parameters nearest to where the gradient went bad.
     """
     if not named_params or not loss.requires_grad:
         return []
-    grads = torch.autograd.grad(loss, [p for _, p in named_params], allow_unused=True)
-    return [
-        name
-        for (name, _), g in reversed(list(zip(named_params, grads)))
-        if g is not None and not _finite(g)
-    ]
+    bad: set[str] = set()
+
+    def checked(name: str):
+        def hook(grad: torch.Tensor) -> torch.Tensor:
+            if not _finite(grad):
+                bad.add(name)
+            return grad.new_zeros(()).expand_as(grad)  # what autograd.grad returns: no memory
+
+        return hook
+
+    handles = [p.register_hook(checked(name)) for name, p in named_params]
+    try:
+        torch.autograd.grad(loss, [p for _, p in named_params], allow_unused=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return [name for name, _ in reversed(named_params) if name in bad]
 
 
 class _Watch:
