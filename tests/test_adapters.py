@@ -106,13 +106,12 @@ def _snapshot(engine) -> list[torch.Tensor]:
 
 def _probe_kind(kind: str) -> dict:
     """Everything the test asserts about one engine kind, as plain values."""
-    from keel.parallel.comm import single as single_control
     from keel.training.guards.base import Action, Decision
-    from keel.training.step_gate import StepGate
+    from keel.training.step_gate import Agreed, StepGate
 
     engine = _engine(kind)
     dsi.check_engine(engine)
-    gate = StepGate(engine, single_control())
+    gate = StepGate(engine)
     seen: dict = {
         "adamw": {k: engine.basic_optimizer.defaults.get(k) for k in ("foreach", "fused")}
     }
@@ -128,13 +127,13 @@ def _probe_kind(kind: str) -> dict:
     dsi.wrap_model_step(engine, before_model_step)
 
     def decide(action: Action):
-        def inner() -> Decision:
+        def inner() -> Agreed:
             seen["norm"] = dsi.grad_norm_before_update(engine)
             seen["scale"] = dsi.loss_scale(engine)
             if hasattr(engine, "train_batch"):
                 summed = dsi.pipeline_summed_loss(engine)
                 seen["pipeline_loss"] = None if summed is None else float(summed)
-            return Decision(action)
+            return Agreed(Decision(action))
 
         return inner
 

@@ -32,7 +32,18 @@ ALL_GUARDS = dict(
     stability__straggler_interval=2,
     stability__monitor_interval=2,
 )
+# every periodic check off: what is left between the first and the last step is the steps themselves
+QUIET = dict(
+    parallel__tp=2,
+    logging__collective_trace="true",
+    train__steps=12,
+    stability__checksum_interval=0,
+    stability__loss_check_interval=0,
+    stability__straggler_interval=0,
+    stability__monitor_interval=0,
+)
 TRACED = {
+    "quiet": Run.of("quiet", 4, "ds_configs/zero1.json", **QUIET),
     "4d": Run.of("4d", 8, "ds_configs/zero1.json", **FOUR_D),
     "tp2sp2ep2": Run.of("tp2sp2ep2", 8, "ds_configs/zero2.json", **TP_SP_EP),
     "all-guards": Run.of("all-guards", 4, "ds_configs/zero1.json", **ALL_GUARDS),
@@ -110,9 +121,9 @@ def test_every_rank_issues_the_same_collectives(runs, name):
     assert sorted(traces) == list(range(run.nproc))
     assert divergences(traces) == []
     channels = {e["channel"] for entries in traces.values() for e in entries}
-    assert channels == {"device", "control"}
-    # the step's agreement (keyed decision and its fields, preemption flag, exit code, data-stop sample, background
-    # save writing) is one small control collective
+    assert channels == {"device", "control"}  # control: the periodic checks, saves, evaluation's
+    # the step's agreement (a rank's data stop, whole; preemption flag; background save writing) is one small
+    # device collective beside the loss, read back with it
     steps = max(
         json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
     )
@@ -122,7 +133,8 @@ def test_every_rank_issues_the_same_collectives(runs, name):
             for e in entries
             if e["group"] == "world"
             and e["op"] == "all_reduce_max"
-            and e["channel"] == "control"
+            and e["channel"] == "device"
+            and e["dtype"] == "int64"
             and e["numel"] == 6
         ]
         assert len(agreements) == steps, (rank, len(agreements), steps)
@@ -130,3 +142,21 @@ def test_every_rank_issues_the_same_collectives(runs, name):
             e for e in entries if e["channel"] == "control" and e["dtype"] != "object"
         ]
         assert all(e["device"] == "cpu" for e in control_tensors)
+
+
+def test_a_step_issues_no_control_channel_collective(runs):
+    """Zero control-channel collectives per step: with every periodic check off, nothing but the steps' own
+    collectives lies between a rank's first and last step agreement — all on the device channel (on cbd7c25 the
+    agreement itself was a control-channel all-reduce over the world, every step)."""
+    run = TRACED["quiet"]
+    traces = read_traces(runs.run(run))
+    for rank, entries in traces.items():
+        marks = [
+            i
+            for i, e in enumerate(entries)
+            if e["group"] == "world" and e["op"] == "all_reduce_max" and e["numel"] == 6
+        ]
+        assert len(marks) == 12, (rank, len(marks))
+        between = entries[marks[0] : marks[-1] + 1]
+        assert [e for e in between if e["channel"] == "control"] == [], rank
+        assert {e["group"] for e in between} <= {"world", "dp", "tp"}

@@ -227,10 +227,11 @@ def test_step_and_checks_today(records, shape):
         def calls(phase, record=record):
             return [(c.channel, c.group, c.op, c.size, c.received) for c in record.calls(phase)]
 
-        # the pipeline loss (one float) over the world's device channel, then the gate's 6 int64s
+        # the pipeline loss (one float) over the world's device channel, and beside it the step's
+        # agreement, 6 int64s, read back together (cbd7c25: the agreement on the control channel)
         assert calls(STEP) == [
             ("device", "world", "all_reduce", world, 4),
-            ("control", "world", "all_reduce", world, 48),
+            ("device", "world", "all_reduce", world, 48),
         ]
         assert calls(ASYNC_SAVE_STEP) == []  # the writer's state rides on the gate's (cbd7c25: 1)
         # a count, a sum and a sum of squares; the two keyed extremes (cbd7c25: every rank's loss and
@@ -281,18 +282,14 @@ def test_preflight_exchange(records, shape):
 
 
 # -- the bounds, broken today ----------------------------------------------------------------------
-def test_scale_bounds_are_broken_today(records):
-    """Issue 27's bounds, checked on today's code: start-up, the async-save step, the periodic
-    checks and preflight hold them; the step's agreement (on the control channel) still fails, with
-    its numbers. When that fix lands, this test flips to `== []`."""
+def test_scale_bounds_hold(records):
+    """Issue 27's bounds (keel/engine/scale_report.py), each shown broken on cbd7c25's code: start-up
+    (3,049 and 9,169 group creations per rank), the step (a control-channel agreement over the world,
+    another while an async save was pending), the periodic checks (gathers of every rank's loss,
+    host and step time) and preflight (every rank's record on every rank)."""
     for shape in SHAPES:
         for rank in positions(shape):
-            found = "\n".join(scale_bounds_violations(records[(shape.world_size, rank)]))
-            assert "start-up" not in found
-            assert "step: 1 control-channel collective(s) per step" in found
-            assert "step+async_save" not in found
-            assert "check:" not in found
-            assert "preflight" not in found
+            assert scale_bounds_violations(records[(shape.world_size, rank)]) == []
     for small, large in zip(positions(DENSE), positions(MOE)):
         grown = "\n".join(
             growth_violations(records[(DENSE.world_size, small)], records[(MOE.world_size, large)])
@@ -300,6 +297,7 @@ def test_scale_bounds_are_broken_today(records):
         # the MoE layout's two more kinds (ep, edp), not the world: like layouts compare equal in
         # test_group_creation_per_rank_does_not_grow_with_the_world
         assert "group-creation calls per rank: 5 at 1024 ranks → 7 at 4096" in grown
+        assert "step: bytes received per rank" not in grown
         # bytes per rank per check: the same at 1,024 and 4,096 (the checksum check sends one value per
         # parameter tensor: the MoE layout's experts, not the world)
         assert "check:loss_outlier" not in grown and "check:stragglers" not in grown

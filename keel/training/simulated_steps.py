@@ -5,8 +5,9 @@ small tensors and no engine, after the rank's construction (`construct`,
 keel/engine/simulated_construction.py).
 
 What a step sends besides DeepSpeed's own gradient traffic: the loss reduction the guards decide on
-(the dp mean; under pp > 1 `Trainer._pipeline_losses`) and the step gate's agreement
-(`step_gate.agree`); while an async save is pending, its poll (`AsyncCheckpointer.poll`). The
+(the dp mean; under pp > 1 `Trainer._pipeline_losses`) and the step's agreement beside it on the
+device channel (`step_gate.post_agreement`); while an async save is pending, its poll
+(`AsyncCheckpointer.poll`). The
 periodic checks: the loss-outlier gather, the replica checksums
 (keel/training/guards/consistency.py) and the straggler monitor (keel/training/observe/watchdog.py).
 Each is Keel's own code, called with stand-ins only for what the fake backend cannot supply (an
@@ -38,7 +39,7 @@ from keel.training.checkpoint.async_save import AsyncCheckpointer
 from keel.training.guards.base import Decision
 from keel.training.guards.consistency import ChecksumCheck, Checksummer, LossOutlierCheck
 from keel.training.observe.watchdog import StragglerMonitor
-from keel.training.step_gate import agree
+from keel.training.step_gate import post_agreement
 from keel.training.trainer import Trainer, _device_mean
 
 Driver = Callable[[SimulatedWorld, Topology], object]
@@ -86,8 +87,8 @@ class _PipelineAtStep:
 
 
 def drive_step(world: SimulatedWorld, topology: Topology, pipelined: bool) -> None:
-    """One optimizer step's Keel collectives, in the trainer's order: the loss the guards read, then
-    the gate's agreement (inside DeepSpeed's step)."""
+    """One optimizer step's Keel collectives, in the trainer's order: the loss the guards read and
+    the step's agreement, posted together on the device channel and read back at once."""
     with world.phase(STEP):
         if pipelined:
             last = topology.rank_in("pp") == topology.size("pp") - 1
@@ -96,7 +97,7 @@ def drive_step(world: SimulatedWorld, topology: Topology, pipelined: bool) -> No
             )
         else:
             _device_mean(torch.ones(()), topology.device("dp"))
-        agree(Decision(), False, topology.control(WORLD))
+        post_agreement(Decision(), False, False, topology.device(WORLD), "cpu")
 
 
 def drive_async_save_poll(world: SimulatedWorld, topology: Topology) -> None:

@@ -4,13 +4,17 @@ Guards need the step's global gradient norm, which DeepSpeed computes inside its
 gradients, before the update); the pipeline engine runs forward, backward and step in one `train_batch` call.
 So the trainer cannot decide between backward and step, and instead hands the gate its decision function for
 the duration of the step (`with gate.deciding(trainer._decide): ...`). Every engine — ZeRO 0-3, bf16, fp16, the
-pipeline — ends in the torch optimizer's `step()`; the gate wraps exactly that call, asks once, agrees the answer
-across ranks, and either steps or vetoes. The agreement is the step's one control collective: it carries the
-stop's exit code, a data stop's sample (keel/training/data_stop.py) and the preemption flag too, and a step
-DeepSpeed dropped before asking (fp16 overflow) is agreed by `agree_unconsulted`. A veto leaves parameters, Adam
-moments, the LR schedule and the loss scaler untouched: DeepSpeed treats it as it treats an fp16 overflow
-(gradients dropped, `skipped_steps` counted, scheduler held). The DeepSpeed internals this needs live in
-keel/adapters/deepspeed_internals/.
+pipeline — ends in the torch optimizer's `step()`; the gate wraps exactly that call, asks once, and either steps
+or vetoes. A veto leaves parameters, Adam moments, the LR schedule and the loss scaler untouched: DeepSpeed
+treats it as it treats an fp16 overflow (gradients dropped, `skipped_steps` counted, scheduler held). The
+DeepSpeed internals this needs live in keel/adapters/deepspeed_internals/.
+
+Every rank acts on the same decision without a collective of its own: what only one rank knows — its batch's bad
+sample (keel/training/data_stop.py), its preemption signal, whether its background save is still being written
+— is agreed by `post_agreement`, one small all-reduce on the device channel the trainer issues beside the step's
+loss reduction and reads back in the same transfer (`decode`); the guards then decide on values every rank
+holds alike (the reduced loss, the global norm) — the same decision everywhere. A rank-local decision travels
+whole (`encode`): every rank receives one rank's decision, not a mix of several.
 """
 
 from __future__ import annotations
@@ -30,31 +34,16 @@ from keel.training.guards.base import Action, Decision
 
 @dataclass(frozen=True)
 class Agreed:
-    """What every rank acts on after a step's agreement."""
+    """What every rank acts on for one step."""
 
     decision: Decision
-    preempted: bool  # some rank was signalled
+    preempted: bool = False  # some rank was signalled
     writing: bool = False  # some rank's background save writer was still writing
 
 
 class StepGate:
-    def __init__(
-        self,
-        engine,
-        control: comm.Group,
-        signalled: Callable[[], bool] = lambda: False,
-        writing: Callable[[], tuple[str | None, bool]] = lambda: (None, False),
-    ):
-        """`control`: the world's control channel; `signalled()`: this rank's preemption flag, agreed each step;
-        `writing()`: the pending background save's tag and whether this rank still writes it, agreed each step."""
+    def __init__(self, engine):
         self.engine = engine
-        self.control = control
-        self.signalled = signalled
-        self.writing = writing
-        # agreed: some rank was signalled by the time of this step's agreement
-        self.preempted = False
-        # agreed: the background save every rank had written by this step's agreement (its tag), else None
-        self.written: str | None = None
         self.optimizer = inner_optimizer(engine)
         self._step = self.optimizer.step
 
@@ -63,15 +52,24 @@ class StepGate:
 
         keep_scheduler_mark(gated_step, self._step)
         self.optimizer.step = gated_step
-        self._decide: Callable[[], Decision] | None = None
-        self.decision = Decision()
+        self._decide: Callable[[], Agreed] | None = None
+        self.agreed = Agreed(Decision())
         self.consulted = False  # False after a step DeepSpeed dropped before reaching the optimizer (its overflow)
 
+    @property
+    def decision(self) -> Decision:
+        return self.agreed.decision
+
+    @property
+    def preempted(self) -> bool:
+        """Some rank was signalled by the time of this step's agreement."""
+        return self.agreed.preempted
+
     @contextmanager
-    def deciding(self, decide: Callable[[], Decision]) -> Iterator[StepGate]:
-        """Within the block, the engine's optimizer step asks `decide()` once and acts on the agreed answer."""
-        self._decide, self.decision, self.consulted = decide, Decision(), False
-        self.written = None
+    def deciding(self, decide: Callable[[], Agreed]) -> Iterator[StepGate]:
+        """Within the block, the engine's optimizer step asks `decide()` once and acts on its answer (the same on
+        every rank)."""
+        self._decide, self.agreed, self.consulted = decide, Agreed(Decision()), False
         try:
             yield self
         finally:
@@ -84,22 +82,16 @@ class StepGate:
             )
         # ZeRO-3 calls step once per parameter sub-group: decide once per step
         if not self.consulted:
-            self._agree(self._decide())
+            self.agreed = self._decide()
             self.consulted = True
         vetoed = self.decision.action != Action.STEP
         veto_step(self.engine, vetoed)
         return None if vetoed else self._step(*args, **kwargs)
 
-    def agree_unconsulted(self, decision: Decision) -> Decision:
-        """The agreement for a step the engine dropped before asking the gate (its fp16 overflow handling)."""
-        self._agree(decision)
+    def unconsulted(self, agreed: Agreed) -> Decision:
+        """The answer for a step the engine dropped before asking the gate (its fp16 overflow handling)."""
+        self.agreed = agreed
         return self.decision
-
-    def _agree(self, decision: Decision) -> None:
-        tag, writing = self.writing()
-        agreed = agree(decision, self.signalled(), self.control, writing)
-        self.decision, self.preempted = agreed.decision, agreed.preempted
-        self.written = tag if tag is not None and not agreed.writing else None
 
 
 # The agreement is one all-reduce (MAX) of int64s. A decision's fields travel behind a key that orders ranks by
@@ -161,13 +153,19 @@ def decode(agreed: list[int], own: Decision, rank: int) -> Agreed:
     return Agreed(theirs, bool(preempted), bool(writing))
 
 
-def agree(
-    decision: Decision, signalled: bool, control: comm.Group, writing: bool = False
-) -> Agreed:
+def post_agreement(
+    decision: Decision, signalled: bool, writing: bool, group: comm.Group, device
+) -> torch.Tensor:
+    """Start the agreement over `group` (the world's device channel in training): one six-element all-reduce
+    (MAX), left unread on `device` for the caller's one read-back of the step (`decode` reads it)."""
+    codes = encode(decision, signalled, group.rank, writing).to(device, non_blocking=True)
+    return comm.all_reduce(codes, group, "max")
+
+
+def agree(decision: Decision, signalled: bool, group: comm.Group, writing: bool = False) -> Agreed:
     """Every rank acts on the whole decision of the rank with the most severe one (the lowest such rank), with the
     highest exit code any rank chose, and stops if any rank was signalled; a data stop's sample (the lowest, when
     several ranks saw one) reaches every rank, which names it the same way (keel/training/data_stop.py); a
-    background save concludes when no rank is `writing` it. One six-element all-reduce (MAX) on the control
-    channel."""
-    codes = comm.all_reduce(encode(decision, signalled, control.rank, writing), control, "max")
-    return decode(codes.tolist(), decision, control.rank)
+    background save concludes when no rank is `writing` it. `post_agreement`, read at once (a CPU group)."""
+    codes = post_agreement(decision, signalled, writing, group, "cpu")
+    return decode(codes.tolist(), decision, group.rank)

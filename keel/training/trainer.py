@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import struct
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -58,7 +59,7 @@ from keel.training.observe.sync_debug import SyncCounter
 from keel.training.observe.watchdog import StragglerMonitor, Watchdog
 from keel.training.preemption import PreemptionHandler
 from keel.training.prefetch import BatchPrefetcher
-from keel.training.step_gate import StepGate
+from keel.training.step_gate import Agreed, StepGate, decode, post_agreement
 
 log = logging.getLogger("keel")
 
@@ -86,6 +87,11 @@ class StepBatch:
     grad_norm: float | None = None
     # this rank's batch held ids outside the vocabulary (keel/training/data_stop.py)
     data_stop: Decision | None = None
+    # the step's agreement (step_gate.post_agreement) on the device until the read-back, then what it agreed
+    device_agreement: torch.Tensor | None = None
+    agreed: Agreed | None = None
+    # the background save pending when the agreement was posted (its tag), if any
+    saving: str | None = None
 
     @property
     def end(self) -> int:
@@ -97,14 +103,25 @@ def _device_mean(value: torch.Tensor, group: comm.Group) -> torch.Tensor:
     return comm.all_reduce(value.clone(), group) / group.size
 
 
-def _read_back(*values: torch.Tensor | float | None) -> list[float | None]:
-    """Device scalars to host floats in one transfer (each `.item()` would stall the device on its own); floats
-    and None pass through."""
+def _read_back(
+    *values: torch.Tensor | float | None, codes: torch.Tensor | None = None
+) -> tuple[list[float | None], list[int]]:
+    """Device scalars to host floats, and the int64 `codes` to host ints, in one transfer (each `.item()` would
+    stall the device on its own): the floats travel as their float64 bits beside the codes. Floats and None pass
+    through."""
     tensors = [
-        v.detach().reshape(()).to(torch.float64) for v in values if isinstance(v, torch.Tensor)
+        v.detach().reshape(1).to(torch.float64) for v in values if isinstance(v, torch.Tensor)
     ]
-    host = iter(torch.stack(tensors).tolist() if tensors else [])
-    return [next(host) if isinstance(v, torch.Tensor) else v for v in values]
+    words = [t.view(torch.int64) for t in tensors] + (
+        [codes.reshape(-1)] if codes is not None else []
+    )
+    host = torch.cat(words).tolist() if words else []
+    floats = iter(
+        struct.unpack(f"<{len(tensors)}d", struct.pack(f"<{len(tensors)}q", *host[: len(tensors)]))
+    )
+    return [next(floats) if isinstance(v, torch.Tensor) else v for v in values], host[
+        len(tensors) :
+    ]
 
 
 @contextlib.contextmanager
@@ -183,8 +200,9 @@ class Trainer:
             self.lr_scale,
         )
         self.preemption = PreemptionHandler()
-        self.gate = StepGate(
-            engine, topology.control("world"), self.preemption.signalled, self.checkpoints.writing
+        self.gate = StepGate(engine)
+        self._written: str | None = (
+            None  # the background save the last step agreed written everywhere
         )
         self.monitor = ModelMonitor(engine, topology, cfg.stability.monitor_interval)
         self.attention_logits = AttentionLogitWarning(cfg.stability, self.anomalies)
@@ -217,13 +235,13 @@ class Trainer:
         # DeepSpeed dropped the step before asking (non-finite, fp16)
         if not applied and not self.gate.consulted:
             stats = self._stats(batch)
-            decision = self.gate.agree_unconsulted(
-                with_data_stop(
-                    self.guards.engine_skipped(stats, self.engine.fp16_enabled()), batch.data_stop
-                )
+            decision = self.gate.unconsulted(
+                self._agreed(batch, self.guards.engine_skipped(stats, self.engine.fp16_enabled()))
             )
             # NaN unless fp16 (where the loss scaler's overflow is routine)
             batch.grad_norm = stats.grad_norm
+        agreed = batch.agreed
+        self._written = batch.saving if batch.saving and not agreed.writing else None
         # some rank's batch held a bad id: every rank names it, the same way
         if decision.sample is not None:
             decision = named_stop(decision, self.train_samples, self.order, batch.step)
@@ -285,7 +303,9 @@ class Trainer:
             mean = self.engine.train_batch(data_iter=pairs)  # dp-averaged, broadcast to all stages
             # DeepSpeed dropped the step before asking: `_decide` read nothing
             if not self.gate.consulted:
-                self._local_loss, batch.loss = None, mean.item()
+                batch.device_losses = (None, mean)
+                self._post_agreement(batch)
+                self._read_step_values(batch, None)
             return batch.loss
         losses = []
         for i, micro_batch in enumerate(batch.micro_batches):
@@ -297,6 +317,7 @@ class Trainer:
             losses.append(loss.detach().float())
         local = torch.stack(losses).mean()
         batch.device_losses = (local, _device_mean(local, self.dp_group))  # read back in `_decide`
+        self._post_agreement(batch)  # read back with them
         self.monitor.before_step(batch.step)
         self.engine.step()
         # DeepSpeed dropped the step before asking: read them now
@@ -304,19 +325,44 @@ class Trainer:
             self._read_step_values(batch, None)
         return batch.loss
 
-    def _decide(self, batch: StepBatch) -> Decision:
-        """The guards' decision on this step's global loss and gradient norm (called inside the engine's step)."""
+    def _decide(self, batch: StepBatch) -> Agreed:
+        """The guards' decision on this step's global loss and gradient norm (called inside the engine's step),
+        with what the ranks agreed: the same on every rank."""
         if self.is_pipeline:
             batch.device_losses = self._pipeline_losses()
+            self._post_agreement(batch)
         self._read_step_values(batch, self._grad_norm())
-        return with_data_stop(self.guards.decide(self._stats(batch)), batch.data_stop)
+        return self._agreed(batch, self.guards.decide(self._stats(batch)))
+
+    def _post_agreement(self, batch: StepBatch) -> None:
+        """This rank's data stop, preemption signal and background-save state, agreed over the world's device
+        channel beside the loss (step_gate.py): no control-channel collective in a step."""
+        batch.saving, writing = self.checkpoints.writing()
+        batch.device_agreement = post_agreement(
+            batch.data_stop or Decision(),
+            self.preemption.signalled(),
+            writing,
+            self.topology.device("world"),
+            self.engine.device,
+        )
+
+    def _agreed(self, batch: StepBatch, decision: Decision) -> Agreed:
+        """The guards' `decision` (alike on every rank: they decide on reduced values) with the agreed data stop
+        and flags of the step."""
+        agreed = batch.agreed
+        stop = agreed.decision if agreed.decision.action != Action.STEP else None
+        return replace(agreed, decision=with_data_stop(decision, stop))
 
     def _read_step_values(self, batch: StepBatch, norm: torch.Tensor | float | None) -> None:
-        """The step's one host sync: this rank's loss, the data-parallel mean and the gradient norm, read back
-        together."""
+        """The step's one host sync: this rank's loss, the data-parallel mean, the gradient norm and the step's
+        agreement, read back together."""
         local, mean = batch.device_losses
         batch.device_losses = None
-        self._local_loss, batch.loss, norm = _read_back(local, mean, norm)
+        (self._local_loss, batch.loss, norm), codes = _read_back(
+            local, mean, norm, codes=batch.device_agreement
+        )
+        batch.device_agreement = None
+        batch.agreed = decode(codes, batch.data_stop or Decision(), self.topology.rank)
         batch.grad_norm = host_grad_norm(norm)
 
     @staticmethod
@@ -486,7 +532,7 @@ class Trainer:
                 _clock(record, "check_time_s"),
             ):
                 checks = self.guards.after_step(state.step, record["loss_scale"], self._local_loss)
-                saved = self.checkpoints.background(written=self.gate.written)
+                saved = self.checkpoints.background(written=self._written)
                 decision = Decision.most_severe([decision, checks, saved])
             if train.eval_interval and (
                 state.step % train.eval_interval == 0 or state.step == train.steps
