@@ -51,7 +51,9 @@ def kept_bytes(fn, inputs, offsets, experts, weights) -> int:
 def timed(fn, inputs, offsets, experts, weights) -> float:
     start = time.perf_counter()
     out = fn(inputs, offsets, experts, *weights)
-    out.backward(torch.ones_like(out))  # a real tensor: torch's own grouped_mm backward refuses an expanded one
+    out.backward(
+        torch.ones_like(out)
+    )  # a real tensor: torch's own grouped_mm backward refuses an expanded one
     return time.perf_counter() - start
 
 

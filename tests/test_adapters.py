@@ -308,3 +308,9 @@ def test_torch_internals_are_present_and_named_when_missing(monkeypatch):
     with pytest.raises(RuntimeError, match=f"no `{name}`") as info:
         check_torch()
     assert "\n" not in str(info.value)
+    monkeypatch.undo()
+    name, _, _ = TORCH_INTERNALS[-1]
+    assert name.endswith("_hash_ranks_to_str")
+    monkeypatch.setattr("keel.adapters.torch_internals._names_groups_by_hash", lambda: False)
+    with pytest.raises(RuntimeError, match=f"no `{name}`"):
+        check_torch()

@@ -95,3 +95,38 @@ def test_threads_stay_flat_across_a_shared_launch(runs, tmp_path):
         # at world 2 the only group of two is the world (the default group): only groups of one, on
         # DeepSpeed's request (its model-parallel group at tp=1), are ever created, once
         assert seen["created"][-1] <= 1, seen["created"]
+
+
+def _pairs_worker(rank: int, port: int, out: str) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="3"
+    )
+    from keel.parallel.process_groups import ProcessGroups
+
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=3)
+        groups, sums = ProcessGroups(), []
+        # preflight's ring at 3 ranks: each round a pair the third rank is not in
+        for pair in ((0, 1), (1, 2), (0, 2)):
+            if rank in pair:
+                t = torch.ones(1)
+                dist.all_reduce(t, group=groups.get(pair))
+                sums.append(int(t.item()))
+            dist.barrier()
+        groups.destroy()
+        torch.save(sums, f"{out}.{rank}")
+        dist.destroy_process_group()
+    finally:
+        sys.stdout.flush()
+        os._exit(0)
+
+
+@pytest.mark.slow
+def test_groups_of_some_ranks_after_others_do_not_hang(tmp_path):
+    """torch salts a locally synchronized group's name with how many groups the process holds: after a pair the
+    third rank is not in, the next pair's members named it differently and waited forever (the 3-rank preflight
+    hung). Named by their ranks alone, every pair meets."""
+    mp.start_processes(
+        _pairs_worker, args=(free_port(), str(tmp_path / "sums")), nprocs=3, start_method="spawn"
+    )
+    assert [torch.load(tmp_path / f"sums.{r}") for r in range(3)] == [[2, 2], [2, 2], [2, 2]]

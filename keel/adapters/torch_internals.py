@@ -5,7 +5,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import inspect
+from collections.abc import Iterator
 
 import torch
 
@@ -16,6 +19,13 @@ class TorchInternalsError(RuntimeError):
 
 def _scheduler_source() -> str:
     return inspect.getsource(torch.optim.lr_scheduler.LRScheduler)
+
+
+def _names_groups_by_hash() -> bool:
+    c10d = torch.distributed.distributed_c10d
+    return hasattr(c10d, "_hash_ranks_to_str") and "_hash_ranks_to_str(" in inspect.getsource(
+        c10d._process_group_name
+    )
 
 
 # (what, the public API that is missing, is it still there?)
@@ -29,6 +39,11 @@ INTERNALS = [
         "optimizer.step._wrapped_by_lr_sched",
         "a way to wrap optimizer.step without the scheduler's call-order warning",
         lambda: "_wrapped_by_lr_sched" in _scheduler_source(),
+    ),
+    (
+        "torch.distributed.distributed_c10d._hash_ranks_to_str",
+        "a group name every member computes alike under use_local_synchronization",
+        lambda: _names_groups_by_hash(),
     ),
 ]
 
@@ -51,3 +66,29 @@ def keep_scheduler_mark(wrapper, wrapped) -> None:
     """torch's LR scheduler marks the `optimizer.step` it wrapped (`_wrapped_by_lr_sched`) and warns when the mark
     is missing; a wrapper around that step carries the mark on."""
     wrapper._wrapped_by_lr_sched = getattr(wrapped, "_wrapped_by_lr_sched", True)
+
+
+@contextlib.contextmanager
+def groups_named_by_their_ranks() -> Iterator[None]:
+    """Inside, a group created with `use_local_synchronization=True` is named by its ranks alone.
+
+    torch names such a group by its ranks salted with how many groups this process holds (`_hash_ranks_to_str`),
+    and gloo meets its members in the store under that name. Ranks that created different numbers of groups before
+    (a pair another rank is not in: preflight's links, DeepSpeed's tied-embedding pair) then compute different
+    names for one group and wait for each other forever (pytorch/pytorch#173608; upstream salts with a count every
+    rank shares instead, #189073). Missing public API: a name, or a salt, for `new_group`. Keel creates a rank set
+    once per process (keel/parallel/process_groups.py), so the ranks alone are unique."""
+    c10d = torch.distributed.distributed_c10d
+    if not _names_groups_by_hash():
+        raise TorchInternalsError(
+            f"torch {torch.__version__} no longer names locally synchronized groups through "
+            "_hash_ranks_to_str; install a torch in the range setup.py pins"
+        )
+    original = c10d._hash_ranks_to_str
+    c10d._hash_ranks_to_str = lambda ranks: hashlib.sha1(
+        ("keel:" + "_".join(map(str, ranks))).encode(), usedforsecurity=False
+    ).hexdigest()
+    try:
+        yield
+    finally:
+        c10d._hash_ranks_to_str = original

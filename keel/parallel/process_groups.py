@@ -16,9 +16,11 @@ forever: every caller walks its groups in one global order (the Topology: kinds 
 its grid's order), and skipping a rank set already held is the same on every member, as all of them created it
 together.
 
-A rank set cannot be created twice in one process (torch names a locally synchronized group by its ranks, and the
-store still holds the first one's rendezvous: a second creation waits forever), so one `ProcessGroups` serves the
-whole process: the process's entry point makes it, passes it down, and `destroy`s it at teardown.
+Members also meet under the group's name, which torch salts with how many groups the process holds — not the same
+on every member once some created a group others are not in — so the name is made from the ranks alone
+(keel/adapters/torch_internals.py). A rank set is therefore created once per process (a second creation would meet
+the first one's rendezvous in the store), and one `ProcessGroups` serves the whole process: the process's entry
+point makes it, passes it down, and `destroy`s it at teardown.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch.distributed as dist
+
+from keel.adapters.torch_internals import groups_named_by_their_ranks
 
 
 class ProcessGroups:
@@ -50,7 +54,8 @@ class ProcessGroups:
         if dist.get_rank() not in key:
             return dist.GroupMember.NON_GROUP_MEMBER
         if key not in self._created:
-            self._created[key] = dist.new_group(list(key), use_local_synchronization=True)
+            with groups_named_by_their_ranks():  # every member names it alike (torch_internals.py)
+                self._created[key] = dist.new_group(list(key), use_local_synchronization=True)
         return self._created[key]
 
     def created(self) -> list[tuple[int, ...]]:
