@@ -116,12 +116,10 @@ def _read_back(
         [codes.reshape(-1)] if codes is not None else []
     )
     host = torch.cat(words).tolist() if words else []
-    floats = iter(
-        struct.unpack(f"<{len(tensors)}d", struct.pack(f"<{len(tensors)}q", *host[: len(tensors)]))
-    )
-    return [next(floats) if isinstance(v, torch.Tensor) else v for v in values], host[
-        len(tensors) :
-    ]
+    n = len(tensors)
+    floats = iter(struct.unpack(f"<{n}d", struct.pack(f"<{n}q", *host[:n])))
+    read = [next(floats) if isinstance(v, torch.Tensor) else v for v in values]
+    return read, host[n:]
 
 
 @contextlib.contextmanager
@@ -201,9 +199,8 @@ class Trainer:
         )
         self.preemption = PreemptionHandler()
         self.gate = StepGate(engine)
-        self._written: str | None = (
-            None  # the background save the last step agreed written everywhere
-        )
+        # the background save the last step agreed written on every rank
+        self._written: str | None = None
         self.monitor = ModelMonitor(engine, topology, cfg.stability.monitor_interval)
         self.attention_logits = AttentionLogitWarning(cfg.stability, self.anomalies)
         if self.is_pipeline:
@@ -240,8 +237,7 @@ class Trainer:
             )
             # NaN unless fp16 (where the loss scaler's overflow is routine)
             batch.grad_norm = stats.grad_norm
-        agreed = batch.agreed
-        self._written = batch.saving if batch.saving and not agreed.writing else None
+        self._written = batch.saving if batch.saving and not batch.agreed.writing else None
         # some rank's batch held a bad id: every rank names it, the same way
         if decision.sample is not None:
             decision = named_stop(decision, self.train_samples, self.order, batch.step)
