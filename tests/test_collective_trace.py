@@ -22,25 +22,19 @@ from tests.test_pipeline_schedules import SCHEDULES
 
 pytestmark = pytest.mark.slow
 
+TRACED_TP2 = dict(parallel__tp=2, logging__collective_trace="true")
+PERIODIC_CHECKS = ("checksum", "loss_check", "straggler", "monitor")  # stability.<check>_interval
 ALL_GUARDS = dict(
-    parallel__tp=2,
-    logging__collective_trace="true",
+    **TRACED_TP2,
     train__eval_interval=5,
     checkpoint__interval=5,
-    stability__checksum_interval=2,
-    stability__loss_check_interval=2,
-    stability__straggler_interval=2,
-    stability__monitor_interval=2,
+    **{f"stability__{check}_interval": 2 for check in PERIODIC_CHECKS},
 )
 # every periodic check off: what is left between the first and the last step is the steps themselves
 QUIET = dict(
-    parallel__tp=2,
-    logging__collective_trace="true",
+    **TRACED_TP2,
     train__steps=12,
-    stability__checksum_interval=0,
-    stability__loss_check_interval=0,
-    stability__straggler_interval=0,
-    stability__monitor_interval=0,
+    **{f"stability__{check}_interval": 0 for check in PERIODIC_CHECKS},
 )
 TRACED = {
     "quiet": Run.of("quiet", 4, "ds_configs/zero1.json", **QUIET),

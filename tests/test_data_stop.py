@@ -1,4 +1,4 @@
-"""The at-sample stop in one process (keel/training/data_stop.py, step_gate.agree): the batch check names the
+"""The at-sample stop in one process (keel/training/data_stop.py, step_gate's agreement): the batch check names the
 global sample, the agreement carries the stop's exit code and the lowest bad sample to every rank, and every
 rank builds the same line from it."""
 
@@ -94,7 +94,8 @@ def test_the_agreement_carries_the_stop_and_every_rank_names_it_the_same(
     lines = []
     for rank, mine in enumerate(own + [other]):
         world = comm.Group("world", (0, 1, 2), rank, comm.CONTROL)
-        outcome = step_gate.agree(mine, False, world)
+        codes = step_gate.post_agreement(mine, False, False, world, "cpu")
+        outcome = step_gate.decode(codes.tolist(), mine, rank)
         agreed, preempted = outcome.decision, outcome.preempted
         assert (agreed.action, agreed.exit_code, agreed.sample, preempted) == (
             Action.STOP,

@@ -1,4 +1,4 @@
-"""The step's agreement hands every rank one rank's whole decision (keel/training/step_gate.py `agree`).
+"""The step's agreement hands every rank one rank's whole decision (keel/training/step_gate.py `encode`/`decode`).
 
 A rollback carries the checkpoint every rank returns to (`to`), whether it restores the LR (`restore`) and whether
 it rewinds the data (`rewind_data`); the trainer's collectives depend on them (a rollback without `to` agrees on a
@@ -101,7 +101,9 @@ def _worker(rank: int, port: int, out: str) -> None:
         topology = Topology.from_env()
         topology.trace_into(Path(out))
         control = topology.control("world")
-        decision = step_gate.agree(ROLLBACK if rank == 1 else Decision(), False, control).decision
+        mine = ROLLBACK if rank == 1 else Decision()
+        codes = step_gate.post_agreement(mine, False, False, control, "cpu")
+        decision = step_gate.decode(codes.tolist(), mine, rank).decision
         # what the trainer's rollback does next: a rollback without `to` agrees on a checkpoint first
         if decision.to is None:
             comm.broadcast_object("latest", control)

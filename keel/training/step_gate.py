@@ -160,12 +160,3 @@ def post_agreement(
     (MAX), left unread on `device` for the caller's one read-back of the step (`decode` reads it)."""
     codes = encode(decision, signalled, group.rank, writing).to(device, non_blocking=True)
     return comm.all_reduce(codes, group, "max")
-
-
-def agree(decision: Decision, signalled: bool, group: comm.Group, writing: bool = False) -> Agreed:
-    """Every rank acts on the whole decision of the rank with the most severe one (the lowest such rank), with the
-    highest exit code any rank chose, and stops if any rank was signalled; a data stop's sample (the lowest, when
-    several ranks saw one) reaches every rank, which names it the same way (keel/training/data_stop.py); a
-    background save concludes when no rank is `writing` it. `post_agreement`, read at once (a CPU group)."""
-    codes = post_agreement(decision, signalled, writing, group, "cpu")
-    return decode(codes.tolist(), decision, group.rank)
