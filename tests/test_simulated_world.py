@@ -227,10 +227,12 @@ def test_step_and_checks_today(records, shape):
         def calls(phase, record=record):
             return [(c.channel, c.group, c.op, c.size, c.received) for c in record.calls(phase)]
 
-        # the pipeline loss (one float) over the world's device channel, and beside it the step's
-        # agreement, 6 int64s, read back together (cbd7c25: the agreement on the control channel)
+        # the pipeline loss (one float) over the pipeline group, then its data-parallel mean, and
+        # beside them the step's agreement, 6 int64s, read back together (cbd7c25: the loss over the
+        # world's device channel, the agreement on the control channel)
         assert calls(STEP) == [
-            ("device", "world", "all_reduce", world, 4),
+            ("device", "pp", "all_reduce", shape.pp, 4),
+            ("device", "dp", "all_reduce", dp, 4),
             ("device", "world", "all_reduce", world, 48),
         ]
         assert calls(ASYNC_SAVE_STEP) == []  # the writer's state rides on the gate's (cbd7c25: 1)

@@ -51,7 +51,8 @@ def scale_bounds_violations(record: WorldRecord) -> list[str]:
 
     - start-up: group-creation calls per rank at most 2 × the Topology's group kinds, none of size
       1, none for a rank set already created;
-    - per step (also while an async save is pending): no control-channel collective;
+    - per step (also while an async save is pending): no control-channel collective, and one
+      collective over the whole world at most (the step's agreement);
     - per periodic check: no gather over the whole world, and no world-length list kept;
     - preflight: a rank other than 0 receives no gather of every rank's record, nor keeps them.
     """
@@ -76,6 +77,13 @@ def scale_bounds_violations(record: WorldRecord) -> list[str]:
             found.append(
                 f"{phase}: {len(control)} control-channel collective(s) per step ("
                 + ", ".join(f"{c.op} over {c.size}" for c in control)
+                + ")"
+            )
+        whole = [c for c in record.calls(phase) if c.size == record.world_size]
+        if len(whole) > 1:
+            found.append(
+                f"{phase}: {len(whole)} collectives over all {record.world_size} ranks per step ("
+                + ", ".join(f"{c.group or c.op}" for c in whole)
                 + ")"
             )
     for phase in record.phases(CHECK):

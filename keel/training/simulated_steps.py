@@ -93,7 +93,11 @@ def drive_step(world: SimulatedWorld, topology: Topology, pipelined: bool) -> No
         if pipelined:
             last = topology.rank_in("pp") == topology.size("pp") - 1
             Trainer._pipeline_losses(
-                SimpleNamespace(engine=_PipelineAtStep(last), topology=topology)
+                SimpleNamespace(
+                    engine=_PipelineAtStep(last),
+                    topology=topology,
+                    dp_group=topology.device("dp"),
+                )
             )
         else:
             _device_mean(torch.ones(()), topology.device("dp"))

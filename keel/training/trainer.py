@@ -378,21 +378,18 @@ class Trainer:
 
     def _pipeline_losses(self) -> tuple[torch.Tensor | None, torch.Tensor]:
         """The pipeline's last stage holds the summed micro-batch losses; every rank needs their mean over
-        replicas (the guards decide on it). One device all-reduce over the world, to which only the last stage's
-        tp-rank-0, sp-rank-0 ranks contribute (the sp ranks each hold the full-sequence loss); every other rank adds
-        a zero on the same device (never a CPU tensor).
+        replicas (the guards decide on it). Two device all-reduces over groups that do not grow with the world:
+        over the pipeline group, to which only its last stage adds its loss (every rank of a stage holds the
+        same loss: tp ranks alike, sp ranks the full sequence's), then the data-parallel mean. Every other
+        rank adds a zero on the same device (never a CPU tensor).
         Returns (this rank's loss, None off the last stage; the mean), both left on the device."""
         summed = pipeline_summed_loss(self.engine)
         local = torch.zeros((), device=self.engine.device)
-        if (
-            summed is not None
-            and self.topology.rank_in("tp") == 0
-            and self.topology.rank_in("sp") == 0
-        ):
+        if summed is not None:
             local = summed.detach().float() / self.engine.gradient_accumulation_steps()
         mine = local.clone() if summed is not None else None
-        total = comm.all_reduce(local, self.topology.device("world"))
-        return mine, total / self.topology.dp_size
+        stage_loss = comm.all_reduce(local, self.topology.device("pp"))
+        return mine, _device_mean(stage_loss, self.dp_group)
 
     def _classify_nonfinite(self, batch: StepBatch) -> Decision | None:
         """The skipped non-finite step: bad data or a transient fault (skipped: None), or corrupt weights or
