@@ -106,6 +106,26 @@ def test_the_snapshot_serializes_to_the_originals_bytes_after_the_original_chang
     assert {k: b.data_ptr() for k, b in snapshot._buffers.items()} == buffers
 
 
+def test_the_snapshots_clone_serializes_as_deepspeeds_clone_in_one_host_copy(tmp_path):
+    """Where DeepSpeed clones a state for torch.save, the snapshot clones it instead: the same bytes, and the
+    following copy keeps the clones where they are (one host copy)."""
+    from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
+
+    state = _awkward_state()
+    expected = _saved_bytes(clone_tensors_for_torch_save(state), tmp_path / "sync" / "file.pt")
+    snapshot = HostSnapshot(pin=False)
+    snapshot.begin()
+    copied = snapshot.copy(snapshot.clone(state), "file.pt")
+    snapshot.wait()
+    with torch.no_grad():
+        state["module"]["w"].add_(1)
+        state["strided"].add_(1)
+    assert _saved_bytes(copied, tmp_path / "async" / "file.pt") == expected
+    tensors = [*state["module"].values(), state["param"], *state["tied"], *state["empty"]]
+    tensors += [state["half"], state["strided"]]
+    assert snapshot.nbytes == sum(t.numel() * t.element_size() for t in tensors)
+
+
 def test_checkpoint_async_is_the_same_key_as_async_save():
     """`async` is a Python keyword, so the field is async_save; `checkpoint.async` (YAML or --set) is its alias."""
     assert build_config({"checkpoint": {"async": True}}).checkpoint.async_save
@@ -257,10 +277,17 @@ def _compare_kind(kind: str, root: Path) -> dict:
     sync.save(engine, state)
     tag = background.begin("step00000001")
     snapshot = HostSnapshot(pin=False)
-    files = snapshot_files(engine, background, "step00000001", state, snapshot)
+    with _deepspeeds_own_clones() as cloned:
+        files = snapshot_files(engine, background, "step00000001", state, snapshot)
     _train_step(engine, 2)  # the live state moves on before the writer runs
     report = write_files(tag, topology.rank, files)
-    got = {"error": report.error, "snapshot_bytes": snapshot.nbytes, "files": {}}
+    got = {
+        "error": report.error,
+        "snapshot_bytes": snapshot.nbytes,
+        "deepspeed_clones": len(cloned),
+        "snapshot_clones": snapshot._clones,
+        "files": {},
+    }
     for name in sorted(set(_tag_files(sync.directory, "step00000001")) | set(report.files)):
         a, b = sync.directory / "step00000001" / name, tag / name
         size, digest = report.files.get(name, (None, None))
@@ -271,6 +298,33 @@ def _compare_kind(kind: str, root: Path) -> dict:
             "sha256": b.is_file() and digest == chunk_hashes(b),
         }
     return got
+
+
+@contextlib.contextmanager
+def _deepspeeds_own_clones():
+    """Counts the calls to DeepSpeed's own `clone_tensors_for_torch_save` from its save paths (each a second
+    host copy of a file's tensors besides the snapshot)."""
+    from deepspeed.runtime import engine as engine_module
+    from deepspeed.runtime.pipe import module as pipe_module
+
+    calls = []
+    sites = (engine_module, pipe_module)
+    originals = [site.clone_tensors_for_torch_save for site in sites]
+
+    def counted(original):
+        def clone(item, device=torch.device("cpu")):
+            calls.append(1)
+            return original(item, device)
+
+        return clone
+
+    for site, original in zip(sites, originals):
+        site.clone_tensors_for_torch_save = counted(original)
+    try:
+        yield calls
+    finally:
+        for site, original in zip(sites, originals):
+            site.clone_tensors_for_torch_save = original
 
 
 def _worker(_rank: int, port: int, root: str) -> None:
@@ -304,8 +358,11 @@ def test_async_files_equal_a_synchronous_saves_byte_for_byte(compared, kind):
         assert any("optim_states" in name for name in files), files
     for name, file in files.items():
         assert file["equal"] and file["reported"] == file["size"] and file["sha256"], (name, file)
-    # one host copy of the rank's files
+    # one host copy of the rank's files: where DeepSpeed clones a file's state for torch.save (MoE's files, the
+    # pipeline's layer files), it clones into the snapshot's buffers, never first into its own
     assert got["snapshot_bytes"] <= sum(f["size"] for f in files.values())
+    assert got["deepspeed_clones"] == 0
+    assert (got["snapshot_clones"] > 0) == (kind in ("moe", "pipeline"))
 
 
 # -- a crash while a writer is paused, then resume (multi-process) ------------------------------------------------

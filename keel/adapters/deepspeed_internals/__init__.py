@@ -26,6 +26,7 @@ from keel.adapters.deepspeed_internals.probes import (
     DeepSpeedInternalsError,
     accelerator,
     check_engine,
+    clone_sites,
     comm_backend,
     expert_group_tables,
     fp16_scale_holder,
@@ -135,6 +136,29 @@ def route_checkpoint_writes(engine, route: Callable[[Callable, Any, str], None])
             del checkpoint_engine.save
         else:
             checkpoint_engine.save = own
+
+
+@contextlib.contextmanager
+def clones_for_save(clone: Callable[[Any], Any]) -> Iterator[None]:
+    """Inside: where `save_checkpoint` clones a state dict for `torch.save` before its checkpoint engine saves it
+    (`clone_tensors_for_torch_save(item)`, in the engine's and the pipeline module's save paths), `clone(item)`
+    does it instead. Missing public API: a say in where save_checkpoint's host copies go (an asynchronous save
+    snapshots into its own reused buffers; DeepSpeed's clone to the host first would be a second copy)."""
+    sites = clone_sites()
+    original = [site.clone_tensors_for_torch_save for site in sites]
+
+    def routed(item: Any, device: torch.device | str = torch.device("cpu")) -> Any:
+        if torch.device(device).type != "cpu":
+            return original[0](item, device)
+        return clone(item)
+
+    for site in sites:
+        site.clone_tensors_for_torch_save = routed
+    try:
+        yield
+    finally:
+        for site, own in zip(sites, original):
+            site.clone_tensors_for_torch_save = own
 
 
 # -- model structure --------------------------------------------------------------------------------------------------

@@ -212,6 +212,12 @@ INTERNALS = [
         lambda e: callable(getattr(getattr(e, "checkpoint_engine", None), "save", None)),
     ),
     Internal(
+        "runtime.engine.clone_tensors_for_torch_save",
+        "a say in where save_checkpoint's host copies go",
+        lambda e: True,
+        lambda e: len(clone_sites()) == 2,
+    ),
+    Internal(
         "accelerator.is_fp16_supported",
         "an fp16 override for the CPU accelerator",
         lambda e: True,
@@ -251,6 +257,15 @@ def serves_new_group() -> bool:
     from deepspeed.comm import comm as ds_comm  # lazy: see the package docstring
 
     return hasattr(ds_comm, "cdb") and "cdb.new_group(" in inspect.getsource(ds_comm.new_group)
+
+
+def clone_sites() -> list:
+    """The modules whose save paths call `clone_tensors_for_torch_save` by their own global name (the engine's
+    model, optimizer and expert files; the pipeline module's layer files)."""
+    from deepspeed.runtime import engine  # lazy: see the package docstring
+    from deepspeed.runtime.pipe import module
+
+    return [m for m in (engine, module) if hasattr(m, "clone_tensors_for_torch_save")]
 
 
 def expert_group_tables():

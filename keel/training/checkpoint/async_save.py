@@ -4,8 +4,9 @@ while the files are written.
 1. Snapshot, on the main thread at the save's step: `engine.save_checkpoint` runs as in a synchronous save (its
    collectives, ZeRO-3 gathers and tag check included), but each file it hands its checkpoint engine —
    `save(state_dict, path)`, the seam `route_checkpoint_writes` in keel/adapters/deepspeed_internals/ opens — is
-   deep-copied into reused host buffers (keel/training/checkpoint/host_snapshot.py) instead of written. Plus the
-   rank's RNG file. The host holds one extra copy of the rank's checkpoint shard.
+   deep-copied into reused host buffers (keel/training/checkpoint/host_snapshot.py) instead of written; where
+   DeepSpeed first clones a file's state for torch.save, it clones into those buffers. Plus the rank's RNG file.
+   The host holds one extra copy of the rank's checkpoint shard.
 2. Write, on one writer thread per rank: each file by DeepSpeed's own `save` into `<tag>/.async_rank<R>/` under the
    name a synchronous save gives it (torch.save names the zip archive inside after the file, so the bytes are the
    same), hashed (size, chunk sha256s) by a helper thread reading the file as it grows, fsynced; then every file is
@@ -46,7 +47,7 @@ from typing import Any
 
 import torch
 
-from keel.adapters.deepspeed_internals import route_checkpoint_writes
+from keel.adapters.deepspeed_internals import clones_for_save, route_checkpoint_writes
 from keel.parallel import comm
 from keel.run_dir import tag_for
 from keel.training.checkpoint import rng_state
@@ -127,7 +128,7 @@ def snapshot_files(
         planned.append(_PlannedFile(name, snapshot.copy(state_dict, name), save))
 
     snapshot.begin()
-    with route_checkpoint_writes(engine, capture):
+    with route_checkpoint_writes(engine, capture), clones_for_save(snapshot.clone):
         engine.save_checkpoint(
             str(checkpointer.directory),
             tag=tag,

@@ -6,6 +6,11 @@ module's state dict carries `_metadata`), one copy per storage with each tensor 
 stride (tensors sharing a storage stay shared: the file holds each storage once, whole), `requires_grad`,
 Parameters as Parameters, and object identity (an object referenced twice is pickled once, then by reference).
 
+Where DeepSpeed first clones a state dict for `torch.save` (`clone_tensors_for_torch_save`: every tensor into a
+compact storage of its own, so a view does not save its whole flat buffer), `clone` stands in for it and clones
+straight into this snapshot's buffers; `copy` keeps those tensors where they are. So the host holds one copy of
+such a file, not DeepSpeed's clone and then Keel's copy of it.
+
 The buffers hold raw storage bytes and are kept between saves, keyed by (file, storage index): a run that saves
 the same shapes every time allocates them once — the host memory is one copy of the rank's checkpoint files. On
 CUDA they are pinned and filled with asynchronous copies; `wait` is the one device sync of a snapshot. (There
@@ -40,10 +45,50 @@ class HostSnapshot:
         self.pin = pin
         self._buffers: dict[tuple[str, int], torch.Tensor] = {}
         self._used: set[tuple[str, int]] = set()
+        self._cloned: set[int] = (
+            set()
+        )  # data pointers of the storages `clone` filled in this snapshot
+        self._clones = 0  # tensors `clone` copied in this snapshot (its buffers' keys)
 
     def begin(self) -> None:
         """A new snapshot: buffers of files the previous one had and this one lacks are released in `wait`."""
         self._used.clear()
+        self._cloned.clear()
+        self._clones = 0
+
+    def clone(self, item: Any) -> Any:
+        """`item` as DeepSpeed's `clone_tensors_for_torch_save(item)` returns it — each tensor detached into a
+        storage of its own on the host (strides kept where the tensor is dense, as `clone` keeps them), lists,
+        tuples and dicts rebuilt, anything else as it is — with the tensors in this snapshot's buffers."""
+        if isinstance(item, torch.Tensor):
+            return self._clone_tensor(item)
+        if isinstance(item, list):
+            return [self.clone(v) for v in item]
+        if isinstance(item, tuple):
+            return tuple([self.clone(v) for v in item])
+        if isinstance(item, dict):
+            return type(item)({k: self.clone(v) for k, v in item.items()})
+        return item
+
+    def _clone_tensor(self, t: torch.Tensor) -> torch.Tensor:
+        _check_plain(t)
+        layout = torch.empty_like(t, device="meta")  # the strides `clone`/`to` would give it
+        nbytes = layout.untyped_storage().nbytes()
+        buffer = self.buffer(("<clone>", self._clones), nbytes)
+        self._clones += 1
+        with torch.no_grad():
+            out = torch.empty(0, dtype=t.dtype).set_(
+                buffer.untyped_storage(), 0, t.size(), layout.stride()
+            )
+            out.copy_(t.detach(), non_blocking=buffer.is_pinned())
+        if nbytes:
+            self._cloned.add(buffer.data_ptr())
+        return out
+
+    def holds(self, t: torch.Tensor) -> bool:
+        """`t` is one of this snapshot's clones (already a host copy)."""
+        storage = t.untyped_storage()
+        return storage.nbytes() > 0 and storage.data_ptr() in self._cloned
 
     def copy(self, obj: Any, slot: str) -> Any:
         """`obj` copied; its tensors live in this snapshot's buffers for file `slot` until its next copy."""
@@ -106,15 +151,9 @@ class _Copier:
         return out
 
     def _tensor(self, t: torch.Tensor) -> torch.Tensor:
-        if (
-            type(t) not in (torch.Tensor, torch.nn.Parameter)
-            or t.is_sparse
-            or t.is_quantized
-            or t.is_conj()
-        ):
-            raise TypeError(
-                f"cannot snapshot a {type(t).__name__} ({t.layout}) for an asynchronous checkpoint"
-            )
+        if self.snapshot.holds(t):
+            return t
+        _check_plain(t)
         # one Python object per storage (torch keeps it for the storage's life), which torch.save keys too: an
         # empty storage shared by tied parameters is still one storage
         source = t.untyped_storage()
@@ -137,3 +176,15 @@ class _Copier:
         if t.__dict__:
             out.__dict__.update(copy.deepcopy(t.__dict__))
         return out
+
+
+def _check_plain(t: torch.Tensor) -> None:
+    if (
+        type(t) not in (torch.Tensor, torch.nn.Parameter)
+        or t.is_sparse
+        or t.is_quantized
+        or t.is_conj()
+    ):
+        raise TypeError(
+            f"cannot snapshot a {type(t).__name__} ({t.layout}) for an asynchronous checkpoint"
+        )
