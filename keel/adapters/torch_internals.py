@@ -41,6 +41,11 @@ INTERNALS = [
         lambda: "_wrapped_by_lr_sched" in _scheduler_source(),
     ),
     (
+        "torch.distributed.distributed_c10d._get_default_store",
+        "the store the process group was initialized with",
+        lambda: hasattr(torch.distributed.distributed_c10d, "_get_default_store"),
+    ),
+    (
         "torch.distributed.distributed_c10d._hash_ranks_to_str",
         "a group name every member computes alike under use_local_synchronization",
         lambda: _names_groups_by_hash(),
@@ -66,6 +71,13 @@ def keep_scheduler_mark(wrapper, wrapped) -> None:
     """torch's LR scheduler marks the `optimizer.step` it wrapped (`_wrapped_by_lr_sched`) and warns when the mark
     is missing; a wrapper around that step carries the mark on."""
     wrapper._wrapped_by_lr_sched = getattr(wrapped, "_wrapped_by_lr_sched", True)
+
+
+def default_store() -> torch.distributed.Store:
+    """The key-value store the default process group met in (torchrun's, or init_process_group's TCPStore):
+    where one rank can tell the others something without a collective, so they wait on it with no process-group
+    timeout (a long conversion on rank 0, say). Missing public API: the store behind `init_process_group`."""
+    return torch.distributed.distributed_c10d._get_default_store()
 
 
 @contextlib.contextmanager

@@ -209,6 +209,20 @@ class Topology:
             )
         return self._handles[key]
 
+    def subgroup(self, name: str, ranks: list[int], channel: str) -> comm.Group:
+        """A group of `ranks` outside the grid (this rank among them; only they call this, in the same order
+        relative to their other groups): the ranks that convert a checkpoint, say."""
+        ranks = sorted(ranks)
+        return comm.Group(
+            name,
+            tuple(ranks),
+            ranks.index(self.rank),
+            channel,
+            self.process_groups.get(ranks) if len(ranks) > 1 else None,
+            self.device_type,
+            self.trace,
+        )
+
     def trace_into(self, directory: Path) -> None:
         """Record every collective of this rank's handles in `directory` (call before handing any out)."""
         if self._handles:

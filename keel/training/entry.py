@@ -20,13 +20,12 @@ from keel.adapters.deepspeed_internals import forget_run_groups
 from keel.data.blend_prepare import open_splits
 from keel.engine.build import LRScale, build_engine, document_eos
 from keel.engine.distributed import init_distributed, setup_logging
-from keel.engine.ds_config import zero_stage
 from keel.parallel import comm
 from keel.parallel.process_groups import ProcessGroups
 from keel.parallel.random import data_parallel_seed, seed_everything
-from keel.parallel.topology import STAMP_DEFAULTS, Topology
+from keel.parallel.topology import Topology
 from keel.run_dir import AnomalyLog, ExitCode, RunDir, checkpoint_dir, read_run_dir
-from keel.training.checkpoint.moe_reshard import check_moe_reshard, convert_moe_universal
+from keel.training.checkpoint.reshard import reshard_if_needed
 from keel.training.checkpoint.store import CheckpointDisagreement, Checkpointer
 from keel.training.observe.summary import write_summary
 from keel.training.trainer import Trainer
@@ -62,7 +61,7 @@ def run_rank(run_dir: Path, groups: ProcessGroups) -> int:
         AnomalyLog(run_dir, rank),
     )
     try:
-        ds_raw = reshard_if_needed(cfg, ds_raw, topology, checkpointer)
+        ds_raw = reshard_if_needed(cfg, ds_raw, topology, checkpointer, run_dir)
     except CheckpointDisagreement as err:  # before the engine exists: nothing to release
         return checkpoint_disagreement(run_dir, rank, err)
     lr_scale = LRScale()
@@ -125,42 +124,6 @@ def release_run(engine) -> None:
     next run's Topology)."""
     engine.destroy()
     forget_run_groups()
-
-
-def reshard_if_needed(cfg, ds_raw: dict, topology, checkpointer) -> dict:
-    """Resuming on another layout (a node lost, a different world size): rank 0 converts the latest checkpoint
-    to DeepSpeed's universal format and every rank loads that; the global batch stays fixed because gradient
-    accumulation is derived from the new data-parallel size. The checkpoint is verified here, before converting
-    (the trainer's resume then finds it verified)."""
-    # rank 0 chooses, every rank verifies
-    tag = checkpointer.agreed_resume() if cfg.checkpoint.resume else None
-    if tag is None or not checkpointer.needs_universal(tag, zero_stage(ds_raw)):
-        return ds_raw
-    log = logging.getLogger("keel")
-    saved = checkpointer.read_manifest(tag)["topology"]
-    # DeepSpeed's converter cannot place experts: Keel's own (moe_reshard.py)
-    if cfg.model.moe_experts:
-        check_moe_reshard(saved, topology.stamp(), zero_stage(ds_raw), cfg.model.moe_experts)
-    # the schedule matters (and is shown) only then
-    pipelined = max(saved["pp"], topology.shape.pp) > 1
-    shown = ("world_size", "dp", "ep", "tp", "pp") + (
-        ("pipeline_schedule", "virtual_stages") if pipelined else ()
-    )
-    if topology.rank == 0:
-        log.warning(
-            "checkpoint %s was written at %s; this run is %s: converting to a universal checkpoint",
-            tag,
-            {k: saved.get(k, STAMP_DEFAULTS.get(k, 1)) for k in shown},
-            topology.describe(),
-        )
-        if cfg.model.moe_experts:
-            convert_moe_universal(
-                checkpointer.directory / tag, saved, topology.stamp(), cfg.model.moe_experts
-            )
-        else:
-            checkpointer.convert_universal(tag)
-    comm.barrier(topology.control("world"))
-    return {**ds_raw, "checkpoint": {**ds_raw.get("checkpoint", {}), "load_universal": True}}
 
 
 def exit_now(code: int) -> None:

@@ -15,7 +15,9 @@ for `logical_shape`).
 from __future__ import annotations
 
 import contextlib
+import io
 import math
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -23,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from keel.adapters.deepspeed_internals.probes import (
+    UNIVERSAL_PHASES,
     DeepSpeedInternalsError,
     accelerator,
     check_engine,
@@ -32,6 +35,7 @@ from keel.adapters.deepspeed_internals.probes import (
     fp16_scale_holder,
     groups_module,
     serves_new_group,
+    universal_converter,
     wraps_optimizer,
 )
 
@@ -159,6 +163,57 @@ def clones_for_save(clone: Callable[[Any], Any]) -> Iterator[None]:
     finally:
         for site, own in zip(sites, original):
             site.clone_tensors_for_torch_save = own
+
+
+# -- universal checkpoints ------------------------------------------------------------------------------------------
+class _HandedOff(Exception):
+    """A converter other than the lead is done: the rest of the conversion is the lead's."""
+
+
+def convert_to_universal(
+    input_folder: str,
+    output_folder: str,
+    share: Callable[[Callable[[Any], Any], list], list],
+    lead: bool,
+) -> str:
+    """DeepSpeed's `ds_to_universal` in this process, its two parallel phases — extract every ZeRO file's fragments,
+    then merge each parameter's — handed to `share(do_work, items)` (which returns every item's result, from
+    whichever process did it) instead of its process pool. Every converting process runs this; only the `lead`
+    goes on past the merge (the files every rank reads, `latest_universal`). Returns what DeepSpeed printed.
+    Missing public API: a way to split the conversion over processes on several hosts (its pool spans one)."""
+    ds2u = universal_converter()
+    phases = []
+
+    def spread(do_work: Callable[[Any], Any], items: list, num_workers: int) -> list:
+        results = share(do_work, list(items))
+        phases.append(len(items))
+        if len(phases) == UNIVERSAL_PHASES and not lead:
+            raise _HandedOff
+        return results
+
+    argv = ["ds_to_universal", "--input_folder", input_folder, "--output_folder", output_folder]
+    argv += ["--inject_missing_state"]
+    printed = io.StringIO()
+    own = ds2u._do_parallel_work
+    ds2u._do_parallel_work = spread
+    try:
+        with contextlib.redirect_stdout(printed), _argv(argv):
+            ds2u.main(ds2u.parse_arguments())
+    except _HandedOff:
+        pass
+    finally:
+        ds2u._do_parallel_work = own
+    return printed.getvalue()
+
+
+@contextlib.contextmanager
+def _argv(argv: list[str]) -> Iterator[None]:
+    own = sys.argv
+    sys.argv = argv
+    try:
+        yield
+    finally:
+        sys.argv = own
 
 
 # -- model structure --------------------------------------------------------------------------------------------------

@@ -268,6 +268,41 @@ def clone_sites() -> list:
     return [m for m in (engine, module) if hasattr(m, "clone_tensors_for_torch_save")]
 
 
+# ds_to_universal's parallel phases (`_do_parallel_work` calls) on each of its paths: extract, then merge
+UNIVERSAL_PHASES = 2
+
+
+def universal_converter():
+    """DeepSpeed's `ds_to_universal` module, checked for what `convert_to_universal` relies on: `main(args)`,
+    `parse_arguments()`, and every parallel phase going through `_do_parallel_work` — two on each path (ZeRO-1/2:
+    extract, merge tp slices; ZeRO-3: extract, merge tp or zero3 slices), so the lead alone goes on after the
+    second."""
+    from deepspeed.checkpoint import ds_to_universal  # lazy: see the package docstring
+
+    source = inspect.getsource(ds_to_universal)
+    callers = {
+        "_extract_zero_shard_files",
+        "_extract_zero_shard_files_stage3",
+        "_merge_tp_slice_files",
+        "_merge_zero3_slice_files",
+    }
+    if not (
+        all(hasattr(ds_to_universal, n) for n in ("main", "parse_arguments", *callers))
+        and source.count("_do_parallel_work(") == 1 + len(callers)
+        and all(
+            "_do_parallel_work(" in inspect.getsource(getattr(ds_to_universal, n)) for n in callers
+        )
+    ):
+        import deepspeed
+
+        raise DeepSpeedInternalsError(
+            f"DeepSpeed {deepspeed.__version__}'s ds_to_universal no longer runs its phases through "
+            "_do_parallel_work, which Keel uses for want of a way to spread the conversion over hosts; "
+            "install a DeepSpeed in the range setup.py pins"
+        )
+    return ds_to_universal
+
+
 def expert_group_tables():
     groups = groups_module()
     names = (

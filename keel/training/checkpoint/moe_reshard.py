@@ -14,7 +14,7 @@ dense part over the new dp × sp ranks, the experts over the new expert-data-par
 Scope: ZeRO stage 1 or 2 (MoE's stages) with tp, pp and sp unchanged; dp and ep may change (ep must still
 divide the experts). Model-states files are hard-linked into each folder (DeepSpeed reads the client state and
 scheduler there), so the conversion costs one read of the optimizer files and one write of their contents per
-ep rank, on rank 0 only, written aside and renamed.
+ep rank, spread over the converting ranks (keel/training/checkpoint/reshard.py), written aside and renamed.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import os
 import re
 import shutil
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -87,10 +88,8 @@ def _local_name(name: str, ep_index: int, local_experts: int) -> str | None:
     return _EXPERT.sub(lambda m: f"{m[1]}{expert % local_experts}{m[3]}", name)
 
 
-def _extract_fragments(tag_dir: Path, saved: dict[str, int], num_experts: int, out: Path):
-    """Stream every optimizer file once, writing each parameter's fragments to `out/tp<T>/<global name>/
-    <state>.<partition>.pt` (ds_to_universal's own two-pass scheme: memory is one file's partitions, not the model).
-    Returns, per tp rank, {global name: has a step} and the optimizer's global state from data-parallel index 0."""
+def _optimizer_files(tag_dir: Path) -> list[tuple[int, int, Path]]:
+    """(tp rank, data-parallel index, path) of every ZeRO optimizer file of the checkpoint."""
     files = sorted(
         (int(m[2]), int(m[1]), p) for p in tag_dir.iterdir() if (m := _OPTIM_FILE.match(p.name))
     )
@@ -98,48 +97,56 @@ def _extract_fragments(tag_dir: Path, saved: dict[str, int], num_experts: int, o
         raise ConfigError(
             f"{tag_dir}: no ZeRO optimizer files to convert (an MoE layout change needs ZeRO 1 or 2)"
         )
+    return files
+
+
+def _extract_file(
+    file: tuple[int, int, Path], saved: dict[str, int], num_experts: int, out: Path
+) -> tuple[int, dict[str, bool], dict[str, Any] | None]:
+    """One optimizer file's fragments, each parameter's to `out/tp<T>/<global name>/<state>.<partition>.pt`
+    (ds_to_universal's own two-pass scheme). The file is memory-mapped: only the fragments are read, and memory
+    is theirs, not the file's. Returns (tp rank, {global name: has a step}, the optimizer's global state where
+    this is data-parallel index 0, else None)."""
+    tp_rank, dp_index, path = file
     local_experts = num_experts // saved["ep"]
-    names: dict[int, dict[str, bool]] = defaultdict(dict)
-    head: dict[int, dict[str, Any]] = {}
-    for tp_rank, dp_index, path in files:
-        optim = torch.load(path, map_location="cpu", weights_only=False)["optimizer_state_dict"]
-        groups = optim["base_optimizer_state"]["param_groups"]
-        if dp_index == 0:
-            head[tp_rank] = {
-                k: v
-                for k, v in optim.items()
-                if k
-                not in (
-                    "base_optimizer_state",
-                    "param_slice_mappings",
-                    "single_partition_of_fp32_groups",
+    optim = torch.load(path, map_location="cpu", weights_only=False, mmap=True)[
+        "optimizer_state_dict"
+    ]
+    groups = optim["base_optimizer_state"]["param_groups"]
+    head = None
+    if dp_index == 0:
+        skipped = (
+            "base_optimizer_state",
+            "param_slice_mappings",
+            "single_partition_of_fp32_groups",
+        )
+        head = {k: v for k, v in optim.items() if k not in skipped}
+        head["param_groups"] = groups
+    names: dict[str, bool] = {}
+    for g, mapping in enumerate(optim["param_slice_mappings"]):
+        expert_group = bool(groups[g].get("moe"))
+        ep_index, part = _partition_index(dp_index, saved, expert_group)
+        state = optim["base_optimizer_state"]["state"][g]
+        flat = {
+            "fp32": optim["single_partition_of_fp32_groups"][g],
+            "exp_avg": state["exp_avg"],
+            "exp_avg_sq": state["exp_avg_sq"],
+        }
+        for name, fragment in mapping.items():
+            key = _global_name(name, ep_index, local_experts) if expert_group else name
+            folder = out / f"tp{tp_rank}" / key
+            folder.mkdir(parents=True, exist_ok=True)
+            for state_name, tensor in flat.items():
+                torch.save(
+                    tensor.narrow(0, fragment.start, fragment.numel).clone(),
+                    folder / f"{state_name}.{part:06d}.pt",
                 )
-            }
-            head[tp_rank]["param_groups"] = groups
-        for g, mapping in enumerate(optim["param_slice_mappings"]):
-            expert_group = bool(groups[g].get("moe"))
-            ep_index, part = _partition_index(dp_index, saved, expert_group)
-            state = optim["base_optimizer_state"]["state"][g]
-            flat = {
-                "fp32": optim["single_partition_of_fp32_groups"][g],
-                "exp_avg": state["exp_avg"],
-                "exp_avg_sq": state["exp_avg_sq"],
-            }
-            for name, fragment in mapping.items():
-                key = _global_name(name, ep_index, local_experts) if expert_group else name
-                folder = out / f"tp{tp_rank}" / key
-                folder.mkdir(parents=True, exist_ok=True)
-                for state_name, tensor in flat.items():
-                    torch.save(
-                        tensor.narrow(0, fragment.start, fragment.numel).clone(),
-                        folder / f"{state_name}.{part:06d}.pt",
-                    )
-                # every partition holds the same step
-                if "step" in state and not (folder / "step.pt").is_file():
-                    torch.save(state["step"], folder / "step.pt")
-                names[tp_rank][key] = "step" in state
-        del optim
-    return names, head
+            if (
+                "step" in state
+            ):  # the same in every partition; each its own file, as converters run at once
+                torch.save(state["step"], folder / f"step.{part:06d}.pt")
+            names[key] = "step" in state
+    return tp_rank, names, head
 
 
 def _merged(folder: Path, state_name: str) -> torch.Tensor:
@@ -149,61 +156,82 @@ def _merged(folder: Path, state_name: str) -> torch.Tensor:
     )
 
 
+def serial(do_work: Callable[[Any], Any], items: list) -> list:
+    """Every item done here, in order (the conversion in one process)."""
+    return [do_work(item) for item in items]
+
+
 def convert_moe_universal(
-    tag_dir: Path, saved: dict[str, int], now: dict[str, int], num_experts: int
-) -> Path:
-    """Rank 0: write `<tag_dir>/universal_moe/ep<EP>/` for the layout `now` (Topology.stamp()), aside then
-    renamed in; returns it. A conversion for that ep size already there is kept."""
-    target = tag_dir / MOE_UNIVERSAL / f"ep{now['ep']}"
-    if target.is_dir():
-        return target
-    tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    fragments = tmp / "fragments"
-    names, head = _extract_fragments(tag_dir, saved, num_experts, fragments)
+    tag_dir: Path,
+    saved: dict[str, int],
+    now: dict[str, int],
+    num_experts: int,
+    out: Path,
+    share: Callable[[Callable[[Any], Any], list], list] = serial,
+    lead: bool = True,
+) -> None:
+    """Write the conversion for the layout `now` (Topology.stamp()) into `out` (the caller renames it into
+    `<tag_dir>/universal_moe/ep<EP>`). Every converting process runs this with the same `share` (which spreads the
+    files, then the parameters, over them and returns every item's result); the `lead` also writes each target
+    rank's folder head and removes the fragments."""
+    fragments = out / "fragments"
+    files = _optimizer_files(tag_dir)
+    names: dict[int, dict[str, bool]] = defaultdict(dict)
+    head: dict[int, dict[str, Any]] = {}
+    for tp_rank, found, file_head in share(
+        lambda file: _extract_file(file, saved, num_experts, fragments), files
+    ):
+        names[tp_rank].update(found)
+        if file_head is not None:
+            head[tp_rank] = file_head
     shapes = _param_shapes(tag_dir)
     local_experts = num_experts // now["ep"]
-    for tp_rank, by_name in names.items():
-        zeros = [
-            _start_folder(tmp / f"tp{tp_rank}_ep{e}", tag_dir, head[tp_rank], now["ep"])
-            for e in range(now["ep"])
-        ]
-        for name in by_name:
-            owners = [
-                e for e in range(now["ep"]) if _local_name(name, e, local_experts) is not None
-            ]
-            source = fragments / f"tp{tp_rank}" / name
-            first = zeros[owners[0]] / _local_name(name, owners[0], local_experts)
-            first.mkdir()
-            for state_name in _STATES:
-                torch.save(
-                    {"param": _merged(source, state_name).view(shapes[tp_rank][name])},
-                    first / f"{state_name}.pt",
-                )
-            if (source / "step.pt").is_file():
-                shutil.copyfile(source / "step.pt", first / "step.pt")
-            for e in owners[1:]:  # a dense parameter: every ep rank's folder holds the same files
-                shutil.copytree(
-                    first, zeros[e] / _local_name(name, e, local_experts), copy_function=os.link
-                )
-    shutil.rmtree(fragments)
-    os.replace(tmp, target)
-    return target
+
+    def zero_of(tp_rank: int, ep_rank: int) -> Path:
+        return out / f"tp{tp_rank}_ep{ep_rank}" / "zero"
+
+    def merge(item: tuple[int, str]) -> None:
+        tp_rank, name = item
+        owners = [e for e in range(now["ep"]) if _local_name(name, e, local_experts) is not None]
+        source = fragments / f"tp{tp_rank}" / name
+        first = zero_of(tp_rank, owners[0]) / _local_name(name, owners[0], local_experts)
+        first.mkdir(parents=True)
+        for state_name in _STATES:
+            torch.save(
+                {"param": _merged(source, state_name).view(shapes[tp_rank][name])},
+                first / f"{state_name}.pt",
+            )
+        steps = sorted(source.glob("step.*.pt"))
+        if steps:
+            shutil.copyfile(steps[0], first / "step.pt")
+        for e in owners[1:]:  # a dense parameter: every ep rank's folder holds the same files
+            shutil.copytree(
+                first,
+                zero_of(tp_rank, e) / _local_name(name, e, local_experts),
+                copy_function=os.link,
+            )
+
+    share(
+        merge, [(tp_rank, name) for tp_rank, by_name in sorted(names.items()) for name in by_name]
+    )
+    if lead:
+        for tp_rank in names:
+            for e in range(now["ep"]):
+                _start_folder(zero_of(tp_rank, e), tag_dir, head[tp_rank], now["ep"])
+        shutil.rmtree(fragments)
 
 
-def _start_folder(folder: Path, tag_dir: Path, head: dict[str, Any], ep: int) -> Path:
-    """A target rank's folder: the model-states files linked in, the optimizer's global state; returns zero/."""
-    zero = folder / "zero"
-    zero.mkdir(parents=True)
+def _start_folder(zero: Path, tag_dir: Path, head: dict[str, Any], ep: int) -> None:
+    """A target rank's folder around its `zero/`: the model-states files linked in, the optimizer's global
+    state."""
+    zero.mkdir(parents=True, exist_ok=True)
     for model_file in tag_dir.glob("*model_states.pt"):
-        os.link(model_file, folder / model_file.name)
+        os.link(model_file, zero.parent / model_file.name)
     groups = [
         dict(g, name=f"ep_size_{ep}") if g.get("moe") else dict(g) for g in head["param_groups"]
     ]
     # the expert group's new name
     torch.save({**head, "param_groups": groups}, zero / "optimizer_state.pt")
-    return zero
 
 
 def _param_shapes(tag_dir: Path) -> dict[int, dict[str, torch.Size]]:

@@ -33,8 +33,6 @@ import json
 import logging
 import os
 import shutil
-import subprocess
-import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -416,32 +414,6 @@ class Checkpointer:
             and max(zero_stage, saved.get("zero_stage", zero_stage)) > 0
         )
 
-    def convert_universal(self, tag: str) -> None:
-        """Rank 0: DeepSpeed's `ds_to_universal` into `<tag>/universal` (written aside, then renamed in)."""
-        target = self.directory / tag / UNIVERSAL
-        if target.is_dir():
-            return
-        tmp = self.directory / tag / f".{UNIVERSAL}.tmp{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        cmd = [
-            sys.executable,
-            "-m",
-            "deepspeed.checkpoint.ds_to_universal",
-            "--input_folder",
-            str(self.directory / tag),
-            "--output_folder",
-            str(tmp),
-            "--inject_missing_state",
-            "--num_extract_workers",
-            "1",
-            "--num_merge_workers",
-            "1",
-        ]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"ds_to_universal failed for {tag}:\n{proc.stderr[-2000:]}")
-        os.replace(tmp, target)
-
     def _universal_tag(self, tag: str) -> str:
         """Where this rank reads a converted checkpoint: DeepSpeed's universal folder, or for an MoE model the
         folder Keel's converter wrote for this rank's (tp, ep) position."""
@@ -455,7 +427,7 @@ class Checkpointer:
     # -- load -----------------------------------------------------------------------------------------------
     def load(self, engine, tag: str, seed: int) -> TrainState:
         """Restore engine, scheduler and RNG from `tag`; returns the saved position. A checkpoint from another
-        layout is read from its universal conversion (`convert_universal` must have run)."""
+        layout is read from its universal conversion (reshard.py's, which must have run)."""
         manifest = self.read_manifest(tag)
         saved, now = manifest["topology"], self.topology.stamp()
         universal = engine.load_universal_checkpoint()

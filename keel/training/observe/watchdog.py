@@ -136,6 +136,13 @@ class Watchdog:
         yield
         self._beat = (step, time.monotonic(), self.timeout_s, "step")
 
+    def progress(self) -> None:
+        """What runs (a step or a phase) moved on: its clock restarts, with the same deadline — for long work
+        that reports progress (a checkpoint conversion) rather than taking a step."""
+        beat = self._beat
+        if beat is not None:
+            self._beat = (beat[0], time.monotonic(), beat[2], beat[3])
+
     def pause(self) -> None:
         self._pauses += 1
 
