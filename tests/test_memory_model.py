@@ -79,6 +79,31 @@ def test_zero_stages_partition_what_the_paper_says():
     )  # master + moments, as in the paper
 
 
+def test_the_rare_paths_transient_and_the_async_snapshot():
+    """NaN localization's one unpartitioned gradient, the grouped GEMM's one layer of stacked local experts, and
+    an asynchronous save's host copy of the rank's files."""
+    from keel.config import CheckpointConfig
+
+    dense = RunConfig(model=ModelConfig(**MODEL))
+    layout = Layout(dp=4)
+    share = param_share(dense.model, layout)
+    z1 = estimate(dense, _ds(1, "bf16"), layout)
+    assert z1.transient == 2 * share.largest and z1.peak == z1.total + z1.transient
+    assert z1.host == 0  # synchronous saves write from the live state
+    saving = RunConfig(model=ModelConfig(**MODEL), checkpoint=CheckpointConfig(async_save=True))
+    # its optimizer partition (fp32 master and moments), and the stage's weights it may write
+    assert estimate(saving, _ds(1, "bf16"), layout).host == 2 * share.total + 12 * -(
+        -share.total // 4
+    )
+    assert estimate(saving, _ds(3, "bf16"), layout).host == 14 * -(-share.total // 4)
+    moe = RunConfig(model=ModelConfig(**MODEL, moe_experts=4, moe_every=1))
+    experts = param_share(moe.model, Layout(dp=2, ep=2))
+    model = CausalLM(moe.model, parallel=LayerParallel.without_groups(ep=2, ep_rank=0))
+    one_layer = sum(p.numel() for p in model.layers[1].parameters() if hasattr(p, "expert_id"))
+    assert experts.expert_layer == one_layer > experts.largest
+    assert estimate(moe, _ds(1, "bf16"), Layout(dp=2, ep=2)).transient == 2 * one_layer
+
+
 def _pipeline_rank(rank: int, port: int) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",

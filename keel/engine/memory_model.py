@@ -9,6 +9,14 @@ data-parallel size, ZeRO-2 the gradients too, ZeRO-3 the parameters too. Expert 
 the expert-data-parallel group (dp / ep) instead. Buckets are the configured sizes, each capped by the number
 of elements it could ever hold: ZeRO-1/2's reduce bucket, ZeRO-3's reduce and prefetch buckets plus the
 largest parameter it gathers whole. `keel preflight` and bench/memory.py read it.
+
+Beside the steady state, what the rare paths add, so a rank sized to its shard stays within it there too:
+- `transient` (device): the largest short-lived buffer — NaN localization's one unpartitioned gradient at a time
+  (the largest parameter's; keel/training/guards/localize.py), or the MoE grouped GEMM's stacked weights of one
+  layer's local experts, made in forward and again in backward, never kept (keel/model/moe.py);
+- `host`: an asynchronous checkpoint's snapshot, one host copy of the files this rank writes (its optimizer
+  partition, and on the rank writing its stage's model states, the stage's weights; async_save.py).
+The sample order holds nothing per sample (a Feistel permutation computed per index, keel/data/samples.py).
 """
 
 from __future__ import annotations
@@ -53,6 +61,7 @@ class ParamShare:
     dense: int
     expert: int
     largest: int  # the largest single parameter, elements
+    expert_layer: int = 0  # the most expert elements one layer holds on this rank
 
     @property
     def total(self) -> int:
@@ -70,10 +79,18 @@ class RankMemory:
     grads: int
     optimizer: int
     buckets: int
+    transient: int = 0  # device: the largest short-lived buffer of a rare path (module docstring)
+    host: int = 0  # host: an asynchronous checkpoint's snapshot of this rank's files (0 when saves are sync)
 
     @property
     def total(self) -> int:
+        """The steady state on the device: what every step holds."""
         return self.params + self.grads + self.optimizer + self.buckets
+
+    @property
+    def peak(self) -> int:
+        """The steady state plus the largest transient buffer."""
+        return self.total + self.transient
 
 
 def layer_list(cfg: ModelConfig, parallel: LayerParallel, pp: int) -> list[torch.nn.Module]:
@@ -180,7 +197,10 @@ def param_share(
         ranks[stage] if stage is not None else max(ranks, key=lambda s: sum(d + e for d, e, _ in s))
     )
     return ParamShare(
-        sum(d for d, _, _ in best), sum(e for _, e, _ in best), max(m for _, _, m in best)
+        sum(d for d, _, _ in best),
+        sum(e for _, e, _ in best),
+        max(m for _, _, m in best),
+        max(e for _, e, _ in best),
     )
 
 
@@ -220,4 +240,10 @@ def estimate(cfg: RunConfig, ds: dict[str, Any], layout: Layout) -> RankMemory:
         buckets = b * (min(int(zero["reduce_bucket_size"]), share.total) + gathered)
     else:
         buckets = 0
-    return RankMemory(share, prec, stage, params, grads, optimizer, buckets)
+    # one unpartitioned gradient (localization); one layer's local experts stacked (grouped GEMM)
+    transient = b * max(share.largest, share.expert_layer)
+    # the model-states file holds the stage's weights (one data-parallel rank writes it; ZeRO-3: each its part)
+    host = (
+        (params if stage >= 3 else b * share.total) + optimizer if cfg.checkpoint.async_save else 0
+    )
+    return RankMemory(share, prec, stage, params, grads, optimizer, buckets, transient, host)

@@ -168,7 +168,7 @@ def render_table(records: list[WorldRecord]) -> str:
     checks = list(dict.fromkeys(p for r in records for p in r.phases(CHECK)))
     header = ["world", "rank", "groups", "keel", "ds", "size-1", "distinct", "step dev", "step ctl"]
     header += ["+save ctl", "step B", *(f"{p.removeprefix(CHECK)} B" for p in checks)]
-    header += ["records B", "kept B"]
+    header += ["records B", "kept B", "device B", "peak B", "host B"]
     rows = [header]
     for r in records:
         created = r.created()
@@ -189,6 +189,11 @@ def render_table(records: list[WorldRecord]) -> str:
                 *(_bytes(received(r, p)) for p in checks),
                 _bytes(received(r, PREFLIGHT, objects_only=True)),
                 _bytes(sum(h.nbytes for h in r.held)),
+                *(
+                    (_bytes(r.memory.total), _bytes(r.memory.peak), _bytes(r.memory.host))
+                    if r.memory
+                    else ("-", "-", "-")
+                ),
             ]
         )
     lines = [
@@ -196,7 +201,9 @@ def render_table(records: list[WorldRecord]) -> str:
         "DeepSpeed's pipeline module); size-1, distinct: groups of one rank, distinct rank sets.\n"
         "Per step: collectives on the device and control channels (+save: more while an async "
         "save is pending) and bytes received per rank; per check: bytes received per rank;\n"
-        "records: preflight's gathered records received; kept: bytes kept that grow with the world",
+        "records: preflight's gathered records received; kept: bytes kept that grow with the world;\n"
+        "device, peak, host: the memory model's bytes per rank for the simulated model (steady state; with "
+        "its largest transient buffer; an async save's host snapshot)",
         _columns(rows),
         "",
     ]

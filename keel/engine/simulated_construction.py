@@ -12,7 +12,7 @@ import io
 import os
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -20,7 +20,7 @@ from torch import nn
 
 from keel.adapters.deepspeed_internals import serve_group_requests
 from keel.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
-from keel.engine.memory_model import layer_list, rank_layer_indices
+from keel.engine.memory_model import Layout, estimate, layer_list, rank_layer_indices
 from keel.engine.simulated_world import DEEPSPEED, MODEL, TOPOLOGY, SimulatedWorld
 from keel.model.materialize import Placement
 from keel.parallel.layer_parallel import LayerParallel
@@ -104,6 +104,10 @@ def construct(
         )
         layers = stage_layers(cfg, parallel, topology)
         world.record.parameters = sum(p.numel() for p in unique_parameters(layers))
+        # what the memory model predicts for this layout, with the async save the simulation drives
+        layout = Layout(tp=shape.tp, pp=shape.pp, dp=shape.dp, ep=shape.ep, sp=shape.sp)
+        saving = replace(cfg, checkpoint=replace(cfg.checkpoint, async_save=True))
+        world.record.memory = estimate(saving, ds or ZERO1, layout)
     built = Built(topology, layers)
     if engine != "none":
         with world.phase(DEEPSPEED):

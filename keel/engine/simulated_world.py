@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from keel.adapters.deepspeed_internals import forget_run_groups
+from keel.engine.memory_model import RankMemory
 from keel.parallel import comm
 
 # Phases a record's entries are filed under (SimulatedWorld.phase); checks are "check:<name>".
@@ -133,6 +134,7 @@ class WorldRecord:
     held: list[Held] = field(default_factory=list)
     notes: dict[str, str] = field(default_factory=dict)
     parameters: int = 0  # this rank's parameter elements, counted on the meta device
+    memory: RankMemory | None = None  # the memory model's prediction for this rank's layout
 
     def created(self, phases: tuple[str, ...] = CONSTRUCTION) -> list[GroupCreation]:
         return [g for g in self.groups if g.phase in phases]
