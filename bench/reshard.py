@@ -9,8 +9,10 @@ into the tag's `universal/`, removed after each. Page cache: the checkpoint was 
 so both modes read it from the cache (a cold shared filesystem would make the split matter more, not less).
 
 Prints each mode's conversion wall time on rank 0 (its median over repeats) and the ratio one / two ranks, with
-the conversion's phases as DeepSpeed prints them. On 2 cores the ceiling is 2x less the part only rank 0 does
-(the model-states pass, the optimizer's common state, the file copies).
+where rank 0's time went: before its first item (DeepSpeed's converter reads every model-states file to learn the
+layout, on every converter), its share of the items, and after its last one (the lead's rest). On 2 cores the
+ceiling is 2x less the parts that do not split: the model-states pass every converter makes, and the lead's rest
+(the optimizer's common state, the file copies).
 
     python bench/reshard.py [--size-mb 1300] [--repeats 3]
 """
@@ -24,6 +26,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -92,19 +95,29 @@ def worker(rank: int, port: int, root: str, size_mb: float, repeats: int) -> Non
     tag_dir = directory / "step1"
     nbytes = sum(p.stat().st_size for p in tag_dir.iterdir() if p.is_file())
     times: dict[int, list[float]] = {1: [], 2: []}
+    parts: dict[int, list[list[float]]] = {
+        1: [],
+        2: [],
+    }  # rank 0: before its first item, items, after
     for repeat in range(repeats):
         for n in (1, 2) if repeat % 2 == 0 else (2, 1):
             checkpointer = Checkpointer(directory, 2, topology)
             conversion = reshard.Conversion(checkpointer, "step1", {}, 0, most=n)
-            seconds = conversion.run(topology, lambda: None)
+            marks = []
+            start = time.monotonic()
+            seconds = conversion.run(topology, lambda marks=marks: marks.append(time.monotonic()))
             comm.barrier(world)
             if rank == 0:
                 times[n].append(seconds)
+                parts[n].append(
+                    [marks[0] - start, marks[-1] - marks[0], start + seconds - marks[-1]]
+                )
                 shutil.rmtree(tag_dir / UNIVERSAL)
                 (directory / "latest_universal").unlink(missing_ok=True)
             comm.barrier(world)
     if rank == 0:
-        (Path(root) / "result.json").write_text(json.dumps({"bytes": nbytes, "times": times}))
+        result = {"bytes": nbytes, "times": times, "parts": parts}
+        (Path(root) / "result.json").write_text(json.dumps(result))
     comm.barrier(world)
     os._exit(0)  # gloo can abort at interpreter exit
 
@@ -133,6 +146,15 @@ def main() -> None:
             f"conversion on {label}: median {statistics.median(result['times'][k]):.1f} s ({runs})"
         )
     print(f"speed-up 1 -> 2 ranks: {one / two:.2f}x")
+    print(
+        "rank 0's time, median: before its first item (DeepSpeed reads every model-states file) | its items"
+    )
+    print("(extract, merge) | after its last (the lead's rest, waiting for the other converter):")
+    for k in ("1", "2"):
+        before, items, after = (
+            statistics.median(p[i] for p in result["parts"][k]) for i in range(3)
+        )
+        print(f"  {k} converter(s): {before:.1f} s | {items:.1f} s | {after:.1f} s")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ holds (an HF tokenizer directory, two JSONL sources, a sidecar-less token file a
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -64,6 +65,9 @@ def test_readme_journeys_run_as_written(tmp_path: Path) -> None:
         c.startswith("keel export") for c in commands
     )
     env_bin = str(Path(sys.executable).parent)
+    # a fresh HOME, as a new user's, but this machine's caches: DeepSpeed's JIT-built CPU communication op lives
+    # in ~/.cache/torch_extensions, and a journey would otherwise build it again (~30 s)
+    caches = os.environ.get("XDG_CACHE_HOME", str(Path.home() / ".cache"))
     for command in commands:
         if command.startswith("keel train"):
             command += f" --nproc 1 {tiny}"
@@ -77,6 +81,7 @@ def test_readme_journeys_run_as_written(tmp_path: Path) -> None:
                 "PATH": f"{env_bin}:/usr/bin:/bin",
                 "PYTHONPATH": str(REPO),
                 "HOME": str(tmp_path),
+                "XDG_CACHE_HOME": caches,
             },
         )
         assert proc.returncode == 0, f"{command}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
