@@ -121,6 +121,37 @@ def test_phase_between_steps_fires_at_its_own_deadline(tmp_path):
     assert "in stuck_in_a_save" in (tmp_path / "stacks" / "rank0-step3.txt").read_text()
 
 
+@pytest.mark.fault(
+    "a universal conversion stops making progress",
+    "the conversion's phase fires at its deadline from the last progress; stacks, exit 4",
+)
+def test_progress_keeps_a_long_phase_alive_until_it_stalls(tmp_path):
+    """A conversion longer than its deadline lives on while it reports progress (each item restarts the clock);
+    once progress stops, the phase fires one deadline after the last report, naming the phase."""
+    proc, ended = _run_script(
+        tmp_path,
+        """
+        import sys, time
+        from pathlib import Path
+        from keel.training.observe.watchdog import Watchdog
+
+        with Watchdog(Path(sys.argv[1]), rank=0, timeout_s=60.0) as watchdog:
+            watchdog.beat(10)
+            with watchdog.phase("universal checkpoint conversion", 1.0):
+                for item in range(8):  # 2.4 s of items under a 1 s deadline
+                    time.sleep(0.3)
+                    watchdog.progress()
+                print(time.time(), flush=True)
+                time.sleep(30)  # stalls
+        """,
+    )
+    assert proc.returncode == ExitCode.HANG, proc.stderr
+    assert 1.0 <= ended - float(proc.stdout.split()[0]) < 1.0 + 3.0
+    assert "watchdog: universal checkpoint conversion after step 10 has run" in proc.stderr
+    (event,) = read_anomalies(tmp_path)
+    assert (event["phase"], event["step"]) == ("universal checkpoint conversion", 10)
+
+
 def test_regular_beats_and_pauses_do_not_fire(tmp_path):
     proc, _ = _run_script(
         tmp_path,

@@ -84,15 +84,13 @@ def reshard_if_needed(
             topology.describe(),
         )
     conversion = Conversion(checkpointer, tag, saved, cfg.model.moe_experts)
-    watchdog = Watchdog(
-        run_dir,
-        topology.rank,
-        cfg.stability.watchdog_save_timeout,
-        AnomalyLog(run_dir, topology.rank),
-    )
+    stability = cfg.stability
+    # the save's deadline (checkpoint-sized work), where the watchdog is on at all
+    timeout = stability.watchdog_save_timeout if stability.watchdog_timeout > 0 else 0.0
+    watchdog = Watchdog(run_dir, topology.rank, timeout, AnomalyLog(run_dir, topology.rank))
     with watchdog:
         watchdog.beat(checkpointer.read_manifest(tag)["step"])
-        with watchdog.phase("universal checkpoint conversion", cfg.stability.watchdog_save_timeout):
+        with watchdog.phase("universal checkpoint conversion", timeout):
             seconds = conversion.run(topology, watchdog.progress)
     if topology.rank == 0 and seconds is not None:
         log.info("converted %s in %.1f s over %d rank(s)", tag, seconds, len(conversion.converters))
