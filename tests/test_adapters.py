@@ -228,6 +228,7 @@ def probed(tmp_path_factory) -> dict:
     return torch.load(out)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_internals_are_present_and_do_what_keel_needs(probed, kind):
     got = probed[kind]
@@ -261,6 +262,7 @@ def test_internals_are_present_and_do_what_keel_needs(probed, kind):
         assert seen["local_grad_norm"] == pytest.approx(seen["norm"], rel=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_checkpoint_file_goes_through_the_checkpoint_engine_seam(probed, kind):
     """`engine.checkpoint_engine.save`: Keel hashes each file there and keeps a failed write on the rank."""
@@ -268,6 +270,7 @@ def test_every_checkpoint_file_goes_through_the_checkpoint_engine_seam(probed, k
     assert seam["on_disk"] and seam["routed"] == seam["on_disk"] and seam["restored"], seam
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_vetoed_step_changes_nothing_and_an_allowed_one_updates(probed, kind):
     vetoed, stepped = probed[kind]["vetoed"], probed[kind]["stepped"]
@@ -281,6 +284,7 @@ def test_a_vetoed_step_changes_nothing_and_an_allowed_one_updates(probed, kind):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.fault("DeepSpeed internal missing (version change)", "one line naming the attribute")
 def test_a_missing_internal_fails_in_one_line_naming_it(probed, kind):

@@ -346,6 +346,7 @@ def compared(tmp_path_factory) -> dict:
     return json.loads((root / "results.json").read_text())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_async_files_equal_a_synchronous_saves_byte_for_byte(compared, kind):
     got = compared[kind]

@@ -151,6 +151,7 @@ def reads(runs, tmp_path_factory) -> dict[str, dict[str, int]]:
     return {ds: counted[path] for ds, path in run_dirs.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ds", ["zero0", "zero1"])
 def test_at_most_one_host_sync_per_step_from_keel(reads, ds):
     """Six steps, start-up and the final checkpoint included: at most six reads, all the step's one read-back —
@@ -162,6 +163,7 @@ def test_at_most_one_host_sync_per_step_from_keel(reads, ds):
     assert all(site.startswith("training/trainer.py") for site in got), got
 
 
+@pytest.mark.slow
 def test_moe_reads_its_routing_counts_once_per_layer(reads):
     """Routing needs the per-expert row counts on the host (the all-to-all's split sizes): one read per MoE layer
     and micro-batch forward, none in backward; everything else is the step's one read-back."""

@@ -56,6 +56,7 @@ HANG = """
 """
 
 
+@pytest.mark.slow
 @pytest.mark.fault("step hangs", "stacks dumped, hang recorded, exit 4")
 def test_hang_dumps_stacks_records_and_exits_with_hang_code(tmp_path):
     proc, ended = _run_script(tmp_path, HANG)
@@ -101,6 +102,7 @@ PHASE = """
 """
 
 
+@pytest.mark.slow
 @pytest.mark.fault("checkpoint save hangs", "fires at the save's own deadline; exit 4")
 def test_phase_between_steps_fires_at_its_own_deadline(tmp_path):
     """A save watched with its own 1 s deadline ends the process ~1 s in, though the step's timeout is 60 s."""
@@ -121,6 +123,7 @@ def test_phase_between_steps_fires_at_its_own_deadline(tmp_path):
     assert "in stuck_in_a_save" in (tmp_path / "stacks" / "rank0-step3.txt").read_text()
 
 
+@pytest.mark.slow
 @pytest.mark.fault(
     "a universal conversion stops making progress",
     "the conversion's phase fires at its deadline from the last progress; stacks, exit 4",
@@ -152,6 +155,7 @@ def test_progress_keeps_a_long_phase_alive_until_it_stalls(tmp_path):
     assert (event["phase"], event["step"]) == ("universal checkpoint conversion", 10)
 
 
+@pytest.mark.slow
 def test_regular_beats_and_pauses_do_not_fire(tmp_path):
     proc, _ = _run_script(
         tmp_path,
@@ -202,6 +206,7 @@ def test_disabled_and_unarmed_watchdog_never_fires(tmp_path):
     assert proc.returncode == 0 and "clean exit" in proc.stdout, proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.fault("hang holding the GIL in C code", "faulthandler backstop dumps stacks; exit 4")
 def test_gil_held_in_c_code_is_caught_by_the_faulthandler_backstop(tmp_path):
     """A regex backtracking in C holds the GIL: the watchdog thread cannot run, faulthandler's C thread can."""
