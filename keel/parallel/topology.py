@@ -198,30 +198,22 @@ class Topology:
         if key not in self._handles:
             if channel not in comm.CHANNELS:
                 raise ValueError(f"unknown channel {channel!r}; one of {comm.CHANNELS}")
-            self._handles[key] = comm.Group(
-                name,
-                tuple(self._ranks[name]),
-                self.rank_in(name),
-                channel,
-                self._groups.get(name),
-                self.device_type,
-                self.trace,
+            self._handles[key] = self._handle(
+                name, self._ranks[name], channel, self._groups.get(name)
             )
         return self._handles[key]
+
+    def _handle(self, name: str, ranks: list[int], channel: str, group) -> comm.Group:
+        return comm.Group(
+            name, tuple(ranks), ranks.index(self.rank), channel, group, self.device_type, self.trace
+        )
 
     def subgroup(self, name: str, ranks: list[int], channel: str) -> comm.Group:
         """A group of `ranks` outside the grid (this rank among them; only they call this, in the same order
         relative to their other groups): the ranks that convert a checkpoint, say."""
         ranks = sorted(ranks)
-        return comm.Group(
-            name,
-            tuple(ranks),
-            ranks.index(self.rank),
-            channel,
-            self.process_groups.get(ranks) if len(ranks) > 1 else None,
-            self.device_type,
-            self.trace,
-        )
+        group = self.process_groups.get(ranks) if len(ranks) > 1 else None
+        return self._handle(name, ranks, channel, group)
 
     def trace_into(self, directory: Path) -> None:
         """Record every collective of this rank's handles in `directory` (call before handing any out)."""

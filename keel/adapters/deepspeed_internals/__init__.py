@@ -182,12 +182,13 @@ def convert_to_universal(
     goes on past the merge (the files every rank reads, `latest_universal`). Returns what DeepSpeed printed.
     Missing public API: a way to split the conversion over processes on several hosts (its pool spans one)."""
     ds2u = universal_converter()
-    phases = []
+    phases_done = 0
 
     def spread(do_work: Callable[[Any], Any], items: list, num_workers: int) -> list:
+        nonlocal phases_done
         results = share(do_work, list(items))
-        phases.append(len(items))
-        if len(phases) == UNIVERSAL_PHASES and not lead:
+        phases_done += 1
+        if phases_done == UNIVERSAL_PHASES and not lead:
             raise _HandedOff
         return results
 

@@ -45,9 +45,8 @@ class HostSnapshot:
         self.pin = pin
         self._buffers: dict[tuple[str, int], torch.Tensor] = {}
         self._used: set[tuple[str, int]] = set()
-        self._cloned: set[int] = (
-            set()
-        )  # data pointers of the storages `clone` filled in this snapshot
+        # data pointers of the storages `clone` filled in this snapshot
+        self._cloned: set[int] = set()
         self._clones = 0  # tensors `clone` copied in this snapshot (its buffers' keys)
 
     def begin(self) -> None:

@@ -102,10 +102,10 @@ def _optimizer_files(tag_dir: Path) -> list[tuple[int, int, Path]]:
 
 def _extract_file(
     file: tuple[int, int, Path], saved: dict[str, int], num_experts: int, out: Path
-) -> tuple[int, dict[str, bool], dict[str, Any] | None]:
+) -> tuple[int, set[str], dict[str, Any] | None]:
     """One optimizer file's fragments, each parameter's to `out/tp<T>/<global name>/<state>.<partition>.pt`
     (ds_to_universal's own two-pass scheme). The file is memory-mapped: only the fragments are read, and memory
-    is theirs, not the file's. Returns (tp rank, {global name: has a step}, the optimizer's global state where
+    is theirs, not the file's. Returns (tp rank, the global names it holds, the optimizer's global state where
     this is data-parallel index 0, else None)."""
     tp_rank, dp_index, path = file
     local_experts = num_experts // saved["ep"]
@@ -122,7 +122,7 @@ def _extract_file(
         )
         head = {k: v for k, v in optim.items() if k not in skipped}
         head["param_groups"] = groups
-    names: dict[str, bool] = {}
+    names: set[str] = set()
     for g, mapping in enumerate(optim["param_slice_mappings"]):
         expert_group = bool(groups[g].get("moe"))
         ep_index, part = _partition_index(dp_index, saved, expert_group)
@@ -141,11 +141,10 @@ def _extract_file(
                     tensor.narrow(0, fragment.start, fragment.numel).clone(),
                     folder / f"{state_name}.{part:06d}.pt",
                 )
-            if (
-                "step" in state
-            ):  # the same in every partition; each its own file, as converters run at once
+            # the same in every partition; each its own file, as converters run at once
+            if "step" in state:
                 torch.save(state["step"], folder / f"step.{part:06d}.pt")
-            names[key] = "step" in state
+            names.add(key)
     return tp_rank, names, head
 
 
@@ -156,19 +155,14 @@ def _merged(folder: Path, state_name: str) -> torch.Tensor:
     )
 
 
-def serial(do_work: Callable[[Any], Any], items: list) -> list:
-    """Every item done here, in order (the conversion in one process)."""
-    return [do_work(item) for item in items]
-
-
 def convert_moe_universal(
     tag_dir: Path,
     saved: dict[str, int],
     now: dict[str, int],
     num_experts: int,
     out: Path,
-    share: Callable[[Callable[[Any], Any], list], list] = serial,
-    lead: bool = True,
+    share: Callable[[Callable[[Any], Any], list], list],
+    lead: bool,
 ) -> None:
     """Write the conversion for the layout `now` (Topology.stamp()) into `out` (the caller renames it into
     `<tag_dir>/universal_moe/ep<EP>`). Every converting process runs this with the same `share` (which spreads the
@@ -176,7 +170,7 @@ def convert_moe_universal(
     rank's folder head and removes the fragments."""
     fragments = out / "fragments"
     files = _optimizer_files(tag_dir)
-    names: dict[int, dict[str, bool]] = defaultdict(dict)
+    names: dict[int, set[str]] = defaultdict(set)
     head: dict[int, dict[str, Any]] = {}
     for tp_rank, found, file_head in share(
         lambda file: _extract_file(file, saved, num_experts, fragments), files

@@ -67,7 +67,8 @@ def reshard_if_needed(
     tag = checkpointer.agreed_resume() if cfg.checkpoint.resume else None
     if tag is None or not checkpointer.needs_universal(tag, zero_stage(ds_raw)):
         return ds_raw
-    saved = checkpointer.read_manifest(tag)["topology"]
+    manifest = checkpointer.read_manifest(tag)
+    saved = manifest["topology"]
     # DeepSpeed's converter cannot place experts: Keel's own (moe_reshard.py)
     if cfg.model.moe_experts:
         check_moe_reshard(saved, topology.stamp(), zero_stage(ds_raw), cfg.model.moe_experts)
@@ -89,7 +90,7 @@ def reshard_if_needed(
     timeout = stability.watchdog_save_timeout if stability.watchdog_timeout > 0 else 0.0
     watchdog = Watchdog(run_dir, topology.rank, timeout, AnomalyLog(run_dir, topology.rank))
     with watchdog:
-        watchdog.beat(checkpointer.read_manifest(tag)["step"])
+        watchdog.beat(manifest["step"])
         with watchdog.phase("universal checkpoint conversion", timeout):
             seconds = conversion.run(topology, watchdog.progress)
     if topology.rank == 0 and seconds is not None:
@@ -196,9 +197,10 @@ class Conversion:
                 lead,
             )
         else:
-            convert_to_universal(
+            printed = convert_to_universal(
                 str(self.checkpointer.directory / self.tag), str(partial), share, lead
             )
+            log.debug("ds_to_universal said:\n%s", printed)
         if lead:
             partial.replace(target)
 
