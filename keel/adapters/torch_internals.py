@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import inspect
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ class TorchInternalsError(RuntimeError):
     """A torch internal Keel relies on is gone: the installed torch is outside the verified range."""
 
 
+@functools.cache  # finding a class's source parses its module (~0.1 s); every engine build probes
 def _scheduler_source() -> str:
     return inspect.getsource(torch.optim.lr_scheduler.LRScheduler)
 
