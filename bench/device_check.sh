@@ -34,7 +34,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out
 python3 -c "import torch, deepspeed; print('torch', torch.__version__, 'deepspeed', deepspeed.__version__)"
 
 if want gpu-tests; then
-  timeout 120 python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_kernels.py -p no:cacheprovider 2>&1 | tail -5 | tee "$out/gpu_tests.txt"
+  timeout 120 python3 -m pytest -o addopts='' -q -m gpu tests/test_gpu.py tests/test_kernels.py -p no:cacheprovider 2>&1 | tail -5 | tee "$out/gpu_tests.txt"
 fi
 if want throughput; then
   # Keel's whole trainer step (data prepared from the stdlib corpus first, ~10 s) vs the plain HF loop

@@ -1,7 +1,15 @@
-"""Shared fixtures: a small real corpus prepared once per session, and a runner for real `keel train` jobs."""
+"""Shared fixtures: a small real corpus prepared once per session, and a runner for real `keel train` jobs.
+
+The suite runs on pytest-xdist workers (one per core, `-n auto` in pyproject.toml): the multi-process tests spend
+a third of their time waiting (rendezvous, sleeps, process exits), which another worker's test fills. A test module
+is the unit a worker takes whole (its module fixtures start once), the modules sharing the SLURM cluster go to one
+worker together (`pytest_xdist_make_scheduler`), and the shared launches of `keel train` runs are shared between
+workers (tests/keel_runs.py).
+"""
 
 from __future__ import annotations
 
+import os
 import sysconfig
 from pathlib import Path
 
@@ -12,6 +20,7 @@ from tests.keel_runs import Run, RunCache
 DECLARED_RUNS = pytest.StashKey[list[Run]]()
 RUN_CACHE = pytest.StashKey[RunCache]()
 FAULT_ROWS = pytest.StashKey[list[tuple[str, str, str]]]()
+LAUNCHES = pytest.StashKey[tuple[list, list[str]]]()  # what the xdist workers' shared launches were
 
 
 def pytest_addoption(parser):
@@ -21,6 +30,9 @@ def pytest_addoption(parser):
 
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        item.user_properties += [("fault", list(mark.args)) for mark in item.iter_markers("fault")]
+    _heaviest_modules_first(items)
     if not config.getoption("--slow"):
         skip = pytest.mark.skip(reason="multi-process test: run with --slow")
         for item in items:
@@ -45,6 +57,47 @@ def pytest_collection_finish(session):
     session.config.stash[FAULT_ROWS] = fault_rows(session.items)
 
 
+def _heaviest_modules_first(items) -> None:
+    """Modules go out to the workers in collection order (`--no-loadscope-reorder`): the SLURM group first, then
+    by their count of multi-process `slow` tests, so no worker is left with a long module when the other is done."""
+    modules: dict[str, list] = {}
+    for item in items:
+        modules.setdefault(_module(item.nodeid), []).append(item)
+    weight = {
+        path: (
+            not any("slurm_cluster" in i.fixturenames for i in members),
+            -sum("slow" in i.keywords for i in members),
+        )
+        for path, members in modules.items()
+    }
+    items.sort(key=lambda item: weight[_module(item.nodeid)])
+
+
+def _module(nodeid: str) -> str:
+    return nodeid.split("::")[0]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """A worker takes a test module whole (its module fixtures start once); the modules that use the SLURM cluster
+    fixture are one unit (one cluster per host). The controller sees node ids only, so those modules are found by
+    reading the test sources for the fixture's name."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    slurm = {
+        str(path.relative_to(config.rootpath))
+        for path in (config.rootpath / "tests").rglob("test_*.py")
+        if "slurm_cluster" in path.read_text()
+    }
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = _module(nodeid)
+            return "slurm" if module in slurm else module
+
+    return ModuleScheduling(config, log)
+
+
 def _cuda_available() -> bool:
     import torch
 
@@ -64,40 +117,64 @@ def fault_rows(items) -> list[tuple[str, str, str]]:
     return rows
 
 
+def pytest_sessionfinish(session):
+    # an xdist worker hands its launches to the controller, which prints them (pytest_testnodedown)
+    cache = session.config.stash.get(RUN_CACHE, None)
+    if cache is not None and hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["keel_launches"] = cache.launches
+        session.config.workeroutput["keel_undeclared"] = cache.undeclared
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    output = getattr(node, "workeroutput", {})
+    launches, undeclared = node.config.stash.setdefault(LAUNCHES, ([], []))
+    launches += [tuple(launch) for launch in output.get("keel_launches", [])]
+    undeclared += output.get("keel_undeclared", [])
+
+
 def pytest_terminal_summary(terminalreporter, config):
     _kernel_tests_summary(terminalreporter)
-    _fault_matrix(terminalreporter, config.stash.get(FAULT_ROWS, []))
+    _fault_matrix(terminalreporter)
+    launches, undeclared = config.stash.get(LAUNCHES, ([], []))
     cache = config.stash.get(RUN_CACHE, None)
-    if cache is None or not cache.launches:
+    if cache is not None:  # run without workers
+        launches, undeclared = cache.launches, cache.undeclared
+    if not launches:
         return
     terminalreporter.write_line(
-        f"keel runs: {sum(len(n) for _, n, _ in cache.launches)} runs in "
-        f"{len(cache.launches)} shared launches"
+        f"keel runs: {sum(len(n) for _, n, _ in launches)} runs in {len(launches)} shared launches"
     )
-    for world, names, seconds in cache.launches:
+    for world, names, seconds in launches:
         terminalreporter.write_line(
             f"  {world} rank(s), {len(names)} run(s), {seconds:.1f} s: {', '.join(names)}"
         )
-    if cache.undeclared:
+    if undeclared:
         terminalreporter.write_line(
-            f"keel runs not declared in KEEL_RUNS (each got a launch of its own): "
-            f"{cache.undeclared}"
+            f"keel runs not declared in KEEL_RUNS (each got a launch of its own): {undeclared}"
         )
 
 
-def _fault_matrix(terminalreporter, rows: list[tuple[str, str, str]]) -> None:
-    """The fault matrix of this session: each fault-marked test's outcome, the fault, what Keel does."""
-    if not rows:
-        return
+def _fault_matrix(terminalreporter) -> None:
+    """The fault matrix of this session: each fault-marked test's outcome, the fault, what Keel does (read off the
+    test reports, which carry the marks as user properties: workers send reports, not items)."""
     outcome_of: dict[str, str] = {}
+    marks: dict[str, list[tuple[str, str]]] = {}
     for outcome in ("passed", "failed", "skipped", "error"):
         for report in terminalreporter.stats.get(outcome, []):
             nodeid = getattr(report, "nodeid", "")
+            faults = [tuple(v) for k, v in getattr(report, "user_properties", []) if k == "fault"]
+            if not faults:
+                continue
+            marks[nodeid] = faults
             if outcome_of.get(nodeid) not in (
                 "failed",
                 "error",
             ):  # a failed call outranks a passed setup
                 outcome_of[nodeid] = outcome
+    rows = [(nodeid, *fault) for nodeid in sorted(marks) for fault in marks[nodeid]]
+    if not rows:
+        return
     terminalreporter.write_sep("-", f"fault matrix ({len(rows)} rows)")
     for nodeid, fault, action in rows:
         terminalreporter.write_line(
@@ -139,9 +216,10 @@ def small_corpus() -> list[str]:
 
 @pytest.fixture(scope="session")
 def runs(request, tmp_path_factory, small_corpus) -> RunCache:
-    cache = RunCache(
-        tmp_path_factory.mktemp("runs"), tmp_path_factory.mktemp("data_cache"), small_corpus
-    )
+    # an xdist worker's base temp dir is the session's, plus the worker's name: its parent is shared
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if "PYTEST_XDIST_WORKER" in os.environ else base
+    cache = RunCache(shared / "runs", shared / "data_cache", small_corpus)
     cache.declare(request.config.stash.get(DECLARED_RUNS, []))
     request.config.stash[RUN_CACHE] = cache
     return cache

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from filelock import FileLock
 
 from keel.training.observe.metrics import read_metrics
 
@@ -176,15 +177,23 @@ class Run:
 
 
 class RunCache:
-    """Trains declared runs in shared launches (see the module docstring) and memoizes them by configuration."""
+    """Trains declared runs in shared launches (see the module docstring) and memoizes them by configuration.
+
+    `root` may be shared by several pytest-xdist workers: a lock makes one of them train a batch while the others
+    wait for it, and an index beside it (run key -> run dir, or the error its launch ended with) lets each of them
+    find what any other trained, so every run trains once per session."""
 
     def __init__(self, root: Path, cache_dir: Path, corpus: list[str]):
         self.root, self.cache_dir, self.corpus = root, cache_dir, corpus
-        self._done: dict[tuple, Path] = {}
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._lock = FileLock(root / "runs.lock")
+        self._index = root / "runs.json"
+        self._done: dict[
+            str, str
+        ] = {}  # repr(run key) -> run dir (or "error: ..." when its launch failed)
         self._declared: dict[tuple, Run] = {}
-        self.launches: list[
-            tuple[int, list[str], float]
-        ] = []  # (world size, run names, seconds) per launch
+        # (world size, run names, seconds) per launch this process made
+        self.launches: list[tuple[int, list[str], float]] = []
         self.undeclared: list[str] = []
 
     def declare(self, runs: list[Run]) -> None:
@@ -204,31 +213,50 @@ class RunCache:
         return self.run(Run.of(name, nproc, ds_config, resume_at, ds_patch, expect_code, **changes))
 
     def run(self, wanted: Run) -> Path:
-        if wanted.key not in self._done:
+        key = repr(wanted.key)
+        if key not in self._done:
             if wanted.key not in self._declared:
                 self.undeclared.append(wanted.name)
-            batch = [wanted] + [
-                r
-                for k, r in self._declared.items()
-                if r.nproc == wanted.nproc and k not in self._done and k != wanted.key
-            ]
-            # stopped runs first (see above)
-            self._launch(sorted(batch, key=lambda run: run.expect_code == 0))
-        return self._done[wanted.key]
+            with self._lock:
+                self._read_index()
+                if key not in self._done:
+                    batch = [wanted] + [
+                        r
+                        for k, r in self._declared.items()
+                        if r.nproc == wanted.nproc and repr(k) not in self._done and k != wanted.key
+                    ]
+                    # stopped runs first (see above)
+                    self._launch(sorted(batch, key=lambda run: run.expect_code == 0))
+        found = self._done[key]
+        if found.startswith("error: "):
+            raise AssertionError(
+                f"run {wanted.name}: its shared launch failed (once, in this session):\n{found}"
+            )
+        return Path(found)
 
     def overrides(self, **changes: Any) -> list[str]:
         return tiny_overrides(self.corpus, self.cache_dir, **changes)
+
+    def _read_index(self) -> None:
+        if self._index.is_file():
+            self._done.update(json.loads(self._index.read_text()))
+
+    def _record(self, done: dict[str, str]) -> None:
+        """Add to the index (under the lock), written whole and renamed into place."""
+        self._done.update(done)
+        tmp = self._index.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self._done, indent=1))
+        tmp.replace(self._index)
 
     def _launch(self, batch: list[Run]) -> None:
         from keel.launcher.run_spec import build_run, prepare_data, write_run_dir
 
         dirs = []
         for run in batch:
-            run_dir = self.root / f"{run.name}-{len(self._done) + len(dirs)}"
+            run_dir = self.root / f"{run.name}-{len(self._done) + len(dict.fromkeys(dirs))}"
             changes = dict(run.changes) | (
                 {"train.exit_after": run.resume_at} if run.resume_at else {}
             )
-            self.root.mkdir(parents=True, exist_ok=True)
             spec = build_run(
                 None,
                 self.overrides(**changes),
@@ -252,16 +280,23 @@ class RunCache:
             cwd=REPO,
         )
         what = f"{batch[0].nproc}-rank launch of {[r.name for r in batch]}"
-        _checked(proc, max(run.expect_code for run in batch), what)
+        try:
+            _checked(proc, max(run.expect_code for run in batch), what)
+            done = {}
+            for run, run_dir in zip(batch, dict.fromkeys(dirs)):
+                code = summary_exit_code(run_dir)
+                if code != run.expect_code:
+                    raise AssertionError(
+                        f"run {run.name} in the {what} ended with exit code {code}, expected "
+                        f"{run.expect_code}:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+                    )
+                done[repr(run.key)] = str(run_dir)
+        except AssertionError as exc:
+            # the other workers (and later tests here) read the failure instead of training the batch again
+            self._record({repr(run.key): f"error: {exc}" for run in batch})
+            raise
         self.launches.append((batch[0].nproc, [r.name for r in batch], time.perf_counter() - start))
-        for run, run_dir in zip(batch, dict.fromkeys(dirs)):
-            code = summary_exit_code(run_dir)
-            if code != run.expect_code:
-                raise AssertionError(
-                    f"run {run.name} in the {what} ended with exit code {code}, expected "
-                    f"{run.expect_code}:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-                )
-            self._done[run.key] = run_dir
+        self._record(done)
 
 
 def summary_exit_code(run_dir: Path) -> int | None:
