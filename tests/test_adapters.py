@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from keel.adapters import deepspeed_internals as dsi
 from keel.adapters.deepspeed_internals import probes
@@ -24,6 +23,7 @@ from keel.adapters.torch_internals import INTERNALS as TORCH_INTERNALS
 from keel.adapters.torch_internals import check_torch, set_last_lr
 from keel.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
 from keel.launcher.local import free_port
+from tests.spawned import start_world
 
 DS_CONFIGS = Path(__file__).resolve().parents[1] / "ds_configs"
 MODEL = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_pad_multiple=1)
@@ -224,7 +224,7 @@ def _worker(_rank: int, port: int, out: str) -> None:
 @pytest.fixture(scope="module")
 def probed(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("adapters") / "probed.pt"
-    mp.start_processes(_worker, args=(free_port(), str(out)), nprocs=1, start_method="spawn")
+    start_world(_worker, (free_port(), str(out)), 1)
     return torch.load(out)
 
 

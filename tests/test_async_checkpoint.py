@@ -21,7 +21,6 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from keel.config import ConfigError
 from keel.config.schema import build_config, load_config
@@ -33,6 +32,7 @@ from keel.training.checkpoint.host_snapshot import HostSnapshot
 from keel.training.checkpoint.store import Checkpointer, TrainState
 from keel.training.checkpoint.verify import chunk_hashes
 from tests.keel_runs import Run, final_weights, keel_train
+from tests.spawned import start_world
 
 KINDS = ["zero0", "zero1", "zero2", "zero3", "fp16", "bf16", "moe", "pipeline"]
 
@@ -342,7 +342,7 @@ def _worker(_rank: int, port: int, root: str) -> None:
 @pytest.fixture(scope="module")
 def compared(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("async_engines")
-    mp.start_processes(_worker, args=(free_port(), str(root)), nprocs=1, start_method="spawn")
+    start_world(_worker, (free_port(), str(root)), 1)
     return json.loads((root / "results.json").read_text())
 
 

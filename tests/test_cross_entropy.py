@@ -8,7 +8,6 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from keel.launcher.local import free_port
@@ -19,6 +18,7 @@ from keel.parallel.cross_entropy import (
     vocab_range,
 )
 from keel.parallel.topology import Topology
+from tests.spawned import start_world
 
 B, S = 2, 8
 PAD_LOGIT = 50.0  # padded entries hold this: if any leaked into max, sum-exp or smoothing the loss would move
@@ -251,15 +251,7 @@ def parallel_run(request, tmp_path_factory) -> list[dict]:
     """Per rank, {case: result}; the processes run once per world size for all the tests below."""
     world_size = request.param
     out = tmp_path_factory.mktemp(f"xent_world{world_size}")
-    # A forkserver imports torch (and this module) once, then forks every rank from that clean single-threaded
-    # process: as safe as spawn, without each rank paying seconds of torch import.
-    mp.get_context("forkserver").set_forkserver_preload([__name__])
-    mp.start_processes(
-        _worker,
-        args=(world_size, free_port(), str(out)),
-        nprocs=world_size,
-        start_method="forkserver",
-    )
+    start_world(_worker, (world_size, free_port(), str(out)), world_size)
     return [torch.load(out / f"rank{r}.pt") for r in range(world_size)]
 
 

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from keel.launcher.local import free_port
 from tests.keel_runs import REPO
+from tests.spawned import start_world
 
 STEPS = 6
 MOE = dict(model__moe_experts=4, stability__expert_interval=0)
@@ -141,12 +141,7 @@ def reads(runs, tmp_path_factory) -> dict[str, dict[str, int]]:
         write_run_dir(spec)
         run_dirs[name] = str(root / name)
     out = root / "reads.pt"
-    mp.start_processes(
-        _worker,
-        args=(free_port(), list(run_dirs.values()), str(out)),
-        nprocs=1,
-        start_method="spawn",
-    )
+    start_world(_worker, (free_port(), list(run_dirs.values()), str(out)), 1)
     counted = torch.load(out)
     return {ds: counted[path] for ds, path in run_dirs.items()}
 

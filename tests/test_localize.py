@@ -15,6 +15,7 @@ from keel.config import ModelConfig
 from keel.launcher.local import free_port
 from keel.model import CausalLM
 from keel.training.guards.localize import DATA, ROOT, TRANSIENT, Finding, classify, localize
+from tests.spawned import start_world
 
 CFG = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_pad_multiple=16)
 NAN = float("nan")
@@ -304,12 +305,9 @@ def _zero_worker(rank: int, port: int, stage: int, results: dict) -> None:
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_localize_under_zero_leaves_training_unchanged(stage):
     """Localizing between steps of a real engine changes nothing, and finds the module under every ZeRO stage."""
-    mp.get_context("forkserver").set_forkserver_preload([__name__])
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.start_processes(
-            _zero_worker, args=(free_port(), stage, results), nprocs=1, start_method="forkserver"
-        )
+        start_world(_zero_worker, (free_port(), stage, results), 1)
         results = dict(results)
     assert results["healthy"]["first_bad_module"] is None
     poisoned = results["poisoned"]
@@ -356,15 +354,9 @@ def _every_rank_worker(
 @pytest.mark.parametrize("stage, tp", [(3, 1), (1, 2)], ids=["zero3-dp2", "tp2"])
 def test_localize_on_every_rank(stage, tp):
     """Called on every rank, each replays its own batch with the model's collectives matched; findings differ."""
-    mp.get_context("forkserver").set_forkserver_preload([__name__])
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.start_processes(
-            _every_rank_worker,
-            args=(2, free_port(), stage, tp, results),
-            nprocs=2,
-            start_method="forkserver",
-        )
+        start_world(_every_rank_worker, (2, free_port(), stage, tp, results), 2)
         results = dict(results)
     assert results[0]["first_bad_module"] == results[0]["origin_module"] == "layers.2.attention.wkv"
     assert results[0]["classification"] == DATA

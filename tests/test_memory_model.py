@@ -7,13 +7,13 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from keel.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
 from keel.engine.memory_model import Layout, estimate, param_share
 from keel.launcher.local import free_port
 from keel.model import CausalLM
 from keel.parallel.layer_parallel import LayerParallel
+from tests.spawned import start_world
 
 MODEL = dict(vocab_size=200, dim=64, n_layers=3, n_heads=8, n_kv_heads=2, vocab_pad_multiple=16)
 
@@ -139,5 +139,4 @@ def _pipeline_rank(rank: int, port: int) -> None:
 @pytest.mark.slow
 def test_share_is_the_real_pipeline_stage_at_tp2_pp2():
     """Each of 4 ranks builds its real tp=2 × pp=2 stage (DeepSpeed's partition) and counts it."""
-    mp.get_context("forkserver").set_forkserver_preload([__name__])
-    mp.start_processes(_pipeline_rank, args=(free_port(),), nprocs=4, start_method="forkserver")
+    start_world(_pipeline_rank, (free_port(),), 4)

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from keel.config import ConfigError, ModelConfig, StabilityConfig
 from keel.engine.ds_config import load_ds_config
@@ -19,6 +18,7 @@ from keel.model import Block, CausalLM
 from keel.parallel.topology import Topology
 from keel.training.observe.monitor import ModelMonitor
 from keel.training.observe.sinks import Sinks, check_sinks, dashboard_scalars
+from tests.spawned import start_world
 
 TINY = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_pad_multiple=1)
 
@@ -350,9 +350,7 @@ def test_zero_stages_give_the_same_layer_statistics(tmp_path):
         ("fp16", str(ds_configs / "fp16.json"), False),
     ]  # fp16 at ZeRO-0 is refused by Keel (ds_config.py)
     out = tmp_path / "results.pt"
-    mp.start_processes(
-        _deepspeed_worker, args=(free_port(), configs, str(out)), nprocs=1, start_method="spawn"
-    )
+    start_world(_deepspeed_worker, (free_port(), configs, str(out)), 1)
     results = torch.load(out)
     reference = results["zero0"]
     assert all(r["has_grad"] for r in reference)

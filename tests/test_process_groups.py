@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from keel.launcher.local import free_port
 from tests.keel_runs import REPO
+from tests.spawned import start_world
 
 LAYOUTS = {
     "dp2": {},
@@ -83,9 +83,7 @@ def test_threads_stay_flat_across_a_shared_launch(runs, tmp_path):
         write_run_dir(spec)
         run_dirs.append(str(tmp_path / name))
     out = tmp_path / "threads"
-    mp.start_processes(
-        _worker, args=(free_port(), run_dirs, str(out)), nprocs=2, start_method="spawn"
-    )
+    start_world(_worker, (free_port(), run_dirs, str(out)), 2)
     for rank in range(2):
         seen = torch.load(f"{out}.{rank}")
         assert seen["code"] == 0
@@ -126,7 +124,5 @@ def test_groups_of_some_ranks_after_others_do_not_hang(tmp_path):
     """torch salts a locally synchronized group's name with how many groups the process holds: after a pair the
     third rank is not in, the next pair's members named it differently and waited forever (the 3-rank preflight
     hung). Named by their ranks alone, every pair meets."""
-    mp.start_processes(
-        _pairs_worker, args=(free_port(), str(tmp_path / "sums")), nprocs=3, start_method="spawn"
-    )
+    start_world(_pairs_worker, (free_port(), str(tmp_path / "sums")), 3)
     assert [torch.load(tmp_path / f"sums.{r}") for r in range(3)] == [[2, 2], [2, 2], [2, 2]]

@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from keel.launcher.local import free_port
 from keel.training.checkpoint.reshard import Heartbeat, converters, wait_for_rank0
+from tests.spawned import start_world
 
 
 def test_converters_take_one_rank_per_node_first_and_at_most_the_cap():
@@ -148,9 +148,7 @@ def _worker(rank: int, port: int, root: str, kind: str) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_conversion_spread_over_two_ranks_writes_what_deepspeed_writes_alone(tmp_path, kind):
-    mp.start_processes(
-        _worker, args=(free_port(), str(tmp_path), kind), nprocs=2, start_method="spawn"
-    )
+    start_world(_worker, (free_port(), str(tmp_path), kind), 2)
     got = json.loads((tmp_path / "results.json").read_text())
     assert got["files"] > 0 and got["same_names"] and got["differ"] == [], got
     assert all(n > 0 for n in got["items"]), got  # both ranks took part in both phases' work

@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from keel.launcher.local import free_port
 from keel.parallel import comm
 from keel.run_dir import ExitCode
 from keel.training import step_gate
 from keel.training.guards.base import Action, Decision
+from tests.spawned import start_world
 
 ROLLBACK = Decision(Action.ROLLBACK, "corrupt", restore=True, rewind_data=True, to="step00000040")
 SKIP = Decision(Action.SKIP, "spike")
@@ -117,7 +117,7 @@ def _worker(rank: int, port: int, out: str) -> None:
 
 
 def test_ranks_that_decided_differently_run_the_same_collectives(tmp_path):
-    mp.start_processes(_worker, args=(free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    start_world(_worker, (free_port(), str(tmp_path)), 2)
     decisions = [json.loads((tmp_path / f"decision{r}.json").read_text()) for r in range(2)]
     assert decisions[0] == decisions[1] == [int(Action.ROLLBACK), "step00000040", True, True]
     traces = [(tmp_path / f"trace_rank{r}.jsonl").read_text().splitlines() for r in range(2)]

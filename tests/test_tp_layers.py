@@ -7,7 +7,6 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from keel.config import ModelConfig
 from keel.launcher.local import free_port
@@ -16,6 +15,7 @@ from keel.parallel import comm
 from keel.parallel.layer_parallel import LayerParallel
 from keel.parallel.tensor import TPContext
 from keel.parallel.topology import Topology
+from tests.spawned import start_world
 
 pytestmark = pytest.mark.slow
 
@@ -97,14 +97,7 @@ def test_tensor_parallel_gradients_equal_single_process(
     world, kv_heads, sequence_parallel, document_eos
 ):
     """Every parameter's gathered gradient after one step equals tp=1's (embedding, projections, norms)."""
-    # A forkserver imports torch and keel once, then forks each rank from that clean single-threaded process.
-    mp.get_context("forkserver").set_forkserver_preload([__name__])
-    mp.start_processes(
-        _worker,
-        args=(world, free_port(), kv_heads, sequence_parallel, document_eos),
-        nprocs=world,
-        start_method="forkserver",
-    )
+    start_world(_worker, (world, free_port(), kv_heads, sequence_parallel, document_eos), world)
 
 
 def test_vocab_padding_and_init_match_tp1():

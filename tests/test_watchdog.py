@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from keel.launcher.local import free_port
 from keel.parallel.topology import Topology
 from keel.run_dir import ExitCode, read_anomalies
 from keel.training.observe.watchdog import StragglerMonitor
+from tests.spawned import start_world
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -330,10 +330,7 @@ def _straggler_worker(rank: int, world: int, port: int) -> None:
 @pytest.mark.slow
 @pytest.mark.fault("straggler rank", "slowest rank named with host and spread")
 def test_straggler_monitor_names_the_slowest_rank():
-    mp.get_context("forkserver").set_forkserver_preload([__name__])
-    mp.start_processes(
-        _straggler_worker, args=(2, free_port()), nprocs=2, start_method="forkserver"
-    )
+    start_world(_straggler_worker, (2, free_port()), 2)
 
 
 def test_straggler_monitor_single_process():
