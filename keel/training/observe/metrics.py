@@ -72,10 +72,10 @@ class MetricsWriter:
         suffix = self.progress.describe(record) if self.progress is not None else ""
         step = record["step"]
         if step % self.log_interval == 0 or step == self.total_steps or "val_loss" in record:
-            print(
-                format_line(record, self.total_steps) + (f" | {suffix}" if suffix else ""),
-                flush=True,
-            )
+            line = format_line(record, self.total_steps) + (f" | {suffix}" if suffix else "")
+            # one write with its newline: every rank shares the launcher's pipe, and print's separate
+            # write of "\n" lets another rank's line land between them (unbuffered stdout)
+            print(line + "\n", end="", flush=True)
 
     def close(self) -> None:
         if self._file is not None:

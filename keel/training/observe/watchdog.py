@@ -239,7 +239,7 @@ class Watchdog:
                 f"with code {ExitCode.HANG}"
             )
         try:
-            print(line, file=sys.stderr)
+            print(line + "\n", end="", file=sys.stderr)  # one write: ranks share the pipe
             sys.stdout.flush()
             sys.stderr.flush()
         finally:
