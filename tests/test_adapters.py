@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -189,24 +190,92 @@ def _probe_kind(kind: str) -> dict:
     }
 
 
+# Python's audit events for a change to the filesystem (the write-mode `open`s are told apart by their mode)
+_CHANGES = {
+    "open",
+    "os.mkdir",
+    "os.rename",
+    "os.remove",
+    "os.rmdir",
+    "os.chmod",
+    "os.truncate",
+    "os.symlink",
+    "os.link",
+    "shutil.copyfile",
+    "shutil.copytree",
+    "shutil.rmtree",
+}
+
+
+def _is_change(event: str, args: tuple) -> bool:
+    if event != "open":
+        return event in _CHANGES
+    mode, flags = args[1], args[2]
+    if isinstance(mode, str):
+        return any(c in mode for c in "wax+")
+    return bool(flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC))
+
+
 def _checkpoint_seam(engine) -> dict:
-    """The files `save_checkpoint` wrote, and those it routed through `engine.checkpoint_engine.save`."""
+    """What `save_checkpoint` did to the filesystem, against what reached Keel's seam: every file under the save
+    directory, the files routed through the checkpoint engine's `save`, those made by the other changes routed
+    (`elsewhere`), and each change Python's audit hook saw made outside both (none may be). Then the same save with
+    DeepSpeed's recovery script landing on a full device (/dev/full), through Keel's WrittenFiles."""
+    import sys
     import tempfile
 
-    routed = []
+    from keel.training.checkpoint.writes import WrittenFiles
+
+    routed, made, escaped = [], [], []
+    depth, watching = [0], [False]
+
+    def inside(call):
+        depth[0] += 1
+        try:
+            return call()
+        finally:
+            depth[0] -= 1
 
     def route(save, state_dict, path) -> None:
-        routed.append(os.path.basename(path))
-        save(state_dict, path)
+        routed.append(os.path.relpath(path, tmp))
+        inside(lambda: save(state_dict, path))
 
+    def elsewhere(change, path) -> None:
+        before = {p for p in Path(tmp).rglob("*") if p.is_file()}
+        inside(change)
+        made.extend(
+            os.path.relpath(p, tmp) for p in Path(tmp).rglob("*") if p.is_file() and p not in before
+        )
+
+    def audit(event: str, args: tuple) -> None:
+        if watching[0] and not depth[0] and _is_change(event, args):
+            escaped.append(f"{event} {args[:2]}")
+
+    sys.addaudithook(
+        audit
+    )  # for the rest of this throwaway process; it only records while `watching`
     with tempfile.TemporaryDirectory() as tmp:
-        with dsi.route_checkpoint_writes(engine, route):
+        watching[0] = True
+        with dsi.route_checkpoint_writes(engine, route, elsewhere):
             engine.save_checkpoint(tmp, tag="probe", save_latest=False)
-        on_disk = sorted(p.name for p in (Path(tmp) / "probe").rglob("*") if p.is_file())
+        watching[0] = False
+        on_disk = sorted(os.path.relpath(p, tmp) for p in Path(tmp).rglob("*") if p.is_file())
+    full = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        if os.path.exists("/dev/full") and "zero_to_fp32.py" in {Path(m).name for m in made}:
+            (Path(tmp) / "zero_to_fp32.py").symlink_to("/dev/full")
+            written = WrittenFiles(0)
+            with written.seam(engine):
+                engine.save_checkpoint(tmp, tag="probe", save_latest=False)
+            full = {"error": written.result()[0]}
     return {
         "routed": sorted(routed),
+        "made": sorted(made),
         "on_disk": on_disk,
-        "restored": "save" not in vars(engine.checkpoint_engine),
+        "escaped": escaped,
+        "full": full,
+        "restored": not {"save", "makedirs"} & set(vars(engine.checkpoint_engine))
+        and "_copy_recovery_script" not in vars(engine),
     }
 
 
@@ -264,10 +333,23 @@ def test_internals_are_present_and_do_what_keel_needs(probed, kind):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
-def test_every_checkpoint_file_goes_through_the_checkpoint_engine_seam(probed, kind):
-    """`engine.checkpoint_engine.save`: Keel hashes each file there and keeps a failed write on the rank."""
+def test_every_change_a_checkpoint_save_makes_goes_through_keels_seam(probed, kind):
+    """Each file through `engine.checkpoint_engine.save` (Keel hashes it, and keeps a failed write on the rank);
+    every other change — directories, DeepSpeed's recovery scripts beside the checkpoints — through the seam's
+    `elsewhere`; nothing outside. A recovery script that cannot be written fails the save, not the process."""
     seam = probed[kind]["seam"]
-    assert seam["on_disk"] and seam["routed"] == seam["on_disk"] and seam["restored"], seam
+    assert seam["on_disk"] and seam["escaped"] == [] and seam["restored"], seam
+    assert sorted(seam["routed"] + seam["made"]) == seam["on_disk"], seam
+    assert all(name.startswith("probe/") for name in seam["routed"])
+    if (
+        kind != "zero0"
+    ):  # every ZeRO and mixed-precision save copies zero_to_fp32.py beside its checkpoints
+        assert "zero_to_fp32.py" in seam["made"], seam
+        error = seam["full"]["error"]
+        # the file, where the OSError names it; else the scripts DeepSpeed copies there
+        assert re.search(r"/zero_to_(fp32|\*)\.py: \[Errno 28\] No space left on device$", error), (
+            error
+        )
 
 
 @pytest.mark.slow

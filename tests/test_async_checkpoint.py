@@ -31,6 +31,7 @@ from keel.training.checkpoint.async_save import AsyncCheckpointer, snapshot_file
 from keel.training.checkpoint.host_snapshot import HostSnapshot
 from keel.training.checkpoint.store import Checkpointer, TrainState
 from keel.training.checkpoint.verify import chunk_hashes
+from keel.training.checkpoint.writes import SaveErrors
 from tests.keel_runs import Run, final_weights, keel_train
 from tests.spawned import start_world
 
@@ -148,6 +149,9 @@ class _Disk:
             raise OSError(28, "No space left on device")
         torch.save(state_dict, path)
 
+    def makedirs(self, path: str, exist_ok: bool = False) -> None:
+        os.makedirs(path, exist_ok=exist_ok)
+
 
 class _Engine:
     """Writes two shards through its checkpoint engine, as DeepSpeed does; the weights change in place."""
@@ -163,7 +167,7 @@ class _Engine:
 
     def save_checkpoint(self, save_dir, tag, client_state, save_latest):
         path = Path(save_dir) / tag
-        path.mkdir(parents=True, exist_ok=True)
+        self.checkpoint_engine.makedirs(str(path), exist_ok=True)
         self.checkpoint_engine.save(
             {"module": {"w": self.weights}, **client_state},
             str(path / "mp_rank_00_model_states.pt"),
@@ -171,6 +175,11 @@ class _Engine:
         self.checkpoint_engine.save(
             {"optimizer": self.weights[:10]}, str(path / "zero_pp_rank_0_optim_states.pt")
         )
+        self._copy_recovery_script(save_dir)
+
+    def _copy_recovery_script(self, save_path: str) -> None:
+        """DeepSpeed copies its zero_to_fp32.py beside the checkpoints at every ZeRO save."""
+        (Path(save_path) / "zero_to_fp32.py").write_text("# DeepSpeed's recovery script\n")
 
 
 def _tag_files(directory: Path, tag: str) -> dict[str, bytes]:
@@ -238,7 +247,9 @@ def test_a_failed_background_write_publishes_nothing(tmp_path):
     ok, outcome = saver.poll()
     assert ok.ok and ok.step == 10
     assert (
-        not outcome.ok and "rank 0: OSError" in outcome.error and "No space left" in outcome.error
+        not outcome.ok
+        and outcome.error.startswith(f"rank 0: writing {tmp_path / 'step00000020'}")
+        and "[Errno 28] No space left" in outcome.error
     )
     assert not (tmp_path / "step00000020").exists()
     assert (
@@ -275,12 +286,13 @@ def _compare_kind(kind: str, root: Path) -> dict:
     )
     state = TrainState(step=1, consumed_samples=4)
     sync.save(engine, state)
-    tag = background.begin("step00000001")
+    begun = SaveErrors(topology.rank)
+    tag = background.begin("step00000001", begun.guard)
     snapshot = HostSnapshot(pin=False)
     with _deepspeeds_own_clones() as cloned:
         files = snapshot_files(engine, background, "step00000001", state, snapshot)
     _train_step(engine, 2)  # the live state moves on before the writer runs
-    report = write_files(tag, topology.rank, files)
+    report = write_files(tag, topology.rank, files, error=begun.error)
     got = {
         "error": report.error,
         "snapshot_bytes": snapshot.nbytes,

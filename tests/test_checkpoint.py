@@ -33,8 +33,13 @@ class FakeEngine:
     def save_checkpoint(self, save_dir, tag, client_state, save_latest):
         assert save_latest is False  # Keel writes 'latest' itself, after every rank finished
         path = Path(save_dir) / tag
-        path.mkdir(parents=True, exist_ok=True)
+        self.checkpoint_engine.makedirs(str(path), exist_ok=True)
         self.checkpoint_engine.save(client_state, str(path / "mp_rank_00_model_states.pt"))
+        self._copy_recovery_script(save_dir)
+
+    def _copy_recovery_script(self, save_path: str) -> None:
+        """DeepSpeed copies its zero_to_fp32.py beside the checkpoints at every ZeRO save."""
+        (Path(save_path) / "zero_to_fp32.py").write_text("# DeepSpeed's recovery script\n")
 
 
 @pytest.mark.fault(
@@ -113,9 +118,8 @@ def test_agreed_tag_is_verified_against_the_manifest_file_list(tmp_path):
     ) as err:
         ckpt.agreed_latest()
     assert err.value.exit_code == 6
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "step00000010.corrupt"
-    ]  # kept; `latest` had no target
+    # kept; `latest` had no target (zero_to_fp32.py: DeepSpeed's, beside the checkpoints)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step00000010.corrupt", "zero_to_fp32.py"]
 
 
 class DropoutModel(torch.nn.Module):

@@ -164,6 +164,7 @@ BOUNDS: dict[str, Bound] = {
     "faults.sleep_step": at_least(0, OFF),
     "faults.sleep_rank": at_least(0),
     "faults.sleep_s": at_least(0),
+    "faults.pause_step": at_least(0, OFF),
     "faults.noise_rank": at_least(-1, NO_RANK),
     "faults.save_stall_rank": at_least(-1, NO_RANK),
     "faults.save_stall_s": at_least(0),

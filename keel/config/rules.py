@@ -248,6 +248,10 @@ def validate_faults(faults: FaultsConfig, world_size: int, experts: int) -> None
         rank = getattr(faults, key)
         _require(rank < world_size, f"faults.{key}={rank}: the run has ranks 0..{world_size - 1}")
     _require(
+        not faults.pause_step or bool(faults.pause_file),
+        f"faults.pause_step={faults.pause_step}: set faults.pause_file, the file whose creation ends the pause",
+    )
+    _require(
         faults.starve_expert < experts,
         f"faults.starve_expert={faults.starve_expert}: "
         + (

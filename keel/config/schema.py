@@ -312,6 +312,10 @@ class FaultsConfig:
     save_stall_step: int = 0  # save_stall_rank stalls only in the save at this step (0: every save)
     # every rank exits at once (code 1, no cleanup) after this step: the job lost mid-run
     crash_step: int = 0
+    # every rank waits before this step until pause_file exists (rank 0 first writes <pause_file>.reached): an
+    # operator's action at a known point of the run (a remount, a deleted directory, a kill)
+    pause_step: int = 0
+    pause_file: str = ""
     # `keel preflight` (keel/tools/preflight/): each check proven by a fault it must name
     # this rank's check matmul comes out wrong in one element (silent corruption)
     preflight_bad_matmul_rank: int = -1

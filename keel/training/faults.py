@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from pathlib import Path
 
 import torch
 
@@ -78,11 +79,21 @@ class FaultInjector:
 
     def before_forward(self, step: int) -> None:
         faults = self.cfg
+        if faults.pause_step == step:
+            self._pause(step, Path(faults.pause_file))
         if faults.sleep_step == step and faults.sleep_rank == self.rank and faults.sleep_s > 0:
             log.warning(
                 "fault injection: rank %d sleeps %.1f s at step %d", self.rank, faults.sleep_s, step
             )
             time.sleep(faults.sleep_s)
+
+    def _pause(self, step: int, until: Path) -> None:
+        """Wait here, every rank, until `until` exists; rank 0 first writes `<until>.reached`."""
+        log.warning("fault injection: rank %d waits before step %d for %s", self.rank, step, until)
+        if self.rank == 0:
+            until.with_name(until.name + ".reached").write_text(f"{step}\n")
+        while not until.exists():
+            time.sleep(0.02)
 
     def during_save(self, step: int) -> None:
         """Inside the checkpoint save at `step`, after this rank wrote its files and before the others wait for it

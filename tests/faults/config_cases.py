@@ -170,6 +170,7 @@ SPECIAL: dict[str, st.SearchStrategy] = {
     ),
     "faults.bitflip_param": st.one_of(st.just(""), TEXT),
     "faults.checkpoint_dir": st.one_of(st.just(""), TEXT),
+    "faults.pause_file": st.one_of(st.just(""), TEXT),
 }
 
 
@@ -271,6 +272,11 @@ def layouts(draw) -> tuple[dict[str, Any], int, dict[str, Any]]:
     world = tp * pp * sp * dp
     for name, lowest in FAULT_RANKS.items():
         values[name] = pick.int(lowest, world - 1)
+    # a pause needs the file that ends it
+    values["faults.pause_step"] = pause = pick.one([0, pick.int(1, steps)])
+    values["faults.pause_file"] = pick.one(
+        ["go", "/tmp/keel-fuzz-go"] + ([""] if not pause else [])
+    )
     stage = pick.one([0, 1] if pp > 1 else [0, 1, 2] if moe else [0, 1, 2, 3])
     plain = not moe and tp == pp == sp == 1 and stage < 3  # where model.compile=true is supported
     values["model.compile"] = pick.one(

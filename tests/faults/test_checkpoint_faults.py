@@ -43,7 +43,7 @@ class FakeEngine(OneFileEngine):
 
     def save_checkpoint(self, save_dir, tag, client_state, save_latest):
         path = Path(save_dir) / tag
-        path.mkdir(parents=True, exist_ok=True)
+        self.checkpoint_engine.makedirs(str(path), exist_ok=True)
         step = client_state["keel"]["step"]
         self.checkpoint_engine.save(
             {"module": {"w": torch.full((64,), float(step))}, **client_state}, str(path / MODEL)
@@ -51,6 +51,7 @@ class FakeEngine(OneFileEngine):
         self.checkpoint_engine.save(
             {"state": torch.arange(65536, dtype=torch.float32) * step}, str(path / SHARD)
         )
+        self._copy_recovery_script(save_dir)
 
 
 def checkpointer(directory: Path, keep_last: int = 3) -> Checkpointer:
@@ -247,6 +248,7 @@ def test_every_checkpoint_corrupt_stops_instead_of_starting_over(tmp_path):
     assert sorted(p.name for p in ckpt.directory.iterdir()) == [
         "step00000010.corrupt",
         "step00000020.corrupt",
+        "zero_to_fp32.py",  # DeepSpeed's, beside the checkpoints
     ]
     # set-aside checkpoints are not checkpoints: never chosen, never pruned by later saves
     for step in (30, 40):
@@ -307,14 +309,14 @@ def test_disk_full_at_the_commit_discards_the_save(tmp_path, monkeypatch):
     import keel.training.checkpoint.store as checkpoint
 
     ckpt = saved(tmp_path, steps=(10,), keep_last=1)
-    write = checkpoint.atomic_write_text
+    write = checkpoint.write_atomic
 
     def full_at_manifest(path: Path, text: str) -> None:
         if path.name == COMPLETE:
             raise OSError(errno.ENOSPC, "No space left on device")
         write(path, text)
 
-    monkeypatch.setattr(checkpoint, "atomic_write_text", full_at_manifest)
+    monkeypatch.setattr(checkpoint, "write_atomic", full_at_manifest)
     outcome = ckpt.save(FakeEngine(), TrainState(step=20))
     assert outcome.error == "rank 0: committing step00000020: [Errno 28] No space left on device"
     monkeypatch.undo()
@@ -370,15 +372,21 @@ def test_real_dev_full_write_is_kept_on_the_rank(tmp_path):
 )
 def test_on_save_error_policy(tmp_path, policy, final, stops):
     outcome = SaveOutcome(tag_for(20), "rank 1: writing x: [Errno 28] No space left on device")
-    reason = after_failed_save(outcome, policy, final, 20, AnomalyLog(tmp_path, 0), 0)
+    reason = after_failed_save(
+        outcome, policy, final, 20, AnomalyLog(tmp_path, 0), 0, previous=tag_for(10)
+    )
     assert bool(reason) == stops and "\n" not in reason
     if stops:
         assert f"exit code {ExitCode.SAVE_FAILED}" in reason and "No space left" in reason
+        assert reason.endswith("the previous checkpoint step00000010 is intact and stays latest")
     [event] = read_anomalies(tmp_path)
-    assert (event["kind"], event["action"]) == (
+    assert (event["kind"], event["action"], event["latest"]) == (
         "checkpoint_save_failed",
         "stop" if stops else "continue",
+        tag_for(10),
     )
+    first = after_failed_save(outcome, "stop", final, 2, AnomalyLog(tmp_path, 0), 0, None)
+    assert first.endswith("the run has no complete checkpoint yet")
 
 
 def test_on_save_error_is_validated():

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import io
 import math
+import os
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -118,28 +119,53 @@ def pipeline_summed_loss(engine) -> torch.Tensor | None:
 
 # -- checkpoint files -------------------------------------------------------------------------------------------------
 @contextlib.contextmanager
-def route_checkpoint_writes(engine, route: Callable[[Callable, Any, str], None]) -> Iterator[None]:
-    """Inside: each file `engine.save_checkpoint` writes goes through `route(save, state_dict, path)`, where
-    `save(state_dict, target)` is DeepSpeed's own write (`target`: the path or a file object). DeepSpeed writes
-    every model, optimizer and expert shard through `engine.checkpoint_engine.save(state_dict, path)`.
-    Missing public API: a hook on the files `save_checkpoint` writes (to hash them, and to keep a failed write
-    from skipping the save's closing barrier)."""
+def route_checkpoint_writes(
+    engine,
+    route: Callable[[Callable, Any, str], None],
+    elsewhere: Callable[[Callable[[], Any], str], None],
+) -> Iterator[None]:
+    """Inside: every change `engine.save_checkpoint` makes to the filesystem goes through Keel. Each file it writes
+    goes through `route(save, state_dict, path)`, where `save(state_dict, target)` is DeepSpeed's own write
+    (`target`: the path or a file object): DeepSpeed writes every model, optimizer and expert shard through
+    `engine.checkpoint_engine.save(state_dict, path)`. Its other changes — the directories it makes
+    (`checkpoint_engine.makedirs`) and the recovery scripts it copies beside the checkpoints
+    (`engine._copy_recovery_script`: zero_to_fp32.py, zero_to_torch.py) — go through `elsewhere(do, path)`, where
+    `do()` makes the change. Missing public API: a hook on the files `save_checkpoint` writes (to hash them, and
+    to keep a failed write from skipping the save's closing barrier)."""
     checkpoint_engine = engine.checkpoint_engine
-    save = checkpoint_engine.save
-    # an instance attribute already there (else the class's method)
-    own = vars(checkpoint_engine).get("save")
+    save, makedirs = checkpoint_engine.save, checkpoint_engine.makedirs
+    copy_scripts = engine._copy_recovery_script
 
-    def routed(state_dict: Any, path: str) -> None:
+    def routed_save(state_dict: Any, path: str) -> None:
         route(save, state_dict, path)
 
-    checkpoint_engine.save = routed
+    def routed_makedirs(path: str, exist_ok: bool = False) -> None:
+        elsewhere(lambda: makedirs(path, exist_ok=exist_ok), path)
+
+    def routed_scripts(save_path: str) -> None:
+        # the scripts' names are DeepSpeed's to choose: an error without a file name names them all
+        elsewhere(lambda: copy_scripts(save_path), os.path.join(save_path, "zero_to_*.py"))
+
+    with (
+        _instead(checkpoint_engine, "save", routed_save),
+        _instead(checkpoint_engine, "makedirs", routed_makedirs),
+        _instead(engine, "_copy_recovery_script", routed_scripts),
+    ):
+        yield
+
+
+@contextlib.contextmanager
+def _instead(owner: Any, name: str, replacement: Callable) -> Iterator[None]:
+    """Inside: `owner.name` is `replacement` (an instance attribute), then whatever was there before."""
+    own = vars(owner).get(name)  # an instance attribute already there (else the class's method)
+    setattr(owner, name, replacement)
     try:
         yield
     finally:
         if own is None:
-            del checkpoint_engine.save
+            delattr(owner, name)
         else:
-            checkpoint_engine.save = own
+            setattr(owner, name, own)
 
 
 @contextlib.contextmanager

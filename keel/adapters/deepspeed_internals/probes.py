@@ -212,6 +212,18 @@ INTERNALS = [
         lambda e: callable(getattr(getattr(e, "checkpoint_engine", None), "save", None)),
     ),
     Internal(
+        "engine.checkpoint_engine.makedirs",
+        "a hook on each directory save_checkpoint makes",
+        lambda e: True,
+        lambda e: callable(getattr(getattr(e, "checkpoint_engine", None), "makedirs", None)),
+    ),
+    Internal(
+        "engine._copy_recovery_script",
+        "a hook on the recovery scripts save_checkpoint copies",
+        lambda e: True,
+        lambda e: callable(getattr(e, "_copy_recovery_script", None)),
+    ),
+    Internal(
         "runtime.engine.clone_tensors_for_torch_save",
         "a say in where save_checkpoint's host copies go",
         lambda e: True,

@@ -7,11 +7,13 @@ while the files are written.
    deep-copied into reused host buffers (keel/training/checkpoint/host_snapshot.py) instead of written; where
    DeepSpeed first clones a file's state for torch.save, it clones into those buffers. Plus the rank's RNG file.
    The host holds one extra copy of the rank's checkpoint shard.
-2. Write, on one writer thread per rank: each file by DeepSpeed's own `save` into `<tag>/.async_rank<R>/` under the
-   name a synchronous save gives it (torch.save names the zip archive inside after the file, so the bytes are the
-   same), hashed (size, chunk sha256s) by a helper thread reading the file as it grows, fsynced; then every file is
-   renamed into `<tag>/` and the directory fsynced. (Not reniced: a nice writer takes the same CPU time from
-   training, only later, and is starved by other processes on a shared host.)
+2. Write, on one writer thread per rank: first DeepSpeed's other changes to the filesystem, which the snapshot
+   deferred (its directories and recovery scripts, through the same seam); then each file by DeepSpeed's own
+   `save` into `<tag>/.async_rank<R>/` under the name a synchronous save gives it (torch.save names the zip
+   archive inside after the file, so the bytes are the same), hashed (size, chunk sha256s) by a helper thread
+   reading the file as it grows, fsynced; then every file is renamed into `<tag>/` and the directory fsynced.
+   (Not reniced: a nice writer takes the same CPU time from training, only later, and is starved by other
+   processes on a shared host.) A failure is the save's, reported with the path and the errno.
 3. Publish, once every rank's writer is done: one 1-int all-reduce per step while a save is pending says when;
    then the synchronous save's verdict (`Checkpointer.finish_save`: one all-gather of each writer's error and
    {file: (size, chunk sha256s)}, rank 0 writes the manifest, `latest` and prunes). A write error anywhere is a failed
@@ -54,6 +56,7 @@ from keel.training.checkpoint import rng_state
 from keel.training.checkpoint.host_snapshot import HostSnapshot
 from keel.training.checkpoint.store import Checkpointer, TrainState
 from keel.training.checkpoint.verify import ChunkedSha256
+from keel.training.checkpoint.writes import SaveErrors, failure_text
 
 _CHUNK = 8 << 20
 
@@ -103,6 +106,15 @@ class _PlannedFile:
 
 
 @dataclass
+class _PlannedChange:
+    """Another change DeepSpeed's save makes to the filesystem (a directory, its recovery scripts beside the
+    checkpoints), made by the writer before the files."""
+
+    path: str
+    change: Callable[[], Any]
+
+
+@dataclass
 class _Pending:
     tag: str
     state: TrainState  # a copy: the loop's own moves on
@@ -115,11 +127,12 @@ class _Pending:
 
 def snapshot_files(
     engine, checkpointer: Checkpointer, tag: str, state: TrainState, snapshot: HostSnapshot
-) -> list[_PlannedFile]:
-    """Every file a synchronous save of `tag` would write on this rank, as host copies (collective: it runs
-    `engine.save_checkpoint`, whose barriers and gathers every rank takes)."""
+) -> list[_PlannedFile | _PlannedChange]:
+    """Every file a synchronous save of `tag` would write on this rank, as host copies, and every other change it
+    would make, for the writer (collective: it runs `engine.save_checkpoint`, whose barriers and gathers every rank
+    takes)."""
     tag_dir = checkpointer.directory / tag
-    planned: list[_PlannedFile] = []
+    planned: list[_PlannedFile | _PlannedChange] = []
 
     def capture(save: Callable, state_dict: Any, path: str) -> None:
         name = os.path.relpath(path, tag_dir)
@@ -127,8 +140,11 @@ def snapshot_files(
             raise RuntimeError(f"DeepSpeed wrote {path}, outside the checkpoint {tag_dir}")
         planned.append(_PlannedFile(name, snapshot.copy(state_dict, name), save))
 
+    def defer(change: Callable[[], Any], path: str) -> None:
+        planned.append(_PlannedChange(path, change))
+
     snapshot.begin()
-    with route_checkpoint_writes(engine, capture), clones_for_save(snapshot.clone):
+    with route_checkpoint_writes(engine, capture, defer), clones_for_save(snapshot.clone):
         engine.save_checkpoint(
             str(checkpointer.directory),
             tag=tag,
@@ -148,35 +164,48 @@ def snapshot_files(
 def write_files(
     tag_dir: Path,
     rank: int,
-    files: list[_PlannedFile],
+    planned: list[_PlannedFile | _PlannedChange],
     before_commit: Callable[[], None] | None = None,
+    error: str = "",
 ) -> WriteReport:
-    """Write `files` aside, hash and fsync each, then rename them into `tag_dir` (the writer thread's work).
-    Never raises: an error is the report's."""
+    """Make the planned changes, write the files aside, hash and fsync each, then rename them into `tag_dir` (the
+    writer thread's work; `error`: the save already failed on this rank, nothing is written). Never raises: an
+    error is the report's."""
+    if error:
+        return WriteReport(error=error)
     staging = tag_dir / f".async_rank{rank}"
     records: dict[str, tuple[int, str]] = {}
+    files = [p for p in planned if isinstance(p, _PlannedFile)]
     hashing_cpu = 0.0
+    where: Path | str = staging
     try:
         shutil.rmtree(staging, ignore_errors=True)  # a crashed attempt at this step
-        for planned in files:
-            path = staging / planned.name
+        for change in planned:
+            if isinstance(change, _PlannedChange):
+                where = change.path
+                change.change()
+        for planned_file in files:
+            path = where = staging / planned_file.name
             path.parent.mkdir(parents=True, exist_ok=True)
             # hashes what torch.save has written so far, as it writes
             with _FollowingHash(path) as hashed:
-                planned.save(planned.state, str(path))
-            records[planned.name] = hashed.record()
+                planned_file.save(planned_file.state, str(path))
+            records[planned_file.name] = hashed.record()
             hashing_cpu += hashed.cpu_seconds
         if before_commit is not None:
             before_commit()
-        for planned in files:
-            (tag_dir / planned.name).parent.mkdir(parents=True, exist_ok=True)
-            os.replace(staging / planned.name, tag_dir / planned.name)
+        where = tag_dir
+        for planned_file in files:
+            (tag_dir / planned_file.name).parent.mkdir(parents=True, exist_ok=True)
+            os.replace(staging / planned_file.name, tag_dir / planned_file.name)
         _sync_dir(tag_dir)
         shutil.rmtree(staging)
         return WriteReport(records, cpu_seconds=hashing_cpu)
     except Exception as exc:  # noqa: BLE001 - every failure is a failed save, reported to every rank
         shutil.rmtree(staging, ignore_errors=True)
-        return WriteReport(error=f"{type(exc).__name__}: {exc}")
+        report = WriteReport(error=f"writing {where}: {failure_text(exc, where)}")
+        log.debug("rank %d: checkpoint save failed %s", rank, report.error)
+        return report
 
 
 class _FollowingHash(threading.Thread):
@@ -268,13 +297,14 @@ class AsyncCheckpointer:
         self.finish()
         started = time.perf_counter()
         tag = tag_for(state.step)
-        tag_dir = self.checkpointer.begin(tag)
-        files = snapshot_files(engine, self.checkpointer, tag, state, self.snapshot)
         rank = self.checkpointer.topology.rank
+        begun = SaveErrors(rank)  # rank 0's marking of the tag, before the snapshot's barrier
+        tag_dir = self.checkpointer.begin(tag, begun.guard)
+        files = snapshot_files(engine, self.checkpointer, tag, state, self.snapshot)
 
         def write() -> None:
             start, cpu = time.perf_counter(), time.thread_time()
-            pending.report = write_files(tag_dir, rank, files, before_commit)
+            pending.report = write_files(tag_dir, rank, files, before_commit, begun.error)
             pending.report.seconds = time.perf_counter() - start
             pending.report.cpu_seconds += time.thread_time() - cpu  # plus its hashing thread's
 

@@ -21,9 +21,16 @@ __all__ = ["after_failed_save"]
 
 
 def after_failed_save(
-    outcome: SaveOutcome, policy: str, final: bool, step: int, anomalies: AnomalyLog, rank: int
+    outcome: SaveOutcome,
+    policy: str,
+    final: bool,
+    step: int,
+    anomalies: AnomalyLog,
+    rank: int,
+    previous: str | None,
 ) -> str:
-    """Every rank alike (they share the verdict): "" to go on, else the one-line reason to stop with exit 8."""
+    """Every rank alike (they share the verdict): "" to go on, else the one-line reason to stop with exit 8.
+    `previous`: the newest complete checkpoint, which stays latest (None: the run has none yet)."""
     stop = final or policy == "stop"
     anomalies.record(
         "checkpoint_save_failed",
@@ -31,19 +38,26 @@ def after_failed_save(
         checkpoint=outcome.tag,
         error=outcome.error,
         action="stop" if stop else "continue",
+        latest=previous,
+    )
+    kept = (
+        f"the previous checkpoint {previous} is intact and stays latest"
+        if previous
+        else "the run has no complete checkpoint yet"
     )
     if not stop:
         if rank == 0:
             log.warning(
-                "step %d: checkpoint %s not saved (%s); the previous checkpoint stays latest, the next "
-                "save is tried at the next interval (checkpoint.on_save_error: continue)",
+                "step %d: checkpoint %s not saved (%s); %s; the next save is tried at the next interval "
+                "(checkpoint.on_save_error: continue)",
                 step,
                 outcome.tag,
                 outcome.error,
+                kept,
             )
         return ""
     why = "the run's final save" if final else "checkpoint.on_save_error: stop"
     return (
         f"checkpoint {outcome.tag} could not be saved ({outcome.error}); {why}: stopping with exit code "
-        f"{ExitCode.SAVE_FAILED}, the previous checkpoint is intact and still latest"
+        f"{ExitCode.SAVE_FAILED}; {kept}"
     )

@@ -109,6 +109,7 @@ class RunCheckpoints:
                 state.step,
                 self.anomalies,
                 self.rank,
+                self.checkpointer.latest_tag(),
             )
             return seconds, Decision(
                 Action.STOP, failed, ExitCode.SAVE_FAILED
@@ -158,6 +159,7 @@ class RunCheckpoints:
                 outcome.step,
                 self.anomalies,
                 self.rank,
+                self.checkpointer.latest_tag(),
             )
             if reason:
                 return Decision(Action.STOP, reason, ExitCode.SAVE_FAILED)

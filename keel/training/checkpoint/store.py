@@ -31,7 +31,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import shutil
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -43,7 +42,16 @@ import torch
 from keel.parallel import comm
 from keel.parallel.random import seed_everything
 from keel.parallel.topology import STAMP_DEFAULTS, Topology
-from keel.run_dir import COMPLETE, LATEST, TAG, UNIVERSAL, ExitCode, step_of, tag_for
+from keel.run_dir import (
+    COMPLETE,
+    LATEST,
+    TAG,
+    UNIVERSAL,
+    ExitCode,
+    step_of,
+    tag_for,
+    write_atomic,
+)
 from keel.training.checkpoint import rng_state, verify
 from keel.training.checkpoint.moe_reshard import MOE_UNIVERSAL, moe_universal_tag
 from keel.training.checkpoint.writes import WrittenFiles, failure_text
@@ -91,12 +99,6 @@ class TrainState:
     skipped_steps: int = 0
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 class Checkpointer:
     def __init__(
         self,
@@ -113,6 +115,9 @@ class Checkpointer:
         self._resume: tuple[str | None] | None = None  # `agreed_resume`'s answer, once agreed
         # tags every rank verified in this process, by manifest digest (dropped when this process writes the tag)
         self._verified: dict[str, str] = {}
+        self._last_committed: str | None = (
+            None  # rank 0: the newest checkpoint this process committed
+        )
 
     # -- discovery ------------------------------------------------------------------------------------------
     def tag_at_or_before(self, step: int) -> str | None:
@@ -252,7 +257,7 @@ class Checkpointer:
         if pointer.is_file() and pointer.read_text().strip() == tag:
             tags = self.complete_tags()
             if tags:
-                atomic_write_text(pointer, tags[-1])
+                write_atomic(pointer, tags[-1])
             else:
                 pointer.unlink()
         more = f" (and {len(corrupt) - 1} more file(s))" if len(corrupt) > 1 else ""
@@ -277,9 +282,9 @@ class Checkpointer:
         """Every rank writes its files, then `finish_save`. Fault injection: `before_commit` runs on each rank after
         its own files are written (a rank that stalls mid-save); `disk_room` bytes fill this rank's disk."""
         tag = tag_for(state.step)
-        tag_dir = self.begin(tag)
         rank = self.topology.rank
         written = WrittenFiles(rank, disk_room)
+        tag_dir = self.begin(tag, written.guard)
         with written.seam(engine):
             engine.save_checkpoint(
                 str(self.directory),
@@ -287,7 +292,7 @@ class Checkpointer:
                 client_state=self.client_state(state),
                 save_latest=False,
             )
-        tag_dir.mkdir(parents=True, exist_ok=True)
+        written.guard(lambda: tag_dir.mkdir(parents=True, exist_ok=True), tag_dir)
         written.write(
             tag_dir / f"keel_rng_rank{rank}.pt",
             lambda to: torch.save(rng_state.capture(engine.module), to),
@@ -297,15 +302,37 @@ class Checkpointer:
         error, files = written.result()
         return self.finish_save(tag, state, error, files, guards, engine.zero_optimization_stage())
 
-    def begin(self, tag: str) -> Path:
+    def begin(self, tag: str, guard: Callable[[Callable[[], Any], Path], None]) -> Path:
         """Every rank, before writing `tag`: rank 0 marks it incomplete (a re-saved step is not loadable until
-        it is whole again), and nobody writes before that."""
+        it is whole again), and nobody writes before that. Rank 0's changes go through `guard` (a failure is the
+        save's, keel/training/checkpoint/writes.py)."""
         self._verified.pop(tag, None)  # written again: verified again when loaded
         if self.topology.rank == 0:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            (self.directory / tag / COMPLETE).unlink(missing_ok=True)
+            self._notice_vanished(tag)
+            guard(lambda: self.directory.mkdir(parents=True, exist_ok=True), self.directory)
+            complete = self.directory / tag / COMPLETE
+            guard(lambda: complete.unlink(missing_ok=True), complete)
         comm.barrier(self.control)
         return self.directory / tag
+
+    def _notice_vanished(self, tag: str) -> None:
+        """Rank 0: say so when the checkpoint this run last committed is gone (its directory deleted under the
+        run): this save recreates the directory, and until it is committed there is nothing to resume from."""
+        last, self._last_committed = self._last_committed, None
+        if last is None or (self.directory / last / COMPLETE).is_file():
+            self._last_committed = last
+            return
+        if self.anomalies is not None:
+            self.anomalies.record(
+                "checkpoints_vanished", step_of(tag), checkpoint=last, directory=str(self.directory)
+            )
+        log.warning(
+            "checkpoint %s, saved by this run, is gone from %s (deleted during the run?); saving %s recreates "
+            "the directory, and until it is complete there is no checkpoint to resume from",
+            last,
+            self.directory,
+            tag,
+        )
 
     def client_state(self, state: TrainState) -> dict[str, Any]:
         """What DeepSpeed stores beside the engine state: Keel's train state and the layout that wrote it."""
@@ -362,7 +389,7 @@ class Checkpointer:
         """Rank 0, after an agreed verdict that every rank's files are written: the manifest (every file's size
         and sha256), then `latest`, then pruning down to `keep_last`."""
         tag_dir = self.directory / tag
-        # a file written outside the seam (none today): described here
+        # a file in the tag that no hashed write made (a `guard`ed change; none in DeepSpeed 0.19): described here
         for path in sorted(tag_dir.iterdir()):
             if (
                 path.is_file()
@@ -382,8 +409,9 @@ class Checkpointer:
             "chunk_bytes": verify.CHUNK_HASH_BYTES,
             "sha256_chunks": {n: files[n][1] for n in names},
         }
-        atomic_write_text(tag_dir / COMPLETE, json.dumps(manifest) + "\n")
-        atomic_write_text(self.directory / LATEST, tag)
+        write_atomic(tag_dir / COMPLETE, json.dumps(manifest) + "\n")
+        write_atomic(self.directory / LATEST, tag)
+        self._last_committed = tag
         self._prune(keep=tag)
 
     def _prune(self, keep: str) -> None:

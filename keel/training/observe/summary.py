@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from pathlib import Path
 
-from keel.run_dir import RunDir, read_anomalies
+from keel.run_dir import RunDir, read_anomalies, write_atomic
 from keel.training.observe.metrics import read_metrics
 
 
@@ -36,10 +35,15 @@ def write_summary(run_dir: Path, finished: bool, exit_code: int, reason: str = "
     for kind, count in sorted(counts.items()):
         lines.append(f"- {kind}: {count}")
     for event in events[-20:]:
-        detail = event.get("reason") or event.get("parameter") or event.get("classification") or ""
+        detail = (
+            event.get("reason")
+            or event.get("error")
+            or event.get("parameter")
+            or event.get("classification")
+            or event.get("checkpoint")
+            or ""
+        )
         lines.append(f"  - step {event['step']} rank {event['rank']} {event['kind']}: {detail}")
     path = RunDir(run_dir).summary
-    tmp = path.with_name(f".summary.md.tmp{os.getpid()}")
-    tmp.write_text("\n".join(lines) + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, "\n".join(lines) + "\n")
     return path
