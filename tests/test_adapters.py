@@ -13,6 +13,8 @@ import json
 import math
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -26,7 +28,8 @@ from keel.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
 from keel.launcher.local import free_port
 from tests.spawned import start_world
 
-DS_CONFIGS = Path(__file__).resolve().parents[1] / "ds_configs"
+REPO = Path(__file__).resolve().parents[1]
+DS_CONFIGS = REPO / "ds_configs"
 MODEL = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_pad_multiple=1)
 KINDS = ["zero0", "zero1", "zero2", "zero3", "fp16", "bf16", "moe", "pipeline", "dualpipev"]
 PIPELINES = (
@@ -400,3 +403,24 @@ def test_torch_internals_are_present_and_named_when_missing(monkeypatch):
     monkeypatch.setattr("keel.adapters.torch_internals._names_groups_by_hash", lambda: False)
     with pytest.raises(RuntimeError, match=f"no `{name}`"):
         check_torch()
+
+
+def test_muon_is_imported_without_compiling_until_its_kernels_run():
+    """DeepSpeed's ZeRO check imports Muon, whose kernels `torch.compile` at import (inductor, ~1 s per rank):
+    imported first by Keel, nothing compiles or imports inductor until a kernel is first called, and
+    torch.compile is torch's again afterwards."""
+    code = """
+import sys, torch
+from keel.adapters import deepspeed_internals as dsi
+dsi.import_muon_compiling_on_first_use()
+from deepspeed.runtime.zero.muon import original_muon
+assert dsi.MUON in sys.modules and "torch._inductor.compile_fx" not in sys.modules
+assert torch.compile.__module__ == "torch"  # put back
+kernel = original_muon.zeropower_via_newtonschulz5
+assert kernel.__name__ == "zeropower_via_newtonschulz5" and not hasattr(kernel, "_torchdynamo_orig_callable")
+print("lazy")
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO
+    )
+    assert done.returncode == 0 and done.stdout.splitlines()[-1] == "lazy", done.stderr[-2000:]

@@ -18,6 +18,7 @@ from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optim
 from keel.adapters.deepspeed_internals import (
     allow_fp16_on_cpu,
     check_engine,
+    import_muon_compiling_on_first_use,
     replace_fp32_clipping,
     serve_group_requests,
 )
@@ -172,6 +173,7 @@ def build_engine(
                 weight_decay=cfg.train.weight_decay,
                 **adamw_implementation(),
             )
+        import_muon_compiling_on_first_use()  # a second of start-up per ZeRO rank otherwise
         engine, _, _, _ = deepspeed.initialize(
             model=model,
             model_parameters=groups,

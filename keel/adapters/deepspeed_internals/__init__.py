@@ -15,6 +15,8 @@ for `logical_shape`).
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib
 import io
 import math
 import os
@@ -115,6 +117,45 @@ def pipeline_summed_loss(engine) -> torch.Tensor | None:
     (`PipelineEngine.total_loss`); None on other stages. Missing public API: the batch loss before the step
     (`train_batch` returns it only afterwards)."""
     return engine.total_loss if engine.is_last_stage() else None
+
+
+# -- start-up -------------------------------------------------------------------------------------------------------
+MUON = "deepspeed.runtime.zero.muon.muon_optimizer"
+
+
+def import_muon_compiling_on_first_use() -> None:
+    """Import DeepSpeed's Muon optimizer with its kernels' `torch.compile` deferred to their first call.
+
+    `deepspeed.initialize` with ZeRO checks the optimizer against its supported list, and first imports Muon there
+    (`is_zero_supported_optimizer`); Muon's kernels are decorated with `torch.compile` at import, which imports
+    inductor: about a second of every ZeRO rank's start-up, for an optimizer Keel does not use. Imported here
+    first, each kernel compiles when it is first called, as DeepSpeed would have it; nothing else changes.
+    Missing public API: a lazy `deepspeed.runtime.compiler.compile`."""
+    if MUON in sys.modules:
+        return
+    compile_now = torch.compile
+
+    def compile_later(model: Any = None, **options: Any) -> Any:
+        if model is None:  # used as @torch.compile(**options)
+            return lambda fn: compile_later(fn, **options)
+        compiled = None
+
+        @functools.wraps(model)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            nonlocal compiled
+            if compiled is None:
+                compiled = compile_now(model, **options)
+            return compiled(*args, **kwargs)
+
+        return call
+
+    torch.compile = compile_later
+    try:
+        importlib.import_module(MUON)
+    except ImportError:  # DeepSpeed's own check tolerates its absence too
+        pass
+    finally:
+        torch.compile = compile_now
 
 
 # -- checkpoint files -------------------------------------------------------------------------------------------------

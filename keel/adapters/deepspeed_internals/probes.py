@@ -7,6 +7,7 @@ these internals are in `keel.adapters.deepspeed_internals` (the package's `__ini
 
 from __future__ import annotations
 
+import importlib
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,6 +39,22 @@ def _has_path(obj: Any, path: str) -> bool:
 def wraps_optimizer(engine) -> bool:
     """ZeRO, bf16 and fp16 engines put a DeepSpeed wrapper around the torch optimizer; plain fp32 ZeRO-0 does not."""
     return not isinstance(engine.optimizer, torch.optim.Optimizer)
+
+
+def _muon_imported_by_the_zero_check() -> bool:
+    """The import Keel makes first (keel.adapters.deepspeed_internals.import_muon_compiling_on_first_use) is the
+    one DeepSpeed's ZeRO optimizer check makes, and its kernels go through `deepspeed.runtime.compiler.compile`."""
+    from deepspeed.runtime.zero import utils  # lazy: see the package docstring
+
+    from keel.adapters.deepspeed_internals import MUON
+
+    try:
+        muon = importlib.import_module("deepspeed.runtime.zero.muon.original_muon")
+    except ImportError:
+        return MUON not in inspect.getsource(utils.is_zero_supported_optimizer)
+    return MUON in inspect.getsource(utils.is_zero_supported_optimizer) and (
+        "@compiler.compile()" in inspect.getsource(muon)
+    )
 
 
 def _is_pipeline(engine) -> bool:
@@ -210,6 +227,12 @@ INTERNALS = [
         "a hook on each file save_checkpoint writes",
         lambda e: True,
         lambda e: callable(getattr(getattr(e, "checkpoint_engine", None), "save", None)),
+    ),
+    Internal(
+        "runtime.zero.utils.is_zero_supported_optimizer imports Muon",
+        "a lazy deepspeed.runtime.compiler.compile",
+        lambda e: True,
+        lambda e: _muon_imported_by_the_zero_check(),
     ),
     Internal(
         "engine.checkpoint_engine.makedirs",
