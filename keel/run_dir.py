@@ -110,6 +110,12 @@ class RunDir:
         return self.root / "metrics.discarded.jsonl"
 
     @property
+    def timeline(
+        self,
+    ) -> Path:  # each launch's start-up phases and end (keel/training/observe/timeline.py)
+        return self.root / "timeline.jsonl"
+
+    @property
     def anomalies(self) -> Path:  # one JSON event per line (AnomalyLog)
         return self.root / "anomalies.jsonl"
 

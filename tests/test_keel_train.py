@@ -50,7 +50,12 @@ def test_default_run_learns(tmp_path):
     assert len(read_metrics(tmp_path / "metrics.jsonl")) == 300
     # keel report: every plot a dense bf16-less run has data for, and the resume at step 300 marked
     report = write_report(tmp_path)
-    assert report.drawn == ["loss", "lr", "grad_norm", "throughput", "stragglers"]
+    assert report.drawn == ["loss", "lr", "grad_norm", "throughput", "stragglers", "goodput"]
+    # two launches: the run, then the resume with nothing left to do; their start-ups and the gap between
+    goodput = json.loads((report.out_dir / "series.json").read_text())["plots"]["goodput"]
+    assert goodput["launches"] == 2 and 0.5 < goodput["fraction"] < 1, goodput["lost"]
+    assert goodput["lost"]["start-up"] > 0 and goodput["lost"]["between launches"] > 0
+    assert "- goodput: " in (tmp_path / "summary.md").read_text()
     series = json.loads((report.out_dir / "series.json").read_text())["plots"]
     assert series["loss"]["resumes"] == [300] and series["loss"]["skipped"] == []
     stragglers = series["stragglers"]

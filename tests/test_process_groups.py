@@ -48,8 +48,8 @@ def _worker(rank: int, port: int, run_dirs: list[str], out: str) -> None:
     counts, created = [], []
     run_rank = entry.run_rank
 
-    def counted(run_dir, groups):
-        code = run_rank(run_dir, groups)
+    def counted(run_dir, groups, startup):
+        code = run_rank(run_dir, groups, startup)
         counts.append(_threads())
         created.append(len(groups.created()))
         return code

@@ -28,6 +28,7 @@ def test_report_of_the_spike_run_draws_and_marks_what_the_run_wrote(runs, tmp_pa
         "lr",
         "grad_norm",
         "throughput",
+        "goodput",
     ]  # every plot the run has data for
     assert set(report.skipped) == {"loss_scale", "stragglers", "experts"} and report.left_out == {}
     for name in report.drawn:

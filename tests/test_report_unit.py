@@ -27,6 +27,7 @@ def _record(step: int) -> dict:
         "loss_scale": 2.0 ** (16 - (step in (5, 6)) - (step >= 6)),
         "tokens_per_s": 1000.0 + 10 * step,
         "step_time_s": 0.5 - 0.01 * step,
+        "time": 1000.0 + step,  # the step's end
     }
     # a straggler check on 4 ranks, rank 2 the slowest; the expert-health record of 2 layers
     if step % 4 == 0:
@@ -69,6 +70,14 @@ def live_run(tmp_path: Path) -> Path:
         },
     ]
     (run / "anomalies.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    # two launches: the first started at t=990 (steps 1-9, the last two lost), the resume at t=1006
+    starts = [
+        {"event": "start", "time": 1002, "process_started": 990.5, "launched_at": 990.0},
+        {"event": "start", "time": 1009, "process_started": 1006.0, "launched_at": 1005.5},
+    ]
+    for start, first in zip(starts, (1000.5, 1007.6)):
+        start.update(first_step_at=first, phases={"imports": 2.0, "restore": 0.0})
+    (run / "timeline.jsonl").write_text("".join(json.dumps(s) + "\n" for s in starts))
     return run
 
 
@@ -83,7 +92,10 @@ def test_synthetic_run_draws_every_plot_from_its_records(live_run, tmp_path, cap
         main(main_args)
     assert exit_info.value.code == 0
     stdout = capsys.readouterr().out
-    assert "7 plot(s) (loss, lr, grad_norm, loss_scale, throughput, stragglers, experts)" in stdout
+    assert (
+        "8 plot(s) (loss, lr, grad_norm, loss_scale, throughput, stragglers, experts, goodput)"
+        in stdout
+    )
     assert "left out of metrics.jsonl: a partial last line (still being written)" in stdout
     assert sorted(p.name for p in out.iterdir()) == sorted(
         [
@@ -96,6 +108,7 @@ def test_synthetic_run_draws_every_plot_from_its_records(live_run, tmp_path, cap
                 "throughput",
                 "stragglers",
                 "experts",
+                "goodput",
             )
         ]
         + ["report.md", "series.json"]
@@ -171,7 +184,7 @@ def test_a_plot_without_data_is_skipped_with_its_reason(tmp_path):
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     report = write_report(run)
     assert report.out_dir == run / "report" and report.drawn == ["loss", "lr", "throughput"]
-    assert set(report.skipped) == {"grad_norm", "loss_scale", "stragglers", "experts"}
+    assert set(report.skipped) == {"grad_norm", "loss_scale", "stragglers", "experts", "goodput"}
     text = (run / "report" / "report.md").read_text()
     assert "- status: finished" in text and "## Anomalies\n\nnone" in text
     assert (

@@ -15,6 +15,7 @@ import importlib.util
 import os
 import re
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from keel.launcher.local import free_port, launch_local, launch_module
 from keel.launcher.slurm import add_parser as add_slurm_parser
 from keel.launcher.slurm import cmd_slurm as submit_slurm
 from keel.run_dir import ExitCode, RunDir
+from keel.training.observe.timeline import LAUNCHED_AT
 
 
 def _default_nproc() -> int:
@@ -470,6 +472,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    # the job's start, for the ranks' start-up timeline (keel/training/observe/timeline.py); a rank started by
+    # an external launcher keeps the time its own launcher set, if any
+    os.environ.setdefault(LAUNCHED_AT, repr(time.time()))
     args = build_parser().parse_args(argv)
     from keel.data import DataError  # torch: keel --help start-up
 

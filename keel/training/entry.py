@@ -27,33 +27,40 @@ from keel.parallel.topology import Topology
 from keel.run_dir import AnomalyLog, ExitCode, RunDir, checkpoint_dir, read_run_dir
 from keel.training.checkpoint.reshard import reshard_if_needed
 from keel.training.checkpoint.store import CheckpointDisagreement, Checkpointer
+from keel.training.observe import timeline
 from keel.training.observe.summary import write_summary
+from keel.training.observe.timeline import StartupClock, process_started
 from keel.training.trainer import Trainer
 
 
-def run_rank(run_dir: Path, groups: ProcessGroups) -> int:
-    """Train the run described by `run_dir` with this process's `groups`; returns the process exit code."""
-    cfg, ds_raw, data = read_run_dir(run_dir)
-    init_distributed()
+def run_rank(run_dir: Path, groups: ProcessGroups, startup: StartupClock) -> int:
+    """Train the run described by `run_dir` with this process's `groups`; returns the process exit code.
+    `startup` times the phases before the first step (keel/training/observe/timeline.py)."""
+    with startup.phase("run dir"):
+        cfg, ds_raw, data = read_run_dir(run_dir)
+    with startup.phase("rendezvous"):
+        init_distributed()
     rank = dist.get_rank()
     setup_logging(rank)
     log = logging.getLogger("keel")
     parallel = cfg.parallel
-    topology = Topology.from_env(
-        tp=parallel.tp,
-        pp=parallel.pp,
-        ep=parallel.ep,
-        sp=parallel.sp,
-        pipeline_schedule=parallel.pipeline_schedule,
-        virtual_stages=parallel.virtual_stages,
-        groups=groups,
-    )
+    with startup.phase("process groups"):
+        topology = Topology.from_env(
+            tp=parallel.tp,
+            pp=parallel.pp,
+            ep=parallel.ep,
+            sp=parallel.sp,
+            pipeline_schedule=parallel.pipeline_schedule,
+            virtual_stages=parallel.virtual_stages,
+            groups=groups,
+        )
     if cfg.logging.collective_trace:
         topology.trace_into(RunDir(run_dir).collectives)
     seed_everything(data_parallel_seed(cfg.train.seed, topology))
-    train_samples, order, val_samples = open_splits(
-        data, cfg.data.seq_len, cfg.data.val_fraction, cfg.train.seed
-    )
+    with startup.phase("data"):
+        train_samples, order, val_samples = open_splits(
+            data, cfg.data.seq_len, cfg.data.val_fraction, cfg.train.seed
+        )
     checkpointer = Checkpointer(
         checkpoint_dir(run_dir, cfg, rank),
         cfg.checkpoint.keep_last,
@@ -61,13 +68,15 @@ def run_rank(run_dir: Path, groups: ProcessGroups) -> int:
         AnomalyLog(run_dir, rank),
     )
     try:
-        ds_raw = reshard_if_needed(cfg, ds_raw, topology, checkpointer, run_dir)
+        with startup.phase("reshard"):
+            ds_raw = reshard_if_needed(cfg, ds_raw, topology, checkpointer, run_dir)
     except CheckpointDisagreement as err:  # before the engine exists: nothing to release
         return checkpoint_disagreement(run_dir, rank, err)
     lr_scale = LRScale()
-    engine = build_engine(
-        cfg, ds_raw, topology, lr_scale=lr_scale, document_eos=document_eos(cfg, data)
-    )
+    with startup.phase("engine"):
+        engine = build_engine(
+            cfg, ds_raw, topology, lr_scale=lr_scale, document_eos=document_eos(cfg, data)
+        )
     if rank == 0:
         n_params = sum(p.numel() for p in engine.module.parameters())
         log.info(
@@ -89,6 +98,7 @@ def run_rank(run_dir: Path, groups: ProcessGroups) -> int:
             lr_scale,
             order,
             checkpointer,
+            startup,
         ).fit()
     # resume or rollback: every rank raised it, after one agreed gather
     except CheckpointDisagreement as err:
@@ -100,6 +110,7 @@ def run_rank(run_dir: Path, groups: ProcessGroups) -> int:
         log.info(
             "%s at step %d; checkpoint in %s", verb, result.state.step, RunDir(run_dir).checkpoints
         )
+        timeline.append(run_dir, timeline.end_record(result.state.step, result.exit_code))
         summary = write_summary(run_dir, result.finished, result.exit_code, result.reason)
         log.info("summary: %s", summary)
     if result.exit_code:
@@ -142,8 +153,10 @@ def run_sequence(run_dirs: list[Path]) -> int:
         time.sleep(min(2 ** (restarts - 1), 30))
     code = ExitCode.OK
     groups = ProcessGroups()  # created once, reused by every run here, destroyed after the last
+    started, before = process_started(), "imports"
     for run_dir in run_dirs:
-        code = max(code, run_rank(run_dir, groups))
+        code = max(code, run_rank(run_dir, groups, StartupClock(started, before)))
+        started, before = time.time(), "other"  # the next run's start-up starts here
     # not after an exception: a peer may still be inside a collective of these groups
     groups.destroy()
     return code

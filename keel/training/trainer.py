@@ -49,6 +49,7 @@ from keel.training.guards.base import Action, Decision, StepStats
 from keel.training.guards.localize import STATE, localize_on_all_ranks
 from keel.training.guards.stack import GuardStack
 from keel.training.guards.state import CorruptStateGuard
+from keel.training.observe import timeline
 from keel.training.observe.attention_logits import AttentionLogitWarning
 from keel.training.observe.expert_health import ExpertHealth
 from keel.training.observe.metrics import MetricsWriter
@@ -56,6 +57,7 @@ from keel.training.observe.monitor import ModelMonitor
 from keel.training.observe.progress import run_progress
 from keel.training.observe.sinks import Sinks
 from keel.training.observe.sync_debug import SyncCounter
+from keel.training.observe.timeline import StartupClock
 from keel.training.observe.watchdog import StragglerMonitor, Watchdog
 from keel.training.preemption import PreemptionHandler
 from keel.training.prefetch import BatchPrefetcher
@@ -142,8 +144,12 @@ class Trainer:
         lr_scale: LRScale | None = None,
         order=None,
         checkpointer: Checkpointer | None = None,
+        startup: StartupClock | None = None,
     ):
+        """`startup`: this run's start-up phases so far (keel/training/entry.py); the trainer adds the restore
+        and the first step, and rank 0 writes them to the run's timeline."""
         self.cfg = cfg
+        self.startup = startup or StartupClock(time.time(), before="other")
         self.engine = engine
         self.topology = topology
         self.train_samples = train_samples
@@ -459,7 +465,8 @@ class Trainer:
     # -- the loop -------------------------------------------------------------------------------------------
     def fit(self) -> TrainResult:
         train, stability = self.cfg.train, self.cfg.stability
-        state = self.checkpoints.resume()
+        with self.startup.phase("restore"):
+            state = self.checkpoints.resume()
         metrics = MetricsWriter(
             self.run_dir,
             self.topology.rank == 0,
@@ -511,11 +518,16 @@ class Trainer:
         steps_here, save_time = 0, None
         while state.step < train.steps:
             watchdog.beat(state.step + 1)
-            start = time.perf_counter()
+            start, started_at = time.perf_counter(), time.time()
             with self.syncs.step():
                 record, decision = self.train_step(state)
             steps_here += 1
             record = self._timed(record, state, time.perf_counter() - start, stragglers)
+            if steps_here == 1 and self.topology.rank == 0:  # start-up ends with the first step
+                timeline.append(
+                    self.run_dir,
+                    self.startup.record(state.step, started_at, record["step_time_s"]),
+                )
             # the save after the previous step: its cost, next to the step's own
             if save_time is not None:
                 record["save_time_s"], save_time = save_time, None
@@ -583,7 +595,7 @@ class Trainer:
                 )
             return self.checkpoints.rollback(
                 state,
-                lambda step: (metrics.rewind(step), self.sinks.rewind(step)),
+                lambda step: (metrics.rewind(step, "rollback"), self.sinks.rewind(step)),
                 first,
                 decision.reason,
                 factor,
@@ -602,6 +614,7 @@ class Trainer:
             "tokens": state.consumed_samples * seq_len,
             "tokens_per_s": record["batch_size"] * seq_len / elapsed,
             "step_time_s": elapsed,
+            "time": time.time(),  # the step's end, wall clock: goodput's timeline
             "consumed_samples": state.consumed_samples,
             "lr_scale": state.lr_scale,
         }

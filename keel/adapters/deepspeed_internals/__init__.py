@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from keel.adapters.deepspeed_internals.probes import (
+    MUON,
     UNIVERSAL_PHASES,
     DeepSpeedInternalsError,
     accelerator,
@@ -120,9 +121,6 @@ def pipeline_summed_loss(engine) -> torch.Tensor | None:
 
 
 # -- start-up -------------------------------------------------------------------------------------------------------
-MUON = "deepspeed.runtime.zero.muon.muon_optimizer"
-
-
 def import_muon_compiling_on_first_use() -> None:
     """Import DeepSpeed's Muon optimizer with its kernels' `torch.compile` deferred to their first call.
 

@@ -41,12 +41,15 @@ def wraps_optimizer(engine) -> bool:
     return not isinstance(engine.optimizer, torch.optim.Optimizer)
 
 
+# DeepSpeed's Muon optimizer, which its ZeRO optimizer check imports (keel.adapters.deepspeed_internals
+# `import_muon_compiling_on_first_use`)
+MUON = "deepspeed.runtime.zero.muon.muon_optimizer"
+
+
 def _muon_imported_by_the_zero_check() -> bool:
     """The import Keel makes first (keel.adapters.deepspeed_internals.import_muon_compiling_on_first_use) is the
     one DeepSpeed's ZeRO optimizer check makes, and its kernels go through `deepspeed.runtime.compiler.compile`."""
     from deepspeed.runtime.zero import utils  # lazy: see the package docstring
-
-    from keel.adapters.deepspeed_internals import MUON
 
     try:
         muon = importlib.import_module("deepspeed.runtime.zero.muon.original_muon")

@@ -93,7 +93,13 @@ def draw_loss(s: dict[str, Any]) -> bytes:
             markersize=3,
             label="loss of rolled-back steps",
         )
-    ax.plot(*_points(s["train"]), color="C0", linewidth=1, label="train loss")
+    ax.plot(*_points(s["train"]), color="C0", linewidth=1, alpha=0.35, label="train loss")
+    ax.plot(
+        *_points(s["smoothed"]),
+        color="C0",
+        linewidth=1.8,
+        label=f"train loss, smoothed (EMA {s['smoothed']['weight']:.3g})",
+    )
     if s["val"]["step"]:
         ax.plot(*_points(s["val"]), "o-", color="C1", markersize=4, label="validation loss")
     _mark_steps(ax, [m["step"] for m in s["skipped"]], "skipped step", "C3", ":")
@@ -196,6 +202,44 @@ def draw_experts(s: dict[str, Any]) -> bytes:
     return _png(fig)
 
 
+# goodput's kinds of time, in one color each (productive first)
+GOODPUT_COLORS = {
+    "productive": "C2",
+    "start-up": "C0",
+    "restore": "C9",
+    "steps re-done after a failure": "C3",
+    "rollbacks": "C1",
+    "skipped steps": "C6",
+    "checkpoint stalls": "C4",
+    "evaluation": "C8",
+    "checks": "C7",
+    "preflight": "C5",
+    "between launches": "0.3",
+}
+
+
+def draw_goodput(s: dict[str, Any]) -> bytes:
+    """The run's wall time from its first launch as one bar: what each stretch went to."""
+    fig, ax = _pyplot().subplots(figsize=SIZE)
+    seen = set()
+    for span in s["spans"]:
+        what = span["what"]
+        ax.broken_barh(
+            [(span["start"], max(span["seconds"], s["wall_s"] / 2000))],
+            (0, 1),
+            color=GOODPUT_COLORS.get(what, "0.6"),
+            label=what if what not in seen else None,
+        )
+        seen.add(what)
+    ax.set_xlim(0, max(s["wall_s"], 1e-6))
+    ax.set_yticks([])
+    ax.set_xlabel("wall time since the first launch (s)")
+    ax.set_title(f"Goodput {s['fraction']:.1%} of {s['wall_s']:.0f} s ({s['launches']} launch(es))")
+    ax.legend(fontsize=8, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.2))
+    fig.tight_layout()
+    return _png(fig)
+
+
 DRAW: dict[str, Callable[[dict[str, Any]], bytes]] = {
     "loss": draw_loss,
     "lr": draw_lr,
@@ -204,4 +248,5 @@ DRAW: dict[str, Callable[[dict[str, Any]], bytes]] = {
     "throughput": draw_throughput,
     "stragglers": draw_stragglers,
     "experts": draw_experts,
+    "goodput": draw_goodput,
 }

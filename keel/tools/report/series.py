@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from keel.tools.report.read import RunRecords
+from keel.training.observe.goodput import account
 
 # the model monitor's per-layer gradient norms (keel/training/observe/monitor.py)
 GRAD_NORM_PREFIX = "grad_norm/"
@@ -69,10 +70,25 @@ def loss_series(run: RunRecords) -> dict | Skipped:
         return Skipped("no training loss in metrics.jsonl yet")
     return {
         "train": train,
+        "smoothed": smoothed(train),
         "val": _column(records, "val_loss"),
         "rolled_back": _column(run.discarded.records, "loss"),
         **_markers(run),
     }
+
+
+def smoothed(column: dict[str, list]) -> dict[str, Any]:
+    """TensorBoard's smoothing of a noisy curve: an exponential moving average, debiased at the start, over the
+    finite values; its weight spans about 1 % of the run's points (0.8 at 500 points or fewer, 0.99 at 10,000),
+    so a long run's line is as readable as a short one's."""
+    points = [(s, v) for s, v in zip(column["step"], column["value"]) if v is not None]
+    weight = 1.0 - 1.0 / max(5.0, len(points) / 100)
+    average, steps, values = 0.0, [], []
+    for n, (step, value) in enumerate(points, start=1):
+        average = weight * average + (1.0 - weight) * value
+        steps.append(step)
+        values.append(average / (1.0 - weight**n))
+    return {"step": steps, "value": values, "weight": weight}
 
 
 def lr_series(run: RunRecords) -> dict | Skipped:
@@ -169,6 +185,36 @@ def experts_series(run: RunRecords) -> dict | Skipped:
     }
 
 
+def goodput_series(run: RunRecords) -> dict | Skipped:
+    """Where the run's wall time went, from its first launch (keel/training/observe/goodput.py): the totals, and
+    the spans over wall time, adjacent spans of one kind merged to the plot's resolution (1/1000 of the wall)."""
+    found = account(run.run_dir)
+    if found is None:
+        return Skipped(
+            "no timeline.jsonl with a launch's first step yet (runs before this version have none)"
+        )
+    resolution = found.wall_s / 1000
+    spans: list[dict[str, Any]] = []
+    for span in found.spans:
+        last = spans[-1] if spans else None
+        if (
+            last
+            and last["what"] == span.what
+            and span.start - (last["start"] + last["seconds"]) <= resolution
+        ):
+            last["seconds"] = max(last["seconds"], span.start + span.seconds - last["start"])
+        elif span.seconds >= resolution or span.what != "productive":
+            spans.append({"start": span.start, "seconds": span.seconds, "what": span.what})
+    return {
+        "fraction": found.fraction,
+        "wall_s": found.wall_s,
+        "productive_s": found.productive_s,
+        "launches": found.launches,
+        "lost": found.lost,
+        "spans": spans,
+    }
+
+
 # plot name → how to build its series, in the order report.md shows them
 SERIES = {
     "loss": loss_series,
@@ -178,6 +224,7 @@ SERIES = {
     "throughput": throughput_series,
     "stragglers": stragglers_series,
     "experts": experts_series,
+    "goodput": goodput_series,
 }
 
 

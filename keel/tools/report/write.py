@@ -113,6 +113,7 @@ TITLES = {
     "throughput": "Throughput and step time",
     "stragglers": "Slowest and fastest rank",
     "experts": "MoE expert load",
+    "goodput": "Goodput: where the wall time went",
 }
 
 
@@ -181,6 +182,12 @@ def _summary(run: RunRecords, series: dict[str, Any]) -> list[str]:
         lines.append(
             f"- resumes: {len(loss['resumes'])}"
             + (": at step " + ", ".join(map(str, loss["resumes"])) if loss["resumes"] else "")
+        )
+    goodput = series.get("goodput")
+    if goodput is not None and not isinstance(goodput, Skipped):
+        lost = ", ".join(f"{k} {v:.1f} s" for k, v in goodput["lost"].items() if v >= 0.05)
+        lines.append(
+            f"- goodput: {goodput['fraction']:.1%} of {goodput['wall_s']:.1f} s wall; lost: {lost or 'nothing'}"
         )
     return lines
 

@@ -179,6 +179,7 @@ class RunCheckpoints:
         the data cursor (or, `rewind_data`, continue from the checkpoint's: its samples were innocent);
         `rewind(step)` truncates the run's logs to the restored step. A pending background save must have
         concluded (`background(wait=True)`): the choice of where to return counts it."""
+        started = time.perf_counter()
         # rank 0 chooses, every rank verifies
         tag = to or self.checkpointer.agreed_at_or_before(first_bad_step - 1)
         if tag is None:
@@ -216,6 +217,7 @@ class RunCheckpoints:
             checkpoint=tag,
             lr_scale=scale,
             data_cursor=cursor,
+            seconds=round(time.perf_counter() - started, 4),
         )
         log.warning(
             "step %d: %s — rolled back to %s, LR × %.3g, data continues at sample %d",

@@ -42,11 +42,13 @@ class MetricsWriter:
         self.path = RunDir(run_dir).metrics
         self._file = None
         if enabled:
-            self.rewind(resumed_step)
+            self.rewind(resumed_step, "restart")
             self._file = open(self.path, "a", buffering=1)
 
-    def rewind(self, resumed_step: int) -> None:
-        """Move records past `resumed_step` (steps about to be trained again) to metrics.discarded.jsonl."""
+    def rewind(self, resumed_step: int, why: str) -> None:
+        """Move records past `resumed_step` (steps about to be trained again) to metrics.discarded.jsonl, each
+        marked with `why` (restart: the process that trained them ended before a checkpoint kept them;
+        rollback: a guard returned to an earlier checkpoint)."""
         if not self.enabled:
             return
         records = read_metrics(self.path)
@@ -55,7 +57,7 @@ class MetricsWriter:
             return
         dropped = [r for r in records if r.get("step", 0) > resumed_step]
         with open(RunDir(self.path.parent).metrics_discarded, "a") as f:
-            f.writelines(json.dumps(r) + "\n" for r in dropped)
+            f.writelines(json.dumps({**r, "discarded_by": why}) + "\n" for r in dropped)
         tmp = self.path.with_name(f".{self.path.name}.tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
         if self._file is not None:

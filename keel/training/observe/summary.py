@@ -6,6 +6,7 @@ from collections import Counter
 from pathlib import Path
 
 from keel.run_dir import RunDir, read_anomalies, write_atomic
+from keel.training.observe.goodput import account
 from keel.training.observe.metrics import read_metrics
 
 
@@ -28,6 +29,9 @@ def write_summary(run_dir: Path, finished: bool, exit_code: int, reason: str = "
             )
         lines.append(f"- skipped steps: {sum(1 for r in records if r.get('skipped'))}")
         lines.append(f"- tokens: {last['tokens']:,}; last LR scale: {last.get('lr_scale', 1.0):g}")
+    goodput = account(run_dir)
+    if goodput is not None:
+        lines.append(f"- goodput: {goodput.line()}")
     counts = Counter(e["kind"] for e in events)
     lines += ["", "## Anomalies", ""]
     if not events:
