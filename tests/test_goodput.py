@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 from keel.run_dir import RunDir
+from keel.run_dir.goodput import LOSSES, account
 from keel.tools.report.series import goodput_series, smoothed
 from keel.tools.report.write import write_report
-from keel.training.observe.goodput import LOSSES, account
 from tests.keel_runs import REPO
 from tests.test_guards_one_rank import SPIKES
 

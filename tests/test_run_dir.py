@@ -1,4 +1,4 @@
-"""`keel/run_dir.py` is the only module that names a file in the run dir or spells an exit-code number.
+"""`keel/run_dir/__init__.py` is the only module that names a file in the run dir or spells an exit-code number.
 
 Read from the syntax trees of every module under keel/ (no import): a string constant that is a run-dir file name
 (or ends with `/name`), and an integer given as an exit code (`sys.exit(3)`, `os._exit(4)`, `exit_code=7`, a
@@ -13,7 +13,7 @@ from pathlib import Path
 from keel.run_dir import COMPLETE, LATEST, ExitCode, RunDir
 
 KEEL = Path(__file__).resolve().parents[1] / "keel"
-HOME = KEEL / "run_dir.py"
+HOME = KEEL / "run_dir" / "__init__.py"
 
 
 def run_dir_names() -> set[str]:
@@ -45,7 +45,7 @@ def _is_int(node: ast.AST | None) -> bool:
 
 
 def spelled_out(path: Path, names: set[str], root: Path = KEEL.parent) -> list[str]:
-    """file:line for each run-dir file name or exit-code number written in `path` outside keel/run_dir.py."""
+    """file:line for each run-dir file name or exit-code number written in `path` outside keel/run_dir/__init__.py."""
     tree = ast.parse(path.read_text(), filename=str(path))
     skip = _docstrings(tree)
     where = path.relative_to(root)

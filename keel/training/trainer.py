@@ -150,6 +150,7 @@ class Trainer:
         and the first step, and rank 0 writes them to the run's timeline."""
         self.cfg = cfg
         self.startup = startup or StartupClock(time.time(), before="other")
+        self._startup_recorded = False
         self.engine = engine
         self.topology = topology
         self.train_samples = train_samples
@@ -492,6 +493,9 @@ class Trainer:
             # leaving the block within a hang's deadline counts as that hang (see watchdog.py)
             with watchdog:
                 result = self._loop(state, metrics, watchdog, stragglers)
+                self._record_startup(
+                    result.state.step, time.time(), 0.0
+                )  # no step was left to train
                 # the last save completes
                 with watchdog.phase("checkpoint save", stability.watchdog_save_timeout):
                     stop = self.checkpoints.background(wait=True, final=True)
@@ -523,11 +527,8 @@ class Trainer:
                 record, decision = self.train_step(state)
             steps_here += 1
             record = self._timed(record, state, time.perf_counter() - start, stragglers)
-            if steps_here == 1 and self.topology.rank == 0:  # start-up ends with the first step
-                timeline.append(
-                    self.run_dir,
-                    self.startup.record(state.step, started_at, record["step_time_s"]),
-                )
+            if steps_here == 1:  # start-up ends with the first step
+                self._record_startup(state.step, started_at, record["step_time_s"])
             # the save after the previous step: its cost, next to the step's own
             if save_time is not None:
                 record["save_time_s"], save_time = save_time, None
@@ -573,6 +574,13 @@ class Trainer:
             if stop_early:
                 return TrainResult(state, finished=False)
         return TrainResult(state, finished=True)
+
+    def _record_startup(self, step: int, started_at: float, seconds: float) -> None:
+        """Rank 0: this launch's start-up into the run's timeline, once (a launch with no step left to train
+        records it at its end, its start-up lost all the same)."""
+        if self.topology.rank == 0 and not self._startup_recorded:
+            timeline.append(self.run_dir, self.startup.record(step, started_at, seconds))
+        self._startup_recorded = True
 
     def _act(
         self, decision: Decision, state: TrainState, metrics: MetricsWriter, watchdog: Watchdog

@@ -11,8 +11,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from keel.run_dir.goodput import account
 from keel.tools.report.read import RunRecords
-from keel.training.observe.goodput import account
 
 # the model monitor's per-layer gradient norms (keel/training/observe/monitor.py)
 GRAD_NORM_PREFIX = "grad_norm/"
@@ -186,7 +186,7 @@ def experts_series(run: RunRecords) -> dict | Skipped:
 
 
 def goodput_series(run: RunRecords) -> dict | Skipped:
-    """Where the run's wall time went, from its first launch (keel/training/observe/goodput.py): the totals, and
+    """Where the run's wall time went, from its first launch (keel/run_dir/goodput.py): the totals, and
     the spans over wall time, adjacent spans of one kind merged to the plot's resolution (1/1000 of the wall)."""
     found = account(run.run_dir)
     if found is None:

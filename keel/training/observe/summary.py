@@ -6,7 +6,7 @@ from collections import Counter
 from pathlib import Path
 
 from keel.run_dir import RunDir, read_anomalies, write_atomic
-from keel.training.observe.goodput import account
+from keel.run_dir.goodput import account
 from keel.training.observe.metrics import read_metrics
 
 

@@ -4,7 +4,7 @@ Each process that trains the run (the first launch, an elastic restart, a SLURM 
 once its first step is done — when the process started, when `keel train` launched the job, and the seconds of
 each start-up phase (imports, rendezvous, process groups, data, reshard, engine, restore, first step) — and one
 `end` record when it ends on its own (a killed process writes none: its end is its last step's). Goodput is read
-off these and the metrics (keel/training/observe/goodput.py); bench/startup.py reads the phases.
+off these and the metrics (keel/run_dir/goodput.py); bench/startup.py reads the phases.
 """
 
 from __future__ import annotations
