@@ -472,9 +472,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    # the job's start, for the ranks' start-up timeline (keel/training/observe/timeline.py); a rank started by
-    # an external launcher keeps the time its own launcher set, if any
-    os.environ.setdefault(LAUNCHED_AT, repr(time.time()))
+    launched = time.time()
     args = build_parser().parse_args(argv)
     from keel.data import DataError  # torch: keel --help start-up
 
@@ -482,6 +480,11 @@ def main(argv: list[str] | None = None) -> None:
     try:
         # a rank of an external launcher (torchrun, deepspeed, srun)
         in_place = _external_world_size() is not None
+        if not in_place:
+            # the job's start, for the ranks' start-up timeline (keel/training/observe/timeline.py), set afresh:
+            # a value inherited from an earlier command is not this job's; a rank of an external launcher starts
+            # its timeline at its own process start
+            os.environ[LAUNCHED_AT] = repr(launched)
         code = args.func(args)
     except (ConfigError, DataError) as exc:
         print(f"keel: error: {exc}", file=sys.stderr)
