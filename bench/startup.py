@@ -35,7 +35,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from keel.training.observe.timeline import read_timeline  # noqa: E402
+from keel.run_dir.goodput import read_timeline  # noqa: E402
 
 TARGET_S = 10.0
 PHASES = (

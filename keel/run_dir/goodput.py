@@ -66,7 +66,7 @@ class Goodput:
 def account(run_dir: Path) -> Goodput | None:
     """The run's goodput, or None before its first step."""
     layout = RunDir(run_dir)
-    timeline = _lines(layout.timeline)
+    timeline = read_timeline(run_dir)
     starts = [r for r in timeline if r.get("event") == "start"]
     if not starts:
         return None
@@ -159,6 +159,11 @@ def _step_spans(spans: list[Span], record: dict, what: str) -> None:
         (end + record.get("check_time_s", 0.0), record.get("eval_time_s", 0.0), "evaluation"),
     ]
     spans.extend(Span(at, seconds, name) for at, seconds, name in parts if seconds > 0)
+
+
+def read_timeline(run_dir: Path) -> list[dict]:
+    """timeline.jsonl's records (keel/training/observe/timeline.py writes them), a line being written left out."""
+    return _lines(RunDir(run_dir).timeline)
 
 
 def _lines(path: Path) -> list[dict]:

@@ -88,10 +88,3 @@ def append(run_dir: Path, record: dict[str, Any]) -> None:
 
 def end_record(step: int, exit_code: int) -> dict[str, Any]:
     return {"event": "end", "time": time.time(), "step": step, "exit_code": int(exit_code)}
-
-
-def read_timeline(run_dir: Path) -> list[dict[str, Any]]:
-    path = RunDir(run_dir).timeline
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
