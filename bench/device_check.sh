@@ -6,6 +6,8 @@
 #   throughput  bench/throughput.py in bf16 on a mid-sized Llama: tokens/s, MFU, the Keel/HF ratio, time outside GEMMs.
 #   throughput-compile  (only when named) the same with --compile: the first step's compilation time and the
 #               compiled step, the figures model.compile=auto needs before it may compile on CUDA.
+#   gemm        bench/gemm_efficiency.py: bf16 TFLOP/s of a Llama block's GEMMs by width and tokens (the efficiency
+#               curve a step-time model fits), and FP8 _scaled_mm (tensorwise, rowwise) on the same shapes.
 #   kernels     bench/kernels.py in bf16: RMSNorm, RoPE, SwiGLU, CE, linear+CE fwd+bwd time and peak memory, eager
 #               vs torch.compile vs Liger (liger-kernel from .whl: `pip download --no-deps liger-kernel -d .whl`).
 #   dense-z1 dense-z2 dense-z3 moe-z1 moe-z2
@@ -14,6 +16,7 @@
 #               and checksums on in every run, and a resume (stop at step 30, start again) in three of them.
 #               logging.sync_debug=warn counts the synchronizing CUDA calls per optimizer step (syncs.txt).
 #               Each prints its last log lines and its peak GPU memory (next to Keel's memory model when present).
+# Stages run in the order STAGES names them, so the ones that matter most can go first under a tight lease.
 # Usage there: bash bench/device_check.sh [OUT_DIR]. A machine with no network needs DeepSpeed and the deps its
 # image lacks as wheels in .whl/ (made beforehand where pip works; the image had Python 3.12):
 #   DS_BUILD_OPS=0 pip wheel --no-deps --no-build-isolation deepspeed==0.19.8 -w .whl
@@ -28,28 +31,28 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   export PYTHONPATH=/tmp/site:$PWD
 fi
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-$PWD}
-stages=${STAGES:-gpu-tests throughput kernels dense-z1 dense-z2 dense-z3 moe-z1 moe-z2}
-want() { [[ " $stages " == *" $1 "* ]]; }
+stages=${STAGES:-gpu-tests throughput gemm kernels dense-z1 dense-z2 dense-z3 moe-z1 moe-z2}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
 python3 -c "import torch, deepspeed; print('torch', torch.__version__, 'deepspeed', deepspeed.__version__)"
 
-if want gpu-tests; then
+gpu_tests() {
   timeout 120 python3 -m pytest -o addopts='' -q -m gpu tests/test_gpu.py tests/test_kernels.py -p no:cacheprovider 2>&1 | tail -5 | tee "$out/gpu_tests.txt"
-fi
-if want throughput; then
-  # Keel's whole trainer step (data prepared from the stdlib corpus first, ~10 s) vs the plain HF loop
-  timeout 180 python3 bench/throughput.py --precision bf16 --ds-config ds_configs/bf16.json --dim 2048 --layers 8 \
-    --heads 16 --kv-heads 8 --vocab 32000 --seq-len 2048 --micro-batch 4 --steps 8 --warmup 2 --profile-steps 2 2>&1 \
-    | grep -v -e "^\[20" -e "^USDT" | tee "$out/throughput.txt"
-fi
-if want throughput-compile; then
-  timeout 240 python3 bench/throughput.py --precision bf16 --ds-config ds_configs/bf16.json --dim 2048 --layers 8 \
-    --heads 16 --kv-heads 8 --vocab 32000 --seq-len 2048 --micro-batch 4 --steps 8 --warmup 2 --profile-steps 0 \
-    --compile 2>&1 | grep -v -e "^\[20" -e "^USDT" | tee "$out/throughput_compile.txt"
-fi
-if want kernels; then
+}
+# Keel's whole trainer step (data prepared from the stdlib corpus first, ~10 s) vs the plain HF loop
+# throughput SECONDS [extra flags]
+throughput() {
+  local limit=$1
+  shift
+  timeout "$limit" python3 bench/throughput.py --precision bf16 --ds-config ds_configs/bf16.json --dim 2048 --layers 8 \
+    --heads 16 --kv-heads 8 --vocab 32000 --seq-len 2048 --micro-batch 4 --steps 8 --warmup 2 "$@" 2>&1 \
+    | grep -v -e "^\[20" -e "^USDT"
+}
+gemm() {
+  timeout 120 python3 bench/gemm_efficiency.py --repeats 10 2>&1 | tee "$out/gemm.txt"
+}
+kernels() {
   timeout 90 python3 bench/kernels.py --repeats 10 2>&1 | grep -v "^\[20" | tee "$out/kernels.txt"
-fi
+}
 
 # ds_config STAGE PRECISION → a DeepSpeed JSON in $out (ZeRO stage from zeroN.json, precision section added)
 ds_config() {
@@ -99,9 +102,20 @@ max((x.get('gpu_mem_peak_gib', 0) for x in r), default=None))" "$run/metrics.jso
   fi
 }
 
-want dense-z1 && train dense-z1 1 fp16 1
-want dense-z2 && train dense-z2 2 bf16 0
-want dense-z3 && train dense-z3 3 bf16 1
-want moe-z1 && train moe-z1 1 bf16 0 "${moe[@]}"
-want moe-z2 && train moe-z2 2 fp16 1 "${moe[@]}"
+for stage in $stages; do
+  echo "== stage $stage ($(date +%T))"
+  case $stage in
+    gpu-tests) gpu_tests ;;
+    throughput) throughput 180 --profile-steps 2 | tee "$out/throughput.txt" ;;
+    throughput-compile) throughput 240 --profile-steps 0 --compile | tee "$out/throughput_compile.txt" ;;
+    gemm) gemm ;;
+    kernels) kernels ;;
+    dense-z1) train dense-z1 1 fp16 1 ;;
+    dense-z2) train dense-z2 2 bf16 0 ;;
+    dense-z3) train dense-z3 3 bf16 1 ;;
+    moe-z1) train moe-z1 1 bf16 0 "${moe[@]}" ;;
+    moe-z2) train moe-z2 2 fp16 1 "${moe[@]}" ;;
+    *) echo "unknown stage $stage" ;;
+  esac
+done
 exit 0

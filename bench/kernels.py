@@ -103,7 +103,7 @@ def liger_variant(name: str) -> Callable | None:
         "rmsnorm": lambda x, w: rms_norm(x, w, 1e-5, liger=True),
         "rope": lambda q, k, cos, sin: rotary(q, k, cos, sin, liger=True),
         "swiglu": lambda a, b: silu_mul(a, b, liger=True),
-        "ce": lambda x, y: _first(LigerCrossEntropyFunction.apply(x, y)),
+        "ce": lambda x, y: _first(LigerCrossEntropyFunction.apply(x, y, None)),  # no class weights
         "linear-ce": lambda h, w, y: fused_linear_cross_entropy(h, w, y, w.shape[0], 0.0, 0.0),
     }[name]
 

@@ -251,6 +251,12 @@ def report(
         cfg.train.global_batch_size * cfg.data.seq_len,
     )
     print(f"\n{header}")
+    if not keel.times or not ref.times:
+        # a guard stopped Keel's trainer (its log line above says why): there is no step to compare
+        print(
+            f"no timed steps: Keel {len(keel.times)}, reference {len(ref.times)}; see the log above"
+        )
+        return
     cols = ("tokens/s", "step ms", *(f"MFU {n}" for n in peaks), "out-kern ms", "kernels ms")
     print(f"{'':<20}" + "".join(f"{c:>13}" for c in cols))
     for name, side in (("Keel (trainer step)", keel), (ref_name, ref)):

@@ -122,6 +122,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="Keel with model.compile (each block torch.compile'd); "
         "the first step's time, compilation included, is printed",
     )
+    p.add_argument(
+        "--kernels", default="auto", choices=["auto", "torch", "liger"], help="Keel's model.kernels"
+    )
     args = p.parse_args(argv)
     dim, layers, seq, micro = SHAPES[args.ranks]
     args.dim, args.layers = args.dim or dim, args.layers or layers
@@ -163,6 +166,7 @@ def write_run(args: argparse.Namespace, run_dir: Path) -> Path:
         "model.n_kv_heads": args.kv_heads,
         "model.vocab_size": args.vocab,
         "model.compile": str(args.compile),
+        "model.kernels": args.kernels,
         "data.seq_len": args.seq_len,
         "data.tokenizer_vocab_size": min(args.vocab, 4096),
         "data.corpus": json.dumps(corpus_spec(args.corpus)),

@@ -382,9 +382,18 @@ class CausalLM(nn.Module):
 def compile_blocks(layers: Iterable[nn.Module]) -> None:
     """`torch.compile` each transformer block in place (torchtitan's per-block scheme): identical blocks share
     one compiled graph (parameters are graph inputs), the fusions inductor finds are per block, and parameter
-    names and state dicts stay those of the eager model (`Module.compile`, not a wrapper)."""
+    names and state dicts stay those of the eager model (`Module.compile`, not a wrapper).
+
+    A compiled block's RMSNorm, RoPE and silu·mul take the torch path whatever `model.kernels` says: inductor
+    fuses them itself, and Liger's kernels inside the graph defeat its analysis (their scalar arguments) and
+    write their gradients into their saved inputs; on an H200 a 435M model compiled with them had non-finite
+    gradients at its first step, the same model on the torch path trained (bench/results/device_check_gpu_*).
+    Outside the blocks (the final norm, the fused head + loss) Liger stays."""
     for layer in layers:
         if isinstance(layer, Block):
+            for module in layer.modules():
+                if getattr(module, "liger", False):
+                    module.liger = False
             layer.compile()
 
 
