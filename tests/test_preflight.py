@@ -23,6 +23,7 @@ from keel.engine.ds_config import load_ds_config
 from keel.launcher.cli import main
 from keel.parallel.topology import GridShape
 from keel.run_dir import ExitCode, RunDir
+from keel.run_dir.bad_nodes import read_bad_nodes
 from keel.tools.preflight.clock import ClockOffset
 from keel.tools.preflight.collectives import (
     PAIR_SIZES,
@@ -37,7 +38,8 @@ from keel.tools.preflight.judge import RankRecord, Thresholds, judge
 from keel.tools.preflight.memory import MemoryResult, RunNeeds, checkpoint_bytes
 from keel.tools.preflight.report import table, verdict_line, write_report
 from keel.tools.preflight.storage import StorageResult, directory_bytes, free_bytes, measure_storage
-from tests.keel_runs import REPO, Run
+from keel.training.observe.metrics import read_metrics
+from tests.keel_runs import REPO, TINY, Run
 
 KEEL_RUNS = [
     Run.of("zero0", 2)
@@ -554,7 +556,7 @@ def test_a_healthy_allocation_exits_0_under_the_deepspeed_launcher(runs, tmp_pat
 @pytest.mark.slow
 @pytest.mark.fault(
     "preflight under SLURM: a node computes wrong results",
-    "the job's preflight step names it and the job stops before training, exit 9",
+    "named and recorded as bad; too few nodes left without it: the job stops before training, exit 9",
 )
 def test_a_slurm_job_with_a_bad_node_stops_at_its_preflight_step(slurm_cluster, runs, tmp_path):
     cmd = [
@@ -588,6 +590,59 @@ def test_a_slurm_job_with_a_bad_node_stops_at_its_preflight_step(slurm_cluster, 
     assert job["JobState"] == "FAILED" and job["ExitCode"] == f"{ExitCode.PREFLIGHT}:0", log[-3000:]
     assert "bad ranks 1 (node2)" in log  # under srun each rank names its SLURM node
     assert "keel-slurm: preflight found bad node(s) in node[1-2]: not training" in log
+    # node2 is recorded; without it one node remains, and the job may not shrink (--min-nodes defaults to 2)
+    assert "bad node(s) node2 (preflight): too few nodes remain: 1 usable" in log, log[-3000:]
+    assert [(n.host, n.reason) for n in read_bad_nodes(tmp_path)] == [("node2", "preflight")]
     # never trained
     assert not (tmp_path / "metrics.jsonl").exists() and "keel-slurm: ranks exited" not in log
     assert json.loads(RunDir(tmp_path).preflight.read_text())["bad_ranks"].keys() == {"1"}
+
+
+@pytest.mark.slow
+@pytest.mark.fault(
+    "SLURM: a node fails preflight (its matmul is wrong), 2 nodes, --min-nodes 1",
+    "node recorded in bad_nodes.json; the job resubmits itself without it and trains on the other node",
+)
+def test_a_slurm_job_leaves_its_bad_node_out_and_trains_on_the_rest(slurm_cluster, runs, tmp_path):
+    cmd = [
+        sys.executable,
+        "-m",
+        "keel.launcher.cli",
+        "slurm",
+        "--preflight",
+        "--run-dir",
+        str(tmp_path),
+        "--ds-config",
+        str(REPO / "ds_configs" / "zero1.json"),
+        "--nodes",
+        "2",
+        "--min-nodes",
+        "1",
+        "--tasks-per-node",
+        "1",
+        "--time",
+        "00:10:00",
+        "--signal-lead",
+        "60",
+    ]
+    for item in runs.overrides(faults__preflight_bad_matmul_node="node2"):
+        cmd += ["--set", item]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, cwd=REPO, env=slurm_cluster.env, timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    first = re.search(r"submitted job (\d+)", proc.stdout).group(1)
+    job = slurm_cluster.wait_job(first, timeout=300)
+    log = (tmp_path / f"slurm-{first}.out").read_text(errors="replace")
+    assert job["JobState"] == "COMPLETED", log[-3000:]
+    found = re.search(r"bad node\(s\) node2 \(preflight\): resubmitted as job (\d+) on 1 node", log)
+    assert found, log[-3000:]
+    second = slurm_cluster.wait_job(found.group(1), timeout=300)
+    log = (tmp_path / f"slurm-{found.group(1)}.out").read_text(errors="replace")
+    assert second["JobState"] == "COMPLETED" and second["NodeList"] == "node1", log[-3000:]
+    assert second["ExcNodeList"] == "node2" and "preflight healthy" in log
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert records and records[-1]["step"] == TINY["train.steps"], log[-3000:]
+    assert [(n.host, n.reason, n.evidence["ranks"]) for n in read_bad_nodes(tmp_path)] == [
+        ("node2", "preflight", [1])
+    ]

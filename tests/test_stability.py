@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from keel.run_dir import read_anomalies
+from keel.run_dir.bad_nodes import hang_suspects
 from keel.training.observe.metrics import read_metrics
 from tests.keel_runs import REPO, Run, final_weights
 
@@ -239,6 +240,13 @@ def test_sleeping_rank_trips_the_watchdog(runs, tmp_path):
     assert "faults.py" in dump and "in before_forward" in dump
     hangs = events(tmp_path, "hang")
     assert any(e["rank"] == 1 and e["step"] == 4 for e in hangs)
+    # rank 1 was stuck in its own work; rank 0, when it lived to say so, was waiting on it in a collective
+    waiting = {e["rank"]: e["waiting"] for e in hangs}
+    assert waiting[1] is False and waiting.get(0, True) is True, hangs
+    if (
+        0 in waiting
+    ):  # rank 0 lived to record its wait (torchrun may end it first): rank 1's node is named
+        assert [n.evidence["rank"] for n in hang_suspects(hangs)] == [1]
 
 
 def test_batch_rampup_trains_and_resumes_exactly(runs):

@@ -343,3 +343,27 @@ def test_straggler_monitor_single_process():
         "fastest_rank": 0,
     }
     assert StragglerMonitor(None, interval=0).update(50, 0.5) is None
+
+
+def test_a_node_slowest_at_consecutive_checks_builds_a_streak(monkeypatch):
+    """The streak that puts a straggler's node into bad_nodes.json (the trainer records it at
+    stability.straggler_bad_repeats): the same node slowest by at least bad_spread, check after check."""
+    monitor = StragglerMonitor(None, interval=1, bad_spread=0.5)
+    seen = iter(
+        [
+            ((3, 2.0), (0, 1.0), "nodeB"),  # 100 % slower
+            ((3, 1.6), (0, 1.0), "nodeB"),  # 60 %
+            ((5, 1.9), (0, 1.0), "nodeC"),  # another node: its own streak
+            ((5, 1.2), (0, 1.0), "nodeC"),  # 20 %: below the spread, the streak ends
+            ((5, 1.5), (1, 1.0), "nodeC"),
+        ]
+    )
+    monkeypatch.setattr(monitor, "_extremes", lambda value: next(seen))
+    reports = [monitor.update(step, 1.0) for step in range(1, 6)]
+    assert [(r.host, r.streak) for r in reports] == [
+        ("nodeB", 1),
+        ("nodeB", 2),
+        ("nodeC", 1),
+        ("nodeC", 0),
+        ("nodeC", 1),
+    ]

@@ -146,6 +146,8 @@ BOUNDS: dict[str, Bound] = {
     "stability.watchdog_eval_timeout": at_least(0, "seconds; 0: off"),
     "stability.watchdog_save_timeout": at_least(0, "seconds; 0: off"),
     "stability.straggler_interval": at_least(0, OFF),
+    "stability.straggler_bad_repeats": at_least(0, OFF),
+    "stability.straggler_bad_spread": positive(),
     "stability.monitor_interval": at_least(0, OFF),
     "stability.expert_interval": at_least(0, OFF),
     "stability.expert_collapse_share": fraction(low_open=True, high_open=False),

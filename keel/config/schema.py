@@ -262,6 +262,10 @@ class StabilityConfig:
     watchdog_eval_timeout: float = 900.0  # validation
     watchdog_save_timeout: float = 1200.0  # checkpoint save, and the load of a rollback
     straggler_interval: int = 50  # log slowest/fastest rank step time every N steps (0: off)
+    # a node whose rank is the slowest at this many consecutive straggler checks, each time this much slower than
+    # the fastest rank (0.5: 50%), is recorded in bad_nodes.json for the next attempt to leave out (0: never)
+    straggler_bad_repeats: int = 3
+    straggler_bad_spread: float = 0.5
     # per-layer grad norms and activation statistics every N steps (0: off)
     monitor_interval: int = 50
     # the monitor's largest attention logit per block (keel/training/observe/attention_logits.py): warn above this
@@ -319,6 +323,9 @@ class FaultsConfig:
     # `keel preflight` (keel/tools/preflight/): each check proven by a fault it must name
     # this rank's check matmul comes out wrong in one element (silent corruption)
     preflight_bad_matmul_rank: int = -1
+    # ...or every rank on this node (SLURM's node name, else the host name): a fault that stays with its node when
+    # the job is requeued elsewhere on fewer ranks
+    preflight_bad_matmul_node: str = ""
     # ...by this relative error (below ~1e-5 only the majority vote sees it)
     preflight_bad_matmul_error: float = 0.01
     # this rank computes 8x slower and arrives late at every timed collective

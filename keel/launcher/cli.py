@@ -20,7 +20,11 @@ import traceback
 from pathlib import Path
 
 from keel.config import ConfigError
-from keel.launcher.deepspeed_launcher import hostfile_slots, launch_deepspeed
+from keel.launcher.deepspeed_launcher import (
+    hostfile_slots,
+    hostfile_without_bad_nodes,
+    launch_deepspeed,
+)
 from keel.launcher.local import free_port, launch_local, launch_module
 from keel.launcher.slurm import add_parser as add_slurm_parser
 from keel.launcher.slurm import cmd_slurm as submit_slurm
@@ -77,12 +81,40 @@ def _train_with_deepspeed_launcher(args: argparse.Namespace) -> int:
     from keel.launcher.run_spec import (
         build_run,
         prepare_data,
+        run_dir_path,
         write_run_dir,
     )  # torch: keel --help start-up
 
-    spec = build_run(
-        args.config, args.set, args.ds_config, args.run_dir, _hostfile_world_size(args)
+    if not args.hostfile:
+        raise ConfigError("--launcher deepspeed needs --hostfile (lines of 'hostname slots=N')")
+    hostfile, left_out = hostfile_without_bad_nodes(
+        args.hostfile, run_dir_path(args.config, args.run_dir)
     )
+    if left_out:
+        if args.no_ssh:
+            print(
+                f"keel: error: node(s) {', '.join(left_out)} are recorded in bad_nodes.json: with --no-ssh, "
+                "remove them from the hostfile and renumber --node-rank on every node",
+                file=sys.stderr,
+            )
+            return ExitCode.PREFLIGHT
+        print(
+            f"keel: leaving out node(s) {', '.join(left_out)} (bad_nodes.json): {hostfile}",
+            flush=True,
+        )
+        args.hostfile = str(hostfile)
+    try:
+        spec = build_run(
+            args.config, args.set, args.ds_config, args.run_dir, _hostfile_world_size(args)
+        )
+    except ConfigError as err:
+        if not left_out:
+            raise
+        print(
+            f"keel: error: too few nodes remain without {', '.join(left_out)} (bad_nodes.json): {err}",
+            file=sys.stderr,
+        )
+        return ExitCode.PREFLIGHT
     prepare_data(spec)
     write_run_dir(spec)
     return _launch_deepspeed(args, "train", spec.run_dir)

@@ -37,6 +37,23 @@ def hostfile_slots(path: str | Path) -> list[tuple[str, int]]:
     return hosts
 
 
+def hostfile_without_bad_nodes(hostfile: str | Path, run_dir: Path) -> tuple[Path, list[str]]:
+    """The hostfile less the nodes the run dir records as bad (keel/run_dir/bad_nodes.py), written beside the
+    run's other files, and the hosts left out; the hostfile itself when none of its hosts is recorded."""
+    from keel.run_dir.bad_nodes import bad_hosts
+
+    slots = hostfile_slots(hostfile)
+    bad = set(bad_hosts(run_dir))
+    left_out = [host for host, _ in slots if host in bad]
+    if not left_out:
+        return Path(hostfile), []
+    kept = [(host, n) for host, n in slots if host not in bad]
+    path = run_dir / "hostfile.without_bad_nodes"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(f"{host} slots={n}\n" for host, n in kept))
+    return path, left_out
+
+
 def deepspeed_command(
     keel_args: list[str],
     hostfile: str,

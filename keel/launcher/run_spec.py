@@ -60,6 +60,12 @@ def resolve_path(name: str, *bases: Path) -> Path:
     return path
 
 
+def run_dir_path(config_path: str | None, run_dir: str | None) -> Path:
+    """`--run-dir`, or runs/<config name> (runs/default without a config)."""
+    default_name = Path(config_path).stem if config_path else "default"
+    return Path(run_dir or Path("runs") / default_name).expanduser().resolve()
+
+
 def build_run(
     config_path: str | None,
     overrides: list[str],
@@ -95,8 +101,7 @@ def build_run(
             ds_raw, cfg, world_size // (cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.sp)
         )
     )
-    default_name = Path(config_path).stem if config_path else "default"
-    directory = Path(run_dir or Path("runs") / default_name).expanduser().resolve()
+    directory = run_dir_path(config_path, run_dir)
     _check_same_run(directory, cfg)
     return RunSpec(
         cfg, ds_raw, directory, base_dir=bases[0] if config_path else None, world_size=world_size

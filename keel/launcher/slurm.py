@@ -15,6 +15,10 @@ With `--preflight` the job's first srun step is `keel preflight` on the same tas
 (exit 9, its ranks named in the log and in RUN_DIR/preflight.json) or a failed preflight stops the job with one
 line before training starts; on a requeue it runs again, as the job may land on other nodes.
 
+Bad nodes (keel/run_dir/bad_nodes.py) recorded in the run dir are passed to `--exclude`; when a node of a
+running job is found bad, the job's script submits it again without that node (keel/launcher/slurm_requeue.py),
+on as many nodes as remain usable and no fewer than `--min-nodes`.
+
 Before submitting, the config is checked for nodes × tasks-per-node ranks and the data is prepared here (the
 ranks find it in `data.cache_dir`, which must therefore be on a filesystem every node shares, like the run dir).
 """
@@ -33,6 +37,7 @@ from pathlib import Path
 
 from keel.config import ConfigError
 from keel.run_dir import ExitCode
+from keel.run_dir.bad_nodes import bad_hosts
 
 TEMPLATE = "slurm/keel.sbatch"
 SCRIPT_NAME = "keel.sbatch"
@@ -69,6 +74,9 @@ class SbatchOptions:
     job_name: str | None = None
     signal_lead: int = DEFAULT_SIGNAL_LEAD
     extra: tuple[str, ...] = ()
+    # the fewest nodes a resubmission without bad nodes may run on (None: `nodes`, never fewer)
+    min_nodes: int | None = None
+    exclude: tuple[str, ...] = ()  # nodes recorded bad in the run dir, left out from the start
 
 
 def parse_time_limit(value: str) -> int:
@@ -107,6 +115,8 @@ def check_options(opts: SbatchOptions) -> None:
     for name, value in (("--nodes", opts.nodes), ("--tasks-per-node", opts.tasks_per_node)):
         if value < 1:
             raise ConfigError(f"{name}: must be >= 1, got {value}")
+    if opts.min_nodes is not None and not 1 <= opts.min_nodes <= opts.nodes:
+        raise ConfigError(f"--min-nodes: must be 1..--nodes ({opts.nodes}), got {opts.min_nodes}")
     if opts.gpus_per_node < 0:
         raise ConfigError(f"--gpus-per-node: must be >= 0, got {opts.gpus_per_node}")
     if opts.cpus_per_task is not None and opts.cpus_per_task < 1:
@@ -157,8 +167,10 @@ srun --nodes="${{SLURM_JOB_NUM_NODES}}" --ntasks-per-node={tasks_per_node} \\
      keel-rank "${{KEEL_PREFLIGHT[@]}}" || preflight_rc=$?
 if [ "${{preflight_rc}}" -eq {exit_preflight} ]; then
     echo "keel-slurm: preflight found bad node(s) in ${{SLURM_JOB_NODELIST}}: not training; the bad ranks and their" \\
-         "hosts are named above and in ${{RUN_DIR}}/preflight.json; resubmit with --sbatch=--exclude=NODE" >&2
-    exit "${{preflight_rc}}"
+         "hosts are named above and in ${{RUN_DIR}}/preflight.json" >&2
+    next_rc=0
+    after_ranks "${{preflight_rc}}" || next_rc=$?  # resubmits without the bad nodes, or says too few remain
+    exit "${{next_rc}}"
 elif [ "${{preflight_rc}}" -ne 0 ]; then
     echo "keel-slurm: preflight failed with exit code ${{preflight_rc}} on ${{SLURM_JOB_NODELIST}}: not training;" \\
          "see the log above" >&2
@@ -199,6 +211,8 @@ def render(
         optional.append(f"--partition={opts.partition}")
     if opts.account:
         optional.append(f"--account={opts.account}")
+    if opts.exclude:
+        optional.append(f"--exclude={','.join(opts.exclude)}")
     optional += list(opts.extra)
     fields = {
         "job_name": opts.job_name or f"keel-{run_dir.name}",
@@ -214,6 +228,8 @@ def render(
         "port_base": PORT_BASE,
         "port_span": PORT_SPAN,
         "preflight_step": preflight_step(opts, preflight),
+        "min_nodes": opts.min_nodes or opts.nodes,
+        "script_name": SCRIPT_NAME,
     }
     return SbatchTemplate(template).substitute(fields)
 
@@ -229,7 +245,7 @@ def template_path(name: str | None) -> Path:
 
 def prepare_script(args: argparse.Namespace) -> tuple[str, Path]:
     """Check the run for nodes × tasks-per-node ranks, prepare its data, and render the script."""
-    from keel.launcher.run_spec import build_run, prepare_data  # the same
+    from keel.launcher.run_spec import build_run, prepare_data, write_run_dir  # the same
 
     tasks = args.tasks_per_node if args.tasks_per_node is not None else max(1, args.gpus_per_node)
     opts = SbatchOptions(
@@ -243,6 +259,7 @@ def prepare_script(args: argparse.Namespace) -> tuple[str, Path]:
         job_name=args.job_name,
         signal_lead=args.signal_lead,
         extra=tuple(args.sbatch),
+        min_nodes=args.min_nodes,
     )
     check_options(opts)
     template = template_path(args.template).read_text()
@@ -259,6 +276,15 @@ def prepare_script(args: argparse.Namespace) -> tuple[str, Path]:
         )
     _sbatch_safe("working directory", str(Path.cwd()))
     prepare_data(spec)
+    if not args.dry_run:  # the run as submitted: what a requeue checks its node count against
+        write_run_dir(spec)
+    opts.exclude = tuple(bad_hosts(spec.run_dir))
+    if opts.exclude:
+        print(
+            f"keel: leaving out node(s) {','.join(opts.exclude)} (recorded in {spec.run_dir}/bad_nodes.json; "
+            "delete an entry to give a node back)",
+            file=sys.stderr,
+        )
     python = args.python or sys.executable
     command = train_command(python, config, spec.run_dir, spec.cfg.train.ds_config, args.set)
     preflight = (
@@ -331,6 +357,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
         type=int,
         default=0,
         help="GPUs per node, requested as --gres=gpu:G (default 0: a CPU job, no gres line)",
+    )
+    p.add_argument(
+        "--min-nodes",
+        type=int,
+        help="when bad nodes are left out of a requeue, run on as few as this many (default: --nodes)",
     )
     p.add_argument(
         "--tasks-per-node",

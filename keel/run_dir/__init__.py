@@ -132,6 +132,10 @@ class RunDir:
         return self.root / "preflight.json"
 
     @property
+    def bad_nodes(self) -> Path:  # nodes the next attempt leaves out (keel/run_dir/bad_nodes.py)
+        return self.root / "bad_nodes.json"
+
+    @property
     def report(self) -> Path:  # `keel report`'s default output directory
         return self.root / "report"
 
@@ -190,6 +194,12 @@ def read_run_dir(run_dir: Path) -> tuple[RunConfig, dict[str, Any], dict[str, An
     return cfg, ds_raw, data
 
 
+def node_name() -> str:
+    """This process's node as the scheduler names it: SLURM's node name under SLURM (several nodes may share
+    one host name, as on a test cluster of virtual nodes), else the host name."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
 def temp_sibling(path: Path) -> Path:
     """A unique hidden name next to `path` (same filesystem, so os.replace is atomic)."""
     return path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
@@ -228,7 +238,7 @@ class AnomalyLog:
             "step": step,
             "time": time.time(),
             "rank": self.rank,
-            "host": socket.gethostname(),
+            "host": node_name(),
             **fields,
         }
         self.events.append(event)

@@ -41,6 +41,7 @@ from keel.engine.lr_schedule import rampup_batch_size
 from keel.parallel import comm
 from keel.parallel.topology import Topology
 from keel.run_dir import AnomalyLog, ExitCode, checkpoint_dir
+from keel.run_dir.bad_nodes import record_bad_node
 from keel.training.checkpoint.seam import RunCheckpoints
 from keel.training.checkpoint.store import Checkpointer, TrainState
 from keel.training.data_stop import check_step_batch, named_stop, with_data_stop
@@ -58,7 +59,7 @@ from keel.training.observe.progress import run_progress
 from keel.training.observe.sinks import Sinks
 from keel.training.observe.sync_debug import SyncCounter
 from keel.training.observe.timeline import StartupClock
-from keel.training.observe.watchdog import StragglerMonitor, Watchdog
+from keel.training.observe.watchdog import StragglerMonitor, StragglerReport, Watchdog
 from keel.training.preemption import PreemptionHandler
 from keel.training.prefetch import BatchPrefetcher
 from keel.training.step_gate import Agreed, StepGate, decode, post_agreement
@@ -488,7 +489,11 @@ class Trainer:
         watchdog = Watchdog(
             self.run_dir, self.topology.rank, stability.watchdog_timeout, self.anomalies
         )
-        stragglers = StragglerMonitor(self.topology.control("world"), stability.straggler_interval)
+        stragglers = StragglerMonitor(
+            self.topology.control("world"),
+            stability.straggler_interval,
+            stability.straggler_bad_spread,
+        )
         try:
             # leaving the block within a hang's deadline counts as that hang (see watchdog.py)
             with watchdog:
@@ -634,4 +639,26 @@ class Trainer:
             record.update(report.metrics)
             if self.topology.rank == 0:
                 log.info(report.line)
+                repeats = self.cfg.stability.straggler_bad_repeats
+                if repeats and report.streak == repeats:
+                    self._record_straggler(state.step, report)
         return record
+
+    def _record_straggler(self, step: int, report: StragglerReport) -> None:
+        """The node slowest at `straggler_bad_repeats` checks in a row into bad_nodes.json (rank 0)."""
+        node = record_bad_node(
+            self.run_dir,
+            report.host,
+            "straggler",
+            step,
+            checks=report.streak,
+            interval=self.cfg.stability.straggler_interval,
+            **report.metrics,
+        )
+        if node is not None:
+            log.warning(
+                "step %d: node %s recorded as bad: its rank was the slowest at %d straggler checks in a row",
+                step,
+                node.host,
+                report.streak,
+            )

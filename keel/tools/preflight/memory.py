@@ -8,8 +8,6 @@ the ranks of one host; on CUDA it lives on the device and the host's figure is r
 
 from __future__ import annotations
 
-import os
-import platform
 from dataclasses import dataclass
 
 import psutil
@@ -18,6 +16,7 @@ import torch
 from keel.config import RunConfig
 from keel.engine.ds_config import precision, zero_stage
 from keel.engine.memory_model import BYTES, Layout, estimate, param_share
+from keel.run_dir import node_name
 
 
 @dataclass(frozen=True)
@@ -54,10 +53,6 @@ def checkpoint_bytes(cfg: RunConfig, ds: dict) -> int:
     )
 
 
-def host_name() -> str:
-    return os.environ.get("SLURMD_NODENAME") or platform.node()
-
-
 def measure_memory(device: str) -> MemoryResult:
     device_free = torch.cuda.mem_get_info()[0] if device == "cuda" else -1
-    return MemoryResult(host_name(), int(psutil.virtual_memory().available), int(device_free))
+    return MemoryResult(node_name(), int(psutil.virtual_memory().available), int(device_free))

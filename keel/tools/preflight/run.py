@@ -20,11 +20,12 @@ from keel.engine.distributed import init_distributed, setup_logging
 from keel.engine.ds_config import precision
 from keel.parallel import comm
 from keel.parallel.topology import WORLD, Topology
-from keel.run_dir import RunDir, RunSpec, checkpoint_dir
+from keel.run_dir import RunDir, RunSpec, checkpoint_dir, node_name
+from keel.run_dir.bad_nodes import BadNode, record_bad_nodes
 from keel.tools.preflight.clock import Clock, measure_offsets
 from keel.tools.preflight.collectives import Injected, Timer, measure_kinds, measure_links
 from keel.tools.preflight.compute import measure_compute
-from keel.tools.preflight.judge import RankRecord, judge
+from keel.tools.preflight.judge import RankRecord, Verdict, judge
 from keel.tools.preflight.memory import measure_memory, run_needs
 from keel.tools.preflight.report import table, write_report
 from keel.tools.preflight.storage import directory_bytes, measure_storage
@@ -80,7 +81,10 @@ def run_preflight(spec: RunSpec) -> int:
     timer = Timer(lambda: clock.now() - own, rank, injected, device)
     timings = measure_kinds(topology, timer) + measure_links(topology, timer)
     comm.barrier(world)
-    corrupt = faults.preflight_bad_matmul_error if rank == faults.preflight_bad_matmul_rank else 0.0
+    bad_matmul = rank == faults.preflight_bad_matmul_rank or (
+        faults.preflight_bad_matmul_node and faults.preflight_bad_matmul_node == node_name()
+    )
+    corrupt = faults.preflight_bad_matmul_error if bad_matmul else 0.0
     compute = measure_compute(
         device, precision(spec.ds_raw), corrupt, rank == faults.preflight_slow_rank
     )
@@ -128,4 +132,26 @@ def _judge_and_report(
         },
     )
     log.info("wrote %s", path)
+    _record_bad_nodes(spec.run_dir, verdict, hosts)
     return verdict.exit_code
+
+
+def _record_bad_nodes(run_dir: Path, verdict: Verdict, hosts: dict[int, str]) -> None:
+    """The nodes of the ranks a fatal finding names into the run dir's bad-node list, so that a requeue leaves
+    them out. A finding that names every node (the state does not fit anywhere, the checkpoint disk is full) is
+    the run's, not a node's: no node is recorded for it."""
+    by_host: dict[str, dict[str, list]] = {}
+    all_hosts = set(hosts.values())
+    for check in verdict.checks:
+        for finding in check.findings:
+            named = {hosts[r] for r in finding.ranks}
+            if not finding.fatal or named == all_hosts:
+                continue
+            for rank in finding.ranks:
+                entry = by_host.setdefault(hosts[rank], {"ranks": [], "checks": []})
+                entry["ranks"] = sorted({*entry["ranks"], rank})
+                if finding.message not in entry["checks"]:
+                    entry["checks"].append(finding.message)
+    found = [BadNode(host, "preflight", 0, evidence) for host, evidence in by_host.items()]
+    for node in record_bad_nodes(run_dir, found):
+        log.warning("node %s recorded as bad: %s", node.host, "; ".join(node.evidence["checks"]))

@@ -8,7 +8,6 @@ shows up as a replica whose parameters differ. Both checks are collectives run e
 from __future__ import annotations
 
 import math
-import socket
 import struct
 from collections.abc import Iterable
 
@@ -16,6 +15,7 @@ import torch
 
 from keel.parallel import comm
 from keel.parallel.topology import Topology
+from keel.run_dir import node_name
 
 # A replica's loss travels as its float32 bits made order-preserving, keyed with the world rank holding it, so one
 # MAX all-reduce names the highest and the lowest replica
@@ -100,7 +100,7 @@ class LossOutlierCheck:
         self.streak = streak
         events = []
         for dp_rank, rank, loss, mean, deviation in flagged:
-            host = comm.broadcast_object(socket.gethostname(), world, src=world.ranks.index(rank))
+            host = comm.broadcast_object(node_name(), world, src=world.ranks.index(rank))
             events.append(
                 {
                     "dp_rank": dp_rank,
@@ -113,6 +113,18 @@ class LossOutlierCheck:
                 }
             )
         return events
+
+
+def hosts_of(ranks: Iterable[int], topology: Topology) -> dict[int, str]:
+    """Each named rank's node, from that rank alone (one broadcast per rank, in rank order): collective over the
+    world, for the rare event that names ranks (every rank must pass the same ranks)."""
+    world = topology.control("world")
+    if not world.active:
+        return {rank: node_name() for rank in ranks}
+    return {
+        rank: comm.broadcast_object(node_name(), world, src=world.ranks.index(rank))
+        for rank in sorted(set(ranks))
+    }
 
 
 def _dp_index(topology: Topology, rank: int) -> int:

@@ -13,9 +13,15 @@ import math
 from keel.config import RunConfig
 from keel.parallel.topology import Topology
 from keel.run_dir import AnomalyLog, ExitCode
+from keel.run_dir.bad_nodes import BadNode, record_bad_nodes
 from keel.training.guards.at_rest import AtRestCheck
 from keel.training.guards.base import Action, Decision, StepStats
-from keel.training.guards.consistency import ChecksumCheck, Checksummer, LossOutlierCheck
+from keel.training.guards.consistency import (
+    ChecksumCheck,
+    Checksummer,
+    LossOutlierCheck,
+    hosts_of,
+)
 from keel.training.guards.numerics import LossScaleGuard, NonfiniteGuard
 from keel.training.guards.spike import SpikeGuard
 
@@ -148,6 +154,8 @@ class GuardStack:
                         event["ranks"],
                         event["group"],
                     )
+            if mismatches:
+                self._record_bad_nodes(step, mismatches)
             if mismatches and stability.checksum_action == "stop":
                 return Decision(
                     Action.STOP, "parameter checksum mismatch", exit_code=ExitCode.CHECKSUM
@@ -159,6 +167,32 @@ class GuardStack:
                     restore=True,
                 )
         return Decision()
+
+    def _record_bad_nodes(self, step: int, mismatches: list[dict]) -> None:
+        """The nodes of the ranks whose parameters disagree with their replicas' majority (or changed at rest)
+        go into the run dir's bad-node list; a disagreement with no majority names nobody."""
+        named = [e for e in mismatches if not e.get("ambiguous")]
+        hosts = hosts_of((r for e in named for r in e["ranks"]), self.topology)
+        if self.topology.rank != 0 or not hosts:
+            return
+        found: dict[str, BadNode] = {}
+        for event in named:
+            for rank in event["ranks"]:
+                node = found.setdefault(
+                    hosts[rank],
+                    BadNode(hosts[rank], "checksum", step, {"ranks": [], "parameters": []}),
+                )
+                if rank not in node.evidence["ranks"]:
+                    node.evidence["ranks"].append(rank)
+                if len(node.evidence["parameters"]) < 8:  # a few names say enough
+                    node.evidence["parameters"].append(f"{event['parameter']} ({event['group']})")
+        for node in record_bad_nodes(self.anomalies.path.parent, list(found.values())):
+            log.error(
+                "step %d: node %s recorded as bad (checksums of rank(s) %s)",
+                step,
+                node.host,
+                node.evidence["ranks"],
+            )
 
     def state_dict(self) -> dict:
         return {"spike": self.spike.state_dict()}

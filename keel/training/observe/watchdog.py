@@ -41,7 +41,6 @@ import contextlib
 import datetime
 import faulthandler
 import os
-import socket
 import sys
 import threading
 import time
@@ -51,13 +50,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-from keel.run_dir import AnomalyLog, ExitCode, RunDir
+from keel.run_dir import AnomalyLog, ExitCode, RunDir, node_name
 
 if TYPE_CHECKING:
     from keel.parallel import comm
 
 # the faulthandler backstop fires this long after the watchdog thread last ran
 BACKSTOP_MARGIN_S = 60.0
+# where a rank waits on its peers: torch's collectives, DeepSpeed's wrappers of them, Keel's own
+COLLECTIVE_CODE = tuple(
+    os.path.join(*parts)
+    for parts in (
+        ("torch", "distributed", ""),
+        ("deepspeed", "comm", ""),
+        ("keel", "parallel", "comm.py"),
+    )
+)
 PEER_WINDOW_S = 5.0  # an exception this close to the deadline is a peer's hang reaching this rank
 
 
@@ -94,9 +102,14 @@ class Watchdog:
         # the watchdog thread and a failing main thread may both try to fire
         self._firing = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._watched: int | None = (
+            None  # the thread that beats (the trainer's): its stack tells who hung
+        )
 
     # -- the trainer's side ---------------------------------------------------------------------------------
     def start(self) -> Watchdog:
+        """Start watching; call it on the thread that will beat."""
+        self._watched = threading.get_ident()
         if self.timeout_s > 0 and self._thread is None:
             if self.backstop:
                 try:
@@ -231,6 +244,7 @@ class Watchdog:
                 pid=os.getpid(),
                 stacks=str(path),
                 cause=repr(cause) if cause else None,
+                waiting=self._waiting_on_peers(cause),
             )
             line = f"keel r{self.rank}: watchdog: {what}; stacks in {path}; exiting with code {ExitCode.HANG}"
         except BaseException as err:  # report, and exit whatever went wrong
@@ -245,6 +259,19 @@ class Watchdog:
         finally:
             os._exit(ExitCode.HANG)
 
+    def _waiting_on_peers(self, cause: BaseException | None) -> bool:
+        """Was this rank waiting on its peers when it fired (its watched thread inside a collective, or a
+        collective failed under it: a peer was gone), rather than stuck in its own work? Every rank's answer,
+        in its hang record, is what names the rank that hung (keel/run_dir/bad_nodes.py: hang_suspects)."""
+        if cause is not None:
+            return True
+        frame = sys._current_frames().get(self._watched or -1)
+        while frame is not None:
+            if any(part in frame.f_code.co_filename for part in COLLECTIVE_CODE):
+                return True
+            frame = frame.f_back
+        return False
+
     def _dump_stacks(self, step: int, what: str, cause: BaseException | None) -> Path:
         path = RunDir(self.run_dir).hang_stacks(self.rank, step)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -254,7 +281,7 @@ class Watchdog:
         # append: a restarted run that hangs at the same step keeps both dumps
         with open(path, "a") as f:
             f.write(
-                f"keel watchdog: rank {self.rank} on {socket.gethostname()} pid {os.getpid()} at {now}: "
+                f"keel watchdog: rank {self.rank} on {node_name()} pid {os.getpid()} at {now}: "
                 f"{what}\nthreads:\n{threads}\n\n"
             )
             if cause is not None:
@@ -273,6 +300,9 @@ class StragglerReport:
     line: str  # for the log
     # for metrics.jsonl: step_time_max, step_time_min, slowest_rank, fastest_rank
     metrics: dict[str, float | int]
+    host: str = ""  # the slowest rank's node
+    # consecutive checks (this one included) at which this node was the slowest by at least the bad spread
+    streak: int = 0
 
 
 # Step times travel as microseconds keyed with the rank, so one MAX all-reduce names both extremes and their ranks
@@ -296,10 +326,16 @@ class StragglerMonitor:
     measure it; whole-step times still show the step's spread between ranks and its host.
     """
 
-    def __init__(self, control: comm.Group | None = None, interval: int = 50):
-        """`control`: the world's control channel (step times are host values); None: one process."""
+    def __init__(
+        self, control: comm.Group | None = None, interval: int = 50, bad_spread: float = 0.5
+    ):
+        """`control`: the world's control channel (step times are host values); None: one process.
+        `bad_spread`: a check at which the slowest rank is this much slower than the fastest counts towards
+        its node's streak (StragglerReport.streak)."""
         self.control = control
         self.interval = interval
+        self.bad_spread = bad_spread
+        self._streak: tuple[str, int] = ("", 0)  # (node, consecutive slow checks)
 
     def update(self, step: int, step_time_s: float) -> StragglerReport | None:
         if self.interval <= 0 or step % self.interval:
@@ -310,6 +346,11 @@ class StragglerMonitor:
             f"stragglers: slowest rank {slow} ({host}) {slow_s:.2f} s, "
             f"fastest rank {fast} {fast_s:.2f} s, spread {spread:.0%}"
         )
+        if slow != fast and spread >= self.bad_spread:
+            node, count = self._streak
+            self._streak = (host, count + 1 if node == host else 1)
+        else:
+            self._streak = ("", 0)
         return StragglerReport(
             line,
             {
@@ -318,6 +359,8 @@ class StragglerMonitor:
                 "slowest_rank": slow,
                 "fastest_rank": fast,
             },
+            host,
+            self._streak[1],
         )
 
     def _extremes(self, value: float) -> tuple[tuple[int, float], tuple[int, float], str]:
@@ -328,7 +371,7 @@ class StragglerMonitor:
         from keel.parallel import comm  # imports torch: here for the same reason
 
         if self.control is None or not self.control.active:
-            return (0, value), (0, value), socket.gethostname()
+            return (0, value), (0, value), node_name()
         low = 2**_RANK_BITS - 1
         us = min(max(round(value * 1e6), 0), _MAX_US)
         index = self.control.rank
@@ -338,7 +381,7 @@ class StragglerMonitor:
         )
         slow_key, fast_key = comm.all_reduce(keyed, self.control, "max").tolist()
         slow_index, fast_index = low - (slow_key & low), low - (fast_key & low)
-        host = comm.broadcast_object(socket.gethostname(), self.control, src=slow_index)
+        host = comm.broadcast_object(node_name(), self.control, src=slow_index)
         ranks = self.control.ranks
         return (
             (ranks[slow_index], (slow_key >> _RANK_BITS) / 1e6),
