@@ -553,38 +553,37 @@ def test_a_healthy_allocation_exits_0_under_the_deepspeed_launcher(runs, tmp_pat
     )
 
 
-@pytest.mark.slow
-@pytest.mark.fault(
-    "preflight under SLURM: a node computes wrong results",
-    "named and recorded as bad; too few nodes left without it: the job stops before training, exit 9",
-)
-def test_a_slurm_job_with_a_bad_node_stops_at_its_preflight_step(slurm_cluster, runs, tmp_path):
-    cmd = [
-        sys.executable,
-        "-m",
-        "keel.launcher.cli",
-        "slurm",
+def _submit_with_preflight(cluster, runs, run_dir, *options: str, **faults) -> str:
+    """`keel slurm --preflight` with one task per node and these faults; the job id."""
+    from tests.test_slurm import keel_slurm
+
+    overrides = runs.overrides(**{f"faults__{k}": v for k, v in faults.items()})
+    proc = keel_slurm(
+        run_dir,
+        overrides,
         "--preflight",
-        "--run-dir",
-        str(tmp_path),
-        "--ds-config",
-        str(REPO / "ds_configs" / "zero1.json"),
-        "--nodes",
-        "2",
+        *options,
         "--tasks-per-node",
         "1",
         "--time",
         "00:10:00",
         "--signal-lead",
         "60",
-    ]
-    for item in runs.overrides(faults__preflight_bad_matmul_rank=1):
-        cmd += ["--set", item]
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, cwd=REPO, env=slurm_cluster.env, timeout=300
+        env=cluster.env,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    job_id = re.search(r"submitted job (\d+)", proc.stdout).group(1)
+    return re.search(r"submitted job (\d+)", proc.stdout).group(1)
+
+
+@pytest.mark.slow
+@pytest.mark.fault(
+    "preflight under SLURM: a node computes wrong results",
+    "named and recorded as bad; too few nodes left without it: the job stops before training, exit 9",
+)
+def test_a_slurm_job_with_a_bad_node_stops_at_its_preflight_step(slurm_cluster, runs, tmp_path):
+    job_id = _submit_with_preflight(
+        slurm_cluster, runs, tmp_path, "--nodes", "2", preflight_bad_matmul_rank=1
+    )
     job = slurm_cluster.wait_job(job_id, timeout=300)
     log = (tmp_path / f"slurm-{job_id}.out").read_text(errors="replace")
     assert job["JobState"] == "FAILED" and job["ExitCode"] == f"{ExitCode.PREFLIGHT}:0", log[-3000:]
@@ -604,34 +603,16 @@ def test_a_slurm_job_with_a_bad_node_stops_at_its_preflight_step(slurm_cluster, 
     "node recorded in bad_nodes.json; the job resubmits itself without it and trains on the other node",
 )
 def test_a_slurm_job_leaves_its_bad_node_out_and_trains_on_the_rest(slurm_cluster, runs, tmp_path):
-    cmd = [
-        sys.executable,
-        "-m",
-        "keel.launcher.cli",
-        "slurm",
-        "--preflight",
-        "--run-dir",
-        str(tmp_path),
-        "--ds-config",
-        str(REPO / "ds_configs" / "zero1.json"),
+    first = _submit_with_preflight(
+        slurm_cluster,
+        runs,
+        tmp_path,
         "--nodes",
         "2",
         "--min-nodes",
         "1",
-        "--tasks-per-node",
-        "1",
-        "--time",
-        "00:10:00",
-        "--signal-lead",
-        "60",
-    ]
-    for item in runs.overrides(faults__preflight_bad_matmul_node="node2"):
-        cmd += ["--set", item]
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, cwd=REPO, env=slurm_cluster.env, timeout=300
+        preflight_bad_matmul_node="node2",
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    first = re.search(r"submitted job (\d+)", proc.stdout).group(1)
     job = slurm_cluster.wait_job(first, timeout=300)
     log = (tmp_path / f"slurm-{first}.out").read_text(errors="replace")
     assert job["JobState"] == "COMPLETED", log[-3000:]
