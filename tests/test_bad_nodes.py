@@ -98,3 +98,11 @@ def test_separate_hangs_are_judged_separately(tmp_path):
     log.write_text("".join(json.dumps(e) + "\n" for e in events))
     assert [(n.host, n.reason) for n in collect(tmp_path)] == [("node1", "hang")]
     assert [(n.host, n.reason) for n in collect(tmp_path)] == [("node1", "hang")]  # idempotent
+
+
+def test_the_summary_names_the_nodes_left_out(tmp_path):
+    from keel.training.observe.summary import write_summary
+
+    record_bad_node(tmp_path, "node2", "checksum", 40, ranks=[1])
+    text = write_summary(tmp_path, finished=False, exit_code=7).read_text()
+    assert "- bad nodes, left out of the next attempt (bad_nodes.json): node2 (checksum at step 40)" in text

@@ -6,6 +6,7 @@ from collections import Counter
 from pathlib import Path
 
 from keel.run_dir import RunDir, read_anomalies, write_atomic
+from keel.run_dir.bad_nodes import BadNodesError, read_bad_nodes
 from keel.run_dir.goodput import account
 from keel.training.observe.metrics import read_metrics
 
@@ -32,6 +33,14 @@ def write_summary(run_dir: Path, finished: bool, exit_code: int, reason: str = "
     goodput = account(run_dir)
     if goodput is not None:
         lines.append(f"- goodput: {goodput.line()}")
+    try:
+        bad = read_bad_nodes(run_dir)
+    except BadNodesError as err:
+        lines.append(f"- bad nodes: {err}")
+    else:
+        if bad:
+            named = ", ".join(f"{n.host} ({n.reason} at step {n.step})" for n in bad)
+            lines.append(f"- bad nodes, left out of the next attempt (bad_nodes.json): {named}")
     counts = Counter(e["kind"] for e in events)
     lines += ["", "## Anomalies", ""]
     if not events:
