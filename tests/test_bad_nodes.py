@@ -105,4 +105,7 @@ def test_the_summary_names_the_nodes_left_out(tmp_path):
 
     record_bad_node(tmp_path, "node2", "checksum", 40, ranks=[1])
     text = write_summary(tmp_path, finished=False, exit_code=7).read_text()
-    assert "- bad nodes, left out of the next attempt (bad_nodes.json): node2 (checksum at step 40)" in text
+    assert (
+        "- bad nodes, left out of the next attempt (bad_nodes.json): node2 (checksum at step 40)"
+        in text
+    )

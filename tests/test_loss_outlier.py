@@ -47,9 +47,7 @@ class ThreadWorld:
         """Every rank's events after `checks` checks of the same `losses`."""
         monkeypatch.setattr(comm, "all_reduce", self.all_reduce)
         monkeypatch.setattr(comm, "broadcast_object", self.broadcast_object)
-        monkeypatch.setattr(
-            consistency.socket, "gethostname", lambda: f"host{threading.get_ident()}"
-        )
+        monkeypatch.setattr(consistency, "node_name", lambda: f"host{threading.get_ident()}")
         events: list = [None] * self.world
         hosts: list = [None] * self.world
 

@@ -85,7 +85,9 @@ def submit(cluster: SlurmCluster, run_dir: Path, overrides: list[str]) -> str:
 
 FAKE_RANK = """#!/bin/bash
 # Stands in for `python -m keel.launcher.cli train ... --run-dir DIR` in the script's srun step: it records its
-# rank variables, then waits for USR1 or TERM and exits 5 as Keel's ranks do; after a requeue it exits 0.
+# rank variables, then waits for USR1 or TERM and exits 5 as Keel's ranks do; after a requeue it exits 0. The
+# script's own use of the ranks' python (the requeue decision) goes to the real one.
+[ "$1 $2" = "-m keel.launcher.slurm_requeue" ] && exec @PYTHON@ "$@"
 while [ $# -gt 0 ]; do [ "$1" = --run-dir ] && dir=$2; shift; done
 restart=${SLURM_RESTART_COUNT:-0}
 echo "$RANK $WORLD_SIZE $LOCAL_RANK $MASTER_ADDR" > "$dir/rank$RANK.restart$restart"
@@ -94,7 +96,7 @@ trap 'echo USR1 >> "$dir/rank$RANK.signal"; exit 5' USR1
 trap 'echo TERM >> "$dir/rank$RANK.signal"; exit 5' TERM
 touch "$dir/ready$RANK"
 while true; do sleep 0.1; done
-"""
+""".replace("@PYTHON@", sys.executable)
 
 
 def job_log(run_dir: Path, job_id: str) -> str:
@@ -142,8 +144,10 @@ def test_dry_run_renders_a_requeueable_script(runs, tmp_path, capsys):
     assert "--ntasks-per-node=2" in srun
     assert "RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=$SLURM_LOCALID" in script
     assert 'scontrol show hostnames "${SLURM_JOB_NODELIST}"' in script and "NodeAddr" in script
+    # after the ranks: requeue, resubmit without bad nodes, or end (keel/launcher/slurm_requeue.py)
     assert (
-        'scontrol requeue "${SLURM_JOB_ID}"' in script
+        '"${KEEL_TRAIN[0]}" -m keel.launcher.slurm_requeue' in script
+        and "--tasks-per-node 2 --min-nodes 2" in script
         and f"EXIT_PREEMPTED={ExitCode.PREEMPTED}" in script
     )
     assert not any(re.search(r"\bssh\b", line) for line in lines if not line.startswith("#"))
