@@ -41,7 +41,8 @@ class ExitCode(enum.IntEnum):
                           a rollback, or at the end of the run
     8     SAVE_FAILED     a checkpoint save failed and the run stops (`checkpoint.on_save_error: stop`, or the
                           final save)
-    9     PREFLIGHT       preflight found bad ranks (named in its table and `preflight.json`)
+    9     PREFLIGHT       preflight found bad ranks (named in its table and `preflight.json`), or too few nodes
+                          remain once the recorded bad ones are left out (keel/run_dir/bad_nodes.py)
     ====  ==============  ==========================================================================================
     """
 
