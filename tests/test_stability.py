@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from keel.run_dir import read_anomalies
-from keel.run_dir.bad_nodes import hang_suspects
+from keel.run_dir.bad_nodes import hang_suspects, read_bad_nodes
 from keel.training.observe.metrics import read_metrics
 from tests.keel_runs import REPO, Run, final_weights
 
@@ -104,6 +104,9 @@ def test_bit_flip_is_detected_naming_parameter_and_rank(runs):
     )
     assert replicas["step"] == 6 and replicas["parameter"] == "layers.1.attention.wq.weight"
     assert replicas["ranks"] == [0, 1] and replicas["ambiguous"]
+    # rank 1's node is recorded for the next attempt to leave out (the ambiguous comparison names nobody)
+    bad = [(n.reason, n.step, n.evidence["ranks"]) for n in read_bad_nodes(run)]
+    assert bad == [("checksum", 6, [1])], bad
     assert (
         "- status: stopped early (exit code 3): parameter checksum mismatch"
         in (run / "summary.md").read_text()
@@ -139,6 +142,7 @@ def test_low_bit_flip_in_the_source_of_truth_is_caught_at_every_zero_stage(runs,
     at_rest = [e for e in found if e["group"] == "at_rest"]
     assert [(e["step"], e["parameter"], e["ranks"]) for e in at_rest] == [(6, FLIPPED, [1])], found
     assert at_rest[0]["states"][0] == ("param" if stage == 0 else "fp32")
+    assert [(n.reason, n.evidence["ranks"]) for n in read_bad_nodes(run)] == [("checksum", [1])]
     replicas = [e for e in found if e["group"] != "at_rest"]
     if stage == 0:  # the replicas differ: the cross-replica comparison sees it too
         assert replicas[0]["step"] == 6 and {e["parameter"] for e in replicas} == {FLIPPED}

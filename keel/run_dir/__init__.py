@@ -227,6 +227,7 @@ class AnomalyLog:
     unless `all_ranks` (events only one rank can see, e.g. a hang on that rank)."""
 
     def __init__(self, run_dir: Path, rank: int):
+        self.run_dir = Path(run_dir)
         self.path = RunDir(run_dir).anomalies
         self.rank = rank
         self.events: list[dict[str, Any]] = []  # this process's events, for the end-of-run summary

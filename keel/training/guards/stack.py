@@ -186,7 +186,7 @@ class GuardStack:
                     node.evidence["ranks"].append(rank)
                 if len(node.evidence["parameters"]) < 8:  # a few names say enough
                     node.evidence["parameters"].append(f"{event['parameter']} ({event['group']})")
-        for node in record_bad_nodes(self.anomalies.path.parent, list(found.values())):
+        for node in record_bad_nodes(self.anomalies.run_dir, list(found.values())):
             log.error(
                 "step %d: node %s recorded as bad (checksums of rank(s) %s)",
                 step,
