@@ -51,11 +51,6 @@ def read_bad_nodes(run_dir: Path) -> list[BadNode]:
         ) from None
 
 
-def bad_hosts(run_dir: Path) -> list[str]:
-    """The recorded nodes' names, each once, in the order they were found."""
-    return list(dict.fromkeys(node.host for node in read_bad_nodes(run_dir)))
-
-
 def record_bad_nodes(run_dir: Path, found: list[BadNode]) -> list[BadNode]:
     """Add `found` to the run dir's list (atomically; an entry already there for the same node, reason and step
     is not added twice); returns the entries that were new."""
@@ -134,3 +129,9 @@ def collect(run_dir: Path) -> list[BadNode]:
     What the next attempt calls before it chooses its nodes."""
     record_bad_nodes(run_dir, hang_suspects(read_anomalies(run_dir)))
     return read_bad_nodes(run_dir)
+
+
+def bad_hosts(run_dir: Path) -> list[str]:
+    """Every recorded node's name (the anomaly log's hang suspects collected first), each once, in the order they
+    were found: what the next attempt leaves out."""
+    return list(dict.fromkeys(node.host for node in collect(run_dir)))
