@@ -374,3 +374,19 @@ def test_time_limit_signal_is_forwarded_and_scancel_is_final(
         for rank in range(4)
     )
     assert not list(run_dir.glob("rank*.restart1"))
+
+
+def test_the_requeue_counts_only_nodes_a_job_can_be_given(monkeypatch):
+    """sinfo's states as the requeue reads them: down, drained, failing and silent (`*`) nodes are not usable; a
+    node listed twice (several partitions' rows) is usable if any row says so."""
+    from keel.launcher import slurm_requeue
+
+    sinfo = "n1 idle\nn2 alloc\nn3 mix~\nn4 down*\nn5 drain\nn6 idle*\nn7 drng\nn8 comp\nn2 alloc\nn9 fail\n"
+    monkeypatch.setattr(
+        slurm_requeue.subprocess,
+        "run",
+        lambda cmd, **kw: subprocess.CompletedProcess(cmd, 0, stdout=sinfo, stderr=""),
+    )
+    nodes = slurm_requeue.partition_nodes("debug")
+    assert [n for n, usable in nodes.items() if usable] == ["n1", "n2", "n3", "n8"]
+    assert set(nodes) == {f"n{i}" for i in range(1, 10)}

@@ -54,21 +54,20 @@ def hostnames(nodelist: str) -> list[str]:
     return out.stdout.split()
 
 
-def usable_nodes(partition: str | None) -> list[str]:
-    """The partition's nodes that a job can be given now or later (not down, drained, failing or silent)."""
+def partition_nodes(partition: str | None) -> dict[str, bool]:
+    """The partition's nodes, each with whether a job can be given it now or later (not down, drained, failing
+    or silent)."""
     cmd = ["sinfo", "--noheader", "--Node", "--format=%N %t"]
     if partition:
         cmd.append(f"--partition={partition}")
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-    usable = []
+    nodes: dict[str, bool] = {}
     for line in out.splitlines():
         name, _, state = line.strip().partition(" ")
         state = state.strip()
-        if state.endswith("*"):
-            continue
-        if re.sub(r"[~#!%$@^\-+]+$", "", state) in USABLE_STATES and name not in usable:
-            usable.append(name)
-    return usable
+        usable = not state.endswith("*") and re.sub(r"[~#!%$@^\-+]+$", "", state) in USABLE_STATES
+        nodes[name] = nodes.get(name, False) or usable
+    return nodes
 
 
 def node_count(
@@ -92,9 +91,10 @@ def node_count(
 def resubmit(args: argparse.Namespace, bad: list[BadNode], hit: list[str], nodes_now: int) -> int:
     """A new job without the bad nodes, or exit 9 when too few remain."""
     partition = os.environ.get("SLURM_JOB_PARTITION")
-    usable = usable_nodes(partition)
-    excluded = [h for h in dict.fromkeys(n.host for n in bad) if h in usable]
-    left = [n for n in usable if n not in excluded]
+    nodes_here = partition_nodes(partition)
+    # every recorded node SLURM knows here, usable now or not (a drained one may come back)
+    excluded = [h for h in dict.fromkeys(n.host for n in bad) if h in nodes_here]
+    left = [n for n, usable in nodes_here.items() if usable and n not in excluded]
     why = ", ".join(
         f"{h} ({'; '.join(sorted({n.reason for n in bad if n.host == h}))})" for h in hit
     )
