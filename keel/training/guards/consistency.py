@@ -99,8 +99,9 @@ class LossOutlierCheck:
                     flagged.append((dp_rank, rank, loss, mean, deviation))
         self.streak = streak
         events = []
+        hosts = hosts_of((rank for _, rank, *_ in flagged), topology)
         for dp_rank, rank, loss, mean, deviation in flagged:
-            host = comm.broadcast_object(node_name(), world, src=world.ranks.index(rank))
+            host = hosts[rank]
             events.append(
                 {
                     "dp_rank": dp_rank,
@@ -119,8 +120,6 @@ def hosts_of(ranks: Iterable[int], topology: Topology) -> dict[int, str]:
     """Each named rank's node, from that rank alone (one broadcast per rank, in rank order): collective over the
     world, for the rare event that names ranks (every rank must pass the same ranks)."""
     world = topology.control("world")
-    if not world.active:
-        return {rank: node_name() for rank in ranks}
     return {
         rank: comm.broadcast_object(node_name(), world, src=world.ranks.index(rank))
         for rank in sorted(set(ranks))
