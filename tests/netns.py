@@ -157,17 +157,24 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 
 def torchrun_cmd(
-    node: Node, endpoint: str, run_id: str, is_host: bool, program: list[str], max_restarts: int = 3
+    node: Node,
+    endpoint: str,
+    run_id: str,
+    is_host: bool,
+    program: list[str],
+    max_restarts: int = 3,
+    nnodes: str = "1:2",
 ) -> list[str]:
     """torchrun for one node of an elastic 1..2-node job, one rank per node. `is_host`: this node's agent hosts
     the c10d rendezvous store (the endpoint is its address, which torch cannot recognise from the hostname
     because both namespaces share one). `--local_addr` makes the node advertise its veth address, which then
-    becomes MASTER_ADDR when it is node rank 0."""
+    becomes MASTER_ADDR when it is node rank 0. `nnodes` "2": a lost node must come back (or be replaced) before
+    the job goes on."""
     return [
         sys.executable,
         "-m",
         "torch.distributed.run",
-        "--nnodes=1:2",
+        f"--nnodes={nnodes}",
         "--nproc_per_node=1",
         "--rdzv_backend=c10d",
         f"--rdzv_endpoint={endpoint}",
@@ -189,6 +196,8 @@ def node_env(node: Node, repo) -> dict[str, str]:
         TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
         OMP_NUM_THREADS="1",
         GLOO_SOCKET_IFNAME=node.ifname,
+        # both namespaces share one host name: name the nodes as SLURM would (keel.run_dir.node_name)
+        SLURMD_NODENAME=f"node-{node.name}",
         PYTHONUNBUFFERED="1",
         PYTHONPATH=path,
     )

@@ -239,6 +239,45 @@ def test_memory_against_the_model_state_per_host_and_per_device():
     assert any("rank 1's device" in w for w in verdict.warnings)
 
 
+@pytest.mark.fault(
+    "preflight: in-memory snapshots do not fit a host's memory or its tmpfs",
+    "the host's ranks named, exit 9",
+)
+def test_in_memory_snapshots_count_against_host_memory_and_the_tmpfs():
+    needs = dataclasses.replace(NEEDS, host_bytes=2 * GIB, snapshot_bytes=2 * GIB)
+    # CUDA: the device holds the state, the host its two copies: 2 ranks × 2 GiB do not fit in 3 GiB
+    records = [record(r, host=f"node{r // 2}", device_free=8 * GIB) for r in range(4)]
+    records = [
+        dataclasses.replace(
+            r,
+            memory=dataclasses.replace(
+                r.memory,
+                host_available_bytes=3 * GIB if r.rank < 2 else 64 * GIB,
+                memory_dir_free_bytes=64 * GIB if r.rank < 2 else GIB,
+            ),
+        )
+        for r in records
+    ]
+    verdict = verdict_of(records, needs=needs, device="cuda")
+    assert verdict.bad_ranks.keys() == {0, 1, 2, 3}
+    assert "host node0: 3 GiB free, the host copies" in verdict.bad_ranks[0][0]
+    assert "host node1's checkpoint.memory_dir: 1 GiB free" in verdict.bad_ranks[2][0]
+    # CPU: the state and its copies share the host: 1 + 2 GiB per rank fit 64 GiB
+    verdict = verdict_of(
+        [
+            dataclasses.replace(
+                r,
+                memory=dataclasses.replace(
+                    r.memory, host_available_bytes=64 * GIB, memory_dir_free_bytes=64 * GIB
+                ),
+            )
+            for r in records
+        ],
+        needs=needs,
+    )
+    assert not verdict.bad_ranks
+
+
 def test_thresholds_are_ratios_so_absolute_speed_does_not_matter():
     fast = [record(r, groups=ring(4), tflops=1000.0) for r in range(4)]
     slow = [

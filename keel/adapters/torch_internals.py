@@ -83,7 +83,7 @@ def default_store() -> torch.distributed.Store:
 
 
 @contextlib.contextmanager
-def groups_named_by_their_ranks() -> Iterator[None]:
+def groups_named_by_their_ranks(purpose: str = "keel") -> Iterator[None]:
     """Inside, a group created with `use_local_synchronization=True` is named by its ranks alone.
 
     torch names such a group by its ranks salted with how many groups this process holds (`_hash_ranks_to_str`),
@@ -91,7 +91,8 @@ def groups_named_by_their_ranks() -> Iterator[None]:
     (a pair another rank is not in: preflight's links, DeepSpeed's tied-embedding pair) then compute different
     names for one group and wait for each other forever (pytorch/pytorch#173608; upstream salts with a count every
     rank shares instead, #189073). Missing public API: a name, or a salt, for `new_group`. Keel creates a rank set
-    once per process (keel/parallel/process_groups.py), so the ranks alone are unique."""
+    once per process (keel/parallel/process_groups.py), so the ranks alone are unique; a second group of the same
+    ranks for another `purpose` (a background thread's own) is named by both."""
     c10d = torch.distributed.distributed_c10d
     if not _names_groups_by_hash():
         raise TorchInternalsError(
@@ -100,7 +101,7 @@ def groups_named_by_their_ranks() -> Iterator[None]:
         )
     original = c10d._hash_ranks_to_str
     c10d._hash_ranks_to_str = lambda ranks: hashlib.sha1(
-        ("keel:" + "_".join(map(str, ranks))).encode(), usedforsecurity=False
+        (f"{purpose}:" + "_".join(map(str, ranks))).encode(), usedforsecurity=False
     ).hexdigest()
     try:
         yield

@@ -122,6 +122,7 @@ BOUNDS: dict[str, Bound] = {
     # checkpoint
     "checkpoint.interval": at_least(0, "0: only at the end"),
     "checkpoint.keep_last": at_least(1),
+    "checkpoint.memory_interval": at_least(0, OFF),
     # logging
     "logging.log_interval": at_least(1),
     "logging.peak_tflops": at_least(0, "0: by device name"),

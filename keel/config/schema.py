@@ -214,6 +214,10 @@ class CheckpointConfig:
     # a save that fails (disk full, I/O error) is discarded on every rank; then: continue (warn, retry at the next
     # interval) | stop (exit 8). A failed final save exits 8 either way.
     on_save_error: str = "continue"
+    # every N steps each rank's state into host memory that outlives the process (memory_dir, a tmpfs) and a copy
+    # on a buddy rank on the next node; a restart restores from there when newer than disk (checkpoint/memory.py)
+    memory_interval: int = 0
+    memory_dir: str = "/dev/shm"
 
 
 @dataclass

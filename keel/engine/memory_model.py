@@ -15,7 +15,10 @@ Beside the steady state, what the rare paths add, so a rank sized to its shard s
   (the largest parameter's; keel/training/guards/localize.py), or the MoE grouped GEMM's stacked weights of one
   layer's local experts, made in forward and again in backward, never kept (keel/model/moe.py);
 - `host`: an asynchronous checkpoint's snapshot, one host copy of the files this rank writes (its optimizer
-  partition, and on the rank writing its stage's model states, the stage's weights; async_save.py).
+  partition, and on the rank writing its stage's model states, the stage's weights; async_save.py);
+- `snapshots` (host memory, as tmpfs pages): checkpoint.memory_interval's in-memory snapshots, this rank's whole
+  state (its module's weights — none under ZeRO-3, where the optimizer's fp32 partition is their copy — and its
+  optimizer partition) twice: its own and the copy it holds of its buddy's (keel/training/checkpoint/memory.py).
 The sample order holds nothing per sample (a Feistel permutation computed per index, keel/data/samples.py).
 """
 
@@ -81,6 +84,9 @@ class RankMemory:
     buckets: int
     transient: int = 0  # device: the largest short-lived buffer of a rare path (module docstring)
     host: int = 0  # host: an asynchronous checkpoint's snapshot of this rank's files (0 when saves are sync)
+    snapshots: int = (
+        0  # host (tmpfs): in-memory snapshots, own + buddy's copy (0 without memory_interval)
+    )
 
     @property
     def total(self) -> int:
@@ -246,4 +252,9 @@ def estimate(cfg: RunConfig, ds: dict[str, Any], layout: Layout) -> RankMemory:
     host = (
         (params if stage >= 3 else b * share.total) + optimizer if cfg.checkpoint.async_save else 0
     )
-    return RankMemory(share, prec, stage, params, grads, optimizer, buckets, transient, host)
+    # checkpoint.memory_interval: the rank's own state and its buddy's, each module weights + optimizer partition
+    snapshot = (0 if stage >= 3 else b * share.total) + optimizer
+    snapshots = 2 * snapshot if cfg.checkpoint.memory_interval else 0
+    return RankMemory(
+        share, prec, stage, params, grads, optimizer, buckets, transient, host, snapshots
+    )

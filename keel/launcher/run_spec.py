@@ -40,7 +40,7 @@ from keel.engine.pipeline_plan import check_pipeline_plan
 from keel.launcher.resume_data import check_same_data
 from keel.launcher.run_tokenizer import check_same_tokenizer, resolve_special_ids, tokenizer_record
 from keel.model.hf_init import check_hf_dir
-from keel.run_dir import RunDir, RunSpec, write_atomic
+from keel.run_dir import RunDir, RunSpec, read_run_id, write_atomic
 
 
 def repo_root() -> Path:
@@ -260,3 +260,4 @@ def write_run_dir(spec: RunSpec) -> None:
     write_atomic(layout.config, dump_yaml(spec.cfg.to_dict()))
     write_atomic(layout.ds_config, json.dumps(spec.ds_raw, indent=2) + "\n")
     write_atomic(layout.data, json.dumps(spec.data, indent=2) + "\n")
+    read_run_id(spec.run_dir)  # made once: a run dir written again keeps its id

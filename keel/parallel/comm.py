@@ -200,6 +200,19 @@ def gather_object(obj: Any, group: Group, dst: int = 0) -> list[Any] | None:
     return gathered
 
 
+def scatter_object(objs: list[Any] | None, group: Group, src: int = 0) -> Any:
+    """The `src`-th rank's `objs[i]` on the group's i-th rank (`objs` is read on `src` only): a plan with one entry
+    per rank, O(world) bytes in all rather than a broadcast's O(world) on every rank."""
+    if not group.active:
+        return objs[0] if objs else None
+    _enter("scatter_object", group, None)
+    box: list[Any] = [None]
+    dist.scatter_object_list(
+        box, objs if group.rank == src else None, src=group.ranks[src], group=group.handle
+    )
+    return box[0]
+
+
 def broadcast_object(obj: Any, group: Group, src: int = 0) -> Any:
     """`obj` from the group's `src`-th rank, on every rank."""
     if not group.active:

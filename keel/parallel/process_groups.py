@@ -38,6 +38,7 @@ class ProcessGroups:
 
     def __init__(self) -> None:
         self._created: dict[tuple[int, ...], Any] = {}
+        self._private: dict[tuple[str, tuple[int, ...]], Any] = {}
         self._destroyed = False
 
     def get(self, ranks: Iterable[int]) -> Any:
@@ -58,6 +59,22 @@ class ProcessGroups:
                 self._created[key] = dist.new_group(list(key), use_local_synchronization=True)
         return self._created[key]
 
+    def private(self, ranks: Iterable[int], purpose: str) -> Any:
+        """A group of `ranks` for `purpose` alone — traffic on a background thread, which must not interleave
+        with the main thread's collectives on a shared group — created on the first request by its members
+        only (who make it in one global order, as `get`'s callers do) and named by purpose and ranks."""
+        key = tuple(sorted({int(r) for r in ranks}))
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        if self._destroyed:
+            raise RuntimeError("process groups requested after teardown destroyed them")
+        if (purpose, key) not in self._private:
+            with groups_named_by_their_ranks(purpose):
+                self._private[purpose, key] = dist.new_group(
+                    list(key), use_local_synchronization=True
+                )
+        return self._private[purpose, key]
+
     def created(self) -> list[tuple[int, ...]]:
         """The rank sets this process created, in creation order."""
         return list(self._created)
@@ -66,7 +83,8 @@ class ProcessGroups:
         """Release every group created here (their threads and connections); the default group stays with the
         caller. Call once, after the last collective of this process."""
         if dist.is_available() and dist.is_initialized():
-            for group in reversed(self._created.values()):
+            for group in [*reversed(self._created.values()), *self._private.values()]:
                 dist.destroy_process_group(group)
         self._created.clear()
+        self._private.clear()
         self._destroyed = True

@@ -103,6 +103,12 @@ class RunDir:
         return self.root / "data.json"
 
     @property
+    def run_id(
+        self,
+    ) -> Path:  # the run's identity, made once with the run dir (keys its in-memory snapshots)
+        return self.root / "run_id.txt"
+
+    @property
     def metrics(self) -> Path:  # one JSON record per logged step
         return self.root / "metrics.jsonl"
 
@@ -184,6 +190,24 @@ def checkpoint_dir(run_dir: Path, cfg: RunConfig, rank: int) -> Path:
 def has_checkpoint(run_dir: Path) -> bool:
     """Whether the run dir holds a committed checkpoint to resume from."""
     return (RunDir(run_dir).checkpoints / LATEST).is_file()
+
+
+def read_run_id(run_dir: Path) -> str:
+    """The run's id, written once by the launcher with the run dir; a run dir from before run ids gets one now
+    (its first reader writes it; a racing reader's is replaced by the same rename, and both then read the file)."""
+    path = RunDir(run_dir).run_id
+    if not path.is_file():
+        try:
+            path.open("x").close()  # only the first creator writes the id
+            write_atomic(path, uuid.uuid4().hex + "\n")
+        except FileExistsError:
+            pass
+    for _ in range(100):  # the creator's rename follows its creation at once
+        text = path.read_text().strip()
+        if text:
+            return text
+        time.sleep(0.05)
+    raise RuntimeError(f"{path} is empty: delete it and start again")
 
 
 def read_run_dir(run_dir: Path) -> tuple[RunConfig, dict[str, Any], dict[str, Any]]:

@@ -24,7 +24,8 @@ from keel.parallel import comm
 from keel.parallel.process_groups import ProcessGroups
 from keel.parallel.random import data_parallel_seed, seed_everything
 from keel.parallel.topology import Topology
-from keel.run_dir import AnomalyLog, ExitCode, RunDir, checkpoint_dir, read_run_dir
+from keel.run_dir import AnomalyLog, ExitCode, RunDir, checkpoint_dir, read_run_dir, step_of
+from keel.training.checkpoint.memory import MemoryCheckpoints
 from keel.training.checkpoint.reshard import reshard_if_needed
 from keel.training.checkpoint.store import CheckpointDisagreement, Checkpointer
 from keel.training.observe import timeline
@@ -67,9 +68,25 @@ def run_rank(run_dir: Path, groups: ProcessGroups, startup: StartupClock) -> int
         topology,
         AnomalyLog(run_dir, rank),
     )
+    memory = None
+    if cfg.checkpoint.memory_interval:
+        memory = MemoryCheckpoints(
+            Path(cfg.checkpoint.memory_dir),
+            cfg.checkpoint.memory_interval,
+            topology,
+            run_dir,
+            AnomalyLog(run_dir, rank),
+        )
+        if (
+            cfg.checkpoint.resume
+        ):  # newer than disk in memory: no disk checkpoint to verify or reshard
+            with startup.phase("memory restore"):
+                latest = checkpointer.latest_tag() if rank == 0 else None
+                memory.agree(step_of(latest) if latest else None)
     try:
-        with startup.phase("reshard"):
-            ds_raw = reshard_if_needed(cfg, ds_raw, topology, checkpointer, run_dir)
+        if memory is None or memory.restored is None:
+            with startup.phase("reshard"):
+                ds_raw = reshard_if_needed(cfg, ds_raw, topology, checkpointer, run_dir)
     except CheckpointDisagreement as err:  # before the engine exists: nothing to release
         return checkpoint_disagreement(run_dir, rank, err)
     lr_scale = LRScale()
@@ -99,6 +116,7 @@ def run_rank(run_dir: Path, groups: ProcessGroups, startup: StartupClock) -> int
             order,
             checkpointer,
             startup,
+            memory,
         ).fit()
     # resume or rollback: every rank raised it, after one agreed gather
     except CheckpointDisagreement as err:

@@ -42,6 +42,7 @@ from keel.parallel import comm
 from keel.parallel.topology import Topology
 from keel.run_dir import AnomalyLog, ExitCode, checkpoint_dir
 from keel.run_dir.bad_nodes import record_bad_node
+from keel.training.checkpoint.memory import MemoryCheckpoints
 from keel.training.checkpoint.seam import RunCheckpoints
 from keel.training.checkpoint.store import Checkpointer, TrainState
 from keel.training.data_stop import check_step_batch, named_stop, with_data_stop
@@ -146,6 +147,7 @@ class Trainer:
         order=None,
         checkpointer: Checkpointer | None = None,
         startup: StartupClock | None = None,
+        memory: MemoryCheckpoints | None = None,
     ):
         """`startup`: this run's start-up phases so far (keel/training/entry.py); the trainer adds the restore
         and the first step, and rank 0 writes them to the run's timeline."""
@@ -204,6 +206,7 @@ class Trainer:
             self.corrupt_state,
             self.faults,
             self.lr_scale,
+            memory,
         )
         self.preemption = PreemptionHandler()
         self.gate = StepGate(engine)
@@ -504,6 +507,9 @@ class Trainer:
                 # the last save completes
                 with watchdog.phase("checkpoint save", stability.watchdog_save_timeout):
                     stop = self.checkpoints.background(wait=True, final=True)
+                    self.checkpoints.finish(
+                        result.finished and not result.exit_code and stop.action != Action.STOP
+                    )
                 if stop.action != Action.STOP or result.exit_code:
                     return result
                 log.error("stopping at step %d: %s", result.state.step, stop.reason)
@@ -565,6 +571,11 @@ class Trainer:
                 with watchdog.phase("checkpoint save", stability.watchdog_save_timeout):
                     save_time, after_save = self.checkpoints.save(state, ending)
                 decision = Decision.most_severe([decision, after_save])
+            if decision.action < Action.ROLLBACK and not ending:
+                with watchdog.phase("checkpoint save", stability.watchdog_save_timeout):
+                    stall = self.checkpoints.snapshot(state)
+                if stall:
+                    save_time = (save_time or 0.0) + stall
             if decision.action in (Action.STOP, Action.ROLLBACK):
                 outcome = self._act(decision, state, metrics, watchdog)
                 if isinstance(outcome, TrainResult):

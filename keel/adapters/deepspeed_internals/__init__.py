@@ -230,6 +230,73 @@ def clones_for_save(clone: Callable[[Any], Any]) -> Iterator[None]:
             site.clone_tensors_for_torch_save = own
 
 
+# -- in-memory checkpoints -----------------------------------------------------------------------------------------
+def engine_state(engine) -> dict[str, Any]:
+    """This rank's whole engine state as live references (copy before the next step changes it): what
+    `save_checkpoint` spreads over shared files, kept per rank so that a rank restores from its own bytes alone.
+    The module's state (not under ZeRO-3, where the optimizer's fp32 partition is the parameters' only copy), the
+    optimizer's (this rank's ZeRO partition, loss scaler included), the LR scheduler's and the engine's counters.
+    Missing public API: a per-rank state dict of the engine (`save_checkpoint` writes some files on one rank of a
+    data-parallel group only, and `load_checkpoint` reads them on all)."""
+    optimizer, scheduler = engine.optimizer, engine.lr_scheduler
+    return {
+        "module": None
+        if engine.zero_optimization_partition_weights()
+        else engine.module.state_dict(),
+        "optimizer": None if optimizer is None else optimizer.state_dict(),
+        "lr_scheduler": None if scheduler is None else scheduler.state_dict(),
+        "global_steps": engine.global_steps,
+        "global_samples": engine.global_samples,
+        "skipped_steps": engine.skipped_steps,
+    }
+
+
+def load_engine_state(engine, state: dict[str, Any]) -> None:
+    """Restore what `engine_state` took, on the same layout, in the order `load_checkpoint` restores it: module,
+    optimizer (a ZeRO optimizer from this rank's entry of the per-partition list it expects: the other entries
+    are only read by an elastic checkpoint, which `check_engine_state` refuses), LR scheduler, counters.
+    Missing public API: `load_checkpoint` from state already in memory (it reads every file from a directory)."""
+    if engine._optimizer_has_ckpt_event_prologue():
+        engine.optimizer.checkpoint_event_prologue()
+    if state["module"] is not None:
+        engine.module.load_state_dict(state["module"], strict=True)
+    optimizer = engine.optimizer
+    if optimizer is not None and engine.zero_optimization():
+        partitions = [None] * dist.get_world_size(group=optimizer.dp_process_group)
+        partitions[dist.get_rank(group=optimizer.dp_process_group)] = state["optimizer"]
+        optimizer.load_state_dict(
+            state_dict_list=partitions,
+            load_optimizer_states=True,
+            load_from_fp32_weights=engine.zero_load_from_fp32_weights(),
+            checkpoint_folder=None,
+            load_serial=None,
+            param_shapes=engine._get_zero_param_shapes(),
+        )
+    elif optimizer is not None and (engine.fp16_enabled() or engine.bfloat16_enabled()):
+        optimizer.load_state_dict(state["optimizer"], load_optimizer_states=True)
+    elif optimizer is not None:
+        optimizer.load_state_dict(state["optimizer"])
+    if engine._optimizer_has_ckpt_event_epilogue():
+        engine.optimizer.checkpoint_event_epilogue()
+    if engine.lr_scheduler is not None:
+        engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
+    engine.global_steps = state["global_steps"]
+    engine.global_samples = state["global_samples"]
+    engine.skipped_steps = state["skipped_steps"]
+
+
+def check_engine_state(engine) -> str:
+    """Why this engine's state cannot be kept per rank ("" when it can): an elastic ZeRO checkpoint merges every
+    partition on load, and offloaded optimizer state lives outside the engine's state dicts."""
+    if not engine.zero_optimization():
+        return ""
+    if engine.zero_elastic_checkpoint():
+        return "zero_optimization.elastic_checkpoint is on (a rank's load reads every partition)"
+    if engine.zero_nvme_offload_optimizer():
+        return "the optimizer state is offloaded to NVMe (outside the engine's state dicts)"
+    return ""
+
+
 # -- universal checkpoints ------------------------------------------------------------------------------------------
 class _HandedOff(Exception):
     """A converter other than the lead is done: the rest of the conversion is the lead's."""

@@ -256,6 +256,27 @@ INTERNALS = [
         lambda e: len(clone_sites()) == 2,
     ),
     Internal(
+        "engine._get_zero_param_shapes, _optimizer_has_ckpt_event_prologue/epilogue; ZeRO optimizer "
+        "load_state_dict(state_dict_list, load_from_fp32_weights, param_shapes)",
+        "a per-rank state dict of the engine (in-memory checkpoints)",
+        lambda e: True,
+        lambda e: (
+            all(
+                callable(getattr(e, name, None))
+                for name in (
+                    "_get_zero_param_shapes",
+                    "_optimizer_has_ckpt_event_prologue",
+                    "_optimizer_has_ckpt_event_epilogue",
+                )
+            )
+            and (
+                not e.zero_optimization()
+                or {"state_dict_list", "load_from_fp32_weights", "param_shapes"}
+                <= set(inspect.signature(e.optimizer.load_state_dict).parameters)
+            )
+        ),
+    ),
+    Internal(
         "accelerator.is_fp16_supported",
         "an fp16 override for the CPU accelerator",
         lambda e: True,

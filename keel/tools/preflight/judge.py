@@ -360,31 +360,53 @@ def judge_disk(records: list[RankRecord], needs: RunNeeds, existing_bytes: int) 
 
 def judge_memory(records: list[RankRecord], needs: RunNeeds, device: str, t: Thresholds) -> Check:
     findings = []
+    hosts: dict[str, list[RankRecord]] = defaultdict(list)
+    for r in records:
+        hosts[r.host].append(r)
+    # (ranks, bytes needed, bytes free, where, what needs them)
+    host_what = "the model state" + (" and its host copies" if needs.host_bytes else "")
     if device == "cuda":
-        have = {r.rank: r.memory.device_free_bytes for r in records}
-        pools = [
-            ((r.rank,), needs.rank_state_bytes, have[r.rank], f"rank {r.rank}'s device")
-            for r in records
-        ]
-    else:
-        hosts: dict[str, list[RankRecord]] = defaultdict(list)
-        for r in records:
-            hosts[r.host].append(r)
         pools = [
             (
+                (r.rank,),
+                needs.rank_state_bytes,
+                r.memory.device_free_bytes,
+                f"rank {r.rank}'s device",
+                "the model state",
+            )
+            for r in records
+        ]
+        host_need, host_what = needs.host_bytes, "the host copies of the model state"
+    else:  # the state itself lives in host memory, beside its copies
+        pools, host_need = [], needs.rank_state_bytes + needs.host_bytes
+    if host_need:
+        pools += [
+            (
                 tuple(r.rank for r in members),
-                needs.rank_state_bytes * len(members),
+                host_need * len(members),
                 min(r.memory.host_available_bytes for r in members),
                 f"host {host}",
+                host_what,
             )
             for host, members in hosts.items()
         ]
-    for ranks, need, have, where in pools:
+    if needs.snapshot_bytes:  # the tmpfs holding them may be smaller than the host's memory
+        pools += [
+            (
+                tuple(r.rank for r in members),
+                needs.snapshot_bytes * len(members),
+                min(r.memory.memory_dir_free_bytes for r in members),
+                f"host {host}'s checkpoint.memory_dir",
+                "in-memory snapshots (own + buddy's)",
+            )
+            for host, members in hosts.items()
+        ]
+    for ranks, need, have, where, what in pools:
         if need > have:
             findings.append(
                 Finding(
                     ranks,
-                    f"{where}: {have / 2**30:.3g} GiB free, the model state alone needs "
+                    f"{where}: {have / 2**30:.3g} GiB free, {what} alone needs "
                     f"{need / 2**30:.3g} GiB",
                     True,
                 )
@@ -393,7 +415,7 @@ def judge_memory(records: list[RankRecord], needs: RunNeeds, device: str, t: Thr
             findings.append(
                 Finding(
                     ranks,
-                    f"{where}: the model state takes {need / have:.0%} of the free "
+                    f"{where}: {what} takes {need / have:.0%} of the free "
                     f"{have / 2**30:.3g} GiB before activations",
                     False,
                 )
@@ -401,9 +423,8 @@ def judge_memory(records: list[RankRecord], needs: RunNeeds, device: str, t: Thr
     tightest = max(pools, key=lambda p: p[1] / max(p[2], 1))
     return Check(
         "memory",
-        f"{'device' if device == 'cuda' else 'host'}: need {tightest[1] / 2**30:.3g} GiB of "
-        f"{tightest[2] / 2**30:.3g} GiB free at the tightest ({tightest[3]}; params, grads, optimizer, "
-        "buckets; activations not counted)",
+        f"need {tightest[1] / 2**30:.3g} GiB of {tightest[2] / 2**30:.3g} GiB free at the tightest "
+        f"({tightest[3]}: {tightest[4]}; params, grads, optimizer, buckets; activations not counted)",
         findings,
     )
 

@@ -8,6 +8,8 @@ the ranks of one host; on CUDA it lives on the device and the host's figure is r
 
 from __future__ import annotations
 
+import os
+import shutil
 from dataclasses import dataclass
 
 import psutil
@@ -25,6 +27,9 @@ class RunNeeds:
     rank_state_bytes: int
     checkpoint_bytes: int  # one whole checkpoint, all ranks' files together
     keep_last: int
+    # one rank's host memory beside the device state: an async save's snapshot and in-memory snapshots
+    host_bytes: int = 0
+    snapshot_bytes: int = 0  # of which in checkpoint.memory_dir (a tmpfs): own + buddy's copy
 
 
 @dataclass(frozen=True)
@@ -32,15 +37,24 @@ class MemoryResult:
     host: str
     host_available_bytes: int
     device_free_bytes: int  # -1 on CPU
+    memory_dir_free_bytes: int = (
+        -1
+    )  # checkpoint.memory_dir's free space (-1: no in-memory snapshots)
 
 
 def run_needs(cfg: RunConfig, ds: dict, world_size: int) -> RunNeeds:
     parallel = cfg.parallel
     dp = world_size // (parallel.tp * parallel.pp * parallel.sp)
-    state = estimate(
+    memory = estimate(
         cfg, ds, Layout(tp=parallel.tp, pp=parallel.pp, dp=dp, ep=parallel.ep, sp=parallel.sp)
-    ).total
-    return RunNeeds(state, checkpoint_bytes(cfg, ds), cfg.checkpoint.keep_last)
+    )
+    return RunNeeds(
+        memory.total,
+        checkpoint_bytes(cfg, ds),
+        cfg.checkpoint.keep_last,
+        memory.host + memory.snapshots,
+        memory.snapshots,
+    )
 
 
 def checkpoint_bytes(cfg: RunConfig, ds: dict) -> int:
@@ -53,6 +67,13 @@ def checkpoint_bytes(cfg: RunConfig, ds: dict) -> int:
     )
 
 
-def measure_memory(device: str) -> MemoryResult:
+def measure_memory(device: str, memory_dir: str = "") -> MemoryResult:
+    """This rank's host and device free memory, and `memory_dir`'s free space when snapshots go there."""
     device_free = torch.cuda.mem_get_info()[0] if device == "cuda" else -1
-    return MemoryResult(node_name(), int(psutil.virtual_memory().available), int(device_free))
+    tmpfs_free = -1
+    if memory_dir:
+        usage = shutil.disk_usage(memory_dir) if os.path.isdir(memory_dir) else None
+        tmpfs_free = usage.free if usage else 0
+    return MemoryResult(
+        node_name(), int(psutil.virtual_memory().available), int(device_free), tmpfs_free
+    )

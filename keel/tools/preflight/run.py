@@ -91,7 +91,9 @@ def run_preflight(spec: RunSpec) -> int:
     comm.barrier(world)
     checkpoints = checkpoint_dir(spec.run_dir, cfg, rank)
     storage = measure_storage(checkpoints, rank, faults.preflight_free_bytes)
-    memory = measure_memory(device)
+    memory = measure_memory(
+        device, spec.cfg.checkpoint.memory_dir if spec.cfg.checkpoint.memory_interval else ""
+    )
     # to rank 0 only, which judges: every rank's record names the ranks of every group it timed
     records = comm.gather_object(
         RankRecord(rank, memory.host, compute, storage, memory, timings), world

@@ -22,6 +22,7 @@ from keel.engine.build import LRScale
 from keel.engine.lr_schedule import refresh_lr
 from keel.run_dir import AnomalyLog, ExitCode
 from keel.training.checkpoint.async_save import AsyncCheckpointer
+from keel.training.checkpoint.memory import MemoryCheckpoints
 from keel.training.checkpoint.save_failures import after_failed_save
 from keel.training.checkpoint.store import Checkpointer, SaveOutcome, TrainState
 from keel.training.faults import FaultInjector
@@ -45,6 +46,7 @@ class RunCheckpoints:
         corrupt_state: CorruptStateGuard,
         faults: FaultInjector,
         lr_scale: LRScale,
+        memory: MemoryCheckpoints | None = None,
     ):
         self.cfg, self.engine, self.checkpointer, self.anomalies = (
             cfg,
@@ -59,6 +61,8 @@ class RunCheckpoints:
             lr_scale,
         )
         self.rank = checkpointer.topology.rank
+        # checkpoint.memory_interval: snapshots in host memory and on a buddy (memory.py); agreed before the engine
+        self.memory = memory
         # checkpoint.async_save: a host snapshot now, the files written in the background (async_checkpoint.py)
         self.saves = (
             AsyncCheckpointer(checkpointer, pin=torch.device(engine.device).type == "cuda")
@@ -70,11 +74,16 @@ class RunCheckpoints:
         """The state to start from: the agreed latest checkpoint's (and the guards' and LR scale's), or a new one."""
         if not self.cfg.checkpoint.resume:
             return TrainState()
+        restored = self.memory.restored if self.memory is not None else None
+        if restored is not None:
+            return self._resume_from_memory()
         # rank 0 chooses, every rank verifies (once per run)
         tag = self.checkpointer.agreed_resume()
         if tag is None:
             return TrainState()
         state = self.checkpointer.load(self.engine, tag, self.cfg.train.seed)
+        if self.memory is not None:  # snapshots past it belong to a path this run no longer takes
+            self.memory.discard_after(state.step)
         self.guards.load_state_dict(self.checkpointer.read_manifest(tag).get("guards", {}))
         self.lr_scale.value = state.lr_scale
         refresh_lr(self.engine.lr_scheduler)
@@ -90,6 +99,53 @@ class RunCheckpoints:
                 state.consumed_samples,
             )
         return state
+
+    def _resume_from_memory(self) -> TrainState:
+        restored = self.memory.restored
+        state, guards = self.memory.load(self.engine, restored)
+        self.guards.load_state_dict(guards)
+        self.lr_scale.value = state.lr_scale
+        refresh_lr(self.engine.lr_scheduler)
+        self.anomalies.record(
+            "resume",
+            state.step,
+            memory=True,
+            consumed_samples=state.consumed_samples,
+            from_node=restored.local,
+            from_copy=restored.received,
+            bytes_moved=restored.bytes_moved,
+        )
+        if self.rank == 0:
+            log.info(
+                "resumed from the in-memory snapshot of step %d in %.2f s (%d rank(s) from their node's memory, "
+                "%d from a copy on another node, %.1f MiB moved): %d samples consumed",
+                state.step,
+                restored.seconds,
+                restored.local,
+                restored.received,
+                restored.bytes_moved / 2**20,
+                state.consumed_samples,
+            )
+        return state
+
+    def snapshot(self, state: TrainState) -> float:
+        """checkpoint.memory_interval: this step's in-memory snapshot when one is due (the seconds training waited
+        for it); none of non-finite state (the corrupt-state gate, as for a save)."""
+        if self.memory is None or not self.memory.due(state.step):
+            return 0.0
+        if not self.corrupt_state.allows_save(state.step):
+            return 0.0
+        return self.memory.snapshot(self.engine, state, self.guards.state_dict())
+
+    def finish(self, finished: bool) -> None:
+        """The run's end: a finished run's snapshots go (memory held for nothing); a stopped one keeps them for
+        its restart."""
+        if self.memory is None:
+            return
+        if finished:
+            self.memory.clear()
+        else:
+            self.memory.wait()
 
     def save(self, state: TrainState, ending: bool) -> tuple[float, Decision]:
         """Checkpoint `state` (`ending`: the run's last save, whose failure always stops it): (seconds the save
@@ -199,6 +255,8 @@ class RunCheckpoints:
             state.rollbacks,
         )
         restored = self.checkpointer.load(self.engine, tag, self.cfg.train.seed)
+        if self.memory is not None:  # the snapshots after it hold the path rolled back from
+            self.memory.discard_after(restored.step)
         cursor = restored.consumed_samples if rewind_data else cursor
         restored.consumed_samples, restored.lr_scale, restored.rollbacks = (
             cursor,
