@@ -346,3 +346,27 @@ def test_world_counts_by_channel_and_leaves_nothing_behind(monkeypatch):
         comm.all_reduce,
     ) == originals
     assert os.environ["RANK"] == "7"
+
+
+def test_in_memory_snapshots_pair_each_rank_with_its_buddies_alone_at_4096(tmp_path):
+    """checkpoint.memory_interval: a rank creates the group of itself and its buddy (the same local rank on the
+    next node) and of itself and its sender, with their two members only — two groups at any world size."""
+    from keel.training.checkpoint.memory import PURPOSE, MemoryCheckpoints
+
+    shape, run_dir = GridShape(4096, tp=8, pp=8), tmp_path / "run"
+    run_dir.mkdir()
+    for rank in (0, 9, 4095):
+        with SimulatedWorld(shape.world_size, rank) as world:
+            groups = ProcessGroups()
+            with world.phase(TOPOLOGY):
+                topology = Topology(shape, rank, groups=groups)
+            with world.phase(PURPOSE):
+                memory = MemoryCheckpoints(tmp_path / "shm", 2, topology, run_dir)
+            created = world.record.created((PURPOSE,))
+            assert (memory.buddy, memory.sender) == ((rank + 8) % 4096, (rank - 8) % 4096)
+            assert {g.ranks for g in created} == {
+                tuple(sorted((rank, memory.buddy))),
+                tuple(sorted((rank, memory.sender))),
+            }
+            assert all(g.member and g.participants == g.size == 2 for g in created)
+            groups.destroy()
