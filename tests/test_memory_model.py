@@ -96,15 +96,16 @@ def test_the_rare_paths_transient_and_the_async_snapshot():
         -share.total // 4
     )
     assert estimate(saving, _ds(3, "bf16"), layout).host == 14 * -(-share.total // 4)
-    # in-memory snapshots: the module's weights (none under ZeRO-3) and the optimizer partition, own + buddy's
+    # in-memory snapshots: the module's weights (none under ZeRO-3) and the optimizer partition, own + buddy's,
+    # each twice at the peak
     assert z1.snapshots == 0
     snapshots = RunConfig(
         model=ModelConfig(**MODEL), checkpoint=CheckpointConfig(memory_interval=5)
     )
     part = 12 * -(-share.total // 4)
-    assert estimate(snapshots, _ds(1, "bf16"), layout).snapshots == 2 * (2 * share.total + part)
-    assert estimate(snapshots, _ds(3, "bf16"), layout).snapshots == 2 * part
-    assert estimate(snapshots, _ds(0, "fp32"), layout).snapshots == 2 * 12 * share.total
+    assert estimate(snapshots, _ds(1, "bf16"), layout).snapshots == 4 * (2 * share.total + part)
+    assert estimate(snapshots, _ds(3, "bf16"), layout).snapshots == 4 * part
+    assert estimate(snapshots, _ds(0, "fp32"), layout).snapshots == 4 * 12 * share.total
     moe = RunConfig(model=ModelConfig(**MODEL, moe_experts=4, moe_every=1))
     experts = param_share(moe.model, Layout(dp=2, ep=2))
     model = CausalLM(moe.model, parallel=LayerParallel.without_groups(ep=2, ep_rank=0))

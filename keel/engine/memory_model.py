@@ -18,7 +18,9 @@ Beside the steady state, what the rare paths add, so a rank sized to its shard s
   partition, and on the rank writing its stage's model states, the stage's weights; async_save.py);
 - `snapshots` (host memory, as tmpfs pages): checkpoint.memory_interval's in-memory snapshots, this rank's whole
   state (its module's weights — none under ZeRO-3, where the optimizer's fp32 partition is their copy — and its
-  optimizer partition) twice: its own and the copy it holds of its buddy's (keel/training/checkpoint/memory.py).
+  optimizer partition) twice between snapshots — its own and the copy it holds of its buddy's — and four times at
+  the peak, while one is taken: the previous own one stays until every rank's new one is whole, the previous
+  copy until the new one has arrived (keel/training/checkpoint/memory.py).
 The sample order holds nothing per sample (a Feistel permutation computed per index, keel/data/samples.py).
 """
 
@@ -85,7 +87,7 @@ class RankMemory:
     transient: int = 0  # device: the largest short-lived buffer of a rare path (module docstring)
     host: int = 0  # host: an asynchronous checkpoint's snapshot of this rank's files (0 when saves are sync)
     snapshots: int = (
-        0  # host (tmpfs): in-memory snapshots, own + buddy's copy (0 without memory_interval)
+        0  # host (tmpfs): in-memory snapshots at their peak (module docstring); 0 when off
     )
 
     @property
@@ -252,9 +254,10 @@ def estimate(cfg: RunConfig, ds: dict[str, Any], layout: Layout) -> RankMemory:
     host = (
         (params if stage >= 3 else b * share.total) + optimizer if cfg.checkpoint.async_save else 0
     )
-    # checkpoint.memory_interval: the rank's own state and its buddy's, each module weights + optimizer partition
+    # checkpoint.memory_interval: the rank's own state and its buddy's (module weights + optimizer partition),
+    # each twice while a snapshot is in flight
     snapshot = (0 if stage >= 3 else b * share.total) + optimizer
-    snapshots = 2 * snapshot if cfg.checkpoint.memory_interval else 0
+    snapshots = 4 * snapshot if cfg.checkpoint.memory_interval else 0
     return RankMemory(
         share, prec, stage, params, grads, optimizer, buckets, transient, host, snapshots
     )

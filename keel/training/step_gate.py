@@ -39,6 +39,8 @@ class Agreed:
     decision: Decision
     preempted: bool = False  # some rank was signalled
     writing: bool = False  # some rank's background save writer was still writing
+    # every rank's newest in-memory snapshot is whole (memory.py may drop the older ones); False when unknown
+    snapshots_settled: bool = False
 
 
 class StepGate:
@@ -104,9 +106,11 @@ assert max(Action) < 2 ** (63 - _FIELD_BITS - _RANK_BITS)  # the keyed words sta
 _NO_SAMPLE = 2**62
 
 
-def encode(decision: Decision, signalled: bool, rank: int, writing: bool = False) -> torch.Tensor:
+def encode(
+    decision: Decision, signalled: bool, rank: int, writing: bool = False, snapshot: int = 0
+) -> torch.Tensor:
     """What `rank` sends to the agreement: [keyed checkpoint step, keyed flags, signalled, exit code, sample,
-    writing]."""
+    writing, snapshot] (`snapshot`: MemoryCheckpoints.state: 0 whole, 1 its last one failed, 2 in flight)."""
     if not 0 <= rank < 2**_RANK_BITS:
         raise ValueError(
             f"the step agreement addresses up to {2**_RANK_BITS} ranks, not rank {rank}"
@@ -123,6 +127,7 @@ def encode(decision: Decision, signalled: bool, rank: int, writing: bool = False
             decision.exit_code,
             sample,
             int(writing),
+            snapshot,
         ],
         dtype=torch.int64,
     )
@@ -131,14 +136,16 @@ def encode(decision: Decision, signalled: bool, rank: int, writing: bool = False
 def decode(agreed: list[int], own: Decision, rank: int) -> Agreed:
     """What every rank acts on, from the agreement's MAX: the winning rank's whole decision (`own`, with its
     reason, on that rank), the highest exit code, the lowest data-stop sample; whether any rank was signalled,
-    and whether any rank's background save writer was still writing."""
-    keyed_to, keyed_flags, preempted, exit_code, sample, writing = agreed
+    whether any rank's background save writer was still writing, and whether every rank's in-memory snapshot is
+    whole."""
+    keyed_to, keyed_flags, preempted, exit_code, sample, writing, snapshot = agreed
+    settled = snapshot == 0
     key = keyed_to >> _FIELD_BITS
     winner = 2**_RANK_BITS - 1 - (key & (2**_RANK_BITS - 1))
     agreed_sample = None if sample == 0 else _NO_SAMPLE - sample
     if winner == rank:  # keep this rank's own reason
         mine = replace(own, exit_code=exit_code, sample=agreed_sample)
-        return Agreed(mine, bool(preempted), bool(writing))
+        return Agreed(mine, bool(preempted), bool(writing), settled)
     to = keyed_to & (2**_FIELD_BITS - 1)
     flags = keyed_flags & (2**_FIELD_BITS - 1)
     theirs = Decision(
@@ -150,13 +157,18 @@ def decode(agreed: list[int], own: Decision, rank: int) -> Agreed:
         rewind_data=bool(flags & 1),
         to=tag_for(to - 1) if to else None,
     )
-    return Agreed(theirs, bool(preempted), bool(writing))
+    return Agreed(theirs, bool(preempted), bool(writing), settled)
 
 
 def post_agreement(
-    decision: Decision, signalled: bool, writing: bool, group: comm.Group, device
+    decision: Decision,
+    signalled: bool,
+    writing: bool,
+    group: comm.Group,
+    device,
+    snapshot: int = 0,
 ) -> torch.Tensor:
-    """Start the agreement over `group` (the world's device channel in training): one six-element all-reduce
+    """Start the agreement over `group` (the world's device channel in training): one seven-element all-reduce
     (MAX), left unread on `device` for the caller's one read-back of the step (`decode` reads it)."""
-    codes = encode(decision, signalled, group.rank, writing).to(device, non_blocking=True)
+    codes = encode(decision, signalled, group.rank, writing, snapshot).to(device, non_blocking=True)
     return comm.all_reduce(codes, group, "max")

@@ -249,6 +249,8 @@ class Trainer:
             # NaN unless fp16 (where the loss scaler's overflow is routine)
             batch.grad_norm = stats.grad_norm
         self._written = batch.saving if batch.saving and not batch.agreed.writing else None
+        if batch.agreed.snapshots_settled:  # every rank's newest in-memory snapshot is whole
+            self.checkpoints.settle_snapshots()
         # some rank's batch held a bad id: every rank names it, the same way
         if decision.sample is not None:
             decision = named_stop(decision, self.train_samples, self.order, batch.step)
@@ -351,6 +353,7 @@ class Trainer:
             writing,
             self.topology.device("world"),
             self.engine.device,
+            self.checkpoints.snapshot_state(),
         )
 
     def _agreed(self, batch: StepBatch, decision: Decision) -> Agreed:

@@ -29,7 +29,9 @@ class RunNeeds:
     keep_last: int
     # one rank's host memory beside the device state: an async save's snapshot and in-memory snapshots
     host_bytes: int = 0
-    snapshot_bytes: int = 0  # of which in checkpoint.memory_dir (a tmpfs): own + buddy's copy
+    snapshot_bytes: int = (
+        0  # of which in checkpoint.memory_dir (a tmpfs): in-memory snapshots at their peak
+    )
 
 
 @dataclass(frozen=True)

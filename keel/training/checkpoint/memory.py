@@ -15,19 +15,20 @@ data-parallel group writes for all of them), Keel's train state and guards, and 
 from its own bytes alone, whichever node holds them.
 
 Taking one: `torch.save` into the tmpfs on the main thread at the step (one host copy of the rank's state, as an
-async save's snapshot is), then on one thread — overlapped with the next steps — the hash, the sidecar, the
-rename, this rank's older snapshot dropped, and the exchange: the file to the buddy (the same local rank on the
-next node), the file of the rank whose buddy this one is received, over a group of the pair alone. Host memory:
-the rank's state × 2 (its own and a copy), in the memory model. On one node there is no buddy: a snapshot then
-survives its process, not its node.
+async save's snapshot is), then on one thread — overlapped with the next steps — the hash, the sidecar, the rename,
+and the exchange: the file to the buddy (the same local rank on the next node), the file of the rank whose buddy
+this one is received, over a group of the pair alone; a copy that arrives whole replaces the older copy. The older
+own snapshot goes once the step's agreement (step_gate.py) says every rank's newest is whole: a rank lost
+mid-snapshot leaves the previous step with every rank. Host memory: the rank's state × 2 (its own and a copy), × 4
+at the peak while one is taken, in the memory model. On one node there is no buddy: a snapshot then survives its
+process, not its node.
 
 A restart (torchrun's elastic restart, a SLURM requeue, a replaced node), before the engine is built: rank 0
 gathers what each node holds, picks the newest step that every rank can get — from its own node, else a copy
 from another — no older than the newest complete disk checkpoint, and scatters one entry per rank (read here, or
 receive from rank S; send these to ranks D). The copies travel over the world's control group, each rank verifies
 its file, and one all-reduce says whether every rank loads from memory; otherwise every rank loads from disk. Both
-are logged, with why. A failure while a snapshot is in flight may leave no step that every rank holds: the disk
-checkpoint is then the one.
+are logged, with why.
 """
 
 from __future__ import annotations
@@ -127,6 +128,10 @@ class MemoryCheckpoints:
         self.restored: Restore | None = None
         self._thread: threading.Thread | None = None
         self._failure = ""
+        self._failed = (
+            False  # the last snapshot failed (the step's agreement then keeps the older ones)
+        )
+        self._unsettled = False  # a snapshot was taken since the older ones were last dropped
 
     # -- taking snapshots -----------------------------------------------------------------------------------------
     def due(self, step: int) -> bool:
@@ -153,6 +158,7 @@ class MemoryCheckpoints:
         except OSError as exc:  # a full tmpfs: this snapshot is lost, training is not
             partial.unlink(missing_ok=True)
             failure = f"writing {partial}: {exc.strerror or exc}"
+        self._failed, self._unsettled = False, True
         self._thread = threading.Thread(
             target=self._finish,
             args=(path, partial, step, failure),
@@ -174,7 +180,7 @@ class MemoryCheckpoints:
                 self.anomalies.record("memory_snapshot_failed", 0, reason=failure)
 
     def _finish(self, path: Path, partial: Path, step: int, failure: str) -> None:
-        """The background half: hash, sidecar, rename, drop the older own snapshot, then the buddy exchange (which
+        """The background half: hash, sidecar, rename, then the buddy exchange (which
         runs even after a failure here, so that the pair's messages stay paired)."""
         try:
             meta = None
@@ -183,12 +189,30 @@ class MemoryCheckpoints:
                 meta = self._meta(step, self.rank, size, chunks)
                 write_atomic(_sidecar(path), json.dumps(meta) + "\n")
                 partial.replace(path)
-                self._drop("own", self.rank, keep=step)
             if self.buddy is not None:
                 failure = self._exchange(path if meta else None, meta, step) or failure
         except Exception as exc:  # reported by `wait` on the main thread
             failure = failure or f"{type(exc).__name__}: {exc}"
         self._failure = failure
+        self._failed = bool(failure)
+
+    def state(self) -> int:
+        """This rank's part of the step's agreement: 2 a snapshot is in flight, 1 the last one failed, 0 whole."""
+        if self._thread is not None and self._thread.is_alive():
+            return 2
+        return 1 if self._failed else 0
+
+    def settle(self) -> None:
+        """Every rank's newest snapshot is whole (the step's agreement said so): this rank's older own ones go.
+        Kept until then, so that a rank lost while the others' newest is in flight leaves a step all of them
+        hold; a copy replaces the older copy as soon as it arrives whole."""
+        if self._unsettled:
+            self._unsettled = False
+            own = [
+                step for owner, step, path in self.held() if owner == self.rank and "/own-" in path
+            ]
+            if own:
+                self._drop("own", self.rank, keep=max(own))
 
     def _meta(self, step: int, owner: int, size: int, chunks: list[str]) -> dict[str, Any]:
         return {
@@ -384,8 +408,11 @@ class MemoryCheckpoints:
         return path, moved, ""
 
     def load(self, engine, restore: Restore) -> tuple[TrainState, dict[str, Any]]:
-        """Restore engine, RNG and train state from the agreed snapshot; returns (train state, guards' state)."""
-        payload = torch.load(restore.path, map_location="cpu", weights_only=False)
+        """Restore engine, RNG and train state from the agreed snapshot; returns (train state, guards' state).
+        The file is mapped, not read (its pages are memory already): weights and partitions are copied into the
+        engine's tensors from the mapping; the optimizer's moments keep the mapped tensors, privately (a write
+        copies the page, the file never changes), until the first step has written every page of them."""
+        payload = torch.load(restore.path, map_location="cpu", weights_only=False, mmap=True)
         load_engine_state(engine, payload["engine"])
         rng_state.restore(payload["rng"], engine.module)
         return TrainState(**payload["keel"]), payload["guards"]

@@ -137,6 +137,16 @@ class RunCheckpoints:
             return 0.0
         return self.memory.snapshot(self.engine, state, self.guards.state_dict())
 
+    def snapshot_state(self) -> int:
+        """For the step's agreement: 0 this rank's newest in-memory snapshot is whole (or none is taken), 1 it
+        failed, 2 it is in flight."""
+        return 0 if self.memory is None else self.memory.state()
+
+    def settle_snapshots(self) -> None:
+        """The step's agreement found every rank's newest snapshot whole: the older ones may go."""
+        if self.memory is not None:
+            self.memory.settle()
+
     def finish(self, finished: bool) -> None:
         """The run's end: a finished run's snapshots go (memory held for nothing); a stopped one keeps them for
         its restart."""
