@@ -228,12 +228,12 @@ def test_step_and_checks_today(records, shape):
             return [(c.channel, c.group, c.op, c.size, c.received) for c in record.calls(phase)]
 
         # the pipeline loss (one float) over the pipeline group, then its data-parallel mean, and
-        # beside them the step's agreement, 6 int64s, read back together (cbd7c25: the loss over the
+        # beside them the step's agreement, 7 int64s, read back together (cbd7c25: the loss over the
         # world's device channel, the agreement on the control channel)
         assert calls(STEP) == [
             ("device", "pp", "all_reduce", shape.pp, 4),
             ("device", "dp", "all_reduce", dp, 4),
-            ("device", "world", "all_reduce", world, 48),
+            ("device", "world", "all_reduce", world, 56),
         ]
         assert calls(ASYNC_SAVE_STEP) == []  # the writer's state rides on the gate's (cbd7c25: 1)
         # a count, a sum and a sum of squares; the two keyed extremes (cbd7c25: every rank's loss and
