@@ -31,7 +31,19 @@ metrics.discarded.jsonl, or the step seen at the kill) − the checkpoint step; 
 It also prints a yardstick measured in the same run: how long two fresh Pythons take to import torch and
 DeepSpeed side by side, a floor under "engine built" on this machine (imports dominate restarts on CPU).
 
+Disk against memory (`--restore both`, the default: each repeat runs both, interleaved): the same kill, resumed
+from the disk checkpoint (checkpoint.interval) or from the in-memory snapshots (checkpoint.memory_interval, in
+/dev/shm; keel/training/checkpoint/memory.py). After the kill the page cache is dropped (root), so the disk
+restore reads cold files as after a real node loss; tmpfs pages are memory and stay. Per run: the restore's own
+seconds (the start-up phases `memory restore` + `reshard` (the disk checkpoint's verification) + `restore` from
+timeline.jsonl, plus the first resumed step's excess over the median step: work a restore leaves to the first
+step counts), kill → first step, steps lost; then the medians and the ratios disk ÷ memory. `--model large`
+gives a state of ≥ 1 GB (fp32 ZeRO-1: weights, master copy and Adam's moments, 16 bytes a parameter);
+`--model default` is `keel train`'s default model. Targets (issue 28): the memory restore ≥ 3× faster than disk
+at ≥ 1 GB; the default model's kill → first resumed step ≤ 15 s.
+
     python bench/recovery.py [--kill-at 12] [--interval 5] [--steps 30] [--repeats 1] [--two-nodes]
+                             [--restore both|disk|memory] [--memory-interval 2] [--model tiny|default|large]
 """
 
 from __future__ import annotations
@@ -70,6 +82,23 @@ MODEL = [
     "train.eval_interval=0",
     "logging.log_interval=1",
 ]
+# the model (keel train's default: no model settings); the state of `large` is ≥ 1 GB (module docstring)
+MODELS = {
+    "tiny": MODEL,
+    "default": ["train.eval_interval=0", "logging.log_interval=1"],
+    "large": [
+        *(
+            m
+            for m in MODEL
+            if not m.startswith(("model.dim", "model.n_layers", "model.n_heads", "model.n_kv"))
+        ),
+        "model.dim=1024",
+        "model.n_layers=6",
+        "model.n_heads=8",
+        "model.n_kv_heads=4",
+    ],
+}
+RESTORE_PHASES = ("memory restore", "reshard", "restore")
 PHASES = (
     "failure detected",
     "old group gone",
@@ -100,6 +129,13 @@ def worker_rank(pid: int) -> int | None:
         return None
     ranks = [int(item.split(b"=", 1)[1]) for item in environ if item.startswith(b"RANK=")]
     return ranks[0] if ranks else None
+
+
+def parent(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 class Output(threading.Thread):
@@ -158,14 +194,16 @@ def import_time(n: int = 2) -> float:
     return time.monotonic() - start
 
 
-def keel_args(run_dir: Path, args) -> list[str]:
+def keel_args(run_dir: Path, args, memory: bool = False) -> list[str]:
     sets = [
-        *MODEL,
+        *MODELS[args.model],
         f"train.steps={args.steps}",
         f"checkpoint.interval={args.interval}",
         f"data.corpus={corpus()}",
         f"data.cache_dir={args.cache_dir}",
     ]
+    if memory:
+        sets.append(f"checkpoint.memory_interval={args.memory_interval}")
     cmd = ["--run-dir", str(run_dir), "--ds-config", str(REPO / "ds_configs" / args.ds_config)]
     for item in sets:
         cmd += ["--set", item]
@@ -177,7 +215,7 @@ class Local:
 
     what = "rank 1's worker SIGKILLed"
 
-    def __init__(self, workdir: Path, run_dir: Path, args):
+    def __init__(self, workdir: Path, run_dir: Path, args, memory: bool):
         self.run_dir = run_dir
         cmd = [
             sys.executable,
@@ -189,7 +227,7 @@ class Local:
             "2",
             "--max-restarts",
             "2",
-            *keel_args(run_dir, args),
+            *keel_args(run_dir, args, memory),
         ]
         self.log_file = open(workdir / f"{run_dir.name}.log", "w")
         self.survivor = subprocess.Popen(
@@ -210,10 +248,13 @@ class Local:
         return self.survivor.poll() is None
 
     def worker_pids(self) -> set[int]:
+        """The ranks' processes: not their own children (torch.compile's workers fork with the same command
+        line and environment, RANK included)."""
         out = subprocess.run(
             ["pgrep", "-f", f"keel.training.entry {self.run_dir}"], capture_output=True, text=True
         ).stdout
-        return {int(pid) for pid in out.split()}
+        pids = {int(pid) for pid in out.split()}
+        return {pid for pid in pids if parent(pid) not in pids}
 
     def ready(self) -> bool:
         """Both workers are up and rank 1's process is known (found before the kill step: no delay then)."""
@@ -240,12 +281,12 @@ class NetnsNodes:
 
     what = "node B (agent and worker) SIGKILLed"
 
-    def __init__(self, workdir: Path, run_dir: Path, args):
+    def __init__(self, workdir: Path, run_dir: Path, args, memory: bool):
         self.run_dir = run_dir
         self.nodes = TwoNodes().__enter__()
         endpoint = f"{self.nodes['a'].addr}:{RDZV_PORT}"
         run_id = f"keel-bench-{uuid.uuid4().hex[:8]}"
-        program = ["-m", "keel.launcher.cli", "train", *keel_args(run_dir, args)]
+        program = ["-m", "keel.launcher.cli", "train", *keel_args(run_dir, args, memory)]
         self.log_files, self.procs = {}, {}
         for name in (
             "b",
@@ -296,9 +337,38 @@ class NetnsNodes:
             f.close()
 
 
-def run_once(workdir: Path, args, index: int) -> dict:
-    run_dir = workdir / f"run{index}"
-    job = (NetnsNodes if args.two_nodes else Local)(workdir, run_dir, args)
+def drop_page_cache() -> bool:
+    """Write dirty pages back, then drop the clean ones (root only): what a restarted node reads comes from disk."""
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def restore_phases(run_dir: Path) -> dict[str, float]:
+    """The last launch's restore phases (timeline.jsonl): memory agreement, disk verification, the load."""
+    starts = [r for r in read_jsonl(run_dir / "timeline.jsonl") if r.get("event") == "start"]
+    phases = starts[-1]["phases"] if starts else {}
+    return {name: phases[name] for name in RESTORE_PHASES if name in phases}
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def state_bytes(run_dir: Path) -> int:
+    """One checkpoint's bytes (the newest complete one), all ranks' files together."""
+    tags = sorted((run_dir / "checkpoints").glob("step*[0-9]"))
+    return sum(f.stat().st_size for f in tags[-1].rglob("*") if f.is_file()) if tags else 0
+
+
+def run_once(workdir: Path, args, index: int, memory: bool = False) -> dict:
+    run_dir = workdir / f"run{index}-{'memory' if memory else 'disk'}"
+    job = (NetnsNodes if args.two_nodes else Local)(workdir, run_dir, args, memory)
     try:
         deadline = time.monotonic() + 600
         ready = False
@@ -317,6 +387,7 @@ def run_once(workdir: Path, args, index: int) -> dict:
         t_kill = time.monotonic()
         job.kill()
         kill_step = records[-1]["step"]
+        cold = drop_page_cache() if args.cold_cache else False
         times: dict[str, float] = {}
         stop = threading.Event()
         watcher = threading.Thread(
@@ -331,10 +402,13 @@ def run_once(workdir: Path, args, index: int) -> dict:
     if code != 0:
         raise RuntimeError(f"keel train exited {code}; see the logs in {workdir}")
     output = job.output
-    resumed = output.first(r"resumed from (step\d+): step (\d+)", t_kill)
+    resumed = output.first(
+        r"resumed from (?:step\d+: step (\d+)|the in-memory snapshot of step (\d+))", t_kill
+    )
     if resumed is None:
         raise RuntimeError(f"no 'resumed from' line after the kill; see the logs in {workdir}")
-    ckpt_step = int(resumed[1].group(2))
+    ckpt_step = int(resumed[1].group(1) or resumed[1].group(2))
+    source = "memory" if resumed[1].group(2) else "disk"
     first = output.first(rf"^step\s+{ckpt_step + 1}/", resumed[0])
     if first is None:
         raise RuntimeError(
@@ -359,6 +433,9 @@ def run_once(workdir: Path, args, index: int) -> dict:
     discarded = read_metrics(run_dir / "metrics.discarded.jsonl")
     last_trained = max([kill_step, *(r["step"] for r in discarded)])
     step_time = statistics.median(r["step_time_s"] for r in records)
+    # what the restore left to the first step (pages a mapped snapshot copies on first write, say)
+    first_record = next(r for r in records if r["step"] == ckpt_step + 1)
+    excess = max(0.0, first_record["step_time_s"] - step_time)
     return {
         "times": times,
         "kill_step": kill_step,
@@ -368,6 +445,12 @@ def run_once(workdir: Path, args, index: int) -> dict:
         "step_time": step_time,
         "what": job.what,
         "world": int(world[1].group(1)) if world else None,
+        "source": source,
+        "restore": sum(restore_phases(run_dir).values()) + excess,
+        "restore_phases": restore_phases(run_dir),
+        "first_excess": excess,
+        "state_bytes": state_bytes(run_dir),
+        "cold": cold,
     }
 
 
@@ -388,27 +471,33 @@ def main() -> None:
         action="store_true",
         help="two network-namespace nodes (needs root and `ip`); kill all of node B instead",
     )
+    parser.add_argument(
+        "--restore",
+        choices=("both", "disk", "memory"),
+        default="both",
+        help="resume from disk, from in-memory snapshots, or both interleaved",
+    )
+    parser.add_argument("--memory-interval", type=int, default=2, help="checkpoint.memory_interval")
+    parser.add_argument("--model", choices=sorted(MODELS), default="tiny")
+    parser.add_argument(
+        "--warm-cache",
+        dest="cold_cache",
+        action="store_false",
+        help="keep the page cache after the kill (default: dropped, as root)",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the run dirs and logs (printed)")
     args = parser.parse_args()
     if not 0 < args.kill_at < args.steps:
         parser.error("--kill-at must lie between 0 and --steps")
+    modes = {"both": (False, True), "disk": (False,), "memory": (True,)}[args.restore]
     workdir = Path(tempfile.mkdtemp(prefix="keel-recovery-"))
-    results = []
+    results: dict[str, list[dict]] = {}
     try:
         for i in range(args.repeats):
-            result = run_once(workdir, args, i)
-            results.append(result)
-            t = result["times"]
-            print(
-                f"run {i + 1}/{args.repeats}: {result['what']} at step {result['kill_step']} "
-                f"(last step trained {result['last_trained']}); resumed from step {result['ckpt_step']} at world "
-                f"size {result['world']}; steps lost {result['lost']}; median step time "
-                f"{result['step_time'] * 1e3:.0f} ms; seconds after the kill:",
-                flush=True,
-            )
-            for phase in PHASES:
-                if phase in t:
-                    print(f"    {phase + ':':22s}{t[phase]:7.2f} s", flush=True)
+            for memory in modes:  # interleaved: each repeat runs every mode once
+                result = run_once(workdir, args, i, memory)
+                results.setdefault("memory" if memory else "disk", []).append(result)
+                report(result, i, args.repeats)
     finally:
         if args.keep:
             print(f"run dirs and logs kept in {workdir}")
@@ -420,13 +509,69 @@ def main() -> None:
         f"yardstick: 2 concurrent fresh `import torch, deepspeed`: {import_time():.2f} s "
         f"(part of 'engine built'; Keel's restart backoff adds 1 s on the first restart)"
     )
-    if len(results) > 1:
-        print(f"median over {len(results)} runs (seconds after the kill):")
+    medians = {mode: summarize(mode, runs) for mode, runs in results.items()}
+    if len(medians) == 2:
+        disk, memory = medians["disk"], medians["memory"]
+        state = max(r["state_bytes"] for runs in results.values() for r in runs)
+        ratio = disk["restore"] / memory["restore"] if memory["restore"] else float("inf")
+        first = disk["first step"] / memory["first step"]
+        print(
+            f"disk ÷ memory, state {state / 1e9:.2f} GB: restore {ratio:.2f}× "
+            f"({disk['restore']:.2f} s vs {memory['restore']:.2f} s), kill → first step {first:.2f}× "
+            f"({disk['first step']:.2f} s vs {memory['first step']:.2f} s), steps lost "
+            f"{disk['lost']:.1f} vs {memory['lost']:.1f}"
+        )
+        if state >= 1e9:
+            print(
+                f"target memory restore ≥ 3× faster than disk: {ratio:.2f}× — {'met' if ratio >= 3 else 'NOT met'}"
+            )
+        else:
+            print(
+                f"(state {state / 1e9:.2f} GB < 1 GB: the 3× target is judged with --model large)"
+            )
+    if args.model == "default":
+        best = min(m["first step"] for m in medians.values())
+        print(
+            f"target default model kill → first resumed step ≤ 15 s: {best:.2f} s — "
+            f"{'met' if best <= 15 else 'NOT met'}"
+        )
+
+
+def report(result: dict, index: int, repeats: int) -> None:
+    t = result["times"]
+    print(
+        f"run {index + 1}/{repeats} [{result['source']}]: {result['what']} at step {result['kill_step']} "
+        f"(last step trained {result['last_trained']}); resumed from step {result['ckpt_step']} at world "
+        f"size {result['world']}; steps lost {result['lost']}; median step time "
+        f"{result['step_time'] * 1e3:.0f} ms; state {result['state_bytes'] / 1e9:.2f} GB; page cache "
+        f"{'dropped' if result['cold'] else 'kept'}; restore {result['restore']:.2f} s ("
+        + ", ".join(f"{k} {v:.2f}" for k, v in result["restore_phases"].items())
+        + f", the first step's excess over the median step {result['first_excess']:.2f}); "
+        "seconds after the kill:",
+        flush=True,
+    )
+    for phase in PHASES:
+        if phase in t:
+            print(f"    {phase + ':':22s}{t[phase]:7.2f} s", flush=True)
+
+
+def summarize(mode: str, runs: list[dict]) -> dict[str, float]:
+    """Medians over `runs` (printed when more than one)."""
+    medians = {
+        phase: statistics.median(r["times"][phase] for r in runs if phase in r["times"])
+        for phase in PHASES
+        if any(phase in r["times"] for r in runs)
+    }
+    medians["lost"] = statistics.median(r["lost"] for r in runs)
+    medians["restore"] = statistics.median(r["restore"] or 0.0 for r in runs)
+    if len(runs) > 1:
+        print(f"{mode}: median over {len(runs)} runs (seconds after the kill):")
         for phase in PHASES:
-            values = [r["times"][phase] for r in results if phase in r["times"]]
-            if values:
-                print(f"    {phase + ':':22s}{statistics.median(values):7.2f} s")
-        print(f"    {'steps lost:':22s}{statistics.median(r['lost'] for r in results):7.1f}")
+            if phase in medians:
+                print(f"    {phase + ':':22s}{medians[phase]:7.2f} s")
+        print(f"    {'restore:':22s}{medians['restore']:7.2f} s")
+        print(f"    {'steps lost:':22s}{medians['lost']:7.1f}")
+    return medians
 
 
 if __name__ == "__main__":
