@@ -34,8 +34,10 @@ from typing import Any
 import torch
 
 from keel.config import ModelConfig, RunConfig
+from keel.engine.activations import ActivationShape, in_flight, rank_activation_bytes
 from keel.engine.ds_config import precision, zero_stage
 from keel.model.llama import Block, EmbeddingLayer, FinalNorm, OutputLayer
+from keel.model.router import is_moe_block
 from keel.parallel.layer_parallel import LayerParallel
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -86,9 +88,10 @@ class RankMemory:
     buckets: int
     transient: int = 0  # device: the largest short-lived buffer of a rare path (module docstring)
     host: int = 0  # host: an asynchronous checkpoint's snapshot of this rank's files (0 when saves are sync)
-    snapshots: int = (
-        0  # host (tmpfs): in-memory snapshots at their peak (module docstring); 0 when off
-    )
+    # host (tmpfs): in-memory snapshots at their peak (module docstring); 0 when off
+    snapshots: int = 0
+    # device: the activations of the micro-batches in flight at the rank's peak (keel/engine/activations.py)
+    activations: int = 0
 
     @property
     def total(self) -> int:
@@ -97,8 +100,8 @@ class RankMemory:
 
     @property
     def peak(self) -> int:
-        """The steady state plus the largest transient buffer."""
-        return self.total + self.transient
+        """The steady state plus the activations in flight and the largest transient buffer."""
+        return self.total + self.activations + self.transient
 
 
 def layer_list(cfg: ModelConfig, parallel: LayerParallel, pp: int) -> list[torch.nn.Module]:
@@ -258,6 +261,59 @@ def estimate(cfg: RunConfig, ds: dict[str, Any], layout: Layout) -> RankMemory:
     # each twice while a snapshot is in flight
     snapshot = (0 if stage >= 3 else b * share.total) + optimizer
     snapshots = 4 * snapshot if cfg.checkpoint.memory_interval else 0
+    activations = activation_peak(cfg, layout, prec)
     return RankMemory(
-        share, prec, stage, params, grads, optimizer, buckets, transient, host, snapshots
+        share,
+        prec,
+        stage,
+        params,
+        grads,
+        optimizer,
+        buckets,
+        transient,
+        host,
+        snapshots,
+        activations,
     )
+
+
+def activation_peak(cfg: RunConfig, layout: Layout, prec: str) -> int:
+    """The largest activation peak over the pipeline ranks (keel/engine/activations.py): each rank's blocks and
+    head, cut as DeepSpeed cuts the layer list, times the micro-batches its schedule holds in flight."""
+    parallel, train = cfg.parallel, cfg.train
+    layers = layer_list(
+        cfg.model, LayerParallel.without_groups(tp=layout.tp, ep=layout.ep), layout.pp
+    )
+    counts = [sum(q.numel() for q in layer.parameters()) for layer in layers]
+    held = rank_layer_indices(
+        layers,
+        counts,
+        layout.pp,
+        parallel.pipeline_partition,
+        parallel.pipeline_schedule,
+        parallel.virtual_stages,
+    )
+    micro_batches = max(1, train.global_batch_size // (train.micro_batch_size * layout.dp))
+    shape = ActivationShape(
+        train.micro_batch_size,
+        cfg.data.seq_len,
+        prec,
+        layout.tp,
+        layout.sp,
+        parallel.sequence_parallel,
+    )
+    head = layers[-1]
+    vocab_shard = next(head.parameters()).shape[0]
+    peak = 0
+    for rank, indices in enumerate(held):
+        blocks = [
+            (layers[i].layer_id, is_moe_block(cfg.model, layers[i].layer_id))
+            for i in indices
+            if isinstance(layers[i], Block)
+        ]
+        flight = in_flight(
+            parallel.pipeline_schedule, layout.pp, micro_batches, rank, parallel.virtual_stages
+        )
+        has_head = len(layers) - 1 in indices
+        peak = max(peak, rank_activation_bytes(cfg, shape, blocks, has_head, flight, vocab_shard))
+    return peak

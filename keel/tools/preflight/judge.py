@@ -33,7 +33,7 @@ class Thresholds:
     clock_skew_s: float = 0.1  # |offset to rank 0| above this (beyond its uncertainty): a warning
     # write or read bandwidth below this fraction of the median rank's: a warning
     slow_storage: float = 0.25
-    # state above this fraction of free memory: a warning (activations come on top)
+    # state and activations above this fraction of free memory: a warning
     memory_margin: float = 0.8
 
 
@@ -364,7 +364,9 @@ def judge_memory(records: list[RankRecord], needs: RunNeeds, device: str, t: Thr
     for r in records:
         hosts[r.host].append(r)
     # (ranks, bytes needed, bytes free, where, what needs them)
-    host_what = "the model state" + (" and its host copies" if needs.host_bytes else "")
+    host_what = "the model state and activations" + (
+        " and the state's host copies" if needs.host_bytes else ""
+    )
     if device == "cuda":
         pools = [
             (
@@ -372,7 +374,7 @@ def judge_memory(records: list[RankRecord], needs: RunNeeds, device: str, t: Thr
                 needs.rank_state_bytes,
                 r.memory.device_free_bytes,
                 f"rank {r.rank}'s device",
-                "the model state",
+                "the model state and activations",
             )
             for r in records
         ]
@@ -415,8 +417,7 @@ def judge_memory(records: list[RankRecord], needs: RunNeeds, device: str, t: Thr
             findings.append(
                 Finding(
                     ranks,
-                    f"{where}: {what} takes {need / have:.0%} of the free "
-                    f"{have / 2**30:.3g} GiB before activations",
+                    f"{where}: {what} takes {need / have:.0%} of the free {have / 2**30:.3g} GiB",
                     False,
                 )
             )
@@ -424,7 +425,7 @@ def judge_memory(records: list[RankRecord], needs: RunNeeds, device: str, t: Thr
     return Check(
         "memory",
         f"need {tightest[1] / 2**30:.3g} GiB of {tightest[2] / 2**30:.3g} GiB free at the tightest "
-        f"({tightest[3]}: {tightest[4]}; params, grads, optimizer, buckets; activations not counted)",
+        f"({tightest[3]}: {tightest[4]}; params, grads, optimizer, buckets, activations in flight)",
         findings,
     )
 

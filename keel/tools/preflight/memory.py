@@ -1,8 +1,9 @@
 """What the run needs (keel/engine/memory_model.py) and what each rank's host and device have.
 
-The memory model predicts a rank's parameters, gradients, optimizer state and buckets — the floor a run
-needs before any activation; activations come on top, so a rank whose free memory is below the floor cannot
-train, and one close to it (judge.py's margin) likely cannot. On CPU the state lives in host memory, shared by
+The memory model predicts a rank's parameters, gradients, optimizer state, buckets and the activations of the
+micro-batches it holds in flight (keel/engine/activations.py): a rank whose free memory is below that cannot
+train, and one close to it (judge.py's margin: allocator fragmentation, the framework's own buffers) likely
+cannot. On CPU the state lives in host memory, shared by
 the ranks of one host; on CUDA it lives on the device and the host's figure is reported only.
 """
 
@@ -23,7 +24,7 @@ from keel.run_dir import node_name
 
 @dataclass(frozen=True)
 class RunNeeds:
-    # one rank's params + grads + optimizer + buckets (the largest pipeline stage's)
+    # one rank's params + grads + optimizer + buckets + activations in flight (the largest pipeline rank's)
     rank_state_bytes: int
     checkpoint_bytes: int  # one whole checkpoint, all ranks' files together
     keep_last: int
@@ -51,7 +52,7 @@ def run_needs(cfg: RunConfig, ds: dict, world_size: int) -> RunNeeds:
         cfg, ds, Layout(tp=parallel.tp, pp=parallel.pp, dp=dp, ep=parallel.ep, sp=parallel.sp)
     )
     return RunNeeds(
-        memory.total,
+        memory.total + memory.activations,
         checkpoint_bytes(cfg, ds),
         cfg.checkpoint.keep_last,
         memory.host + memory.snapshots,
