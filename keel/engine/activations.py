@@ -26,6 +26,7 @@ the micro-batches it has run forward and not yet backward: the schedule's peak i
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from keel.config import ModelConfig
@@ -112,6 +113,9 @@ class RankActivations:
         return self.per_micro_batch * self.in_flight
 
 
+@functools.lru_cache(
+    maxsize=4096
+)  # a pure function of its integers; `keel plan` asks it thousands of times
 def in_flight(schedule: str, pp: int, micro_batches: int, rank: int, chunks: int = 2) -> float:
     """Micro-batches of pipeline rank `rank`'s whole share it holds at its peak: one without a pipeline; 1F1B's
     warm-up depth min(pp − rank, m); interleaved 1F1B's peak of forwarded-not-yet-backwarded chunks (Megatron's

@@ -248,6 +248,20 @@ class _ReadKeys(dict):
         return KeysView(self)
 
 
+def check_engine_layout(cfg: RunConfig, ds_raw: dict[str, Any], world_size: int) -> None:
+    """The DeepSpeed JSON with this layout, before any rank starts (a config `validate` already passed): the
+    pipeline engine's ZeRO limit, then DeepSpeed's own parser on the resolved config. `keel train` and `keel plan`
+    (every layout it proposes) ask the same."""
+    stage = zero_stage(ds_raw)
+    if cfg.parallel.pp > 1 and stage >= 2:
+        raise ConfigError(
+            f"parallel.pp={cfg.parallel.pp} with ZeRO stage {stage}: DeepSpeed's pipeline engine "
+            "supports ZeRO 0 and 1 only; use ds_configs/zero1.json or parallel.pp=1"
+        )
+    dp = world_size // (cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.sp)
+    check_with_deepspeed(resolve_ds_config(ds_raw, cfg, dp))
+
+
 def check_with_deepspeed(ds: dict[str, Any]) -> None:
     """DeepSpeed's own parser on the resolved config, before any rank starts: a value or nested key it refuses
     (a string where it wants a number, a typo inside zero_optimization) is one line here instead of a traceback on

@@ -168,17 +168,24 @@ def rank_layer_indices(
     return [[i for s in ranks for i in range(parts[s], parts[s + 1])] for ranks in stages]
 
 
-def param_share(
+@dataclass(frozen=True)
+class LayerCut:
+    """The layer list on meta, each layer's parameters (a tied tensor counted once: dense, expert, largest) and the
+    indices each pipeline rank holds, cut as DeepSpeed cuts them: what every estimate of one model at one tp, ep,
+    pp and schedule shares (`keel plan` makes it once for many layouts)."""
+
+    layers: list[torch.nn.Module]
+    per_layer: list[tuple[int, int, int]]
+    held: list[list[int]]
+
+
+def layer_cut(
     cfg: ModelConfig,
     layout: Layout,
     method: str = "parameters",
-    stage: int | None = None,
     schedule: str = "1f1b",
     chunks: int = 2,
-) -> ParamShare:
-    """A rank's parameters at `layout` on pipeline rank `stage` (default: the largest), counted from the real
-    layer classes built on meta; `method` is `parallel.pipeline_partition`, `schedule` `parallel.pipeline_schedule`
-    (a DualPipeV rank holds two stages, and the tied head is the embedding itself)."""
+) -> LayerCut:
     layers = layer_list(cfg, LayerParallel.without_groups(tp=layout.tp, ep=layout.ep), layout.pp)
     per_layer = []
     seen: set[int] = set()
@@ -197,13 +204,31 @@ def param_share(
     held = rank_layer_indices(
         layers, [d + e for d, e, _ in per_layer], layout.pp, method, schedule, chunks
     )
+    return LayerCut(layers, per_layer, held)
+
+
+def param_share(
+    cfg: ModelConfig,
+    layout: Layout,
+    method: str = "parameters",
+    stage: int | None = None,
+    schedule: str = "1f1b",
+    chunks: int = 2,
+    cut: LayerCut | None = None,
+) -> ParamShare:
+    """A rank's parameters at `layout` on pipeline rank `stage` (default: the largest), counted from the real
+    layer classes built on meta; `method` is `parallel.pipeline_partition`, `schedule` `parallel.pipeline_schedule`
+    (a DualPipeV rank holds two stages, and the tied head is the embedding itself). `cut`: `layer_cut`'s answer
+    for these arguments, made before."""
+    cut = cut or layer_cut(cfg, layout, method, schedule, chunks)
+    per_layer = list(cut.per_layer)
     if schedule == "dualpipev" and cfg.tie_embeddings and layout.pp > 1:
         per_layer[-1] = (
             0,
             0,
             0,
         )  # DeepSpeed counts the tied head when cutting; on rank 0 it is the embedding
-    ranks = [[per_layer[i] for i in indices] for indices in held]
+    ranks = [[per_layer[i] for i in indices] for indices in cut.held]
     best = (
         ranks[stage] if stage is not None else max(ranks, key=lambda s: sum(d + e for d, e, _ in s))
     )
@@ -215,14 +240,29 @@ def param_share(
     )
 
 
-def estimate(cfg: RunConfig, ds: dict[str, Any], layout: Layout) -> RankMemory:
-    """Per-rank bytes for `cfg`'s model under the DeepSpeed JSON `ds` (precision, ZeRO stage, buckets)."""
+def estimate(
+    cfg: RunConfig,
+    ds: dict[str, Any],
+    layout: Layout,
+    cut: LayerCut | None = None,
+) -> RankMemory:
+    """Per-rank bytes for `cfg`'s model under the DeepSpeed JSON `ds` (precision, ZeRO stage, buckets);
+    `cut` as `param_share` takes it."""
+    parallel = cfg.parallel
+    cut = cut or layer_cut(
+        cfg.model,
+        layout,
+        parallel.pipeline_partition,
+        parallel.pipeline_schedule,
+        parallel.virtual_stages,
+    )
     share = param_share(
         cfg.model,
         layout,
-        cfg.parallel.pipeline_partition,
-        schedule=cfg.parallel.pipeline_schedule,
-        chunks=cfg.parallel.virtual_stages,
+        parallel.pipeline_partition,
+        schedule=parallel.pipeline_schedule,
+        chunks=parallel.virtual_stages,
+        cut=cut,
     )
     prec, stage = precision(ds), zero_stage(ds)
     b = BYTES[prec]
@@ -261,7 +301,7 @@ def estimate(cfg: RunConfig, ds: dict[str, Any], layout: Layout) -> RankMemory:
     # each twice while a snapshot is in flight
     snapshot = (0 if stage >= 3 else b * share.total) + optimizer
     snapshots = 4 * snapshot if cfg.checkpoint.memory_interval else 0
-    activations = activation_peak(cfg, layout, prec)
+    activations = activation_peak(cfg, layout, prec, cut)
     return RankMemory(
         share,
         prec,
@@ -277,22 +317,18 @@ def estimate(cfg: RunConfig, ds: dict[str, Any], layout: Layout) -> RankMemory:
     )
 
 
-def activation_peak(cfg: RunConfig, layout: Layout, prec: str) -> int:
+def activation_peak(cfg: RunConfig, layout: Layout, prec: str, cut: LayerCut | None = None) -> int:
     """The largest activation peak over the pipeline ranks (keel/engine/activations.py): each rank's blocks and
     head, cut as DeepSpeed cuts the layer list, times the micro-batches its schedule holds in flight."""
     parallel, train = cfg.parallel, cfg.train
-    layers = layer_list(
-        cfg.model, LayerParallel.without_groups(tp=layout.tp, ep=layout.ep), layout.pp
-    )
-    counts = [sum(q.numel() for q in layer.parameters()) for layer in layers]
-    held = rank_layer_indices(
-        layers,
-        counts,
-        layout.pp,
+    cut = cut or layer_cut(
+        cfg.model,
+        layout,
         parallel.pipeline_partition,
         parallel.pipeline_schedule,
         parallel.virtual_stages,
     )
+    layers, held = cut.layers, cut.held
     micro_batches = max(1, train.global_batch_size // (train.micro_batch_size * layout.dp))
     shape = ActivationShape(
         train.micro_batch_size,

@@ -211,6 +211,47 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     )
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    """The layouts to use for a model on N devices, predicted (keel/tools/plan/): one table, exit 0 when one fits."""
+    import json
+
+    from keel.config import clamp_warmup, load_config  # torch: keel --help start-up
+    from keel.engine.ds_config import load_ds_config
+    from keel.launcher.run_spec import repo_root, resolve_path
+    from keel.tools.plan import table, write
+    from keel.tools.plan.devices import DEVICES, cpu_device, with_preflight
+    from keel.tools.plan.search import AXES, make_plans
+
+    if args.gpus < 1:
+        raise ConfigError(f"--gpus: must be >= 1, got {args.gpus}")
+    cfg = load_config(args.config, args.set)
+    clamp_warmup(cfg.train)  # as keel train does
+    bases = [Path(args.config).resolve().parent] if args.config else []
+    ds = load_ds_config(resolve_path(args.ds_config or cfg.train.ds_config, *bases, repo_root()))
+    pinned = {AXES[item.split("=", 1)[0]] for item in args.set if item.split("=", 1)[0] in AXES}
+    if args.ds_config:
+        pinned.add("zero")
+    per_node = min(args.gpus_per_node, args.gpus)
+    device = cpu_device(per_node) if args.device == "cpu" else DEVICES[args.device]
+    if args.preflight:
+        device = with_preflight(device, json.loads(Path(args.preflight).read_text()))
+    plans = make_plans(
+        cfg, ds, args.gpus, per_node, device, "cpu" if args.device == "cpu" else "gpu", pinned
+    )
+    print(
+        f"keel plan | {args.gpus} × {device.name} ({per_node} per node) | model dim {cfg.model.dim}, "
+        f"{cfg.model.n_layers} layers, seq {cfg.data.seq_len}, global batch {cfg.train.global_batch_size} | "
+        f"{len(plans.ranked)} plan(s) fit | figures: {device.source}"
+    )
+    print(table(plans, args.top))
+    if not plans.ranked:
+        return ExitCode.USAGE
+    if args.write:
+        items = write(plans.ranked[0], Path(args.write))
+        print(f"keel plan: the best plan's settings in {args.write}: {' '.join(items)}")
+    return 0
+
+
 def cmd_prepare(args: argparse.Namespace) -> int:
     from keel.data import (
         IndexedDataset,
@@ -420,6 +461,33 @@ def build_parser() -> argparse.ArgumentParser:
         help="override a config field, e.g. --set faults.preflight_slow_rank=1 (repeatable)",
     )
     preflight.set_defaults(func=cmd_preflight)
+
+    plan = sub.add_parser(
+        "plan",
+        help="the layouts to use on N devices: memory, step time and MFU predicted",
+        description="Enumerates the layouts keel train accepts for this model on --gpus devices (tp, pp and "
+        "its schedule, sp, ep, ZeRO stage, micro-batch, activation checkpointing; an axis given with --set or "
+        "--ds-config is pinned) and prints the fastest that fit, each with its binding limit and step-time terms, "
+        "the closest that do not fit, and why the rest were refused. Exit 0 when one fits, 2 when none does.",
+    )
+    plan.add_argument("config", nargs="?", help="run YAML (default: the tiny built-in config)")
+    plan.add_argument("--gpus", type=int, required=True, help="devices in all")
+    plan.add_argument("--gpus-per-node", type=int, default=8)
+    plan.add_argument("--device", choices=["h100", "h200", "b200", "a100", "cpu"], default="h100")
+    plan.add_argument(
+        "--preflight", help="a preflight.json whose measured rates replace the table's"
+    )
+    plan.add_argument("--ds-config", help="DeepSpeed JSON (pins its ZeRO stage)")
+    plan.add_argument("--top", type=int, default=5)
+    plan.add_argument("--write", help="write the best plan's --set items here (and OUT.ds.json)")
+    plan.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override or pin a field",
+    )
+    plan.set_defaults(func=cmd_plan)
 
     prep = sub.add_parser(
         "prepare", help="train (or take) a tokenizer and write the token files for a corpus"

@@ -30,9 +30,8 @@ from keel.data.hf_tokenizer import HF_TOKENIZER_FILES
 from keel.data.samples import SAMPLE_ORDER
 from keel.data.token_check import check_windows
 from keel.engine.ds_config import (
-    check_with_deepspeed,
+    check_engine_layout,
     load_ds_config,
-    resolve_ds_config,
     zero_stage,
 )
 from keel.engine.lr_schedule import samples_before_step
@@ -91,16 +90,7 @@ def build_run(
         cfg.model.init_from = str(resolve_path(cfg.model.init_from, *bases))
     _check_init_from(cfg)
     ds_raw = load_ds_config(ds_path)
-    if cfg.parallel.pp > 1 and zero_stage(ds_raw) >= 2:
-        raise ConfigError(
-            f"parallel.pp={cfg.parallel.pp} with ZeRO stage {zero_stage(ds_raw)}: DeepSpeed's pipeline engine "
-            "supports ZeRO 0 and 1 only; use ds_configs/zero1.json or parallel.pp=1"
-        )
-    check_with_deepspeed(
-        resolve_ds_config(
-            ds_raw, cfg, world_size // (cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.sp)
-        )
-    )
+    check_engine_layout(cfg, ds_raw, world_size)
     directory = run_dir_path(config_path, run_dir)
     _check_same_run(directory, cfg)
     return RunSpec(

@@ -1,0 +1,117 @@
+"""`keel plan` (keel/tools/plan/): every plan it prints is one `keel train` accepts, pinned axes stay pinned, and
+a model that fits nowhere gets no plan and one line saying by how much."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from keel.config import RunConfig, load_config, validate
+from keel.config.schema import ModelConfig, ParallelConfig, TrainConfig
+from keel.engine.ds_config import check_engine_layout
+from keel.engine.pipeline_plan import check_pipeline_plan
+from keel.tools.plan import table
+from keel.tools.plan.devices import DEVICES
+from keel.tools.plan.search import make_plans
+from tests.keel_runs import REPO
+
+ZERO1 = {"zero_optimization": {"stage": 1}, "bf16": {"enabled": True}, "gradient_clipping": 1.0}
+
+
+def _config(heads: int, kv: int, layers: int, width: int, batch: int, experts: int) -> RunConfig:
+    cfg = load_config(None, [])
+    cfg.model = ModelConfig(
+        vocab_size=1024,
+        dim=heads * width,
+        n_layers=layers,
+        n_heads=heads,
+        n_kv_heads=kv,
+        moe_experts=experts,
+        compile="false",
+    )
+    cfg.train = TrainConfig(**{**cfg.train.__dict__, "global_batch_size": batch, "warmup_steps": 1})
+    cfg.parallel = ParallelConfig()
+    cfg.data.seq_len = 256
+    return cfg
+
+
+@settings(max_examples=5, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(
+    heads=st.sampled_from([4, 8, 16]),
+    kv_divisor=st.sampled_from([1, 2, 4]),
+    layers=st.integers(2, 8),
+    width=st.sampled_from([32, 64]),
+    batch=st.sampled_from([8, 16, 48]),
+    gpus=st.sampled_from([1, 2, 4, 6, 8]),
+    experts=st.sampled_from([0, 0, 4]),
+)
+def test_every_plan_is_a_layout_keel_train_accepts(
+    heads, kv_divisor, layers, width, batch, gpus, experts
+):
+    cfg = _config(heads, max(1, heads // kv_divisor), layers, width, batch, experts)
+    plans = make_plans(cfg, ZERO1, gpus, 8, DEVICES["h100"], "gpu", set())
+    cut_checked = set()
+    for plan in plans.ranked + plans.too_big:
+        # the plan's own settings, applied to the config as `keel train --set` would
+        run = load_config(None, [f"{k}={v}" for k, v in _model_sets(cfg)] + plan.overrides)
+        run.data.seq_len, run.train.global_batch_size, run.train.warmup_steps = 256, batch, 1
+        validate(run, gpus)
+        check_engine_layout(run, plan.ds, gpus)
+        cut = (tuple(plan.overrides), plan.ds["zero_optimization"]["stage"] > 0)
+        if cut not in cut_checked:  # the pipeline's cut builds the model on meta: once per layout
+            check_pipeline_plan(run, plan.ds["zero_optimization"]["stage"])
+            cut_checked.add(cut)
+        assert run.parallel.tp * run.parallel.pp * run.parallel.sp * plan.layout["dp"] == gpus
+
+
+def _model_sets(cfg: RunConfig) -> list[tuple[str, object]]:
+    m = cfg.model
+    return [
+        ("model.vocab_size", m.vocab_size),
+        ("model.dim", m.dim),
+        ("model.n_layers", m.n_layers),
+        ("model.n_heads", m.n_heads),
+        ("model.n_kv_heads", m.n_kv_heads),
+        ("model.moe_experts", m.moe_experts),
+        ("model.compile", "false"),
+    ]
+
+
+def test_a_pinned_axis_stays_and_the_rest_are_searched():
+    cfg = _config(8, 4, 8, 64, 32, 0)
+    cfg.parallel.tp = 2
+    plans = make_plans(cfg, ZERO1, 8, 8, DEVICES["h100"], "gpu", {"tp"})
+    assert plans.ranked and {p.layout["tp"] for p in plans.ranked + plans.too_big} == {2}
+    assert len({(p.layout["pp"], p.layout["zero"]) for p in plans.ranked}) > 1
+
+
+def test_a_model_that_fits_nowhere_gets_no_plan_and_says_by_how_much():
+    cfg = _config(16, 16, 48, 512, 16, 0)  # dim 8192, 48 layers: about 39B parameters
+    plans = make_plans(cfg, ZERO1, 1, 1, DEVICES["a100"], "gpu", set())
+    assert not plans.ranked and plans.too_big
+    text = table(plans, 5)
+    assert text.startswith("no layout fits")
+    assert "GiB over the" in text.splitlines()[1]
+
+
+@pytest.mark.slow
+def test_keel_plan_prints_ranked_plans_and_writes_settings_keel_train_takes(tmp_path):
+    out = tmp_path / "plan.txt"
+    proc = subprocess.run(
+        [sys.executable, "-m", "keel.launcher.cli", "plan", "configs/llama_1b.yaml", "--gpus", "16"]
+        + ["--device", "h100", "--top", "3", "--write", str(out)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("keel plan | 16 × H100") and lines[1].lstrip().startswith("#")
+    assert lines[2].lstrip().startswith("1 ") and "MFU" in lines[1]
+    items = out.read_text().split()
+    assert items[0] == "--set" and any(i.startswith("train.ds_config=") for i in items)
