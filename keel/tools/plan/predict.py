@@ -78,18 +78,22 @@ def predict(
     device: Device,
     kind: str = "gpu",
     cut: LayerCut | None = None,
+    cp: int = 1,
 ) -> Prediction:
-    """`cut`: the memory model's layer cut for this layout's tp, ep, pp and schedule, when made already."""
+    """`cut`: the memory model's layer cut for this layout's tp, ep, pp and schedule, when made already. `cp`:
+    context parallelism, modelled analytically (Keel does not run it yet): each rank takes 1/cp of every
+    sequence, its K/V travel the cp ring once per block each way (overlapped with the attention they feed), and
+    the cp ranks reduce gradients with the data-parallel ones."""
     parallel, train, model = cfg.parallel, cfg.train, cfg.model
     tp, pp, sp, ep = parallel.tp, parallel.pp, parallel.sp, parallel.ep
-    dp = gpus // (tp * pp * sp)
+    dp = gpus // (tp * pp * sp * cp)
     prec, stage = precision(ds), zero_stage(ds)
     b = BYTES[prec]
-    memory = estimate(cfg, ds, Layout(tp=tp, pp=pp, dp=dp, ep=ep, sp=sp), cut)
+    memory = estimate(cfg, ds, Layout(tp=tp, pp=pp, dp=dp * cp, ep=ep, sp=sp), cut)
     per_node = min(gpus, gpus_per_node)
     limit = device.memory_gib * 2**30 * FIT_FRACTION / (per_node if kind == "cpu" else 1)
     micro_batches = train.global_batch_size // (train.micro_batch_size * dp)
-    tokens = train.micro_batch_size * cfg.data.seq_len // sp  # per rank and micro-batch
+    tokens = train.micro_batch_size * cfg.data.seq_len // (sp * cp)  # per rank and micro-batch
     seconds = _gemm_timer(device, kind, prec)
     attend = _attention_timer(device, prec, seconds)
 
@@ -108,7 +112,7 @@ def predict(
     def block_forward() -> float:
         attention = seconds(tokens, h, q) + seconds(tokens, h, 2 * kv) + seconds(tokens, q, h)
         # causal attention core: QKᵀ and AV of each local head over the whole sequence, half of it masked
-        attention += attend(tokens, model.head_dim, s // 2) * (q // model.head_dim)
+        attention += attend(tokens, model.head_dim, s // 2 * sp) * (q // model.head_dim) / sp
         dense = seconds(tokens, h, 2 * f) + seconds(tokens, f, h)
         routed = tokens * model.moe_top_k
         experts = seconds(routed, h, 2 * expert_f) + seconds(routed, expert_f, h)
@@ -139,11 +143,17 @@ def predict(
             * volume
             / (intra if tp * sp <= gpus_per_node else inter)
         )
+    cp_comm = 0.0
+    if cp > 1:
+        ring = (cp - 1) * tokens * 2 * kv * b / (intra if tp * cp <= gpus_per_node else inter)
+        overlap = attend(tokens, model.head_dim, s // 2) * (q // model.head_dim)
+        cp_comm = 3 * blocks_on_rank * micro_batches * max(ring - overlap, 0.0)
     dp_comm = 0.0
-    if dp > 1:
+    if dp * cp > 1:
         params = memory.share.total
-        volume = 2 * (dp - 1) / dp * params * b * (1.5 if stage == 3 else 1.0)
-        dp_bw = intra if tp * sp * dp <= gpus_per_node else inter
+        group = dp * cp
+        volume = 2 * (group - 1) / group * params * b * (1.5 if stage == 3 else 1.0)
+        dp_bw = intra if tp * sp * group <= gpus_per_node else inter
         overlap = 0.7 if ds.get("zero_optimization", {}).get("overlap_comm", stage == 3) else 0.0
         backward = compute * 2 / 3
         dp_comm = max(volume / dp_bw - overlap * backward, 0.0)
@@ -174,6 +184,7 @@ def predict(
             "pp": pp,
             "dp": dp,
             "sp": sp,
+            "cp": cp,
             "ep": ep,
             "zero": stage,
             "micro_batch": train.micro_batch_size,
@@ -186,6 +197,7 @@ def predict(
             "compute": compute,
             "tp comm": tp_comm,
             "sp comm": sp_comm,
+            "cp comm": cp_comm,
             "dp comm": dp_comm,
             "bubble": bubble,
             "optimizer": optimizer,
