@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from keel.training.step_gate import AGREEMENT_FIELDS
 from tests.keel_runs import Run
 from tests.test_moe_training import FOUR_D, TP_SP_EP
 from tests.test_pipeline_schedules import SCHEDULES
@@ -129,7 +130,7 @@ def test_every_rank_issues_the_same_collectives(runs, name):
             and e["op"] == "all_reduce_max"
             and e["channel"] == "device"
             and e["dtype"] == "int64"
-            and e["numel"] == 6
+            and e["numel"] == AGREEMENT_FIELDS
         ]
         assert len(agreements) == steps, (rank, len(agreements), steps)
         control_tensors = [
@@ -148,7 +149,9 @@ def test_a_step_issues_no_control_channel_collective(runs):
         marks = [
             i
             for i, e in enumerate(entries)
-            if e["group"] == "world" and e["op"] == "all_reduce_max" and e["numel"] == 6
+            if e["group"] == "world"
+            and e["op"] == "all_reduce_max"
+            and e["numel"] == AGREEMENT_FIELDS
         ]
         assert len(marks) == 12, (rank, len(marks))
         between = entries[marks[0] : marks[-1] + 1]

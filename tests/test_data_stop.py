@@ -86,7 +86,9 @@ def test_the_agreement_carries_the_stop_and_every_rank_names_it_the_same(
     def all_reduce_max(
         tensor: torch.Tensor, group, op: str = "sum"
     ) -> torch.Tensor:  # three ranks' MAX
-        assert op == "max" and tensor.numel() == 6  # still one small all-reduce per step
+        assert (
+            op == "max" and tensor.numel() == step_gate.AGREEMENT_FIELDS
+        )  # still one small all-reduce per step
         sent = [step_gate.encode(d, False, rank) for rank, d in enumerate(own + [other])]
         return torch.stack(sent).max(dim=0).values
 

@@ -80,6 +80,7 @@ def test_changed_order_settings_are_refused_in_one_line_naming_each(runs, tmp_pa
         "config.yaml",
         "data.json",
         "ds_config.json",
+        "run_id.txt",
     ]
 
 

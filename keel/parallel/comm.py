@@ -249,3 +249,20 @@ def post_p2p(ops: list) -> list:
             f"pipeline p2p batch mixes devices {sorted(devices)}: one batch goes to one backend"
         )
     return list(ds_comm.batch_isend_irecv(ops))
+
+
+# -- bytes between two ranks, on CPU (in-memory checkpoints: keel/training/checkpoint/memory.py) --------------------
+def post_send(tensor: torch.Tensor, to: int, handle: Any) -> Any:
+    """Start sending CPU `tensor` to global rank `to` over the process group `handle`; returns the work. Not traced,
+    as pipeline point-to-point is not: a rank's sends differ from its peers' by design (each pair posts both ends;
+    the in-memory snapshot exchange and its restore plan pair them)."""
+    if tensor.device.type != "cpu":
+        raise RuntimeError(f"post_send takes a CPU tensor, got one on {tensor.device}")
+    return dist.isend(tensor, to, group=handle)
+
+
+def post_recv(tensor: torch.Tensor, source: int, handle: Any) -> Any:
+    """Start receiving into CPU `tensor` from global rank `source` over `handle`; returns the work."""
+    if tensor.device.type != "cpu":
+        raise RuntimeError(f"post_recv takes a CPU tensor, got one on {tensor.device}")
+    return dist.irecv(tensor, source, group=handle)

@@ -99,6 +99,7 @@ class StepGate:
 # The agreement is one all-reduce (MAX) of int64s. A decision's fields travel behind a key that orders ranks by
 # the severity of their action, then by lowest rank: the MAX of `key << _FIELD_BITS | field` is the winning rank's
 # field, so every rank receives one rank's whole decision (its checkpoint, restore and data rewind) — not a mix.
+AGREEMENT_FIELDS = 7  # the agreement's int64s (encode's order)
 _RANK_BITS = 20  # up to 1,048,576 ranks
 _FIELD_BITS = 40  # a checkpoint's step, up to 10^12
 assert max(Action) < 2 ** (63 - _FIELD_BITS - _RANK_BITS)  # the keyed words stay positive int64s

@@ -45,7 +45,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from keel.adapters.deepspeed_internals import engine_state, load_engine_state
 from keel.parallel import comm
@@ -234,14 +233,14 @@ class MemoryCheckpoints:
         header_in = torch.zeros(1, dtype=torch.int64)
         _wait(
             [
-                dist.isend(header_out, self.buddy, group=self._pairs[self.buddy]),
-                dist.irecv(header_in, self.sender, group=self._pairs[self.sender]),
+                comm.post_send(header_out, self.buddy, self._pairs[self.buddy]),
+                comm.post_recv(header_in, self.sender, self._pairs[self.sender]),
             ]
         )
         meta_in = torch.empty(int(header_in), dtype=torch.uint8)
-        works = [dist.irecv(meta_in, self.sender, group=self._pairs[self.sender])]
+        works = [comm.post_recv(meta_in, self.sender, self._pairs[self.sender])]
         if out:
-            works.append(dist.isend(_bytes(out), self.buddy, group=self._pairs[self.buddy]))
+            works.append(comm.post_send(_bytes(out), self.buddy, self._pairs[self.buddy]))
         _wait(works)
         received = json.loads(bytes(meta_in.numpy())) if int(header_in) else None
         works = (
@@ -378,17 +377,17 @@ class MemoryCheckpoints:
         sends = [(to, Path(path)) for to, path in entry.send]
         headers = [(to, _bytes(_sidecar(p).read_bytes())) for to, p in sends]
         works = [
-            dist.isend(torch.tensor([len(h)], dtype=torch.int64), to, group=handle)
+            comm.post_send(torch.tensor([len(h)], dtype=torch.int64), to, handle)
             for to, h in headers
         ]
         length = torch.zeros(1, dtype=torch.int64)
         if entry.receive_from >= 0:
-            works.append(dist.irecv(length, entry.receive_from, group=handle))
+            works.append(comm.post_recv(length, entry.receive_from, handle))
         _wait(works)
-        works = [dist.isend(h, to, group=handle) for to, h in headers]
+        works = [comm.post_send(h, to, handle) for to, h in headers]
         meta_in = torch.empty(int(length), dtype=torch.uint8)
         if entry.receive_from >= 0:
-            works.append(dist.irecv(meta_in, entry.receive_from, group=handle))
+            works.append(comm.post_recv(meta_in, entry.receive_from, handle))
         _wait(works)
         moved = sum(p.stat().st_size for _, p in sends)
         works = [w for to, p in sends for w in _post_sends(_file_bytes(p), to, handle)]
@@ -483,14 +482,13 @@ def _file_bytes(path: Path, size: int | None = None) -> torch.Tensor:
 
 def _post_sends(source: torch.Tensor, to: int, group) -> list:
     return [
-        dist.isend(source[i : i + _PIECE], to, group=group)
-        for i in range(0, source.numel(), _PIECE)
+        comm.post_send(source[i : i + _PIECE], to, group) for i in range(0, source.numel(), _PIECE)
     ]
 
 
 def _post_receives(target: torch.Tensor, source: int, group) -> list:
     return [
-        dist.irecv(target[i : i + _PIECE], source, group=group)
+        comm.post_recv(target[i : i + _PIECE], source, group)
         for i in range(0, target.numel(), _PIECE)
     ]
 
