@@ -23,7 +23,6 @@ import argparse
 import copy
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -35,6 +34,7 @@ from keel.config import ModelConfig, load_config  # noqa: E402
 from keel.tools.plan.devices import DEVICES, cpu_device  # noqa: E402
 from keel.tools.plan.predict import predict  # noqa: E402
 from keel.training.observe.metrics import read_metrics  # noqa: E402
+from tests.keel_runs import keel_train  # noqa: E402
 
 LLAMA3_8B = dict(
     dim=4096,
@@ -120,22 +120,8 @@ def anchor_prediction(model: dict, gpus: int, layout: tuple) -> tuple[float, flo
 
 def measure(layout: list[str], ds_config: str, steps: int, workdir: Path) -> float:
     run_dir = workdir / f"run{len(list(workdir.iterdir()))}"
-    cmd = [
-        sys.executable,
-        "-m",
-        "keel.launcher.cli",
-        "train",
-        "--nproc",
-        "2",
-        "--run-dir",
-        str(run_dir),
-    ]
-    cmd += ["--ds-config", str(REPO / "ds_configs" / ds_config)]
-    for item in [*TINY, f"train.steps={steps}", "checkpoint.interval=0", *layout]:
-        cmd += ["--set", item]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=900)
-    if proc.returncode:
-        raise RuntimeError(f"keel train failed: {proc.stderr[-2000:]}")
+    sets = [*TINY, f"train.steps={steps}", "checkpoint.interval=0", *layout]
+    keel_train(run_dir, 2, sets, f"ds_configs/{ds_config}", timeout=900)
     times = [r["step_time_s"] for r in read_metrics(run_dir / "metrics.jsonl")][2:]
     return statistics.median(times)
 

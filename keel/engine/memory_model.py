@@ -207,6 +207,18 @@ def layer_cut(
     return LayerCut(layers, per_layer, held)
 
 
+def run_cut(cfg: RunConfig, layout: Layout) -> LayerCut:
+    """`layer_cut` for a run: its model, partition method and pipeline schedule."""
+    parallel = cfg.parallel
+    return layer_cut(
+        cfg.model,
+        layout,
+        parallel.pipeline_partition,
+        parallel.pipeline_schedule,
+        parallel.virtual_stages,
+    )
+
+
 def param_share(
     cfg: ModelConfig,
     layout: Layout,
@@ -249,13 +261,7 @@ def estimate(
     """Per-rank bytes for `cfg`'s model under the DeepSpeed JSON `ds` (precision, ZeRO stage, buckets);
     `cut` as `param_share` takes it."""
     parallel = cfg.parallel
-    cut = cut or layer_cut(
-        cfg.model,
-        layout,
-        parallel.pipeline_partition,
-        parallel.pipeline_schedule,
-        parallel.virtual_stages,
-    )
+    cut = cut or run_cut(cfg, layout)
     share = param_share(
         cfg.model,
         layout,
@@ -321,13 +327,7 @@ def activation_peak(cfg: RunConfig, layout: Layout, prec: str, cut: LayerCut | N
     """The largest activation peak over the pipeline ranks (keel/engine/activations.py): each rank's blocks and
     head, cut as DeepSpeed cuts the layer list, times the micro-batches its schedule holds in flight."""
     parallel, train = cfg.parallel, cfg.train
-    cut = cut or layer_cut(
-        cfg.model,
-        layout,
-        parallel.pipeline_partition,
-        parallel.pipeline_schedule,
-        parallel.virtual_stages,
-    )
+    cut = cut or run_cut(cfg, layout)
     layers, held = cut.layers, cut.held
     micro_batches = max(1, train.global_batch_size // (train.micro_batch_size * layout.dp))
     shape = ActivationShape(

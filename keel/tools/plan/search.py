@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from keel.config import ConfigError, RunConfig, validate
 from keel.engine.ds_config import check_engine_layout
-from keel.engine.memory_model import LayerCut, Layout, layer_cut
+from keel.engine.memory_model import LayerCut, Layout, run_cut
 from keel.engine.pipeline_plan import check_pipeline_plan
 from keel.tools.plan.devices import Device
 from keel.tools.plan.predict import Prediction, predict
@@ -147,13 +147,7 @@ def make_plans(
             continue
         structure = json.dumps(structure_of(run))
         if structure not in cuts:
-            cuts[structure] = layer_cut(
-                run.model,
-                Layout(tp=parallel.tp, pp=parallel.pp, ep=parallel.ep),
-                parallel.pipeline_partition,
-                parallel.pipeline_schedule,
-                parallel.virtual_stages,
-            )
+            cuts[structure] = run_cut(run, Layout(tp=parallel.tp, pp=parallel.pp, ep=parallel.ep))
         prediction = predict(run, raw, gpus, gpus_per_node, device, kind, cuts[structure])
         prediction.overrides, prediction.ds = overrides_of(run), raw
         (plans.ranked if prediction.fits else plans.too_big).append(prediction)
