@@ -165,3 +165,46 @@ def cpu_gemm_seconds(m: int, k: int, n: int) -> float:
     cap = 2048
     tm, tk, tn = min(m, cap), min(k, cap), min(n, cap)
     return 2 * m * k * n / (_gemm_tflops(tm, tk, tn) * 1e12)
+
+
+_BLOCKS: dict[tuple, float] = {}
+BLOCK_TOKENS = 2048  # a CPU block is timed on at most this many tokens, then scaled
+
+
+def cpu_block_seconds(model, tp: int, micro_batch: int, seq_len: int, moe: bool) -> float:
+    """Forward and backward of one of Keel's blocks at this rank's tensor-parallel shard, timed on this CPU:
+    GEMMs, norms, RoPE, attention, SwiGLU and the framework's per-op cost together (at a small width the
+    GEMMs are a minority). Timed on up to BLOCK_TOKENS tokens (whole sequences where they fit) and scaled by
+    tokens; cached by shape."""
+    import torch
+
+    from keel.model.llama import Block
+    from keel.parallel import comm
+    from keel.parallel.layer_parallel import EPContext, LayerParallel
+    from keel.parallel.tensor import TPContext
+
+    seq = min(seq_len, BLOCK_TOKENS)
+    batch = max(1, min(micro_batch, BLOCK_TOKENS // seq))
+    key = (repr(model), tp, batch, seq, moe)
+    if key not in _BLOCKS:
+        layer_id = next(
+            i
+            for i in range(model.n_layers)
+            if moe == bool(model.moe_experts and (i + 1) % model.moe_every == 0)
+        )
+        torch.manual_seed(0)
+        # one rank's shard, its collectives inert (no process group here: the plan times them apart)
+        group = comm.Group("tp", tuple(range(tp)), 0, comm.DEVICE)
+        parallel = LayerParallel(
+            tp=TPContext(group, 0, tp), ep=EPContext(rank=0, size=1, ranks=(0,))
+        )
+        block = Block(model, layer_id, parallel)
+        x = torch.randn(batch, seq, model.dim, requires_grad=True)
+        best = math.inf
+        for _ in range(3):  # the first is the warm-up
+            start = time.perf_counter()
+            block(x).sum().backward()
+            best = min(best, time.perf_counter() - start)
+        _BLOCKS[key] = best
+    measured_tokens = batch * seq
+    return _BLOCKS[key] * micro_batch * seq_len / measured_tokens

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from keel.config import RunConfig
 from keel.engine.ds_config import precision, zero_stage
 from keel.engine.memory_model import LayerCut, Layout, RankMemory, estimate
-from keel.tools.plan.devices import Device, cpu_gemm_seconds
+from keel.tools.plan.devices import Device, cpu_block_seconds, cpu_gemm_seconds
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 OVERHEAD_S = {"gpu": (2e-5, 5e-3), "cpu": (1e-3, 1e-2)}  # (per block and micro-batch, per step)
@@ -121,7 +121,16 @@ def predict(
         return attention + (1 - moe_share) * dense + moe_share * experts
 
     recompute = 1 if train.activation_checkpoint_interval else 0
-    per_micro = blocks_on_rank * block_forward() * (3 + recompute)
+    if device.measured_gemm:
+        # CPU: a real block timed here, its elementwise ops and the framework's per-op cost included
+        block = sum(
+            share * cpu_block_seconds(model, tp, train.micro_batch_size, s // sp, moe)
+            for share, moe in ((1 - moe_share, False), (moe_share, True))
+            if share
+        )
+        per_micro = blocks_on_rank * block * (3 + recompute) / 3
+    else:
+        per_micro = blocks_on_rank * block_forward() * (3 + recompute)
     per_micro += 3 * seconds(
         tokens, h, vocab
     )  # the head (last stage; the first holds the embedding)
