@@ -114,7 +114,7 @@ def anchor_prediction(model: dict, gpus: int, layout: tuple) -> tuple[float, flo
     cfg.train.activation_checkpoint_interval = ckpt
     ds = copy.deepcopy(BF16)
     ds["zero_optimization"]["stage"] = zero
-    p = predict(cfg, ds, gpus, 8, DEVICES["h100"], "gpu", cp=cp)
+    p = predict(cfg, ds, gpus, 8, DEVICES["h100"], cp=cp)
     return p.tokens_per_s_per_device, p.mfu()
 
 
@@ -129,7 +129,7 @@ def measure(layout: list[str], ds_config: str, steps: int, workdir: Path) -> flo
 def cpu_prediction(layout: list[str], ds_config: str) -> float:
     cfg = load_config(None, [*TINY, *layout])
     ds = json.loads((REPO / "ds_configs" / ds_config).read_text())
-    return predict(cfg, ds, 2, 2, cpu_device(2), "cpu").step_s
+    return predict(cfg, ds, 2, 2, cpu_device(2)).step_s
 
 
 def main() -> None:

@@ -53,7 +53,7 @@ def test_every_plan_is_a_layout_keel_train_accepts(
     heads, kv_divisor, layers, width, batch, gpus, experts
 ):
     cfg = _config(heads, max(1, heads // kv_divisor), layers, width, batch, experts)
-    plans = make_plans(cfg, ZERO1, gpus, 8, DEVICES["h100"], "gpu", set())
+    plans = make_plans(cfg, ZERO1, gpus, 8, DEVICES["h100"], set())
     cut_checked = set()
     for plan in plans.ranked + plans.too_big:
         # the plan's own settings, applied to the config as `keel train --set` would
@@ -84,14 +84,14 @@ def _model_sets(cfg: RunConfig) -> list[tuple[str, object]]:
 def test_a_pinned_axis_stays_and_the_rest_are_searched():
     cfg = _config(8, 4, 8, 64, 32, 0)
     cfg.parallel.tp = 2
-    plans = make_plans(cfg, ZERO1, 8, 8, DEVICES["h100"], "gpu", {"tp"})
+    plans = make_plans(cfg, ZERO1, 8, 8, DEVICES["h100"], {"tp"})
     assert plans.ranked and {p.layout["tp"] for p in plans.ranked + plans.too_big} == {2}
     assert len({(p.layout["pp"], p.layout["zero"]) for p in plans.ranked}) > 1
 
 
 def test_a_model_that_fits_nowhere_gets_no_plan_and_says_by_how_much():
     cfg = _config(16, 16, 48, 512, 16, 0)  # dim 8192, 48 layers: about 39B parameters
-    plans = make_plans(cfg, ZERO1, 1, 1, DEVICES["a100"], "gpu", set())
+    plans = make_plans(cfg, ZERO1, 1, 1, DEVICES["a100"], set())
     assert not plans.ranked and plans.too_big
     text = table(plans, 5)
     assert text.startswith("no layout fits")

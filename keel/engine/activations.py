@@ -26,7 +26,6 @@ the micro-batches it has run forward and not yet backward: the schedule's peak i
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 from keel.config import ModelConfig
@@ -101,37 +100,19 @@ def checkpointed_bytes(blocks: int, interval: int, block: int, block_input: int)
     return chunks * block_input + interval * block
 
 
-@dataclass(frozen=True)
-class RankActivations:
-    """One rank's activation peak: per micro-batch, and how many micro-batches it holds at once."""
-
-    per_micro_batch: int
-    in_flight: int
-
-    @property
-    def peak(self) -> int:
-        return self.per_micro_batch * self.in_flight
-
-
-@functools.lru_cache(
-    maxsize=4096
-)  # a pure function of its integers; `keel plan` asks it thousands of times
 def in_flight(schedule: str, pp: int, micro_batches: int, rank: int, chunks: int = 2) -> float:
     """Micro-batches of pipeline rank `rank`'s whole share it holds at its peak: one without a pipeline; 1F1B's
     warm-up depth min(pp − rank, m); interleaved 1F1B's peak of forwarded-not-yet-backwarded chunks (Megatron's
-    order, replayed), over its `chunks` chunks; DualPipeV's (pp + 1) chunks of half a rank's layers (DeepSeek-V3
-    report, table 2), over its two."""
+    warm-up plus the first steady forward), over its `chunks` chunks; DualPipeV's (pp + 1) chunks of half a rank's
+    layers (DeepSeek-V3 report, table 2), over its two."""
     if pp == 1:
         return 1.0
     if schedule == "interleaved":
-        from keel.engine.interleaved_schedule import megatron_order
+        from keel.engine.interleaved_schedule import warmup_forwards
 
-        live = peak = 0
-        for iteration in megatron_order(pp, micro_batches, chunks, rank):
-            for work in iteration:  # a forward, then its paired backward
-                live += 1 if work.kind == "F" else -1
-                peak = max(peak, live)
-        return peak / chunks
+        warmup = warmup_forwards(pp, micro_batches, chunks, rank)
+        # the warm-up's forwards, then each steady forward before its backward
+        return (warmup + (warmup < micro_batches * chunks)) / chunks
     if schedule == "dualpipev":
         return min(pp + 1, 2 * micro_batches) / 2
     return float(min(pp - rank, micro_batches))

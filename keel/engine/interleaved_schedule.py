@@ -49,6 +49,12 @@ def check_interleaved(p: int, m: int, v: int) -> None:
         )
 
 
+def warmup_forwards(p: int, m: int, v: int, rank: int) -> int:
+    """How many chunk forwards pipeline rank `rank` runs before its first backward in Megatron's order."""
+    total = m * v
+    return total if m == p else min((p - rank - 1) * 2 + (v - 1) * p, total)
+
+
 def megatron_order(
     p: int, m: int, v: int, rank: int, forward_only: bool = False
 ) -> list[tuple[Work, ...]]:
@@ -61,7 +67,7 @@ def megatron_order(
         return [(f,) for f in forwards]
     backwards = [Work("B", c, mb) for group in groups for c in reversed(range(v)) for mb in group]
     total = m * v
-    warmup = total if m == p else min((p - rank - 1) * 2 + (v - 1) * p, total)
+    warmup = warmup_forwards(p, m, v, rank)
     steady = [(forwards[warmup + i], backwards[i]) for i in range(total - warmup)]
     return [(f,) for f in forwards[:warmup]] + steady + [(b,) for b in backwards[total - warmup :]]
 

@@ -235,9 +235,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     device = cpu_device(per_node) if args.device == "cpu" else DEVICES[args.device]
     if args.preflight:
         device = with_preflight(device, json.loads(Path(args.preflight).read_text()))
-    plans = make_plans(
-        cfg, ds, args.gpus, per_node, device, "cpu" if args.device == "cpu" else "gpu", pinned
-    )
+    plans = make_plans(cfg, ds, args.gpus, per_node, device, pinned)
     print(
         f"keel plan | {args.gpus} × {device.name} ({per_node} per node) | model dim {cfg.model.dim}, "
         f"{cfg.model.n_layers} layers, seq {cfg.data.seq_len}, global batch {cfg.train.global_batch_size} | "

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 # (harmonic mean of width and tokens, achieved ÷ dense peak): an H200's median bf16 GEMM rate over 989 TFLOP/s
@@ -39,7 +39,12 @@ class Device:
     intra_gbps: float  # per device, one direction, within a node
     inter_gbps: float  # per device, one direction, between nodes
     source: str
-    measured_gemm: bool = False  # CPU: GEMM rates timed on this machine, not from the curve
+    # CPU: GEMMs and blocks timed on this machine instead of the curve (None: a GPU from the table)
+    timer: CpuTimer | None = field(default=None, compare=False)
+
+    @property
+    def is_cpu(self) -> bool:
+        return self.timer is not None
 
     def gemm_efficiency(self, width: int, tokens: int) -> float:
         """Achieved ÷ peak for a GEMM of this width over this many tokens (the H200 curve)."""
@@ -107,7 +112,8 @@ def cpu_device(ranks_per_node: int) -> Device:
 
     # a rank's share of the cores, as the launcher gives it (OMP_NUM_THREADS = cores / ranks)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_per_node))
-    best = max(_gemm_tflops(n, n, n) for n in (512, 1024, 2048))
+    timer = CpuTimer()
+    best = max(timer.gemm_tflops(n, n, n) for n in (512, 1024, 2048))
     return Device(
         "this CPU (fp32, measured)",
         best,
@@ -117,7 +123,7 @@ def cpu_device(ranks_per_node: int) -> Device:
         2.0,
         2.0,
         f"measured here: torch {torch.__version__}, {torch.get_num_threads()} threads",
-        measured_gemm=True,
+        timer=timer,
     )
 
 
@@ -135,76 +141,71 @@ def with_preflight(device: Device, preflight: dict[str, Any]) -> Device:
     return replace(device, **changes) if changes else device
 
 
-_TIMED: dict[tuple[int, int, int], float] = {}
+class CpuTimer:
+    """This CPU's GEMMs and Keel blocks, timed at the shapes a plan asks about, each shape once."""
 
+    GEMM_CAP = 2048  # a GEMM dimension is timed up to this, then scaled by FLOPs
+    BLOCK_TOKENS = 2048  # a block is timed on at most this many tokens, then scaled
 
-def _gemm_tflops(m: int, k: int, n: int) -> float:
-    """fp32 TFLOP/s of an m×k @ k×n matmul on this CPU (best of a few), cached by shape."""
-    import torch
+    def __init__(self) -> None:
+        self._gemms: dict[tuple[int, int, int], float] = {}
+        self._blocks: dict[tuple, float] = {}
 
-    key = (m, k, n)
-    if key not in _TIMED:
-        a, b = torch.randn(m, k), torch.randn(k, n)
-        a @ b  # warm
-        best, reps = math.inf, 1
-        for _ in range(3):
-            start = time.perf_counter()
-            for _ in range(reps):
-                a @ b
-            elapsed = time.perf_counter() - start
-            best = min(best, elapsed / reps)
-            reps = max(reps, int(reps * 5e-3 / max(elapsed, 1e-9)) + 1)  # time ≥ 5 ms at a go
-        _TIMED[key] = 2 * m * k * n / best / 1e12
-    return _TIMED[key]
+    def gemm_tflops(self, m: int, k: int, n: int) -> float:
+        """fp32 TFLOP/s of an m×k @ k×n matmul (best of a few runs of ≥ 5 ms each)."""
+        import torch
 
+        key = (m, k, n)
+        if key not in self._gemms:
+            a, b = torch.randn(m, k), torch.randn(k, n)
+            a @ b  # warm
+            best, reps = math.inf, 1
+            for _ in range(3):
+                start = time.perf_counter()
+                for _ in range(reps):
+                    a @ b
+                elapsed = time.perf_counter() - start
+                best = min(best, elapsed / reps)
+                reps = max(reps, int(reps * 5e-3 / max(elapsed, 1e-9)) + 1)
+            self._gemms[key] = 2 * m * k * n / best / 1e12
+        return self._gemms[key]
 
-def cpu_gemm_seconds(m: int, k: int, n: int) -> float:
-    """Seconds for an m×k @ k×n fp32 matmul on this CPU, timed at a capped size and scaled by FLOPs."""
-    if not m * k * n:
-        return 0.0
-    cap = 2048
-    tm, tk, tn = min(m, cap), min(k, cap), min(n, cap)
-    return 2 * m * k * n / (_gemm_tflops(tm, tk, tn) * 1e12)
+    def gemm_seconds(self, m: int, k: int, n: int) -> float:
+        """Seconds for an m×k @ k×n fp32 matmul, timed at a capped size and scaled by FLOPs."""
+        if not m * k * n:
+            return 0.0
+        cap = self.GEMM_CAP
+        return 2 * m * k * n / (self.gemm_tflops(min(m, cap), min(k, cap), min(n, cap)) * 1e12)
 
+    def block_seconds(self, model, tp: int, micro_batch: int, seq_len: int, moe: bool) -> float:
+        """Forward and backward of one of Keel's blocks at this rank's tensor-parallel shard: GEMMs, norms,
+        RoPE, attention, SwiGLU and the framework's per-op cost together (at a small width the GEMMs are a
+        minority). Timed on up to BLOCK_TOKENS tokens (whole sequences where they fit), scaled by tokens."""
+        import torch
 
-_BLOCKS: dict[tuple, float] = {}
-BLOCK_TOKENS = 2048  # a CPU block is timed on at most this many tokens, then scaled
+        from keel.model.llama import Block
+        from keel.model.router import is_moe_block
+        from keel.parallel import comm
+        from keel.parallel.layer_parallel import EPContext, LayerParallel
+        from keel.parallel.tensor import TPContext
 
-
-def cpu_block_seconds(model, tp: int, micro_batch: int, seq_len: int, moe: bool) -> float:
-    """Forward and backward of one of Keel's blocks at this rank's tensor-parallel shard, timed on this CPU:
-    GEMMs, norms, RoPE, attention, SwiGLU and the framework's per-op cost together (at a small width the
-    GEMMs are a minority). Timed on up to BLOCK_TOKENS tokens (whole sequences where they fit) and scaled by
-    tokens; cached by shape."""
-    import torch
-
-    from keel.model.llama import Block
-    from keel.parallel import comm
-    from keel.parallel.layer_parallel import EPContext, LayerParallel
-    from keel.parallel.tensor import TPContext
-
-    seq = min(seq_len, BLOCK_TOKENS)
-    batch = max(1, min(micro_batch, BLOCK_TOKENS // seq))
-    key = (repr(model), tp, batch, seq, moe)
-    if key not in _BLOCKS:
-        layer_id = next(
-            i
-            for i in range(model.n_layers)
-            if moe == bool(model.moe_experts and (i + 1) % model.moe_every == 0)
-        )
-        torch.manual_seed(0)
-        # one rank's shard, its collectives inert (no process group here: the plan times them apart)
-        group = comm.Group("tp", tuple(range(tp)), 0, comm.DEVICE)
-        parallel = LayerParallel(
-            tp=TPContext(group, 0, tp), ep=EPContext(rank=0, size=1, ranks=(0,))
-        )
-        block = Block(model, layer_id, parallel)
-        x = torch.randn(batch, seq, model.dim, requires_grad=True)
-        best = math.inf
-        for _ in range(3):  # the first is the warm-up
-            start = time.perf_counter()
-            block(x).sum().backward()
-            best = min(best, time.perf_counter() - start)
-        _BLOCKS[key] = best
-    measured_tokens = batch * seq
-    return _BLOCKS[key] * micro_batch * seq_len / measured_tokens
+        seq = min(seq_len, self.BLOCK_TOKENS)
+        batch = max(1, min(micro_batch, self.BLOCK_TOKENS // seq))
+        key = (repr(model), tp, batch, seq, moe)
+        if key not in self._blocks:
+            layer_id = next(i for i in range(model.n_layers) if is_moe_block(model, i) == moe)
+            torch.manual_seed(0)
+            # one rank's shard, its collectives inert (no process group here: the plan times them apart)
+            group = comm.Group("tp", tuple(range(tp)), 0, comm.DEVICE)
+            parallel = LayerParallel(
+                tp=TPContext(group, 0, tp), ep=EPContext(rank=0, size=1, ranks=(0,))
+            )
+            block = Block(model, layer_id, parallel)
+            x = torch.randn(batch, seq, model.dim, requires_grad=True)
+            best = math.inf
+            for _ in range(3):  # the first is the warm-up
+                start = time.perf_counter()
+                block(x).sum().backward()
+                best = min(best, time.perf_counter() - start)
+            self._blocks[key] = best
+        return self._blocks[key] * micro_batch * seq_len / (batch * seq)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from keel.config import RunConfig
 from keel.engine.ds_config import precision, zero_stage
 from keel.engine.memory_model import LayerCut, Layout, RankMemory, estimate
-from keel.tools.plan.devices import Device, cpu_block_seconds, cpu_gemm_seconds
+from keel.tools.plan.devices import Device
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 OVERHEAD_S = {"gpu": (2e-5, 5e-3), "cpu": (1e-3, 1e-2)}  # (per block and micro-batch, per step)
@@ -76,7 +76,6 @@ def predict(
     gpus: int,
     gpus_per_node: int,
     device: Device,
-    kind: str = "gpu",
     cut: LayerCut | None = None,
     cp: int = 1,
 ) -> Prediction:
@@ -91,10 +90,10 @@ def predict(
     b = BYTES[prec]
     memory = estimate(cfg, ds, Layout(tp=tp, pp=pp, dp=dp * cp, ep=ep, sp=sp), cut)
     per_node = min(gpus, gpus_per_node)
-    limit = device.memory_gib * 2**30 * FIT_FRACTION / (per_node if kind == "cpu" else 1)
+    limit = device.memory_gib * 2**30 * FIT_FRACTION / (per_node if device.is_cpu else 1)
     micro_batches = train.global_batch_size // (train.micro_batch_size * dp)
     tokens = train.micro_batch_size * cfg.data.seq_len // (sp * cp)  # per rank and micro-batch
-    seconds = _gemm_timer(device, kind, prec)
+    seconds = _gemm_timer(device, prec)
     attend = _attention_timer(device, prec, seconds)
 
     h, s = model.dim, cfg.data.seq_len
@@ -121,10 +120,10 @@ def predict(
         return attention + (1 - moe_share) * dense + moe_share * experts
 
     recompute = 1 if train.activation_checkpoint_interval else 0
-    if device.measured_gemm:
+    if device.is_cpu:
         # CPU: a real block timed here, its elementwise ops and the framework's per-op cost included
         block = sum(
-            share * cpu_block_seconds(model, tp, train.micro_batch_size, s // sp, moe)
+            share * device.timer.block_seconds(model, tp, train.micro_batch_size, s // sp, moe)
             for share, moe in ((1 - moe_share, False), (moe_share, True))
             if share
         )
@@ -179,7 +178,7 @@ def predict(
         bubble += 2 * micro_batches * tokens * h * b / (inter if gpus > gpus_per_node else intra)
     held = memory.share.total / (dp if stage >= 1 else 1)
     optimizer = 32 * held / (device.hbm_tbps * 1e12)
-    per_block, per_step = OVERHEAD_S[kind]
+    per_block, per_step = OVERHEAD_S["cpu" if device.is_cpu else "gpu"]
     overhead = per_block * blocks_on_rank * micro_batches + per_step
 
     tokens_per_step = train.global_batch_size * s
@@ -243,16 +242,16 @@ ATTENTION_EFFICIENCY = (
 
 def _attention_timer(device: Device, prec: str, seconds):
     """attend(tokens, head_dim, keys): one head's QKᵀ and AV (two GEMMs' FLOPs)."""
-    if device.measured_gemm:
+    if device.is_cpu:
         return lambda t, d, keys: 2 * seconds(t, d, keys)
     peak = device.bf16_tflops * 1e12 * (1.0 if prec != "fp32" else 0.5)
     return lambda t, d, keys: 4 * t * d * keys / (peak * ATTENTION_EFFICIENCY)
 
 
-def _gemm_timer(device: Device, kind: str, prec: str):
+def _gemm_timer(device: Device, prec: str):
     """seconds(m, k, n) for an m×k @ k×n GEMM on `device`."""
-    if device.measured_gemm:
-        return cpu_gemm_seconds
+    if device.is_cpu:
+        return device.timer.gemm_seconds
     peak = (
         device.bf16_tflops * 1e12 * (1.0 if prec != "fp32" else 0.5)
     )  # fp32 runs TF32 at half the bf16 rate

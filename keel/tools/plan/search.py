@@ -114,7 +114,6 @@ def make_plans(
     gpus: int,
     gpus_per_node: int,
     device: Device,
-    kind: str,
     pinned: set[str],
 ) -> Plans:
     plans = Plans()
@@ -148,7 +147,7 @@ def make_plans(
         structure = json.dumps(structure_of(run))
         if structure not in cuts:
             cuts[structure] = run_cut(run, Layout(tp=parallel.tp, pp=parallel.pp, ep=parallel.ep))
-        prediction = predict(run, raw, gpus, gpus_per_node, device, kind, cuts[structure])
+        prediction = predict(run, raw, gpus, gpus_per_node, device, cuts[structure])
         prediction.overrides, prediction.ds = overrides_of(run), raw
         (plans.ranked if prediction.fits else plans.too_big).append(prediction)
     plans.ranked.sort(key=lambda p: p.step_s)

@@ -37,7 +37,6 @@ import json
 import logging
 import os
 import re
-import shutil
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -491,8 +490,3 @@ def _post_receives(target: torch.Tensor, source: int, group) -> list:
         comm.post_recv(target[i : i + _PIECE], source, group)
         for i in range(0, target.numel(), _PIECE)
     ]
-
-
-def remove_run(directory: Path, run_id: str) -> None:
-    """Every node's snapshots of a run under `directory` (what this host can see of them)."""
-    shutil.rmtree(Path(directory) / f"keel-{run_id}", ignore_errors=True)
