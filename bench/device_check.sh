@@ -10,6 +10,8 @@
 #               curve a step-time model fits), and FP8 _scaled_mm (tensorwise, rowwise) on the same shapes.
 #   kernels     bench/kernels.py in bf16: RMSNorm, RoPE, SwiGLU, CE, linear+CE fwd+bwd time and peak memory, eager
 #               vs torch.compile vs Liger (liger-kernel from .whl: `pip download --no-deps liger-kernel -d .whl`).
+#   plan        bench/plan_gpu.py: `keel plan`'s best single-GPU layout for two ~1B models at seq 4096, trained a few
+#               steps: predicted vs measured tokens/s and peak memory.
 #   dense-z1 dense-z2 dense-z3 moe-z1 moe-z2
 #               `keel train` on one GPU (NCCL + gloo control group) through the paths that need no second GPU,
 #               covered pairwise: ZeRO-1/2/3 dense and ZeRO-1/2 MoE, fp16 and bf16 each twice or more, monitor
@@ -31,12 +33,15 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   export PYTHONPATH=/tmp/site:$PWD
 fi
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-$PWD}
-stages=${STAGES:-gpu-tests throughput gemm kernels dense-z1 dense-z2 dense-z3 moe-z1 moe-z2}
+stages=${STAGES:-gpu-tests plan throughput gemm kernels dense-z1 dense-z2 dense-z3 moe-z1 moe-z2}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
 python3 -c "import torch, deepspeed; print('torch', torch.__version__, 'deepspeed', deepspeed.__version__)"
 
 gpu_tests() {
-  timeout 120 python3 -m pytest -o addopts='' -q -m gpu tests/test_gpu.py tests/test_kernels.py -p no:cacheprovider 2>&1 | tail -5 | tee "$out/gpu_tests.txt"
+  # the whole report in the file (a failure's message included), its last lines on the console
+  timeout 150 python3 -m pytest -o addopts='' -q -rA --tb=short -m gpu tests/test_gpu.py tests/test_kernels.py \
+    -p no:cacheprovider > "$out/gpu_tests.txt" 2>&1
+  grep -E "^(FAILED|ERROR)|passed|failed" "$out/gpu_tests.txt" | tail -12
 }
 # Keel's whole trainer step (data prepared from the stdlib corpus first, ~10 s) vs the plain HF loop
 # throughput SECONDS [extra flags]
@@ -109,6 +114,7 @@ for stage in $stages; do
     throughput) throughput 180 --profile-steps 2 | tee "$out/throughput.txt" ;;
     throughput-compile) throughput 240 --profile-steps 0 --compile | tee "$out/throughput_compile.txt" ;;
     gemm) gemm ;;
+    plan) timeout 300 python3 bench/plan_gpu.py --device h200 2>&1 | grep -v "^\[20" | tee "$out/plan.txt" ;;
     kernels) kernels ;;
     dense-z1) train dense-z1 1 fp16 1 ;;
     dense-z2) train dense-z2 2 bf16 0 ;;

@@ -31,6 +31,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from keel.config import ModelConfig, load_config  # noqa: E402
+from keel.tools.plan import resolve_vocab  # noqa: E402
 from keel.tools.plan.devices import DEVICES, cpu_device  # noqa: E402
 from keel.tools.plan.predict import predict  # noqa: E402
 from keel.training.observe.metrics import read_metrics  # noqa: E402
@@ -128,6 +129,7 @@ def measure(layout: list[str], ds_config: str, steps: int, workdir: Path) -> flo
 
 def cpu_prediction(layout: list[str], ds_config: str) -> float:
     cfg = load_config(None, [*TINY, *layout])
+    resolve_vocab(cfg, REPO)
     ds = json.loads((REPO / "ds_configs" / ds_config).read_text())
     return predict(cfg, ds, 2, 2, cpu_device(2)).step_s
 

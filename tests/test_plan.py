@@ -14,6 +14,7 @@ from keel.config import RunConfig, load_config, validate
 from keel.config.schema import ModelConfig, ParallelConfig, TrainConfig
 from keel.engine.ds_config import check_engine_layout
 from keel.engine.pipeline_plan import check_pipeline_plan
+from keel.launcher.plan_check import check_plan
 from keel.tools.plan import table
 from keel.tools.plan.devices import DEVICES
 from keel.tools.plan.search import make_plans
@@ -98,12 +99,23 @@ def test_a_model_that_fits_nowhere_gets_no_plan_and_says_by_how_much():
     assert "GiB over the" in text.splitlines()[1]
 
 
+def test_the_check_builds_the_first_a_middle_and_the_last_rank_of_the_plans_world():
+    cfg = _config(8, 4, 4, 32, 64, 0)
+    cfg.parallel.tp, cfg.parallel.pp = 2, 2
+    report, broken = check_plan(cfg, ZERO1, 64)
+    rows = [line.split() for line in report.splitlines() if line.startswith("64 tp2")]
+    assert [row[2] for row in rows] == ["0", "32", "63"], report
+    # each rank made its Topology's groups and knows what one step sends on the device
+    assert all(int(row[3]) > 0 and int(row[8]) > 0 for row in rows), report
+    assert not broken, broken
+
+
 @pytest.mark.slow
 def test_keel_plan_prints_ranked_plans_and_writes_settings_keel_train_takes(tmp_path):
     out = tmp_path / "plan.txt"
     proc = subprocess.run(
         [sys.executable, "-m", "keel.launcher.cli", "plan", "configs/llama_1b.yaml", "--gpus", "16"]
-        + ["--device", "h100", "--top", "3", "--write", str(out)],
+        + ["--device", "h100", "--top", "3", "--write", str(out), "--check"],
         capture_output=True,
         text=True,
         cwd=REPO,
@@ -115,3 +127,11 @@ def test_keel_plan_prints_ranked_plans_and_writes_settings_keel_train_takes(tmp_
     assert lines[2].lstrip().startswith("1 ") and "MFU" in lines[1]
     items = out.read_text().split()
     assert items[0] == "--set" and any(i.startswith("train.ds_config=") for i in items)
+    # --check: the best plan's ranks 0, 8 and 15 built in a simulated world of 16
+    check = proc.stdout[proc.stdout.index("keel plan --check:") :].splitlines()
+    assert "simulated world of 16 ranks" in check[0]
+    assert [line.split()[2] for line in check if line.startswith("16 ") and " r" not in line] == [
+        "0",
+        "8",
+        "15",
+    ], proc.stdout[-3000:]

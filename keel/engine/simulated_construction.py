@@ -37,6 +37,9 @@ class MetaPlacement(Placement):
         with torch.device("meta"):
             return construct()
 
+    def fill(self, param: nn.Parameter, write: Callable[..., None]) -> None:
+        """Nothing to fill: drawing a real model's initial values only to drop them costs seconds a rank."""
+
 
 # DeepSpeed config for the simulated engine: ds_configs/zero1.json, Keel's default
 ZERO1 = {

@@ -218,15 +218,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from keel.config import clamp_warmup, load_config  # torch: keel --help start-up
     from keel.engine.ds_config import load_ds_config
     from keel.launcher.run_spec import repo_root, resolve_path
-    from keel.tools.plan import table, write
+    from keel.tools.plan import describe, resolve_vocab, table, write
     from keel.tools.plan.devices import DEVICES, cpu_device, with_preflight
     from keel.tools.plan.search import AXES, make_plans
 
     if args.gpus < 1:
         raise ConfigError(f"--gpus: must be >= 1, got {args.gpus}")
-    cfg = load_config(args.config, args.set)
-    clamp_warmup(cfg.train)  # as keel train does
     bases = [Path(args.config).resolve().parent] if args.config else []
+
+    def planned_config(items: list[str]):
+        """The run config as keel train would hold it, its vocabulary resolved without preparing data."""
+        cfg = load_config(args.config, items)
+        clamp_warmup(cfg.train)
+        resolve_vocab(cfg, bases[0] if bases else Path.cwd())
+        return cfg
+
+    cfg = planned_config(args.set)
     ds = load_ds_config(resolve_path(args.ds_config or cfg.train.ds_config, *bases, repo_root()))
     pinned = {AXES[item.split("=", 1)[0]] for item in args.set if item.split("=", 1)[0] in AXES}
     if args.ds_config:
@@ -247,6 +254,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.write:
         items = write(plans.ranked[0], Path(args.write))
         print(f"keel plan: the best plan's settings in {args.write}: {' '.join(items)}")
+    if args.check:
+        from keel.launcher.plan_check import check_plan  # torch: keel --help start-up
+
+        best = plans.ranked[0]
+        report, broken = check_plan(
+            planned_config([*args.set, *best.overrides]), best.ds, args.gpus
+        )
+        print(f"\nkeel plan --check: {describe(best)} in a simulated world of {args.gpus} ranks")
+        print(report)
+        for line in broken:  # rules drawn for grids: a pure data-parallel world is its own dp group
+            print(f"keel plan --check: at scale: {line}")
     return 0
 
 
@@ -478,6 +496,12 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--ds-config", help="DeepSpeed JSON (pins its ZeRO stage)")
     plan.add_argument("--top", type=int, default=5)
     plan.add_argument("--write", help="write the best plan's --set items here (and OUT.ds.json)")
+    plan.add_argument(
+        "--check",
+        action="store_true",
+        help="build the best plan's first, a middle and the last rank in a simulated world of --gpus ranks "
+        "(meta device, fake process group): groups, per-step collectives and bytes, memory",
+    )
     plan.add_argument(
         "--set",
         action="append",

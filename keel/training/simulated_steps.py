@@ -51,16 +51,17 @@ def simulate(
     cfg: RunConfig | None = None,
     engine: str = "meta",
     also: Mapping[str, Driver] | None = None,
+    ds: dict | None = None,
 ) -> WorldRecord:
     """Rank `rank` of a world of `shape`: construction (`construct`: Topology, meta layers,
     DeepSpeed as far as it goes; `engine` as there), one step, one step with an async save pending,
     and each periodic check; then each of `also` (phase name → driver, e.g. preflight's exchange
-    from keel/tools/preflight/simulated.py, which this layer cannot import) in its own phase.
-    Returns what the rank created, sent and kept."""
+    from keel/tools/preflight/simulated.py, which this layer cannot import) in its own phase. `ds`:
+    the DeepSpeed JSON (default ds_configs/zero1.json's). Returns what the rank created, sent and kept."""
     cfg = cfg or small_config(shape)
     with SimulatedWorld(shape.world_size, rank) as world:
         world.record.label = shape_label(shape)
-        built = construct(world, shape, cfg, engine)
+        built = construct(world, shape, cfg, engine, ds)
         drive_step(world, built.topology, pipelined=cfg.parallel.pp > 1)
         drive_async_save_poll(world, built.topology)
         drive_checks(world, built.topology, built.layers)

@@ -10,10 +10,22 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from keel.config import RunConfig
+from keel.data import load_tokenizer, resolve_tokenizer_path
 from keel.tools.plan.predict import Prediction
 from keel.tools.plan.search import Plans
 
 GIB = 2**30
+
+
+def resolve_vocab(cfg: RunConfig, base_dir: Path) -> None:
+    """model.vocab_size 0 (the tokenizer's) as a run will have it, without preparing data: the tokenizer file's
+    size, else the size a trained tokenizer is asked for (the embedding and head are in every plan)."""
+    if not cfg.model.vocab_size:
+        path = resolve_tokenizer_path(cfg.data.tokenizer, base_dir)
+        cfg.model.vocab_size = (
+            load_tokenizer(path).vocab_size if path else cfg.data.tokenizer_vocab_size
+        )
 
 
 def describe(p: Prediction) -> str:

@@ -39,6 +39,13 @@ class Device:
     intra_gbps: float  # per device, one direction, within a node
     inter_gbps: float  # per device, one direction, between nodes
     source: str
+    # one collective call's fixed cost, whatever its size: NCCL's small-message all-reduce, about (nccl-tests
+    # on 8-GPU NVLink nodes and across InfiniBand); on CPU gloo's, measured
+    intra_latency_us: float = 15.0
+    inter_latency_us: float = 30.0
+    # the share of backward that hides a data-parallel reduction DeepSpeed overlaps (`overlap_comm`): a GPU
+    # computes while its copy engines and NICs move bytes; on CPU the collective runs on the cores that compute
+    overlap: float = 0.7
     # CPU: GEMMs and blocks timed on this machine instead of the curve (None: a GPU from the table)
     timer: CpuTimer | None = field(default=None, compare=False)
 
@@ -104,7 +111,8 @@ DEVICES = {
 
 
 def cpu_device(ranks_per_node: int) -> Device:
-    """This machine: fp32 GEMM rate measured now (the largest of a few sizes), the host's memory, loopback."""
+    """This machine: fp32 GEMM rate measured now (the largest of a few sizes), the host's memory, and gloo's
+    all-reduce between this many ranks (its latency and bus bandwidth, as the ranks' collectives meet them)."""
     import os
 
     import psutil
@@ -114,15 +122,19 @@ def cpu_device(ranks_per_node: int) -> Device:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_per_node))
     timer = CpuTimer()
     best = max(timer.gemm_tflops(n, n, n) for n in (512, 1024, 2048))
+    latency, bus_gbps = timer.gloo_link(max(2, ranks_per_node))
     return Device(
         "this CPU (fp32, measured)",
         best,
         0.0,
         psutil.virtual_memory().total / 2**30,
         10.0,
-        2.0,
-        2.0,
-        f"measured here: torch {torch.__version__}, {torch.get_num_threads()} threads",
+        bus_gbps,
+        bus_gbps,
+        f"measured here: torch {torch.__version__}, {torch.get_num_threads()} threads, gloo",
+        intra_latency_us=latency * 1e6,
+        inter_latency_us=latency * 1e6,
+        overlap=0.0,
         timer=timer,
     )
 
@@ -169,6 +181,44 @@ class CpuTimer:
                 reps = max(reps, int(reps * 5e-3 / max(elapsed, 1e-9)) + 1)
             self._gemms[key] = 2 * m * k * n / best / 1e12
         return self._gemms[key]
+
+    LINK_BYTES = (4, 8 << 20)  # an all-reduce's latency, then its bandwidth
+
+    def gloo_link(self, ranks: int) -> tuple[float, float]:
+        """(seconds, GB/s): a gloo all-reduce's fixed cost, and its bus bandwidth at 8 MiB (medians), between `ranks`
+        ranks of this process (one thread each: the bytes take the same loopback and memory as between
+        processes, and nothing needs to be launched)."""
+        import threading
+        from datetime import timedelta
+
+        import torch
+        import torch.distributed as dist
+
+        store = dist.HashStore()
+        groups: dict[int, Any] = {}
+        times: dict[tuple[int, int], float] = {}
+
+        def rank_main(rank: int) -> None:
+            group = dist.ProcessGroupGloo(store, rank, ranks, timedelta(seconds=60))
+            groups[rank] = group  # kept until every rank is done
+            for nbytes in self.LINK_BYTES:
+                tensor = torch.ones(max(1, nbytes // 4))
+                group.allreduce([tensor]).wait()  # warm
+                took = []
+                for _ in range(21 if nbytes < 1 << 20 else 5):
+                    start = time.perf_counter()
+                    group.allreduce([tensor]).wait()
+                    took.append(time.perf_counter() - start)
+                times[rank, nbytes] = sorted(took)[len(took) // 2]  # the median: what a call costs
+
+        threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(ranks)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        small, large = (max(times[r, n] for r in range(ranks)) for n in self.LINK_BYTES)
+        ring = 2 * (ranks - 1) / ranks  # the bytes each rank sends per byte reduced
+        return small, ring * self.LINK_BYTES[1] / max(large - small, 1e-9) / 1e9
 
     def gemm_seconds(self, m: int, k: int, n: int) -> float:
         """Seconds for an m×k @ k×n fp32 matmul, timed at a capped size and scaled by FLOPs."""

@@ -5,13 +5,16 @@ time adds, for the busiest pipeline rank:
 - compute: each GEMM of Keel's block (q, k|v, o, gate|up, down; the head on the last stage; an MoE block's experts
   at top-k tokens) forward, backward (2×) and recomputed (checkpointing) at the device's peak × that GEMM's
   efficiency (devices.py), plus causal attention (4·s·d per token and layer, halved);
-- tensor-parallel communication: 2 all-reduces (Megatron SP: reduce-scatter + all-gather, the same bytes) per block
-  forward and 2 backward, ring volume 2(t−1)/t, not overlapped;
-- Ulysses sequence parallel: 4 all-to-alls per block each way, (s−1)/s of their bytes;
-- data-parallel gradient reduction (ZeRO 0-2: all-reduce volume; ZeRO-3 adds the parameters' two all-gathers),
-  at the slower link the data-parallel group spans, overlapped with backward where `overlap_comm` is on;
+- communication: each collective's bytes over its link's bandwidth plus a fixed cost per call (the device's
+  latency), counted per layout —
+  - tensor parallel: 2 all-reduces (Megatron SP: reduce-scatter + all-gather, the same bytes) per block forward
+    and 2 backward, ring volume 2(t−1)/t, not overlapped;
+  - Ulysses sequence parallel: 4 all-to-alls per block each way, (s−1)/s of their bytes;
+  - expert parallel: dispatch and combine all-to-alls per MoE block each way;
+  - data parallel as DeepSpeed moves it (`_data_parallel_seconds`: ZeRO-2 and -3 every micro-batch), at the
+    slower link the group spans, overlapped with backward where `overlap_comm` is on and the device overlaps;
 - the pipeline's bubble from its schedule (1F1B (pp−1)/m, interleaved (pp−1)/(m·v), DualPipeV (pp/2−1)/m of
-  the micro-batches' time) and its point-to-point activations;
+  the micro-batches' time) and its point-to-point transfers;
 - the optimizer's update (memory-bound: ~32 bytes read and written per parameter it holds) and a host overhead.
 MFU is model FLOPs (6·N per token plus attention, or without it: both printed, named) over step time × peak.
 """
@@ -135,47 +138,66 @@ def predict(
     )  # the head (last stage; the first holds the embedding)
     compute = per_micro * micro_batches
 
-    intra, inter = device.intra_gbps * 1e9, device.inter_gbps * 1e9
-    tp_bw = intra if tp <= gpus_per_node else inter
+    def link(within_node: bool) -> tuple[float, float]:
+        """(bytes/s, seconds a call) of the link a group meets: within a node or across nodes."""
+        if within_node:
+            return device.intra_gbps * 1e9, device.intra_latency_us * 1e-6
+        return device.inter_gbps * 1e9, device.inter_latency_us * 1e-6
+
+    def moved(volume: float, calls: float, within_node: bool) -> float:
+        bandwidth, latency = link(within_node)
+        return volume / bandwidth + calls * latency
+
+    passes = (
+        1 + recompute / 2
+    )  # forward and backward's collectives, and a recomputed forward's again
+    activation = tokens * h * b  # one micro-batch's hidden states on a rank
     tp_comm = 0.0
     if tp > 1:
-        volume = 2 * (tp - 1) / tp * tokens * h * b
-        tp_comm = 4 * blocks_on_rank * micro_batches * volume / tp_bw * (1 + recompute / 2)
+        # 2 all-reduces per block forward, 2 backward; the vocabulary-parallel embedding and loss add ~5
+        calls = (4 * blocks_on_rank * passes + 5) * micro_batches
+        volume = 2 * (tp - 1) / tp * activation * (4 * blocks_on_rank * passes + 2) * micro_batches
+        tp_comm = moved(volume, calls, tp <= gpus_per_node)
     sp_comm = 0.0
     if sp > 1:
-        volume = (sp - 1) / sp * tokens * (2 * q + 2 * kv) * b
-        sp_comm = (
-            2
-            * blocks_on_rank
-            * micro_batches
-            * volume
-            / (intra if tp * sp <= gpus_per_node else inter)
-        )
+        # Ulysses: q, k, v and the output, each way, per block
+        calls = 8 * blocks_on_rank * passes * micro_batches
+        volume = (sp - 1) / sp * tokens * (2 * q + 2 * kv) * b * 2 * blocks_on_rank * passes
+        sp_comm = moved(volume * micro_batches, calls, tp * sp <= gpus_per_node)
+    ep_comm = 0.0
+    if ep > 1 and moe_blocks:
+        # dispatch and combine all-to-alls per MoE block each way, top-k copies of each token
+        moe_on_rank = moe_share * blocks_on_rank
+        calls = 4 * moe_on_rank * passes * micro_batches
+        volume = (ep - 1) / ep * activation * model.moe_top_k * calls
+        ep_comm = moved(volume, calls, tp * ep <= gpus_per_node)
     cp_comm = 0.0
     if cp > 1:
-        ring = (cp - 1) * tokens * 2 * kv * b / (intra if tp * cp <= gpus_per_node else inter)
+        bandwidth, latency = link(tp * cp <= gpus_per_node)
+        ring = (cp - 1) * (tokens * 2 * kv * b / bandwidth + latency)
         overlap = attend(tokens, model.head_dim, s // 2) * (q // model.head_dim)
         cp_comm = 3 * blocks_on_rank * micro_batches * max(ring - overlap, 0.0)
-    dp_comm = 0.0
-    if dp * cp > 1:
-        params = memory.share.total
-        group = dp * cp
-        volume = 2 * (group - 1) / group * params * b * (1.5 if stage == 3 else 1.0)
-        dp_bw = intra if tp * sp * group <= gpus_per_node else inter
-        overlap = 0.7 if ds.get("zero_optimization", {}).get("overlap_comm", stage == 3) else 0.0
+    dp_comm = _data_parallel_seconds(
+        cfg, ds, memory, dp * cp, micro_batches, b, moved, tp * sp * dp * cp <= gpus_per_node
+    )
+    if dp_comm:
+        overlap_comm = ds.get("zero_optimization", {}).get("overlap_comm", stage == 3)
         backward = compute * 2 / 3
-        dp_comm = max(volume / dp_bw - overlap * backward, 0.0)
+        dp_comm = max(dp_comm - (device.overlap if overlap_comm else 0.0) * backward, 0.0)
     bubble = 0.0
     if pp > 1:
         schedule = parallel.pipeline_schedule
+        chunks = parallel.virtual_stages if schedule == "interleaved" else 1
         if schedule == "interleaved":
-            idle = (pp - 1) / parallel.virtual_stages
+            idle = (pp - 1) / chunks
         elif schedule == "dualpipev":
             idle = max(pp / 2 - 1, 0)
         else:
             idle = pp - 1
         bubble = idle * per_micro
-        bubble += 2 * micro_batches * tokens * h * b / (inter if gpus > gpus_per_node else intra)
+        # a micro-batch's activations forward and their gradients back, at each of the rank's stage edges
+        transfers = 2 * micro_batches * chunks
+        bubble += moved(transfers * activation, transfers, gpus <= gpus_per_node)
     held = memory.share.total / (dp if stage >= 1 else 1)
     optimizer = 32 * held / (device.hbm_tbps * 1e12)
     per_block, per_step = OVERHEAD_S["cpu" if device.is_cpu else "gpu"]
@@ -205,6 +227,7 @@ def predict(
             "compute": compute,
             "tp comm": tp_comm,
             "sp comm": sp_comm,
+            "ep comm": ep_comm,
             "cp comm": cp_comm,
             "dp comm": dp_comm,
             "bubble": bubble,
@@ -217,6 +240,59 @@ def predict(
         model_flops_no_attention=6 * active * tokens_per_step,
         peak_tflops=device.bf16_tflops,
     )
+
+
+def _data_parallel_seconds(
+    cfg: RunConfig,
+    ds: dict,
+    memory: RankMemory,
+    group: int,
+    micro_batches: int,
+    b: int,
+    moved,
+    near: bool,
+) -> float:
+    """The data-parallel group's gradient and parameter traffic in one step, as DeepSpeed moves it. ZeRO 0-1
+    reduce the accumulated gradients once (per bucket) and ZeRO-1 gathers the updated partitions; ZeRO-2
+    reduce-scatters every micro-batch's gradients as backward makes them, then gathers once; ZeRO-3 also
+    gathers each module's partitioned parameters for its forward and again for its backward, every
+    micro-batch (parameters under `stage3_param_persistence_threshold` stay whole on every rank)."""
+    if group <= 1:
+        return 0.0
+    zero = ds.get("zero_optimization", {})
+    stage = zero_stage(ds)
+    params = memory.share.total
+    share = (group - 1) / group  # of the bytes a rank sends in a reduce-scatter or an all-gather
+    bucket = int(zero.get("reduce_bucket_size", 5e8))
+    buckets = max(1, -(-params // bucket))
+    if stage <= 1:
+        return moved(2 * share * params * b, buckets + (buckets if stage == 1 else 0), near)
+    seconds = moved(micro_batches * share * params * b, micro_batches * buckets, near)
+    if stage == 2:
+        seconds += moved(share * params * b, buckets, near)  # the updated partitions, gathered
+    else:
+        sizes = _module_sizes(cfg)
+        threshold = int(zero.get("stage3_param_persistence_threshold", 1e5))
+        gathered = [n for n in sizes if n > threshold]
+        volume = 2 * micro_batches * share * sum(gathered) * b * memory.share.total / sum(sizes)
+        seconds += moved(volume, 2 * micro_batches * len(gathered), near)
+    return seconds
+
+
+def _module_sizes(cfg: RunConfig) -> list[int]:
+    """Each parameter-holding module's element count (whole model, before any split): the units ZeRO-3
+    gathers."""
+    model = cfg.model
+    h, q, kv = model.dim, model.n_heads * model.head_dim, model.n_kv_heads * model.head_dim
+    sizes = [model.vocab_size * h, h, h * model.vocab_size]  # embedding, final norm, head
+    for i in range(model.n_layers):
+        moe = model.moe_experts and (i + 1) % model.moe_every == 0
+        ffn = model.moe_ffn_hidden or model.ffn_dim if moe else model.ffn_dim
+        experts = model.moe_experts if moe else 1
+        sizes += [h, h * q, 2 * h * kv, q * h, h, experts * 2 * h * ffn, experts * ffn * h]
+        if moe:
+            sizes.append(h * model.moe_experts)  # the router
+    return sizes
 
 
 def _active_params(cfg: RunConfig) -> int:
