@@ -22,6 +22,7 @@ setup(
         "numpy>=1.24",
         "tqdm>=4.60",
         "tensorboard>=2.14",
+        "psutil>=5.9",  # host memory (preflight, the planner), the OOM report
         "zstandard>=0.22",  # .jsonl.zst / .txt.zst corpora (a 5 MB wheel)
     ],
     extras_require={

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 from filelock import FileLock
 
@@ -60,6 +61,19 @@ def tiny_overrides(corpus: list[str], cache_dir: Path, **changes: Any) -> list[s
     values = {**TINY, "data.corpus": json.dumps(corpus), "data.cache_dir": str(cache_dir)}
     values.update({k.replace("__", "."): v for k, v in changes.items()})
     return [f"{k}={v}" for k, v in values.items()]
+
+
+def rank_pids(launcher_pid: int) -> list[int]:
+    """The ranks a `keel train` launcher started (forked, named `keel-rank<R>`), in rank order."""
+    ranks = {}
+    for proc in psutil.Process(launcher_pid).children(recursive=True):
+        try:
+            name = proc.name()
+        except psutil.NoSuchProcess:
+            continue
+        if name.startswith("keel-rank"):
+            ranks[int(name.removeprefix("keel-rank") or 0)] = proc.pid
+    return [ranks[r] for r in sorted(ranks)]
 
 
 def keel_train(

@@ -21,7 +21,7 @@ from keel.run_dir import RunDir
 from keel.run_dir.goodput import LOSSES, account
 from keel.tools.report.series import goodput_series, smoothed
 from keel.tools.report.write import write_report
-from tests.keel_runs import REPO
+from tests.keel_runs import REPO, rank_pids
 from tests.test_guards_one_rank import SPIKES
 
 
@@ -157,18 +157,6 @@ def _keel_train(run_dir: Path, overrides: dict, corpus, cache) -> subprocess.Pop
     )
 
 
-def _ranks_of(pid: int) -> list[int]:
-    """The training processes below `pid` (torch's agent starts each in a session of its own)."""
-    found = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            if b"keel.training.entry" in cmdline.read_bytes():
-                found.append(int(cmdline.parent.name))
-        except OSError:
-            continue
-    return found
-
-
 @pytest.mark.slow
 def test_a_rollback_a_crash_and_a_preemption_each_show_where_they_happened(
     tmp_path, small_corpus, runs
@@ -195,7 +183,7 @@ def test_a_rollback_a_crash_and_a_preemption_each_show_where_they_happened(
             -3000:
         ]
         time.sleep(0.05)
-    for pid in _ranks_of(second.pid):
+    for pid in rank_pids(second.pid):
         os.kill(pid, signal.SIGUSR1)
     go.touch()
     out = second.communicate(timeout=600)[0]

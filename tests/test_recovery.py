@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from keel.training.observe.metrics import read_metrics
-from tests.keel_runs import REPO, Run, copy_run, final_weights, keel_train
+from tests.keel_runs import REPO, Run, copy_run, final_weights, keel_train, rank_pids
 from tests.test_train_equivalence import assert_close
 
 pytestmark = pytest.mark.slow
@@ -40,13 +40,6 @@ def test_resume_on_fewer_ranks_reshards_through_a_universal_checkpoint(runs, tmp
     got, want = read_metrics(resumed / "metrics.jsonl"), read_metrics(straight / "metrics.jsonl")
     assert [r["consumed_samples"] for r in got] == [r["consumed_samples"] for r in want]
     assert_close([r["loss"] for r in got], [r["loss"] for r in want], 1e-5)
-
-
-def _entry_pids(run_dir) -> list[int]:
-    out = subprocess.run(
-        ["pgrep", "-f", f"keel.training.entry {run_dir}"], capture_output=True, text=True
-    ).stdout
-    return sorted(int(pid) for pid in out.split())
 
 
 @pytest.mark.fault(
@@ -81,7 +74,7 @@ def test_killed_rank_restarts_and_resumes_to_the_same_weights(runs, tmp_path):
         if steps and steps[-1] >= 12:
             break
         time.sleep(0.2)
-    victim = _entry_pids(run_dir)[-1]
+    victim = rank_pids(proc.pid)[-1]
     os.kill(victim, signal.SIGKILL)
     output, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, output[-3000:]

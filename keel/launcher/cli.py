@@ -204,8 +204,10 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     spec = build_run(args.config, args.set, args.ds_config, args.run_dir, nproc)
     print(f"keel: preflight | run dir {spec.run_dir} | {nproc} local rank(s)", flush=True)
     return launch_module(
-        ["keel.launcher.cli", "preflight", *_rank_args(args, spec.run_dir)],
+        "keel.launcher.cli",
+        ["preflight", *_rank_args(args, spec.run_dir)],
         nproc,
+        preload=["keel.tools.preflight.run"],
         what="preflight",
         where=str(RunDir(spec.run_dir).preflight),
     )
@@ -594,13 +596,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    code, in_place = _run(argv)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if in_place:  # skip gloo's teardown, which can abort after a clean run
+        os._exit(code)
+    sys.exit(code)
+
+
+def rank_main(argv: list[str]) -> int:
+    """A rank that Keel's local launcher forked (keel/launcher/local.py): `keel preflight` in place."""
+    return _run(argv)[0]
+
+
+def _run(argv: list[str] | None) -> tuple[int, bool]:
+    """The command's exit code, and whether this process is a rank of a launcher (then it must not tear down)."""
     launched = time.time()
     args = build_parser().parse_args(argv)
     from keel.data import DataError  # torch: keel --help start-up
 
     in_place = False
     try:
-        # a rank of an external launcher (torchrun, deepspeed, srun)
+        # a rank of an external launcher (torchrun, deepspeed, srun) or of Keel's own
         in_place = _external_world_size() is not None
         if not in_place:
             # the job's start, for the ranks' start-up timeline (keel/training/observe/timeline.py), set afresh:
@@ -616,11 +633,7 @@ def main(argv: list[str] | None = None) -> None:
             raise
         traceback.print_exc()  # leave at once so the agent sees the failure (not after gloo's slow teardown)
         code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if in_place:  # skip gloo's teardown, which can abort after a clean run
-        os._exit(code)
-    sys.exit(code)
+    return code, in_place
 
 
 if __name__ == "__main__":

@@ -1,7 +1,17 @@
-"""Start the ranks on this machine through torchrun's API (the same agent `torchrun` uses)."""
+"""Start the ranks on this machine through torchrun's API (the same agent `torchrun` uses).
+
+Ranks are forked from one forkserver per launch that imported the rank's module (torch, DeepSpeed and Keel's
+training stack) once: a fresh interpreter per rank would import them once per rank, ~3 s of CPU each, and at
+8 ranks a node reading a Python environment off a shared filesystem the imports are most of a job's start-up. An
+elastic restart forks again from the same server. The forkserver is single-threaded and touches no GPU (CUDA is
+probed through NVML, which is fork-safe), so a forked rank starts as clean as a spawned one. Ranks show as
+`keel-rank<R>` in `ps` and `top` (their command line is the forkserver's).
+"""
 
 from __future__ import annotations
 
+import importlib
+import multiprocessing
 import os
 import socket
 import sys
@@ -18,17 +28,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# what a training rank imports beyond its module, lazily, in its first engine build and step (torch.compile's
+# front end, which DeepSpeed's optimizer imports; the TensorBoard writer; DeepSpeed's op builders): ~2 s a rank
+TRAINING_PRELOAD = ["torch._dynamo", "torch.utils.tensorboard", "deepspeed.ops.op_builder.all_ops"]
+
+
 def launch_local(run_dir: Path | list[Path], nproc: int, max_restarts: int = 0) -> int:
     """Run `python -m keel.training.entry RUN_DIR [RUN_DIR ...]` on `nproc` local ranks (several run dirs train
     one after another in the same world); returns 0 when all succeeded."""
     run_dirs = [str(d) for d in (run_dir if isinstance(run_dir, list) else [run_dir])]
     return launch_module(
-        ["keel.training.entry", *run_dirs],
+        "keel.training.entry",
+        run_dirs,
         nproc,
         max_restarts,
         "training",
         " ".join(run_dirs),
         lambda: memory_figure(Path(run_dirs[0]), nproc),
+        preload=TRAINING_PRELOAD,
     )
 
 
@@ -51,15 +68,18 @@ def memory_figure(run_dir: Path, nproc: int) -> str:
 
 
 def launch_module(
-    module_args: list[str],
+    module: str,
+    argv: list[str],
     nproc: int,
     max_restarts: int = 0,
     what: str = "training",
     where: str = "the run dir",
     memory_note: Callable[[], str] | None = None,
+    preload: list[str] | None = None,
 ) -> int:
-    """Run `python -m MODULE ARGS...` on `nproc` local ranks; returns 0, or the highest exit code of a rank
-    that failed (Keel's documented codes pass through to the caller)."""
+    """Run `MODULE.rank_main(argv)` on `nproc` local ranks, forked from a server that imported MODULE; returns
+    0, or the highest exit code of a rank that failed (Keel's documented codes pass through to the caller).
+    `preload`: modules the ranks import later, imported by the server too."""
     # torch here, not at the top: keel/launcher/cli.py imports this module, and `keel --help` must not load torch
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -68,6 +88,9 @@ def launch_module(
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     if "OMP_NUM_THREADS" not in os.environ:  # as torchrun does: don't oversubscribe the cores
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+    # the forkserver's imports ask torch whether CUDA is there: through NVML, so no CUDA context is forked
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    multiprocessing.set_forkserver_preload([module, *(preload or [])])
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -77,10 +100,11 @@ def launch_module(
         rdzv_endpoint=f"127.0.0.1:{free_port()}",
         max_restarts=max_restarts,
         monitor_interval=0.5,
+        start_method="forkserver",
     )
     oom_before = oom_kills()
     try:
-        elastic_launch(config, sys.executable)("-u", "-m", *module_args)
+        elastic_launch(config, run_rank_main)(module, argv)
     except ChildFailedError as exc:
         failures = ", ".join(f"rank {r} exit {f.exitcode}" for r, f in sorted(exc.failures.items()))
         memory = killed_for_memory(
@@ -94,3 +118,26 @@ def launch_module(
         # keep Keel's documented codes (3 checksum, 4 hang) for the caller
         return max(codes) if codes else 1
     return 0
+
+
+def run_rank_main(module: str, argv: list[str]) -> None:
+    """A forked rank: name the process, run `module.rank_main(argv)`, and leave with its code. A clean end
+    returns (the agent collects each rank's return before it lets them exit); a failure leaves at once without
+    interpreter teardown (gloo can abort in its destructors)."""
+    name_process(f"keel-rank{os.environ.get('RANK', '')}")
+    sys.stdout.reconfigure(
+        line_buffering=True
+    )  # as `python -u`: a rank's lines reach the log as they happen
+    code = importlib.import_module(module).rank_main(argv)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if code:
+        os._exit(code)
+
+
+def name_process(name: str) -> None:
+    """The name `ps`, `top` and `pgrep` show (Linux: 15 characters; elsewhere nothing)."""
+    try:
+        Path("/proc/self/comm").write_text(name[:15])
+    except OSError:
+        pass

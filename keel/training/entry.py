@@ -1,7 +1,8 @@
 """What every rank runs: init the process group, build topology, data, engine, and train.
 
-Started as `python -m keel.training.entry RUN_DIR [RUN_DIR ...]` by Keel's local launcher (torchrun's API), or in
-place by `keel train` when an external launcher (torchrun, deepspeed, srun) already set RANK and WORLD_SIZE.
+Forked by Keel's local launcher (torchrun's API, keel/launcher/local.py: `rank_main`), started as `python -m
+keel.training.entry RUN_DIR [RUN_DIR ...]` by torchrun, or run in place by `keel train` when an external launcher
+(torchrun, deepspeed, srun) already set RANK and WORLD_SIZE.
 Several run dirs train one after another in the same world (a sweep of short runs in one allocation pays the
 process start, imports and rendezvous once); each keeps its own outcome in its run dir.
 """
@@ -180,16 +181,20 @@ def run_sequence(run_dirs: list[Path]) -> int:
     return code
 
 
-def main() -> None:
-    if len(sys.argv) < 2:
+def rank_main(argv: list[str]) -> int:
+    """One rank: train each run dir in `argv`; returns the exit code (an exception is logged: ExitCode.FAILED)."""
+    if not argv:
         print("usage: python -m keel.training.entry RUN_DIR [RUN_DIR ...]", file=sys.stderr)
-        exit_now(ExitCode.USAGE)
+        return ExitCode.USAGE
     try:
-        code = run_sequence([Path(arg) for arg in sys.argv[1:]])
+        return run_sequence([Path(arg) for arg in argv])
     except Exception:
         logging.getLogger("keel").exception("rank failed")
-        code = ExitCode.FAILED
-    exit_now(code)
+        return ExitCode.FAILED
+
+
+def main() -> None:
+    exit_now(rank_main(sys.argv[1:]))
 
 
 if __name__ == "__main__":
