@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import resource
 import struct
 import time
 from collections.abc import Iterator
@@ -648,6 +649,8 @@ class Trainer:
         # the allocator's own counter: no device sync
         if torch.device(self.engine.device).type == "cuda":
             record["gpu_mem_peak_gib"] = torch.cuda.max_memory_allocated(self.engine.device) / 2**30
+        # this process's peak resident memory (Linux counts KiB): what the kernel's OOM killer weighs
+        record["host_mem_peak_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
         report = stragglers.update(state.step, elapsed)
         if report is not None:
             record.update(report.metrics)
