@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import socket
 import sys
@@ -91,6 +92,8 @@ def launch_module(
     # the forkserver's imports ask torch whether CUDA is there: through NVML, so no CUDA context is forked
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     multiprocessing.set_forkserver_preload([module, *(preload or [])])
+    # the server imports while the agent sets itself up (its store, the rendezvous), on another core
+    multiprocessing.forkserver.ensure_running()
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
