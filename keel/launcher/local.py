@@ -11,6 +11,7 @@ probed through NVML, which is fork-safe), so a forked rank starts as clean as a 
 from __future__ import annotations
 
 import importlib
+import logging
 import multiprocessing
 import multiprocessing.forkserver
 import os
@@ -92,6 +93,11 @@ def launch_module(
     # the forkserver's imports ask torch whether CUDA is there: through NVML, so no CUDA context is forked
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     multiprocessing.set_forkserver_preload([module, *(preload or [])])
+    # a forked rank that leaves with a code is reported with torch's traceback of its own join: Keel's line
+    # below names the code, as it did for a spawned rank
+    agent_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    if not any(isinstance(f, WithoutTraceback) for f in agent_log.filters):
+        agent_log.addFilter(WithoutTraceback())
     # the server imports while the agent sets itself up (its store, the rendezvous), on another core
     multiprocessing.forkserver.ensure_running()
     config = LaunchConfig(
@@ -121,6 +127,14 @@ def launch_module(
         # keep Keel's documented codes (3 checksum, 4 hang) for the caller
         return max(codes) if codes else 1
     return 0
+
+
+class WithoutTraceback(logging.Filter):
+    """Keep a record's message, drop its traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.exc_info, record.exc_text = None, None
+        return True
 
 
 def run_rank_main(module: str, argv: list[str]) -> None:

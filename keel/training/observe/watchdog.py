@@ -66,6 +66,8 @@ COLLECTIVE_CODE = tuple(
         ("keel", "parallel", "comm.py"),
     )
 )
+# torch.distributed code that is no collective: the agent's wrapper at the bottom of a forked rank's stack
+NOT_COLLECTIVE_CODE = os.path.join("torch", "distributed", "elastic", "")
 PEER_WINDOW_S = 5.0  # an exception this close to the deadline is a peer's hang reaching this rank
 
 
@@ -267,7 +269,8 @@ class Watchdog:
             return True
         frame = sys._current_frames().get(self._watched or -1)
         while frame is not None:
-            if any(part in frame.f_code.co_filename for part in COLLECTIVE_CODE):
+            name = frame.f_code.co_filename
+            if NOT_COLLECTIVE_CODE not in name and any(part in name for part in COLLECTIVE_CODE):
                 return True
             frame = frame.f_back
         return False
