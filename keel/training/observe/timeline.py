@@ -40,16 +40,21 @@ def process_started() -> float:
 class StartupClock:
     """The start-up phases of one run in this process, measured from `since`: the process start (the time before
     the first phase is the imports), or the end of the previous run trained in the same process. Time between
-    phases is `other`."""
+    phases is `other`. Each phase's start also notes the process's resident memory: what the engine and the steps
+    add is read above the figure at the engine's start."""
 
     def __init__(self, since: float, before: str = "imports"):
         self.since = since
         self.phases: dict[str, float] = {}
+        self.resident: dict[str, float] = {}  # GiB at each phase's start
         self._mark, self._gap = since, before
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
         start = time.time()
+        resident = resident_gib()
+        if resident is not None:
+            self.resident.setdefault(name, round(resident, 4))
         self._add(self._gap, start - self._mark)
         self._gap = "other"
         try:
@@ -77,7 +82,17 @@ class StartupClock:
             "step": step,
             "first_step_at": first_step_started,
             "phases": {k: round(v, 4) for k, v in self.phases.items()},
+            "resident_gib": self.resident,
         }
+
+
+def resident_gib() -> float | None:
+    """This process's resident memory now (Linux), None elsewhere."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**30
 
 
 def append(run_dir: Path, record: dict[str, Any]) -> None:
