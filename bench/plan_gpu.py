@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -26,6 +25,7 @@ from keel.tools.plan import describe, resolve_vocab  # noqa: E402
 from keel.tools.plan.devices import DEVICES  # noqa: E402
 from keel.tools.plan.search import make_plans  # noqa: E402
 from keel.training.observe.metrics import read_metrics  # noqa: E402
+from tests.keel_runs import keel_train  # noqa: E402
 
 GIB = 2**30
 # two ~1B models at seq 4096, global batch 32 (a step of a second or two): the plan picks the rest
@@ -72,26 +72,21 @@ def main() -> None:
                 "logging.log_interval=1",
                 f"train.ds_config={ds_path}",
             ]
-            cmd = [
-                sys.executable,
-                "-m",
-                "keel.launcher.cli",
-                "train",
-                "--nproc",
-                "1",
-                str(REPO / "configs/llama_1b.yaml"),
-                "--run-dir",
-                f"{tmp}/run",
-            ]
-            for item in items:
-                cmd += ["--set", item]
-            proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
-            records = read_metrics(Path(tmp) / "run" / "metrics.jsonl")
-            if proc.returncode or len(records) < 4:
-                print(
-                    f"{name:<34} {describe(plan):<36} run failed (exit {proc.returncode}): "
-                    f"{proc.stdout[-1500:]}{proc.stderr[-1500:]}"
+            try:
+                keel_train(
+                    Path(tmp) / "run",
+                    1,
+                    items,
+                    str(ds_path),
+                    timeout=900,
+                    config=REPO / "configs/llama_1b.yaml",
                 )
+            except AssertionError as failed:  # its exit code and the log's tail
+                print(f"{name:<34} {describe(plan):<36} run failed: {str(failed)[-3000:]}")
+                continue
+            records = read_metrics(Path(tmp) / "run" / "metrics.jsonl")
+            if len(records) < 4:
+                print(f"{name:<34} {describe(plan):<36} only {len(records)} step(s) recorded")
                 continue
             tokens = statistics.median(r["tokens_per_s"] for r in records[2:])
             peak = max(r.get("gpu_mem_peak_gib", 0.0) for r in records)

@@ -83,12 +83,16 @@ def keel_train(
     ds_config: str = ZERO0,
     timeout: int = 600,
     expect_code: int = 0,
+    config: Path | None = None,
 ) -> subprocess.CompletedProcess:
+    """`keel train` on `nproc` local ranks (on `config`, else the built-in one); fails unless it exits
+    `expect_code`."""
     cmd = [
         sys.executable,
         "-m",
         "keel.launcher.cli",
         "train",
+        *([str(config)] if config else []),
         "--nproc",
         str(nproc),
         "--run-dir",
