@@ -35,7 +35,12 @@ from keel.data.samples import (
 )
 from keel.data.tokenize_pool import default_workers
 from keel.data.tokenizer import SentencePieceTokenizer, Tokenizer, train_tokenizer
-from keel.data.tokenizer_source import load_tokenizer, resolve_tokenizer_path, source_sha256
+from keel.data.tokenizer_source import (
+    expected_vocab_size,
+    load_tokenizer,
+    resolve_tokenizer_path,
+    source_sha256,
+)
 
 __all__ = [
     "CorpusSources",
@@ -63,6 +68,7 @@ __all__ = [
     "resolve_corpus",
     "resolve_sources",
     "resolve_tokenizer_path",
+    "expected_vocab_size",
     "skip_to",
     "source_sha256",
     "step_batch",

@@ -36,6 +36,13 @@ def resolve_tokenizer_path(value: str, base_dir: Path | None = None) -> Path | N
     return path.absolute()
 
 
+def expected_vocab_size(value: str, trained_size: int, base_dir: Path | None = None) -> int:
+    """The vocabulary a run's tokenizer will have, known before any data is prepared: the given tokenizer's
+    size, or `trained_size` (data.tokenizer_vocab_size) for one still to train."""
+    path = resolve_tokenizer_path(value, base_dir)
+    return load_tokenizer(path).vocab_size if path else trained_size
+
+
 def _is_sentencepiece(path: Path) -> bool:
     """A file that is not JSON is taken for a sentencepiece model (their names vary: tokenizer.model, spm.model)."""
     return path.is_file() and path.suffix.lower() != ".json"

@@ -142,9 +142,8 @@ def run_rank_main(module: str, argv: list[str]) -> None:
     returns (the agent collects each rank's return before it lets them exit); a failure leaves at once without
     interpreter teardown (gloo can abort in its destructors)."""
     name_process(f"keel-rank{os.environ.get('RANK', '')}")
-    sys.stdout.reconfigure(
-        line_buffering=True
-    )  # as `python -u`: a rank's lines reach the log as they happen
+    # as `python -u`: a rank's lines reach the log as they happen
+    sys.stdout.reconfigure(line_buffering=True)
     code = importlib.import_module(module).rank_main(argv)
     sys.stdout.flush()
     sys.stderr.flush()

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from keel.config import RunConfig
-from keel.data import load_tokenizer, resolve_tokenizer_path
+from keel.data import expected_vocab_size
 from keel.tools.plan.predict import Prediction
 from keel.tools.plan.search import Plans
 
@@ -22,9 +22,9 @@ def resolve_vocab(cfg: RunConfig, base_dir: Path) -> None:
     """model.vocab_size 0 (the tokenizer's) as a run will have it, without preparing data: the tokenizer file's
     size, else the size a trained tokenizer is asked for (the embedding and head are in every plan)."""
     if not cfg.model.vocab_size:
-        path = resolve_tokenizer_path(cfg.data.tokenizer, base_dir)
-        cfg.model.vocab_size = (
-            load_tokenizer(path).vocab_size if path else cfg.data.tokenizer_vocab_size
+        data = cfg.data
+        cfg.model.vocab_size = expected_vocab_size(
+            data.tokenizer, data.tokenizer_vocab_size, base_dir
         )
 
 

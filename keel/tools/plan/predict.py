@@ -21,11 +21,13 @@ MFU is model FLOPs (6·N per token plus attention, or without it: both printed, 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from keel.config import RunConfig
 from keel.engine.ds_config import precision, zero_stage
 from keel.engine.memory_model import LayerCut, Layout, RankMemory, estimate
+from keel.model.router import is_moe_block
 from keel.tools.plan.devices import Device
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -105,9 +107,7 @@ def predict(
     f = model.ffn_dim // tp
     vocab = -(-model.vocab_size // tp)
     blocks_on_rank = -(-model.n_layers // pp)
-    moe_blocks = sum(
-        1 for i in range(model.n_layers) if model.moe_experts and (i + 1) % model.moe_every == 0
-    )
+    moe_blocks = sum(1 for i in range(model.n_layers) if is_moe_block(model, i))
     moe_share = moe_blocks / model.n_layers
     expert_f = (model.moe_ffn_hidden or model.ffn_dim) // tp
 
@@ -148,9 +148,8 @@ def predict(
         bandwidth, latency = link(within_node)
         return volume / bandwidth + calls * latency
 
-    passes = (
-        1 + recompute / 2
-    )  # forward and backward's collectives, and a recomputed forward's again
+    # forward and backward's collectives, and a recomputed forward's again
+    passes = 1 + recompute / 2
     activation = tokens * h * b  # one micro-batch's hidden states on a rank
     tp_comm = 0.0
     if tp > 1:
@@ -249,7 +248,7 @@ def _data_parallel_seconds(
     group: int,
     micro_batches: int,
     b: int,
-    moved,
+    moved: Callable[[float, float, bool], float],
     near: bool,
 ) -> float:
     """The data-parallel group's gradient and parameter traffic in one step, as DeepSpeed moves it. ZeRO 0-1
@@ -286,8 +285,8 @@ def _module_sizes(cfg: RunConfig) -> list[int]:
     h, q, kv = model.dim, model.n_heads * model.head_dim, model.n_kv_heads * model.head_dim
     sizes = [model.vocab_size * h, h, h * model.vocab_size]  # embedding, final norm, head
     for i in range(model.n_layers):
-        moe = model.moe_experts and (i + 1) % model.moe_every == 0
-        ffn = model.moe_ffn_hidden or model.ffn_dim if moe else model.ffn_dim
+        moe = is_moe_block(model, i)
+        ffn = (model.moe_ffn_hidden or model.ffn_dim) if moe else model.ffn_dim
         experts = model.moe_experts if moe else 1
         sizes += [h, h * q, 2 * h * kv, q * h, h, experts * 2 * h * ffn, experts * ffn * h]
         if moe:
@@ -305,7 +304,7 @@ def _active_params(cfg: RunConfig) -> int:
     expert = 3 * h * (model.moe_ffn_hidden or model.ffn_dim)
     per_layer = []
     for i in range(model.n_layers):
-        moe = model.moe_experts and (i + 1) % model.moe_every == 0
+        moe = is_moe_block(model, i)
         ffn = model.moe_top_k * expert + (dense if model.moe_shared_expert else 0) if moe else dense
         per_layer.append(attention + ffn)
     return sum(per_layer) + h * model.vocab_size

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import yaml
 
 from keel.config import RunConfig
-from keel.data import load_tokenizer, resolve_tokenizer_path
+from keel.data import expected_vocab_size
 from keel.engine.distributed import init_distributed, setup_logging
 from keel.engine.ds_config import precision
 from keel.parallel import comm
@@ -45,9 +45,9 @@ def resolve_vocab_size(spec: RunSpec) -> None:
             (yaml.safe_load(saved.read_text()).get("model") or {}).get("vocab_size") or 0
         )
     if not model.vocab_size:
-        path = resolve_tokenizer_path(spec.cfg.data.tokenizer, spec.base_dir)
-        model.vocab_size = (
-            load_tokenizer(path).vocab_size if path else spec.cfg.data.tokenizer_vocab_size
+        data = spec.cfg.data
+        model.vocab_size = expected_vocab_size(
+            data.tokenizer, data.tokenizer_vocab_size, spec.base_dir
         )
 
 
