@@ -38,8 +38,12 @@ setup(
             "triton>=3.0",
             "megatron-core>=0.12",
             "pyarrow>=14",
-            "hypothesis>=6.100",
-        ],  # tests/faults/test_config_fuzz.py
+            "hypothesis>=6.100",  # tests/faults/test_config_fuzz.py
+            "torchao>=0.18,<0.19",  # tests/test_fp8*.py: model.fp8, emulated on CPU
+        ],
+        # model.fp8: torchao's FP8 and MX recipes; keel/adapters/torchao_internals.py reads its internals, verified
+        # on this range (a 3 MB wheel, only for FP8 runs, so not a core dependency)
+        "fp8": ["torchao>=0.18,<0.19"],
         "parquet": ["pyarrow>=14"],  # parquet corpora (a 55 MB wheel, so not a core dependency)
         "liger": ["liger-kernel>=0.8", "triton>=3.0"],  # model.kernels: auto picks it on CUDA
         "wandb": ["wandb>=0.16"],

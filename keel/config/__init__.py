@@ -31,6 +31,7 @@ from keel.config.rules import (
     validate_world_size,
 )
 from keel.config.schema import (
+    FP8_RECIPES,
     INITS,
     KERNELS,
     LR_SCHEDULES,
@@ -62,6 +63,7 @@ __all__ = [
     "LR_SCHEDULES",
     "MOE_DROP_POLICIES",
     "MOE_SCORINGS",
+    "FP8_RECIPES",
     "KERNELS",
     "NORM_PLACEMENTS",
     "NORMS",

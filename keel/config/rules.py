@@ -122,6 +122,7 @@ def validate(cfg: RunConfig, world_size: int) -> None:
         f"train.warmup_steps: {train.warmup_steps} must lie in [0, train.steps={train.steps}]",
     )
     validate_layout(cfg)
+    validate_mx_blocks(cfg)
     _require(
         parallel.pipeline_partition in PIPELINE_PARTITIONS
         or parallel.pipeline_partition.startswith("type:"),
@@ -282,7 +283,43 @@ def validate_model(model: ModelConfig) -> None:
         not model.deepnorm or model.norm_placement == "post",
         f"model.deepnorm: DeepNet is post-norm; set model.norm_placement: post (got {model.norm_placement!r})",
     )
+    _require(
+        model.fp8 == "off" or 2 * model.fp8_skip_blocks < model.n_layers,
+        f"model.fp8_skip_blocks: keeping the first and last {model.fp8_skip_blocks} of {model.n_layers} blocks in "
+        "high precision leaves none in FP8; lower it or set model.fp8=off",
+    )
     validate_moe(model)
+
+
+# elements per scale of the MX formats (keel/parallel/float8.py)
+MX_BLOCK = 32
+
+
+def validate_mx_blocks(cfg: RunConfig) -> None:
+    """model.fp8=mxfp8/mxfp4 scale blocks of 32 along each GEMM's reduction axis: every per-rank extent a GEMM
+    reduces over (its input features, output features and tokens) must hold whole blocks, so that no block is
+    cut by a shard (which would also make the numerics depend on the layout)."""
+    model, parallel, train = cfg.model, cfg.parallel, cfg.train
+    if not model.fp8.startswith("mx"):
+        return
+    tp = parallel.tp
+    kv_rows = model.n_kv_heads * model.head_dim
+    extents = {
+        "model.dim": model.dim,
+        "the query width per tp rank (n_heads·head_dim / tp)": model.n_heads * model.head_dim // tp,
+        "the feed-forward width per tp rank": model.ffn_dim // tp,
+        "tokens per micro-batch per sp rank (micro_batch_size·seq_len / sp)": (
+            train.micro_batch_size * cfg.data.seq_len // parallel.sp
+        ),
+    }
+    if model.n_kv_heads % tp == 0:  # replicated kv heads stay in high precision
+        extents["the k/v width per tp rank (n_kv_heads·head_dim / tp)"] = kv_rows // tp
+    for what, extent in extents.items():
+        _require(
+            extent % MX_BLOCK == 0,
+            f"model.fp8={model.fp8}: {what} is {extent}, not a multiple of the {MX_BLOCK}-element MX block; "
+            "change the widths, the batch or the layout, or use an FP8 recipe (tensorwise, rowwise)",
+        )
 
 
 def validate_moe(model: ModelConfig) -> None:

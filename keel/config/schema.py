@@ -22,6 +22,8 @@ from keel.config.yaml_text import parse_yaml
 # -- the values each choice field admits ------------------------------------------------------------------------
 NORMS = ("rmsnorm", "layernorm")
 KERNELS = ("auto", "liger", "torch")
+# off, torchao's three FP8 recipes, and the two microscaling formats (keel/parallel/float8.py)
+FP8_RECIPES = ("off", "tensorwise", "rowwise", "rowwise_gw_hp", "mxfp8", "mxfp4")
 INITS = ("normal", "truncated_normal", "small_init")
 NORM_PLACEMENTS = ("pre", "post", "sandwich")
 MOE_SCORINGS = ("softmax", "sigmoid")
@@ -47,6 +49,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "model.init": INITS,
     "model.norm_placement": NORM_PLACEMENTS,
     "model.kernels": KERNELS,
+    "model.fp8": FP8_RECIPES,
     "model.moe_scoring": MOE_SCORINGS,
     "model.moe_drop_policy": MOE_DROP_POLICIES,
     "train.lr_schedule": LR_SCHEDULES,
@@ -96,6 +99,11 @@ class ModelConfig:
     # torch.compile each block (torchtitan's per-block scheme): auto (where measured faster: CPU, fp32, dense,
     # tp = pp = sp = 1, ZeRO 0-2; keel/engine/compile_policy.py) | true | false
     compile: str = "auto"
+    # FP8 or MX compute in the blocks' linears through torchao (keel/parallel/float8.py; keel[fp8]): off |
+    # tensorwise | rowwise | rowwise_gw_hp | mxfp8 | mxfp4. Master weights and optimizer state are unchanged; the
+    # embedding, head, norms, router and routed experts stay in high precision
+    fp8: str = "off"
+    fp8_skip_blocks: int = 0  # the first and the last this many blocks stay in high precision
     # a Hugging Face LlamaForCausalLM directory (safetensors) to start from instead of random init: continued
     # pretraining (keel/model/hf_init.py); its config must match model.* ("" = random init)
     init_from: str = ""
@@ -276,6 +284,11 @@ class StabilityConfig:
     # (0: off)
     attn_logit_warn: float = 1e4
     attn_logit_growth: float = 0.0  # ... or above this factor × its first recorded value (0: off)
+    # model.fp8: the monitor's per-block fraction of an operand's non-zero values its FP8 casts put below the
+    # format's normal range (or zero), and the fraction they clip (keel/training/observe/fp8_health.py): warn
+    # above these (0: off)
+    fp8_underflow_warn: float = 0.05
+    fp8_saturation_warn: float = 0.001
     # MoE: per-layer expert load, dropped fraction, router entropy every N steps (0: off)
     expert_interval: int = 10
     # an expert under this fraction of the uniform share 1/E is starving ...
@@ -320,6 +333,11 @@ class FaultsConfig:
     save_stall_step: int = 0  # save_stall_rank stalls only in the save at this step (0: every save)
     # every rank exits at once (code 1, no cleanup) after this step: the job lost mid-run
     crash_step: int = 0
+    # from this step on, the attention input of block outlier_block (after its norm) carries one channel ×
+    # outlier_factor: an outlier feature that stretches an FP8 scale (the FP8 health warning names the block)
+    outlier_step: int = 0
+    outlier_block: int = 0
+    outlier_factor: float = 1e4
     # every rank waits before this step until pause_file exists (rank 0 first writes <pause_file>.reached): an
     # operator's action at a known point of the run (a remount, a deleted directory, a kill)
     pause_step: int = 0

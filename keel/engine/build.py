@@ -23,6 +23,7 @@ from keel.adapters.deepspeed_internals import (
     serve_group_requests,
 )
 from keel.adapters.torch_internals import check_torch
+from keel.adapters.torchao_internals import check_torchao
 from keel.config import RunConfig
 from keel.engine.compile_policy import should_compile
 from keel.engine.ds_config import precision, resolve_ds_config, zero_stage
@@ -33,6 +34,7 @@ from keel.engine.zero3_init import ZeRO3Placement
 from keel.model import CausalLM, compile_blocks, weight_decay_groups
 from keel.model.hf_init import load_hf_weights
 from keel.model.materialize import Placement
+from keel.model.precision import fp8_line
 from keel.parallel.grad_norm import clip_grad_norm_, global_grad_norm
 from keel.parallel.layer_parallel import LayerParallel
 from keel.parallel.topology import Topology
@@ -66,6 +68,9 @@ def build_model(
         topology, cfg.parallel.sequence_parallel, seed=cfg.train.seed
     )
     placement = placement_for(ds, topology)
+    if cfg.model.fp8 != "off":
+        check_torchao()  # one line naming what is missing, before any layer casts
+        log.info(fp8_line(cfg.model, parallel.tp.size))
     if cfg.parallel.pp > 1:
         module = build_pipeline(cfg, topology, parallel, placement)
         if cfg.model.init_from:

@@ -33,6 +33,8 @@ def should_compile(cfg: RunConfig, zero_stage: int, precision: str) -> tuple[boo
         reasons.append("CUDA (not measured yet)")
     if zero_stage == 3:
         reasons.append("ZeRO-3")
+    if cfg.model.fp8 != "off":
+        reasons.append(f"model.fp8={cfg.model.fp8} (not measured compiled)")
     if precision != "fp32":
         reasons.append(precision)
     if cfg.model.dim < MIN_DIM:

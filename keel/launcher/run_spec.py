@@ -15,6 +15,7 @@ from pathlib import Path
 import yaml
 
 import keel
+from keel.adapters import torchao_internals
 from keel.config import ConfigError, RunConfig, build_config, clamp_warmup, load_config, validate
 from keel.config.corpus_spec import weighted_sources
 from keel.config.yaml_text import dump_yaml, parse_yaml
@@ -85,6 +86,7 @@ def build_run(
     if clamped and os.environ.get("RANK", "0") == "0":
         print(f"keel: warning: {clamped}", file=sys.stderr, flush=True)
     validate(cfg, world_size)
+    _check_fp8(cfg)
     # relative to the config's directory, like the corpus; ranks may run elsewhere
     if cfg.model.init_from:
         cfg.model.init_from = str(resolve_path(cfg.model.init_from, *bases))
@@ -96,6 +98,10 @@ def build_run(
     return RunSpec(
         cfg, ds_raw, directory, base_dir=bases[0] if config_path else None, world_size=world_size
     )
+
+
+# model settings a resume may change: they change how a step computes, not any stored tensor
+RESUMABLE_MODEL_CHANGES = ("fp8", "fp8_skip_blocks")
 
 
 def _check_same_run(run_dir: Path, cfg: RunConfig) -> None:
@@ -116,11 +122,27 @@ def _check_same_run(run_dir: Path, cfg: RunConfig) -> None:
             key in ("bos_id", "eos_id", "pad_id") and value == -1
         ):
             continue  # resolved from the tokenizer later (prepare_data)
+        if key in RESUMABLE_MODEL_CHANGES:
+            if getattr(old.model, key) != value and os.environ.get("RANK", "0") == "0":
+                print(
+                    f"keel: model.{key} changes from {getattr(old.model, key)} to {value} on resume",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            continue
         if getattr(old.model, key) != value:
             raise ConfigError(
                 f"model.{key}={value} differs from {getattr(old.model, key)} in the existing run {run_dir}; "
                 "use a new --run-dir or checkpoint.resume=false"
             )
+
+
+def _check_fp8(cfg: RunConfig) -> None:
+    """model.fp8 needs a torchao Keel was verified with: say so before any rank starts."""
+    if cfg.model.fp8 != "off":
+        problem = torchao_internals.problem()
+        if problem is not None:
+            raise ConfigError(f"model.fp8={cfg.model.fp8}: {problem}, or set model.fp8=off")
 
 
 def _check_init_from(cfg: RunConfig) -> None:

@@ -16,6 +16,7 @@ from torch import nn
 from keel.config import ModelConfig
 from keel.model.document_mask import DocumentLayout
 from keel.model.kernels import resolve, rms_norm, rotary, silu_mul
+from keel.parallel.float8 import Float8Spec
 from keel.parallel.layer_parallel import NO_PARALLEL, LayerParallel
 from keel.parallel.tensor import (
     ColumnParallelLinear,
@@ -184,18 +185,29 @@ class Attention(nn.Module):
     attention itself runs on the whole sequence for heads / sp (keel/parallel/ulysses.py).
     """
 
-    def __init__(self, cfg: ModelConfig, parallel: LayerParallel = NO_PARALLEL) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        parallel: LayerParallel = NO_PARALLEL,
+        fp8: Float8Spec | None = None,
+    ) -> None:
         super().__init__()
         tp, sp = parallel.tp, parallel.sp
         self.head_dim = cfg.head_dim
         self.tp = tp
         kv_dim = cfg.n_kv_heads * cfg.head_dim
         self.kv_replicated = cfg.n_kv_heads % tp.size != 0
-        self.wq = ColumnParallelLinear(cfg.dim, cfg.n_heads * cfg.head_dim, tp)
+        self.wq = ColumnParallelLinear(cfg.dim, cfg.n_heads * cfg.head_dim, tp, fp8)
+        # replicated kv heads: each rank's k/v gradient is a partial sum (the other query heads' parts are on
+        # other ranks), and FP8 scales of partial sums are not one process's, so wkv stays in high precision
         self.wkv = FusedColumnParallelLinear(
-            cfg.dim, kv_dim, TPContext() if self.kv_replicated else tp, ("wk", "wv")
+            cfg.dim,
+            kv_dim,
+            TPContext() if self.kv_replicated else tp,
+            ("wk", "wv"),
+            None if self.kv_replicated else fp8,
         )
-        self.wo = RowParallelLinear(cfg.n_heads * cfg.head_dim, cfg.dim, tp)
+        self.wo = RowParallelLinear(cfg.n_heads * cfg.head_dim, cfg.dim, tp, fp8)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
         if cfg.qk_norm:
             self.q_norm = HeadNorm(cfg.head_dim, cfg.norm_eps, parallel, cfg.kernels)
@@ -303,13 +315,17 @@ class SwiGLU(nn.Module):
     """
 
     def __init__(
-        self, cfg: ModelConfig, parallel: LayerParallel = NO_PARALLEL, hidden: int | None = None
+        self,
+        cfg: ModelConfig,
+        parallel: LayerParallel = NO_PARALLEL,
+        hidden: int | None = None,
+        fp8: Float8Spec | None = None,
     ) -> None:
         super().__init__()
         self.tp = parallel.tp
         hidden = hidden or cfg.ffn_dim
-        self.w13 = FusedColumnParallelLinear(cfg.dim, hidden, self.tp, ("w1", "w3"))
-        self.w2 = RowParallelLinear(hidden, cfg.dim, self.tp)
+        self.w13 = FusedColumnParallelLinear(cfg.dim, hidden, self.tp, ("w1", "w3"), fp8)
+        self.w2 = RowParallelLinear(hidden, cfg.dim, self.tp, fp8)
         self.liger = resolve(cfg.kernels) == "liger"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,7 @@ from keel.model.kernels import fused_linear_cross_entropy
 from keel.model.kernels import resolve as resolve_kernels
 from keel.model.layers import Attention, SwiGLU, make_norm
 from keel.model.materialize import Placement
+from keel.model.precision import block_fp8
 from keel.model.router import is_moe_block
 from keel.parallel.cross_entropy import vocab_parallel_cross_entropy
 from keel.parallel.layer_parallel import NO_PARALLEL, LayerParallel
@@ -89,7 +90,8 @@ class Block(nn.Module):
         self.placement = cfg.norm_placement
         self.residual_scale = deepnorm_alpha(cfg) if cfg.deepnorm else 1.0
         self.attention_norm = make_norm(cfg, parallel)
-        self.attention = Attention(cfg, parallel)
+        fp8 = block_fp8(cfg, layer_id, parallel)
+        self.attention = Attention(cfg, parallel, fp8)
         self.ffn_norm = make_norm(cfg, parallel)
         sandwich = cfg.norm_placement == "sandwich"
         self.attention_out_norm = make_norm(cfg, parallel) if sandwich else None
@@ -100,9 +102,9 @@ class Block(nn.Module):
                 MoE,
             )
 
-            self.feed_forward = MoE(cfg, parallel, layer_id)
+            self.feed_forward = MoE(cfg, parallel, layer_id, fp8)
         else:
-            self.feed_forward = SwiGLU(cfg, parallel)
+            self.feed_forward = SwiGLU(cfg, parallel, fp8=fp8)
         # its sharded_rng: dropout on sequence shards (and found there by checkpoints)
         self.tp = parallel.tp
         self.dropout = nn.Dropout(cfg.dropout)

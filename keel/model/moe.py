@@ -30,6 +30,7 @@ from keel.parallel.experts import (
     mark_expert_param,
     register_expert_groups,
 )
+from keel.parallel.float8 import Float8Spec
 from keel.parallel.layer_parallel import NO_PARALLEL, LayerParallel
 from keel.parallel.tensor import enter, exit
 
@@ -97,7 +98,11 @@ class MoE(DeepSpeedMoE):
     """
 
     def __init__(
-        self, cfg: ModelConfig, parallel: LayerParallel = NO_PARALLEL, layer_id: int = 0
+        self,
+        cfg: ModelConfig,
+        parallel: LayerParallel = NO_PARALLEL,
+        layer_id: int = 0,
+        fp8: Float8Spec | None = None,
     ) -> None:
         # DeepSpeed's __init__ would build its own gate, experts and process groups
         nn.Module.__init__(self)
@@ -121,7 +126,8 @@ class MoE(DeepSpeedMoE):
                 mark_expert_param(param, ep.size)
                 # init draws each expert from its own stream (llama.py)
                 param.expert_id = first + offset
-        self.shared = SwiGLU(cfg, parallel) if cfg.moe_shared_expert else None
+        # `fp8` reaches the shared expert only: the routed experts stay in high precision (keel/model/precision.py)
+        self.shared = SwiGLU(cfg, parallel, fp8=fp8) if cfg.moe_shared_expert else None
         self.aux_grad_scale = 1.0  # set by the trainer: loss_scale / gradient_accumulation_steps
         # None: torch's grouped GEMM on CUDA in bf16, the expert loop elsewhere
         self.grouped_gemm: bool | None = None

@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from keel.parallel import comm
+from keel.parallel import comm, float8
+from keel.parallel.float8 import Float8Spec
 from keel.parallel.random import ShardedRNG
 
 SEQ_DIM = 1
@@ -165,10 +166,32 @@ def mark_sharded(param: nn.Parameter, dim: int, full_shape: tuple[int, ...], tp:
     param.tp_rank, param.tp_size = tp.rank, tp.size
 
 
-class ColumnParallelLinear(nn.Module):
-    """y_shard = x W_shardᵀ with W split along its output rows; input must already be in the TP region."""
+def _tp_group(tp: TPContext) -> comm.Group | None:
+    return tp.group if tp.size > 1 else None
 
-    def __init__(self, in_features: int, out_features: int, tp: TPContext) -> None:
+
+def _fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    fp8: Float8Spec | None,
+    k: comm.Group | None = None,
+    n: comm.Group | None = None,
+    probe: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x Wᵀ in high precision, or in `fp8`'s recipe with the groups splitting W's input (`k`) or output (`n`)
+    (`probe`: keel/parallel/float8.py `linear`)."""
+    if fp8 is None:
+        return F.linear(x, weight)
+    return float8.linear(x, weight, fp8, k=k, n=n, probe=probe)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y_shard = x W_shardᵀ with W split along its output rows; input must already be in the TP region.
+    `fp8`: the GEMMs' low-precision recipe (None: the weight's dtype)."""
+
+    def __init__(
+        self, in_features: int, out_features: int, tp: TPContext, fp8: Float8Spec | None = None
+    ) -> None:
         super().__init__()
         if out_features % tp.size:
             raise ValueError(
@@ -176,9 +199,11 @@ class ColumnParallelLinear(nn.Module):
             )
         self.weight = nn.Parameter(torch.empty(out_features // tp.size, in_features))
         mark_sharded(self.weight, 0, (out_features, in_features), tp)
+        self.fp8, self.tp_group = fp8, _tp_group(tp)
+        self.fp8_probe: torch.Tensor | None = None  # set by the monitor on its steps (FP8 health)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return _fp8_linear(x, self.weight, self.fp8, n=self.tp_group, probe=self.fp8_probe)
 
 
 class FusedColumnParallelLinear(nn.Module):
@@ -193,7 +218,12 @@ class FusedColumnParallelLinear(nn.Module):
     """
 
     def __init__(
-        self, in_features: int, out_features: int, tp: TPContext, part_names: tuple[str, ...]
+        self,
+        in_features: int,
+        out_features: int,
+        tp: TPContext,
+        part_names: tuple[str, ...],
+        fp8: Float8Spec | None = None,
     ) -> None:
         super().__init__()
         if out_features % tp.size:
@@ -205,21 +235,33 @@ class FusedColumnParallelLinear(nn.Module):
         )
         mark_sharded(self.weight, 1, (len(part_names), out_features, in_features), tp)
         self.weight.part_names = tuple(part_names)
+        self.fp8, self.tp_group = fp8, _tp_group(tp)
+        self.fp8_probe: torch.Tensor | None = None  # set by the monitor on its steps (FP8 health)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return fused_linear(x, self.weight)
+        return fused_linear(x, self.weight, self.fp8, self.tp_group, self.fp8_probe)
 
 
-def fused_linear(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """x times each part of a stacked [parts, out, in] weight, as one GEMM; the outputs split its last dim."""
+def fused_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    fp8: Float8Spec | None = None,
+    n: comm.Group | None = None,
+    probe: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """x times each part of a stacked [parts, out, in] weight, as one GEMM; the outputs split its last dim.
+    `n`: the group splitting the output rows (for `fp8`'s scales)."""
     parts = weight.shape[0]
-    return F.linear(x, weight.reshape(-1, weight.shape[-1])).chunk(parts, dim=-1)
+    out = _fp8_linear(x, weight.reshape(-1, weight.shape[-1]), fp8, n=n, probe=probe)
+    return out.chunk(parts, dim=-1)
 
 
 class RowParallelLinear(nn.Module):
     """Partial y = x_shard W_shardᵀ with W split along its input columns; the caller `exit`s the region."""
 
-    def __init__(self, in_features: int, out_features: int, tp: TPContext) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, tp: TPContext, fp8: Float8Spec | None = None
+    ) -> None:
         super().__init__()
         if in_features % tp.size:
             raise ValueError(
@@ -227,9 +269,11 @@ class RowParallelLinear(nn.Module):
             )
         self.weight = nn.Parameter(torch.empty(out_features, in_features // tp.size))
         mark_sharded(self.weight, 1, (out_features, in_features), tp)
+        self.fp8, self.tp_group = fp8, _tp_group(tp)
+        self.fp8_probe: torch.Tensor | None = None  # set by the monitor on its steps (FP8 health)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return _fp8_linear(x, self.weight, self.fp8, k=self.tp_group, probe=self.fp8_probe)
 
 
 def padded_vocab_size(vocab_size: int, multiple: int, tp_size: int) -> int:

@@ -277,6 +277,27 @@ def layouts(draw) -> tuple[dict[str, Any], int, dict[str, Any]]:
     values["faults.pause_file"] = pick.one(
         ["go", "/tmp/keel-fuzz-go"] + ([""] if not pause else [])
     )
+    # model.fp8: the MX formats need every per-rank GEMM extent a multiple of their 32-element block
+    head_dim = values["model.dim"] // n_heads
+    ffn = (
+        values["model.ffn_hidden"]
+        or -(-(8 * values["model.dim"] // 3) // values["model.ffn_multiple_of"])
+        * values["model.ffn_multiple_of"]
+    )
+    extents = [
+        values["model.dim"],
+        values["model.dim"] // tp,
+        ffn // tp,
+        micro * values["data.seq_len"] // sp,
+    ]
+    if kv % tp == 0:
+        extents.append(kv * head_dim // tp)
+    mx_fits = all(extent % 32 == 0 for extent in extents)
+    values["model.fp8"] = fp8 = pick.one(
+        ["off", "tensorwise", "rowwise", "rowwise_gw_hp"] + (["mxfp8", "mxfp4"] if mx_fits else [])
+    )
+    # some blocks must stay in FP8
+    values["model.fp8_skip_blocks"] = pick.int(0, (n_layers - 1) // 2 if fp8 != "off" else 8)
     stage = pick.one([0, 1] if pp > 1 else [0, 1, 2] if moe else [0, 1, 2, 3])
     plain = not moe and tp == pp == sp == 1 and stage < 3  # where model.compile=true is supported
     values["model.compile"] = pick.one(
