@@ -13,12 +13,19 @@ batches and model seed: how far the fp32 run's loss and gradient norm move when 
 rounding in that format, per step and as a multiple of u. At step 1 the change is linear in u; later it is not (the
 trajectories part). These set the mixed-precision bounds of tests/test_train_equivalence.py.
 
-    python bench/grad_norm_sensitivity.py
+Last, perturbations of 1e-7 to 3e-7 under model.fp8 (emulated): an FP8 cast rounds to 3 mantissa bits, so a
+value that an fp32 rounding moves across a rounding boundary moves by a whole FP8 step, and a parallel FP8 run
+parts from its reference faster than a high-precision one. Its losses and gradient norms after step 1 set the
+later-step bounds of tests/test_fp8_training.py.
+
+    python bench/grad_norm_sensitivity.py        # all of it
+    python bench/grad_norm_sensitivity.py fp8    # the FP8 part only
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 import sysconfig
 import tempfile
 from pathlib import Path
@@ -35,6 +42,8 @@ MOE_CFG = dataclasses.replace(CFG, moe_experts=4)  # tests/test_moe_training.py 
 STEPS, LR, WARMUP = 10, 0.01, 2
 GLOBAL_BATCH, MICRO_BATCH, SEQ = 8, 2, 32
 PERTURBATIONS = (1e-7, 3e-7)
+# FP8's response to a perturbation is a few rounding flips, so it is erratic in eps: more draws
+FP8_PERTURBATIONS = (1e-7, 1.5e-7, 2e-7, 2.5e-7, 3e-7)
 UNIT_ROUNDOFF = {"bf16": 2.0**-8, "fp16": 2.0**-11}  # 2^-p for p significand bits (8 and 11)
 
 
@@ -96,7 +105,29 @@ def test_batches(cache_dir: Path) -> list[list[torch.Tensor]]:
     ]
 
 
+def fp8_sensitivity(data: list[list[torch.Tensor]]) -> None:
+    """Largest |Δ| / value after step 1 of the FP8 reference's losses and gradient norms, weights perturbed."""
+    seed = RunConfig().train.seed
+    for recipe in ("tensorwise", "rowwise"):
+        for name, cfg in (("dense", CFG), ("moe", MOE_CFG)):
+            cfg = dataclasses.replace(cfg, fp8=recipe)
+            clean = train(cfg, seed, 0.0, data)
+            worst = [0.0, 0.0]
+            for eps in FP8_PERTURBATIONS:
+                for i, (got, want) in enumerate(zip(train(cfg, seed, eps, data), clean)):
+                    ratios = [abs(a - b) / b for a, b in zip(got, want)]
+                    worst[i] = max(worst[i], *ratios[1:])
+            print(
+                f"fp8 {recipe} {name}, tests' batches, weights × (1 + eps·N(0,1)), eps 1e-7 to 3e-7: largest "
+                f"after step 1: loss {worst[0]:.1e}, grad norm {worst[1]:.1e}"
+            )
+
+
 def main() -> None:
+    if sys.argv[1:] == ["fp8"]:
+        with tempfile.TemporaryDirectory() as cache_dir:
+            fp8_sensitivity(test_batches(Path(cache_dir)))
+        return
     with tempfile.TemporaryDirectory() as cache_dir:
         datasets = {
             "random tokens": random_batches(),
@@ -129,6 +160,7 @@ def main() -> None:
                 + " ".join(f"{r:.1e}" for r in ratios)
                 + f"; in units of u: step 1 {ratios[0] / u:.2g}, largest {max(ratios) / u:.2g}"
             )
+    fp8_sensitivity(data)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import torch
 
 from keel.adapters.deepspeed_internals import master_state, zero3_partition
 from keel.config import FaultsConfig
-from keel.model import EmbeddingLayer
+from keel.model import Block, EmbeddingLayer
 from keel.run_dir import ExitCode
 
 log = logging.getLogger("keel")
@@ -43,6 +43,19 @@ class FaultInjector:
         embedding = self._embedding()
         if cfg.nan_step and embedding is not None:
             self._handle = embedding.register_forward_hook(self._poison_hook)
+        self.step = 0
+        if cfg.outlier_step:
+            for module in self.model.modules():
+                if isinstance(module, Block) and module.layer_id == cfg.outlier_block:
+                    module.attention.register_forward_pre_hook(self._outlier_hook)
+
+    def _outlier_hook(self, module, args):
+        """The block's normalized attention input: channel 0 × outlier_factor from outlier_step on."""
+        if self.step < self.cfg.outlier_step:
+            return None
+        x = args[0].clone()
+        x[..., 0] *= self.cfg.outlier_factor
+        return (x, *args[1:])
 
     def _embedding(self) -> torch.nn.Module | None:
         return next((m for m in self.model.modules() if isinstance(m, EmbeddingLayer)), None)
@@ -79,6 +92,7 @@ class FaultInjector:
 
     def before_forward(self, step: int) -> None:
         faults = self.cfg
+        self.step = step
         if faults.pause_step == step:
             self._pause(step, Path(faults.pause_file))
         if faults.sleep_step == step and faults.sleep_rank == self.rank and faults.sleep_s > 0:

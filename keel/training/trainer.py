@@ -55,6 +55,7 @@ from keel.training.guards.state import CorruptStateGuard
 from keel.training.observe import timeline
 from keel.training.observe.attention_logits import AttentionLogitWarning
 from keel.training.observe.expert_health import ExpertHealth
+from keel.training.observe.fp8_health import Fp8HealthWarning
 from keel.training.observe.metrics import MetricsWriter
 from keel.training.observe.monitor import ModelMonitor
 from keel.training.observe.progress import run_progress
@@ -215,6 +216,7 @@ class Trainer:
         self._written: str | None = None
         self.monitor = ModelMonitor(engine, topology, cfg.stability.monitor_interval)
         self.attention_logits = AttentionLogitWarning(cfg.stability, self.anomalies)
+        self.fp8_health = Fp8HealthWarning(cfg.stability, self.anomalies)
         if self.is_pipeline:
             # train_batch leaves no gap between the last backward and the step
             self.monitor.attach(engine)
@@ -273,6 +275,7 @@ class Trainer:
             **self.experts.after_step(batch.step, applied=applied),
         }
         self.attention_logits.check(batch.step, record)
+        self.fp8_health.check(batch.step, record)
         return record, decision
 
     def _fetch(self, state: TrainState) -> StepBatch:

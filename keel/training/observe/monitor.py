@@ -35,6 +35,7 @@ from keel.model import Block
 from keel.parallel import comm
 from keel.parallel.topology import Topology
 from keel.training.observe.attention_logits import PREFIX, SUFFIX, AttentionLogitProbes
+from keel.training.observe.fp8_health import Fp8Probes
 
 
 # -- model monitor ----------------------------------------------------------------------------------------------
@@ -152,6 +153,7 @@ class ModelMonitor:
         self._probes = AttentionLogitProbes(
             self._blocks, total, next(self.module.parameters()).device
         )
+        self._fp8 = Fp8Probes(self._blocks, total, next(self.module.parameters()).device)
         self._partitioned = [self.engine is not None and is_partitioned(p) for _, p in self._params]
         # a replicated (not partitioned) parameter is split among its replicas: (index, parts) per parameter
         self._shares = [
@@ -168,6 +170,9 @@ class ModelMonitor:
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         # [layer] the largest attention logit (-inf: no attention here)
         self._logits: torch.Tensor | None = None
+        self._fp8_values: torch.Tensor | None = (
+            None  # [layer × operand × stat] (-1: no FP8 linear here)
+        )
         self._armed: int | None = None
         self._in_forward = False
         self._acts: torch.Tensor | None = None  # [layer, (tokens, sum, sum of squares, max-abs)]
@@ -202,6 +207,7 @@ class ModelMonitor:
         for index, block in self._blocks:
             self._hooks.append(block.register_forward_hook(self._activation_hook(index)))
         self._probes.arm()
+        self._fp8.arm()
 
     def _set_in_forward(self, value: bool) -> None:
         self._in_forward = value
@@ -225,6 +231,7 @@ class ModelMonitor:
 
     def _remove_hooks(self) -> None:
         self._probes.disarm()
+        self._fp8.disarm()
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
@@ -237,6 +244,7 @@ class ModelMonitor:
         if not self.is_monitor_step(step):
             return
         self._logits = self._probes.read()  # the forward passes are done: read before disarming
+        self._fp8_values = self._fp8.read()  # ...and the backward passes (the gradients' casts)
         self._remove_hooks()
         scale = self._loss_scale()
         per_layer: list[list[torch.Tensor]] = [[] for _ in self.names]
@@ -332,13 +340,17 @@ class ModelMonitor:
         summed = torch.cat(
             [grad_sq, grad_count, acts[:, :3].flatten(), param_sq.view(1), update_sq.view(1)]
         )
-        maxes = torch.cat([acts[:, 3], self._logits])
-        self._logits = None
+        maxes = torch.cat([acts[:, 3], self._logits, self._fp8_values])
+        self._logits = self._fp8_values = None
         world = self.topology.device("world")  # one sum for everything additive, one max
         comm.all_reduce(summed, world)
         comm.all_reduce(maxes, world, "max")
         values, maxes_list = summed.tolist(), maxes.tolist()  # the one device → host sync
-        maxes_list, logit_list = maxes_list[:n_layers], maxes_list[n_layers:]
+        maxes_list, logit_list, fp8_list = (
+            maxes_list[:n_layers],
+            maxes_list[n_layers : 2 * n_layers],
+            maxes_list[2 * n_layers :],
+        )
         grad_sq_list, counts = values[:n_layers], values[n_layers : 2 * n_layers]
         act_list = values[2 * n_layers : 5 * n_layers]
         total_param_sq, total_update_sq = values[-2], values[-1]
@@ -362,6 +374,7 @@ class ModelMonitor:
         for name, logit in zip(self.names, logit_list):
             if logit > float("-inf"):
                 out[f"{PREFIX}{name}{SUFFIX}"] = logit
+        out.update(Fp8Probes.record(self.names, fp8_list))
         return out
 
     def close(self) -> None:
