@@ -10,6 +10,10 @@
 #               curve a step-time model fits), and FP8 _scaled_mm (tensorwise, rowwise) on the same shapes.
 #   kernels     bench/kernels.py in bf16: RMSNorm, RoPE, SwiGLU, CE, linear+CE fwd+bwd time and peak memory, eager
 #               vs torch.compile vs Liger (liger-kernel from .whl: `pip download --no-deps liger-kernel -d .whl`).
+#   fp8         bench/fp8_throughput.py: a ~0.7B Llama at seq 4096, compiled, BF16 vs model.fp8 tensorwise and rowwise
+#               in one interleaved run: tokens/s ratios (target tensorwise >= 1.25x) and the losses of 200 steps.
+#               torchao from .whl (`pip download --no-deps torchao==0.18.0 -d .whl`). MX formats need Blackwell:
+#               on H100/H200 there is no MX stage.
 #   plan        bench/plan_gpu.py: `keel plan`'s best single-GPU layout for two ~1B models at seq 4096, trained a few
 #               steps: predicted vs measured tokens/s and peak memory.
 #   dense-z1 dense-z2 dense-z3 moe-z1 moe-z2
@@ -33,7 +37,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   export PYTHONPATH=/tmp/site:$PWD
 fi
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-$PWD}
-stages=${STAGES:-gpu-tests plan throughput gemm kernels dense-z1 dense-z2 dense-z3 moe-z1 moe-z2}
+stages=${STAGES:-gpu-tests fp8 plan throughput gemm kernels dense-z1 dense-z2 dense-z3 moe-z1 moe-z2}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
 python3 -c "import torch, deepspeed; print('torch', torch.__version__, 'deepspeed', deepspeed.__version__)"
 
@@ -114,6 +118,7 @@ for stage in $stages; do
     throughput) throughput 180 --profile-steps 2 | tee "$out/throughput.txt" ;;
     throughput-compile) throughput 240 --profile-steps 0 --compile | tee "$out/throughput_compile.txt" ;;
     gemm) gemm ;;
+    fp8) timeout 300 python3 bench/fp8_throughput.py 2>&1 | grep -v "^\[20" | tee "$out/fp8.txt" ;;
     plan) timeout 300 python3 bench/plan_gpu.py --device h200 2>&1 | grep -v "^\[20" | tee "$out/plan.txt" ;;
     kernels) kernels ;;
     dense-z1) train dense-z1 1 fp16 1 ;;

@@ -182,8 +182,8 @@ def _tp_worker(
         if local:
             for_group = float8._Casts.__init__
 
-            def no_groups(self, spec, groups):
-                for_group(self, spec, {})
+            def no_groups(self, spec, groups, *rest):
+                for_group(self, spec, {}, *rest)
 
             float8._Casts.__init__ = no_groups
         model = CausalLM(cfg, seed=3, parallel=parallel)

@@ -39,6 +39,12 @@ def _record(step: int) -> dict:
             f"L{layer}": {"tokens_per_expert": [10 * step, 20, 30 + layer, 40], "load_entropy": 0.9}
             for layer in (1, 3)
         }
+        # FP8 health of 2 blocks (fp8/<block>/<operand>/<stat>): block1's activations degrade at step 8
+        for block in (0, 1):
+            for operand in "xwg":
+                bad = block == 1 and operand == "x" and step >= 8
+                record[f"fp8/block{block}/{operand}/underflow"] = 0.7 if bad else 0.001
+                record[f"fp8/block{block}/{operand}/saturated"] = 0.0
     if step == 8:
         record["val_loss"] = 5.5
     return record
@@ -68,6 +74,15 @@ def live_run(tmp_path: Path) -> Path:
             "to_step": 10,
             "reason": "3 spikes",
         },
+        {
+            "kind": "fp8_health",
+            "step": 8,
+            "rank": 0,
+            "layer": "block1",
+            "operand": "input activations",
+            "stat": "underflow",
+            "fraction": 0.7,
+        },
     ]
     (run / "anomalies.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
     # two launches: the first started at t=990 (steps 1-9, the last two lost), the resume at t=1006
@@ -93,7 +108,7 @@ def test_synthetic_run_draws_every_plot_from_its_records(live_run, tmp_path, cap
     assert exit_info.value.code == 0
     stdout = capsys.readouterr().out
     assert (
-        "8 plot(s) (loss, lr, grad_norm, loss_scale, throughput, stragglers, experts, goodput)"
+        "9 plot(s) (loss, lr, grad_norm, loss_scale, throughput, stragglers, experts, fp8, goodput)"
         in stdout
     )
     assert "left out of metrics.jsonl: a partial last line (still being written)" in stdout
@@ -108,6 +123,7 @@ def test_synthetic_run_draws_every_plot_from_its_records(live_run, tmp_path, cap
                 "throughput",
                 "stragglers",
                 "experts",
+                "fp8",
                 "goodput",
             )
         ]
@@ -145,6 +161,13 @@ def test_synthetic_run_draws_every_plot_from_its_records(live_run, tmp_path, cap
     experts = plots["experts"]["layers"]
     assert list(experts) == ["L1", "L3"] and experts["L3"]["step"] == [4, 8, 12]
     assert experts["L3"]["share"][0] == pytest.approx([40 / 133, 20 / 133, 33 / 133, 40 / 133])
+    fp8 = plots["fp8"]
+    assert list(fp8["underflow"]) == ["input activations", "weights", "output gradients"]
+    assert fp8["underflow"]["input activations"]["block1"] == {
+        "step": [4, 8, 12],
+        "value": [0.001, 0.7, 0.7],
+    }
+    assert fp8["warned"] == [{"step": 8, "layer": "block1", "operand": "input activations"}]
     assert plots["throughput"]["tokens_per_s"]["value"] == [
         1000.0 + 10 * s for s in range(1, STEPS + 1)
     ]
@@ -184,7 +207,14 @@ def test_a_plot_without_data_is_skipped_with_its_reason(tmp_path):
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     report = write_report(run)
     assert report.out_dir == run / "report" and report.drawn == ["loss", "lr", "throughput"]
-    assert set(report.skipped) == {"grad_norm", "loss_scale", "stragglers", "experts", "goodput"}
+    assert set(report.skipped) == {
+        "grad_norm",
+        "loss_scale",
+        "stragglers",
+        "experts",
+        "fp8",
+        "goodput",
+    }
     text = (run / "report" / "report.md").read_text()
     assert "- status: finished" in text and "## Anomalies\n\nnone" in text
     assert (

@@ -128,24 +128,31 @@ def mm_config(config: Any) -> Any:
     )
 
 
-def mx_matmul(x: Any, weight: Any, element_dtype: Any, emulate: bool) -> Any:
-    """x @ weightᵀ with x, the weight and the gradients cast to MX blocks of 32 along each GEMM's reduction
-    dim (torchao's MX autograd function); `element_dtype` float8_e4m3fn (MXFP8) or float4_e2m1fn_x2 (MXFP4)."""
-    preference = get("KernelPreference")
+def mx_matmul_function() -> Any:
+    """`matmul(x, weight, element_dtype, emulate)`: x @ weightᵀ with x, the weight and the gradients cast to MX
+    blocks of 32 along each GEMM's reduction dim (torchao's MX autograd function); `element_dtype` float8_e4m3fn
+    (MXFP8) or float4_e2m1fn_x2 (MXFP4). torchao's pieces are resolved now, so a forward that torch.compile traces
+    finds no lookup in it."""
+    mx_mm, preference = get("mx_mm"), get("KernelPreference")
     dim0, dim1 = get("MXFP8Dim0CastKernelChoice"), get("MXFP8Dim1CastKernelChoice")
-    return get("mx_mm").apply(
-        x,
-        weight,
-        element_dtype,
-        element_dtype,
-        element_dtype,
-        32,
-        preference.EMULATED if emulate else preference.AUTO,
-        dim0.TORCH if emulate else dim0.TRITON,
-        dim1.TORCH if emulate else dim1.CUDA,
-        get("ScaleCalculationMode").RCEIL,
-        False,
-    )
+    rceil = get("ScaleCalculationMode").RCEIL
+
+    def matmul(x: Any, weight: Any, element_dtype: Any, emulate: bool) -> Any:
+        return mx_mm.apply(
+            x,
+            weight,
+            element_dtype,
+            element_dtype,
+            element_dtype,
+            32,
+            preference.EMULATED if emulate else preference.AUTO,
+            dim0.TORCH if emulate else dim0.TRITON,
+            dim1.TORCH if emulate else dim1.CUDA,
+            rceil,
+            False,
+        )
+
+    return matmul
 
 
 def mx_round_trip(t: Any, element_dtype: Any) -> Any:

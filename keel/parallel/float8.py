@@ -19,7 +19,8 @@ reduction axis; a block never spans ranks when each shard's extent is a multiple
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -34,6 +35,36 @@ _TORCHAO_RECIPE = {
 MX_BLOCK = 32
 
 
+@dataclass(frozen=True)
+class _Ops:
+    """The torchao pieces one recipe's casts use, resolved once: under torch.compile the forward and backward
+    are traced, and a lookup there (a cache, a lazy import) would break the graph at every linear."""
+
+    config: Any  # Float8LinearConfig
+    mm: Any  # LinearMMConfig
+    tensor_to_amax: Any
+    amax_to_scale: Any
+    to_float8: Any  # hp_tensor_and_scale_to_float8
+    disabled: Any  # ScalingType.DISABLED
+    tensorwise: Any  # ScalingGranularity.TENSORWISE
+    role: Any  # GemmInputRole
+
+
+@functools.cache  # immutable: one per recipe and mode
+def _ops(recipe: str, emulate: bool) -> _Ops:
+    config = ao.linear_config(_TORCHAO_RECIPE[recipe], emulate)
+    return _Ops(
+        config,
+        ao.mm_config(config),
+        ao.get("tensor_to_amax"),
+        ao.get("amax_to_scale"),
+        ao.get("hp_tensor_and_scale_to_float8"),
+        ao.get("ScalingType").DISABLED,
+        ao.get("ScalingGranularity").TENSORWISE,
+        ao.get("GemmInputRole"),
+    )
+
+
 @dataclass(frozen=True, eq=False)
 class Float8Spec:
     """How one layer's linears compute: the recipe, emulated or on FP8 hardware, and the group (if any) that
@@ -42,20 +73,24 @@ class Float8Spec:
     recipe: str
     emulate: bool = True
     tokens: comm.Group | None = None
+    # resolved when the layers are built, not at the first forward, which may be inside torch.compile's tracing
+    # (where importing torchao fails)
+    ops: _Ops | None = field(init=False, default=None)
+    mx_matmul: Any = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        if self.is_mx:
+            object.__setattr__(self, "mx_matmul", ao.mx_matmul_function())
+        else:
+            object.__setattr__(self, "ops", _ops(self.recipe, self.emulate))
 
     @property
     def is_mx(self) -> bool:
         return self.recipe.startswith("mx")
 
     def torchao_config(self):
-        return _torchao_config(self.recipe, self.emulate)
-
-
-@functools.cache  # immutable configs: one per recipe and mode
-def _torchao_config(recipe: str, emulate: bool) -> tuple:
-    """(Float8LinearConfig, LinearMMConfig) for a recipe."""
-    config = ao.linear_config(_TORCHAO_RECIPE[recipe], emulate)
-    return config, ao.mm_config(config)
+        """(Float8LinearConfig, LinearMMConfig) of an FP8 recipe."""
+        return self.ops.config, self.ops.mm
 
 
 def emulated(device: torch.device | str, recipe: str) -> bool:
@@ -116,7 +151,7 @@ def linear(
         element = torch.float8_e4m3fn if spec.recipe == "mxfp8" else torch.float4_e2m1fn_x2
         if probe is not None:
             _probe_mx(probe, x, weight, element)
-        return ao.mx_matmul(x, weight, element, spec.emulate)
+        return spec.mx_matmul(x, weight, element, spec.emulate)
     groups = {"m": spec.tokens, "k": k, "n": n}
     groups = {a: g for a, g in groups.items() if g is not None}
     return _Float8MatMul.apply(x, weight.t(), spec, groups, probe)
@@ -134,43 +169,45 @@ def _probe_mx(probe: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, elemen
 
 class _Casts:
     """The dynamic casts of one linear's GEMMs, each amax reduced over the groups of the axes its scale covers;
-    a scale that two casts share (same tensor, same covered axes, same dtype) is reduced once."""
+    a scale that two casts share (same tensor, same covered axes) is reduced once."""
 
     def __init__(
-        self, spec: Float8Spec, groups: dict[str, comm.Group], probe: torch.Tensor | None
+        self,
+        spec: Float8Spec,
+        groups: dict[str, comm.Group],
+        probe: torch.Tensor | None,
+        known: dict[tuple, torch.Tensor] | None = None,
     ) -> None:
-        self.config, self.mm = spec.torchao_config()
+        self.spec, self.ops, self.config = spec, spec.ops, spec.ops.config
         self.groups = groups
         self.probe = probe
-        self._amax: dict[tuple, torch.Tensor] = {}
+        # the forward's reduced amaxes, reused by the backward's casts of the same tensors (a fresh dict in each
+        # pass: under torch.compile a pass may mutate only what it created)
+        self.amax: dict[tuple, torch.Tensor] = dict(known or {})
 
     def __call__(self, t: torch.Tensor, name: str, axes: str, cast, role, dim: int):
         """`t` (2-D, its axes named by `axes`, e.g. "mk") cast by `cast` (a torchao CastConfig); `dim`: the axis
         an axiswise scale runs along (the reduced one)."""
-        scaling = ao.get("ScalingType")
-        if cast.scaling_type is scaling.DISABLED:
+        ops = self.ops
+        if cast.scaling_type is ops.disabled:
             return t
-        tensorwise = cast.scaling_granularity is ao.get("ScalingGranularity").TENSORWISE
+        tensorwise = cast.scaling_granularity is ops.tensorwise
         covered = axes if tensorwise else axes[dim]
         key = (name, covered)
-        amax = self._amax.get(key)
+        amax = self.amax.get(key)
         if amax is None:
-            amax = ao.get("tensor_to_amax")(
+            amax = ops.tensor_to_amax(
                 t, False, None, cast.scaling_granularity, None if tensorwise else dim
             )
             for axis in covered:
                 group = self.groups.get(axis)
                 if group is not None and group.active:
                     amax = comm.all_reduce(amax, group, "max")
-            self._amax[key] = amax
-        scale = ao.get("amax_to_scale")(
-            amax, cast.target_dtype, self.config.round_scales_to_power_of_2
-        )
+            self.amax[key] = amax
+        scale = ops.amax_to_scale(amax, cast.target_dtype, self.config.round_scales_to_power_of_2)
         if self.probe is not None:
             _record(self.probe, PROBE_ROLES.index(name), t, t.float() * scale, cast.target_dtype)
-        return ao.get("hp_tensor_and_scale_to_float8")(
-            t, scale, cast.target_dtype, self.mm, role, None if tensorwise else dim
-        )
+        return ops.to_float8(t, scale, cast.target_dtype, ops.mm, role, None if tensorwise else dim)
 
 
 class _Float8MatMul(torch.autograd.Function):
@@ -181,18 +218,18 @@ class _Float8MatMul(torch.autograd.Function):
     def forward(ctx, x, weight_t, spec, groups, probe):
         casts = _Casts(spec, groups, probe)
         ctx.save_for_backward(x, weight_t)
-        ctx.casts = casts
-        c, role = casts.config, ao.get("GemmInputRole")
+        c, role = casts.config, casts.ops.role
         x2 = x.reshape(-1, x.shape[-1])
         x8 = casts(x2, "x", "mk", c.cast_config_input, role.INPUT, -1)
         w8 = casts(weight_t, "w", "kn", c.cast_config_weight, role.WEIGHT, 0)
+        ctx.spec, ctx.groups, ctx.probe, ctx.amax = spec, groups, probe, casts.amax
         return torch.mm(x8, w8).reshape(*x.shape[:-1], weight_t.shape[1])
 
     @staticmethod
     def backward(ctx, grad):
         x, weight_t = ctx.saved_tensors
-        casts = ctx.casts
-        c, role = casts.config, ao.get("GemmInputRole")
+        casts = _Casts(ctx.spec, ctx.groups, ctx.probe, ctx.amax)
+        c, role = casts.config, casts.ops.role
         g2 = grad.reshape(-1, grad.shape[-1])
         x2 = x.reshape(-1, x.shape[-1])
         # grad_input = grad · W: reduced over n

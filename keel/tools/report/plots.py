@@ -202,6 +202,29 @@ def draw_experts(s: dict[str, Any]) -> bytes:
     return _png(fig)
 
 
+def draw_fp8(s: dict[str, Any]) -> bytes:
+    """One panel per operand: each FP8 block's fraction of values below the format's normal range (solid) and
+    clipped (dotted) at every monitor step; the FP8 health warnings marked."""
+    plt = _pyplot()
+    operands = list(s["underflow"])
+    fig, axes = plt.subplots(
+        len(operands), 1, figsize=(SIZE[0], SIZE[1] * 0.8 * len(operands)), squeeze=False
+    )
+    for ax, operand in zip((row[0] for row in axes), operands):
+        for i, (block, column) in enumerate(s["underflow"][operand].items()):
+            ax.plot(
+                *_points(column), "o-", markersize=3, linewidth=1, color=f"C{i % 10}", label=block
+            )
+            clipped = s["saturated"].get(operand, {}).get(block)
+            if clipped and any(v for v in clipped["value"] if v):
+                ax.plot(*_points(clipped), ":", linewidth=1, color=f"C{i % 10}")
+        warned = [w["step"] for w in s["warned"] if w["operand"] == operand]
+        _mark_steps(ax, warned, "FP8 health warning", "C3", "--")
+        _finish(ax, f"FP8 {operand}: below the normal range (solid), clipped (dotted)", "fraction")
+    fig.tight_layout()
+    return _png(fig)
+
+
 # goodput's kinds of time, in one color each (productive first)
 GOODPUT_COLORS = {
     "productive": "C2",
@@ -248,5 +271,6 @@ DRAW: dict[str, Callable[[dict[str, Any]], bytes]] = {
     "throughput": draw_throughput,
     "stragglers": draw_stragglers,
     "experts": draw_experts,
+    "fp8": draw_fp8,
     "goodput": draw_goodput,
 }

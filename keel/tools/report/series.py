@@ -185,6 +185,46 @@ def experts_series(run: RunRecords) -> dict | Skipped:
     }
 
 
+# the model monitor's FP8 health (keel/training/observe/fp8_health.py): fp8/<block>/<operand>/<stat>
+FP8_PREFIX = "fp8/"
+FP8_OPERANDS = {"x": "input activations", "w": "weights", "g": "output gradients"}
+
+
+def fp8_series(run: RunRecords) -> dict | Skipped:
+    """Per operand, each FP8 block's fraction of values below the format's normal range (and clipped), at every
+    monitor step; the blocks the FP8 health warning named."""
+    records = run.metrics.records
+    keys = sorted({k for r in records for k in r if k.startswith(FP8_PREFIX)})
+    if not keys:
+        return Skipped(
+            "no FP8 health in metrics.jsonl (model.fp8=off, or no monitor step yet: "
+            "stability.monitor_interval)"
+        )
+    out: dict[str, dict[str, dict[str, dict[str, list]]]] = {}
+    for key in keys:
+        block, operand, stat = key[len(FP8_PREFIX) :].rsplit("/", 2)
+        per_block = out.setdefault(stat, {}).setdefault(FP8_OPERANDS.get(operand, operand), {})
+        per_block[block] = _column(records, key)
+    order = list(
+        FP8_OPERANDS.values()
+    )  # activations, weights, gradients; blocks in the model's order
+    for name, stat in out.items():
+        out[name] = {
+            operand: dict(sorted(stat[operand].items(), key=lambda kv: _layer_order(kv[0])))
+            for operand in sorted(stat, key=lambda o: order.index(o) if o in order else len(order))
+        }
+    warned = [
+        {"step": e["step"], "layer": e.get("layer"), "operand": e.get("operand")}
+        for e in run.anomalies.records
+        if e.get("kind") == "fp8_health"
+    ]
+    return {
+        "underflow": out.get("underflow", {}),
+        "saturated": out.get("saturated", {}),
+        "warned": warned,
+    }
+
+
 def goodput_series(run: RunRecords) -> dict | Skipped:
     """Where the run's wall time went, from its first launch (keel/run_dir/goodput.py): the totals, and
     the spans over wall time, adjacent spans of one kind merged to the plot's resolution (1/1000 of the wall)."""
@@ -224,6 +264,7 @@ SERIES = {
     "throughput": throughput_series,
     "stragglers": stragglers_series,
     "experts": experts_series,
+    "fp8": fp8_series,
     "goodput": goodput_series,
 }
 

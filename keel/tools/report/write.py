@@ -113,6 +113,7 @@ TITLES = {
     "throughput": "Throughput and step time",
     "stragglers": "Slowest and fastest rank",
     "experts": "MoE expert load",
+    "fp8": "FP8 health",
     "goodput": "Goodput: where the wall time went",
 }
 
