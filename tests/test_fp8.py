@@ -227,3 +227,47 @@ def _tp_worker(
 )
 def test_tensor_parallel_fp8_equals_one_process_fp8(recipe, world, kv_heads, sp, local):
     start_world(_tp_worker, (world, free_port(), recipe, kv_heads, sp, local), world)
+
+
+def test_a_missing_torchao_piece_is_named_in_one_line(monkeypatch):
+    """An upgrade that moved one of the internals Keel reads fails with its name, not deep in a forward."""
+    monkeypatch.setattr(
+        torchao_internals,
+        "INTERNALS",
+        [*torchao_internals.INTERNALS, ("torchao.float8", "NoSuchThing")],
+    )
+    torchao_internals._load.cache_clear()
+    try:
+        assert torchao_internals.problem() == (
+            "the installed torchao has no torchao.float8.NoSuchThing (AttributeError), which Keel's FP8 "
+            "path needs: pip install 'keel[fp8]'"
+        )
+    finally:
+        monkeypatch.undo()
+        torchao_internals._load.cache_clear()
+    assert torchao_internals.problem() is None
+
+
+def test_fp8_without_torchao_stops_before_launch(monkeypatch, tmp_path):
+    from keel.launcher.run_spec import build_run
+
+    monkeypatch.setattr(
+        torchao_internals, "problem", lambda: "torchao is not installed: pip install 'keel[fp8]'"
+    )
+    with pytest.raises(ConfigError) as err:
+        build_run(None, ["model.fp8=rowwise"], None, str(tmp_path / "run"), 1)
+    assert str(err.value) == (
+        "model.fp8=rowwise: torchao is not installed: pip install 'keel[fp8]', or set model.fp8=off"
+    )
+    build_run(None, ["model.fp8=off"], None, str(tmp_path / "run"), 1)  # off needs no torchao
+
+
+def test_mx_blocks_must_fit_every_shard():
+    from keel.config import RunConfig, validate
+
+    cfg = RunConfig()
+    cfg.model.fp8 = "mxfp8"
+    validate(cfg, 1)  # the default model: dim 128, head_dim 32, ffn 352, 4 × 128 tokens
+    cfg.parallel.tp = 2
+    with pytest.raises(ConfigError, match="the feed-forward width per tp rank is 176"):
+        validate(cfg, 2)
