@@ -288,3 +288,24 @@ def test_an_fp8_block_traces_as_one_graph_and_computes_what_eager_does(recipe):
     traced = torch.compile(block, backend="aot_eager")(x)
     traced.sum().backward()
     assert torch.equal(traced, y) and torch.equal(x.grad, eager_grad)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "mxfp8", "mxfp4"])
+def test_the_probe_sees_an_outlier_flatten_its_operand(recipe):
+    """An outlier in every row (the rows' scale, and the first MX block of each) pushes that scale's other values
+    under the format's normal range: the probe's underflow rises for the input, not for the clean weight. mxfp4
+    has one mantissa bit and 2.6 normal binades: ~40% of a clean block is below its normal range already."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 64, generator=gen)
+    w = torch.randn(32, 64, generator=gen)
+    clean, spiked = float8.new_probe("cpu"), float8.new_probe("cpu")
+    float8.linear(x, w, Float8Spec(recipe), probe=clean)
+    x[:, 0] *= 1e5
+    float8.linear(x, w, Float8Spec(recipe), probe=spiked)
+    x_row, w_row = float8.PROBE_ROLES.index("x"), float8.PROBE_ROLES.index("w")
+    underflow = float8.PROBE_STATS.index("underflow")
+    if recipe != "mxfp4":
+        assert clean[x_row, underflow] < 0.01 and clean[w_row, underflow] < 0.01, clean
+    assert spiked[x_row, underflow] > clean[x_row, underflow] + 0.25, (clean, spiked)
+    assert spiked[w_row, underflow] == clean[w_row, underflow]
+    assert (spiked[:, float8.PROBE_STATS.index("saturated")] == 0).all()

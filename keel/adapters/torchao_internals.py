@@ -31,7 +31,6 @@ INTERNALS = [
     ("torchao.float8.float8_utils", "tensor_to_amax"),
     ("torchao.float8.float8_utils", "amax_to_scale"),
     ("torchao.prototype.moe_training.mxfp8_linear", "mx_mm"),
-    ("torchao.prototype.mx_formats.mx_tensor", "MXTensor"),
     ("torchao.prototype.mx_formats.config", "MXFP8Dim0CastKernelChoice"),
     ("torchao.prototype.mx_formats.config", "MXFP8Dim1CastKernelChoice"),
     ("torchao.prototype.mx_formats.config", "ScaleCalculationMode"),
@@ -153,15 +152,3 @@ def mx_matmul_function() -> Any:
         )
 
     return matmul
-
-
-def mx_round_trip(t: Any, element_dtype: Any) -> Any:
-    """`t` [..., k] cast to MX blocks of 32 along its last dim and back (the values its GEMM reads)."""
-    mx = get("MXTensor").to_mx(
-        t.reshape(-1, t.shape[-1]).contiguous(),
-        element_dtype,
-        32,
-        get("ScaleCalculationMode").RCEIL,
-        get("KernelPreference").EMULATED,
-    )
-    return mx.dequantize(t.dtype).reshape(t.shape)

@@ -32,7 +32,6 @@ _TORCHAO_RECIPE = {
     "rowwise": "rowwise",
     "rowwise_gw_hp": "rowwise_with_gw_hp",
 }
-MX_BLOCK = 32
 
 
 @dataclass(frozen=True)
@@ -118,21 +117,26 @@ def new_probe(device: torch.device | str) -> torch.Tensor:
 
 @torch.no_grad()
 def _record(
-    probe: torch.Tensor, role: int, t: torch.Tensor, scaled: torch.Tensor, dtype: torch.dtype
+    probe: torch.Tensor,
+    role: int,
+    t: torch.Tensor,
+    scaled: torch.Tensor,
+    dtype: torch.dtype | None,
+    smallest_normal: float = 0.0,
 ) -> None:
     """Fold one cast's fractions into `probe[role]`: `t` in high precision, `scaled` = t × its scale, before the
-    cast to the FP8 `dtype` — or, for the MX formats (`dtype` t's own), the values the GEMM reads."""
+    cast to the FP8 `dtype` (None: an MX element format, whose scales never clip, normal from `smallest_normal`)."""
     nonzero = t != 0
-    if dtype.itemsize == 1:
+    magnitude = scaled.abs()
+    if dtype is not None:
         finfo = torch.finfo(dtype)
-        magnitude = scaled.abs()
+        smallest_normal = finfo.smallest_normal
         # clipped by more than rounding (the amax itself lands on max only up to fp32 rounding of its scale)
         saturated = (magnitude > finfo.max * (1 + finfo.eps / 2)).float().mean()
-        # below the normal range: kept with fewer mantissa bits, or flushed to zero
-        lost = magnitude < finfo.smallest_normal
-    else:  # MX: only the zeros are visible after the round trip
+    else:
         saturated = torch.zeros((), device=t.device)
-        lost = scaled == 0
+    # below the normal range: kept with fewer mantissa bits, or flushed to zero
+    lost = magnitude < smallest_normal
     underflow = (lost & nonzero).float().sum() / nonzero.sum().clamp(min=1)
     torch.maximum(probe[role], torch.stack([saturated, underflow]), out=probe[role])
 
@@ -157,14 +161,22 @@ def linear(
     return _Float8MatMul.apply(x, weight.t(), spec, groups, probe)
 
 
+# the MX element formats: (largest magnitude, smallest normal magnitude)
+_MX_ELEMENTS = {torch.float8_e4m3fn: (448.0, 2.0**-6), torch.float4_e2m1fn_x2: (6.0, 1.0)}
+
+
+@torch.no_grad()
 def _probe_mx(probe: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, element) -> None:
-    """The MX GEMMs cast inside torchao's autograd function, so the probe casts the forward operands once more
-    (monitor steps only). MX scales are powers of two rounded up from each block's amax, so nothing saturates:
-    underflow is what they show. Gradients are not probed on this path."""
-    with torch.no_grad():
-        for role, t in ((0, x), (1, weight)):
-            # the round trip is already in the format: its zeros are the underflow
-            _record(probe, role, t, ao.mx_round_trip(t.detach(), element), t.dtype)
+    """The MX GEMMs cast inside torchao's autograd function, so the probe scales the forward operands itself, as
+    torchao's RCEIL mode does: each block of 32 along the reduction axis by the power of two that brings its amax
+    to at most the element format's maximum (monitor steps only). Rounding the scale up means nothing clips; the
+    values below the element format's normal range are what it shows. Gradients are not probed on this path."""
+    top, smallest_normal = _MX_ELEMENTS[element]
+    for role, t in ((0, x), (1, weight)):
+        blocks = t.detach().float().reshape(-1, 32)
+        amax = blocks.abs().amax(dim=1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
+        scale = torch.exp2(torch.ceil(torch.log2(amax / top)))
+        _record(probe, role, blocks, blocks / scale, None, smallest_normal)
 
 
 class _Casts:

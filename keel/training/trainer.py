@@ -216,7 +216,7 @@ class Trainer:
         self._written: str | None = None
         self.monitor = ModelMonitor(engine, topology, cfg.stability.monitor_interval)
         self.attention_logits = AttentionLogitWarning(cfg.stability, self.anomalies)
-        self.fp8_health = Fp8HealthWarning(cfg.stability, self.anomalies)
+        self.fp8_health = Fp8HealthWarning(cfg.stability, self.anomalies, cfg.model.fp8)
         if self.is_pipeline:
             # train_batch leaves no gap between the last backward and the step
             self.monitor.attach(engine)

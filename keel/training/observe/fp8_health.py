@@ -92,9 +92,11 @@ class Fp8HealthWarning:
     `stability.fp8_underflow_warn`, or the fraction it clips passes `stability.fp8_saturation_warn`. The values
     are the same on every rank (reduced by the monitor), so every rank decides alike; rank 0 writes the anomaly."""
 
-    def __init__(self, stability: StabilityConfig, anomalies: AnomalyLog) -> None:
+    def __init__(self, stability: StabilityConfig, anomalies: AnomalyLog, recipe: str) -> None:
         self.limits = {
-            "underflow": stability.fp8_underflow_warn,
+            # mxfp4 (one mantissa bit, 2.6 normal binades) keeps ~40% of a clean block below its normal range:
+            # its fractions are recorded and plotted, but no fixed threshold tells a clean block from a bad one
+            "underflow": 0.0 if recipe == "mxfp4" else stability.fp8_underflow_warn,
             "saturated": stability.fp8_saturation_warn,
         }
         self.anomalies = anomalies
