@@ -273,8 +273,8 @@ def test_mx_blocks_must_fit_every_shard():
         validate(cfg, 2)
 
 
-@pytest.mark.slow  # dynamo's tracing: ~10 s a recipe on 2 cores
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "mxfp8"])
+@pytest.mark.slow  # dynamo's tracing: ~10 s a recipe on 2 cores; rowwise takes tensorwise's path
+@pytest.mark.parametrize("recipe", ["tensorwise", "mxfp8"])
 def test_an_fp8_block_traces_as_one_graph_and_computes_what_eager_does(recipe):
     """model.compile: the FP8 casts, amax reductions and GEMMs trace without a graph break (torchao's pieces are
     resolved when the block is built), and the traced block's output and input gradient equal eager's."""
