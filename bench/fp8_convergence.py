@@ -5,7 +5,7 @@ precision, in fp32, and once per `model.fp8` recipe, and compares each final los
 — with BF16's and fp32's. Targets (issue 30): tensorwise and rowwise within 1.5% of BF16, mxfp8 within 2%; mxfp4
 is measured, with no target. The FP8 runs keep fp32 outside their GEMMs (`--engine fp32`, the default) or run on
 the BF16 engine (`--engine bf16`): a CPU without native BF16 emulates it at several times fp32's cost, so the
-default keeps one BF16 run. Writes the loss curves (a PNG beside the markdown) and the table:
+default keeps one BF16 run. Writes the table and the loss curves (every 20 steps) as markdown:
 
     python bench/fp8_convergence.py [--steps 300] [--nproc 2] [--engine fp32|bf16] [--out ...md]
 """
@@ -105,23 +105,6 @@ def main() -> None:
     for step in range(20, args.steps + 1, 20):
         row = " | ".join(f"{curves[n][step - 1]:.4f}" for n in names)
         lines.append(f"| {step} | {row} |")
-    png = args.out.with_suffix(".png")
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(8, 5))
-        for name, losses in curves.items():
-            ax.plot(range(1, len(losses) + 1), losses, label=name, lw=1)
-        ax.set(xlabel="step", ylabel="loss", title="FP8 recipes vs BF16 (emulated, CPU)")
-        ax.set_ylim(top=min(8.5, max(c[0] for c in curves.values())))
-        ax.legend()
-        fig.savefig(png, dpi=100)
-        lines += ["", f"Curves: `{png.name}`."]
-    except ImportError:
-        pass
     args.out.write_text("\n".join(lines) + "\n")
     print(args.out.read_text())
 
