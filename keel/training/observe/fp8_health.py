@@ -43,11 +43,6 @@ class Fp8Probes:
         self.n_layers_total = n_layers_total
         self.device = device
 
-    @property
-    def width(self) -> int:
-        """Values per layer in `read`'s flattened result."""
-        return len(PROBE_ROLES) * len(PROBE_STATS)
-
     def arm(self) -> None:
         for _, module in self.linears:
             module.fp8_probe = new_probe(self.device)
@@ -74,15 +69,13 @@ class Fp8Probes:
     @staticmethod
     def record(names: list[str], values: list[float]) -> dict[str, float]:
         """The metrics record's `fp8/<layer>/<role>/<stat>` entries from `read`'s reduced values."""
-        out = {}
         width = len(PROBE_ROLES) * len(PROBE_STATS)
+        out = {}
         for index, name in enumerate(names):
             row = values[index * width : (index + 1) * width]
-            if not row or row[0] < 0:
-                continue
-            for r, role in enumerate(PROBE_ROLES):
-                for s, stat in enumerate(PROBE_STATS):
-                    out[f"{PREFIX}{name}/{role}/{stat}"] = row[r * len(PROBE_STATS) + s]
+            if row and row[0] >= 0:  # -1: no rank holds an FP8 linear of this layer
+                keys = (f"{PREFIX}{name}/{r}/{s}" for r in PROBE_ROLES for s in PROBE_STATS)
+                out.update(zip(keys, row))
         return out
 
 
