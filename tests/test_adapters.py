@@ -398,10 +398,16 @@ def test_torch_internals_are_present_and_named_when_missing(monkeypatch):
         check_torch()
     assert "\n" not in str(info.value)
     monkeypatch.undo()
-    name, _, _ = TORCH_INTERNALS[-1]
+    name, _, _ = TORCH_INTERNALS[-2]
     assert name.endswith("_hash_ranks_to_str")
     monkeypatch.setattr("keel.adapters.torch_internals._names_groups_by_hash", lambda: False)
     with pytest.raises(RuntimeError, match=f"no `{name}`"):
+        check_torch()
+    monkeypatch.undo()
+    name, _, _ = TORCH_INTERNALS[-1]
+    assert "flash_attention_for_cpu" in name
+    monkeypatch.setattr("keel.adapters.torch_internals._has_lse_attention", lambda: False)
+    with pytest.raises(RuntimeError, match=re.escape(f"no `{name}`")):
         check_torch()
 
 

@@ -146,11 +146,11 @@ def test_bad_ds_config(ds, field, tmp_path):
 @pytest.mark.parametrize(
     "world, sizes, message",
     [
-        (2, dict(tp=4), "parallel: world size 2 is not divisible by tp×pp×sp = 4"),
+        (2, dict(tp=4), "parallel: world size 2 is not divisible by tp×pp×cp×sp = 4"),
         (
             6,
             dict(tp=2, ep=2),
-            "parallel.ep=2 must divide the data-parallel size 3 (world size 6 / tp×pp×sp 2)",
+            "parallel.ep=2 must divide the data-parallel size 3 (world size 6 / tp×pp×cp×sp 2)",
         ),
     ],
 )
@@ -226,7 +226,7 @@ def test_tiny_yaml_is_the_builtin_default():
 @pytest.mark.parametrize(
     "nproc, sets, message",
     [
-        (2, ["parallel.tp=4"], "parallel: world size 2 is not divisible by tp×pp×sp = 4"),
+        (2, ["parallel.tp=4"], "parallel: world size 2 is not divisible by tp×pp×cp×sp = 4"),
         (
             6,
             ["parallel.tp=6", "model.n_heads=12", "model.n_kv_heads=4", "model.dim=96"],

@@ -30,6 +30,14 @@ def _names_groups_by_hash() -> bool:
     )
 
 
+def _has_lse_attention() -> bool:
+    names = (
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_flash_attention_for_cpu_backward",
+    )
+    return all(hasattr(torch.ops.aten, name) for name in names)
+
+
 # (what, the public API that is missing, is it still there?)
 INTERNALS = [
     (
@@ -51,6 +59,12 @@ INTERNALS = [
         "torch.distributed.distributed_c10d._hash_ranks_to_str",
         "a group name every member computes alike under use_local_synchronization",
         lambda: _names_groups_by_hash(),
+    ),
+    (
+        "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(_backward)",
+        "an SDPA call that returns the log-sum-exp, and a backward that takes the merged output and log-sum-exp "
+        "(context parallel's ring attention merges blocks by it)",
+        lambda: _has_lse_attention(),
     ),
 ]
 
@@ -107,3 +121,31 @@ def groups_named_by_their_ranks(purpose: str = "keel") -> Iterator[None]:
         yield
     finally:
         c10d._hash_ranks_to_str = original
+
+
+def cpu_attention_with_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """SDPA's CPU flash kernel on [b, heads, s, d] (equal head counts): (output, log-sum-exp [b, heads, s] fp32).
+    `mask`: additive, in q's dtype, broadcastable to [b, heads, s_q, s_k]. A query row with every key masked comes
+    back with output 0 and log-sum-exp 0 (not -inf): the caller marks such rows."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, causal, attn_mask=mask
+    )
+
+
+def cpu_attention_with_lse_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    mask: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of one block given the attention's merged `out` and `lse` over every block (flash
+    backward recomputes the probabilities as exp(q·kᵀ - lse), so a block's share comes out exact)."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_out, q, k, v, out, lse, 0.0, causal, attn_mask=mask
+    )

@@ -120,6 +120,7 @@ BOUNDS: dict[str, Bound] = {
     "parallel.virtual_stages": at_least(2),
     "parallel.ep": at_least(1),
     "parallel.sp": at_least(1),
+    "parallel.cp": at_least(1),
     # checkpoint
     "checkpoint.interval": at_least(0, "0: only at the end"),
     "checkpoint.keep_last": at_least(1),

@@ -115,7 +115,7 @@ def validate(cfg: RunConfig, world_size: int) -> None:
         not data.document_mask or (parallel.pp == 1 and parallel.sp == 1),
         f"data.document_mask with parallel.pp={parallel.pp}, sp={parallel.sp}: the mask is built from the "
         "tokens in the model's forward, which pipeline stages and Ulysses shards do not see whole; use pp=1 "
-        "and sp=1",
+        "and sp=1 (context parallel, parallel.cp, keeps document masking)",
     )
     _require(
         train.warmup_steps <= train.steps,
@@ -152,7 +152,7 @@ def validate(cfg: RunConfig, world_size: int) -> None:
         f"parallel.pp={parallel.pp}: more pipeline stages than the {cfg.model.n_layers + 3} layers to split",
     )
     dp = validate_world_size(
-        world_size, tp=parallel.tp, pp=parallel.pp, sp=parallel.sp, ep=parallel.ep
+        world_size, tp=parallel.tp, pp=parallel.pp, sp=parallel.sp, ep=parallel.ep, cp=parallel.cp
     )
     validate_batch_split(train, dp)
     first_batch = min(train.rampup_start_batch or train.global_batch_size, train.global_batch_size)
@@ -384,22 +384,24 @@ def validate_batch_split(train: TrainConfig, dp: int) -> None:
 
 
 # -- the parallel layout ---------------------------------------------------------------------------------------
-def validate_world_size(world_size: int, tp: int = 1, pp: int = 1, sp: int = 1, ep: int = 1) -> int:
-    """The world factors into tp×pp×sp model-parallel ranks times a data-parallel size that ep divides; returns
+def validate_world_size(
+    world_size: int, tp: int = 1, pp: int = 1, sp: int = 1, ep: int = 1, cp: int = 1
+) -> int:
+    """The world factors into tp×pp×cp×sp model-parallel ranks times a data-parallel size that ep divides; returns
     that data-parallel size. Also called by `keel.parallel.topology.GridShape`, whose world size comes from the
     process group (an external launcher, a resumed job on fewer nodes, a test or benchmark) and may never have
     passed through `validate`."""
     _require(world_size >= 1, f"world size must be >= 1, got {world_size}")
-    model_parallel = tp * pp * sp
+    model_parallel = tp * pp * cp * sp
     dp = world_size // model_parallel
     _require(
         world_size % model_parallel == 0,
-        f"parallel: world size {world_size} is not divisible by tp×pp×sp = {model_parallel}",
+        f"parallel: world size {world_size} is not divisible by tp×pp×cp×sp = {model_parallel}",
     )
     _require(
         dp % ep == 0,
         f"parallel.ep={ep} must divide the data-parallel size {dp} "
-        f"(world size {world_size} / tp×pp×sp {model_parallel})",
+        f"(world size {world_size} / tp×pp×cp×sp {model_parallel})",
     )
     return dp
 
@@ -442,6 +444,7 @@ def unsupported_compile_layout(cfg: RunConfig) -> list[str]:
             ("parallel.tp", parallel.tp > 1),
             ("parallel.pp", parallel.pp > 1),
             ("parallel.sp", parallel.sp > 1),
+            ("parallel.cp", parallel.cp > 1),
         )
         if on
     ]
@@ -455,7 +458,7 @@ def validate_compile(cfg: RunConfig) -> None:
     unsupported = unsupported_compile_layout(cfg)
     _require(
         not unsupported,
-        f"model.compile: supported for dense models with parallel.tp = pp = sp = 1 "
+        f"model.compile: supported for dense models with parallel.tp = pp = sp = cp = 1 "
         f"(data parallel, ZeRO 0-2); set model.compile=false or drop {', '.join(unsupported)}",
     )
 
@@ -491,7 +494,8 @@ def validate_tensor_parallel(cfg: RunConfig) -> None:
 
 
 def validate_expert_and_sequence_parallel(cfg: RunConfig) -> None:
-    """ep shards the experts (so needs them, evenly); Ulysses sp shards the sequence and, in attention, the heads."""
+    """ep shards the experts (so needs them, evenly); Ulysses sp shards the sequence and, in attention, the heads;
+    cp shards the sequence everywhere, in 2·cp chunks (keel/parallel/context.py)."""
     model, parallel = cfg.model, cfg.parallel
     if parallel.ep > 1:
         _require(
@@ -502,17 +506,22 @@ def validate_expert_and_sequence_parallel(cfg: RunConfig) -> None:
             model.moe_experts % parallel.ep == 0,
             f"model.moe_experts={model.moe_experts} must be divisible by parallel.ep={parallel.ep}",
         )
-    if parallel.sp == 1:
-        return
-    heads = model.n_heads // parallel.tp
+    if parallel.sp > 1:
+        heads = model.n_heads // parallel.tp
+        _require(
+            heads % parallel.sp == 0,
+            f"parallel.sp={parallel.sp} must divide the attention heads per tensor-parallel rank "
+            f"(model.n_heads / parallel.tp = {heads})",
+        )
+    cp = parallel.cp
     _require(
-        heads % parallel.sp == 0,
-        f"parallel.sp={parallel.sp} must divide the attention heads per tensor-parallel rank "
-        f"(model.n_heads / parallel.tp = {heads})",
+        cp == 1 or cfg.data.seq_len % (2 * cp) == 0,
+        f"data.seq_len={cfg.data.seq_len} must be divisible by 2·parallel.cp = {2 * cp} (each context-parallel "
+        "rank holds two opposite chunks of the sequence)",
     )
     shards = parallel.sp * (parallel.tp if parallel.sequence_parallel else 1)
     _require(
-        cfg.data.seq_len % shards == 0,
-        f"data.seq_len={cfg.data.seq_len} must be divisible by {shards} (parallel.sp"
-        f"{' × parallel.tp under sequence_parallel' if parallel.sequence_parallel else ''})",
+        (cfg.data.seq_len // cp) % shards == 0,
+        f"data.seq_len={cfg.data.seq_len}{f' / parallel.cp={cp}' if cp > 1 else ''} must be divisible by "
+        f"{shards} (parallel.sp{' × parallel.tp under sequence_parallel' if parallel.sequence_parallel else ''})",
     )

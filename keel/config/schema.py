@@ -35,7 +35,7 @@ PIPELINE_PARTITIONS = ("parameters", "uniform")  # or "type:<LayerClass>"
 # 1f1b: DeepSpeed's PipelineEngine; dualpipev: its DualPipeVEngine (two stages per rank); interleaved: Megatron's
 # interleaved 1F1B (parallel.virtual_stages per rank, keel/engine/interleaved_schedule.py)
 PIPELINE_SCHEDULES = ("1f1b", "dualpipev", "interleaved")
-PARALLEL_AXES = ("tp", "pp", "ep", "sp")
+PARALLEL_AXES = ("tp", "pp", "ep", "sp", "cp")
 CORRUPT_STATE_TARGETS = ("exp_avg_sq", "master", "param")
 SPIKE_MODES = ("window", "ema")
 CHECKSUM_ACTIONS = ("stop", "restore", "warn")
@@ -200,6 +200,8 @@ class ParallelConfig:
     pp: int = 1
     ep: int = 1
     sp: int = 1
+    # context parallel: ring attention over cp ranks, each holding 2 of the sequence's 2·cp chunks
+    cp: int = 1
     # Megatron sequence parallel over the tp group (needs tp > 1 to matter)
     sequence_parallel: bool = False
     # parameters | uniform | type:Block (DeepSpeed's partition methods)

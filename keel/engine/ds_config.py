@@ -125,8 +125,9 @@ def gradient_accumulation(cfg: RunConfig, dp_size: int) -> int:
 
 def engine_batch_copies(cfg: RunConfig) -> int:
     """How many times DeepSpeed counts one sample of the global batch: the pipeline engine's data axis holds the
-    Ulysses sp ranks (keel/engine/pipeline.py), which all read the same sample, so it counts it on each."""
-    return cfg.parallel.sp if cfg.parallel.pp > 1 else 1
+    Ulysses sp and context-parallel cp ranks (keel/engine/pipeline.py), which all read the same sample, so it
+    counts it on each."""
+    return cfg.parallel.sp * cfg.parallel.cp if cfg.parallel.pp > 1 else 1
 
 
 def _agrees(given: Any, value: Any) -> bool:
@@ -258,7 +259,7 @@ def check_engine_layout(cfg: RunConfig, ds_raw: dict[str, Any], world_size: int)
             f"parallel.pp={cfg.parallel.pp} with ZeRO stage {stage}: DeepSpeed's pipeline engine "
             "supports ZeRO 0 and 1 only; use ds_configs/zero1.json or parallel.pp=1"
         )
-    dp = world_size // (cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.sp)
+    dp = world_size // (cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.sp * cfg.parallel.cp)
     check_with_deepspeed(resolve_ds_config(ds_raw, cfg, dp))
 
 

@@ -12,12 +12,13 @@ With tied embeddings the last stage holds a second `EmbeddingLayer` whose `proje
 `TiedLayerSpec` broadcasts it from the first stage at start and sums the two copies' gradients every step. Under
 DualPipeV both stages are on rank 0 and share one module: one tensor, nothing to sum.
 
-Ulysses sequence parallelism inside the stages: DeepSpeed's pipeline topology has pipe, data and model axes only,
-so the sp ranks are folded into its data axis (Keel's grid orders edp, ep, sp inside pp, so its data axis is
-exactly Keel's `sp_dp` group, the one ZeRO partitions over in the plain engine too). Stage-to-stage activations
-are each rank's own sequence chunk [b, s/sp, d]; the loss takes the full-sequence mean and lets the engine's
-average over its data axis combine the sp ranks' gradients (`engine_averages_sp`), and the engine's batch
-arithmetic counts every sp rank's copy of a sample (`keel/engine/ds_config.py` `engine_batch_copies`).
+Ulysses sequence and context parallelism inside the stages: DeepSpeed's pipeline topology has pipe, data and
+model axes only, so the sp and cp ranks are folded into its data axis (Keel's grid orders edp, ep, cp, sp inside
+pp, so its data axis is exactly Keel's `sp_dp` group, the one ZeRO partitions over in the plain engine too).
+Stage-to-stage activations are each rank's own tokens [b, s/(cp·sp), d]; the loss takes the full-sequence mean
+and lets the engine's average over its data axis combine the sequence ranks' gradients (`engine_averages_sp`),
+and the engine's batch arithmetic counts every such rank's copy of a sample (`keel/engine/ds_config.py`
+`engine_batch_copies`).
 """
 
 from __future__ import annotations
@@ -129,9 +130,9 @@ def build_pipeline(
         module_class = DualPipeVModule if schedule == "dualpipev" else PipelineModule
     module = module_class(
         layers=layer_specs(cfg, parallel, placement),
-        # sp folded into DeepSpeed's data axis (see the module docstring)
+        # sp and cp folded into DeepSpeed's data axis (see the module docstring)
         topology=PipeModelDataParallelTopology(
-            num_pp=shape.pp, num_mp=shape.tp, num_dp=shape.dp * shape.sp
+            num_pp=shape.pp, num_mp=shape.tp, num_dp=shape.dp * shape.cp * shape.sp
         ),
         loss_fn=VocabParallelLoss(
             cfg.model,

@@ -27,7 +27,14 @@ from keel.parallel.topology import GROUP_AXES, GridShape
 
 def shape_label(shape: GridShape) -> str:
     """tp8·pp16·dp32·ep8: the parallel sizes above 1 (dp always)."""
-    sizes = {"tp": shape.tp, "pp": shape.pp, "dp": shape.dp, "ep": shape.ep, "sp": shape.sp}
+    sizes = {
+        "tp": shape.tp,
+        "pp": shape.pp,
+        "dp": shape.dp,
+        "ep": shape.ep,
+        "sp": shape.sp,
+        "cp": shape.cp,
+    }
     return "·".join(f"{axis}{n}" for axis, n in sizes.items() if n > 1 or axis == "dp")
 
 

@@ -68,7 +68,7 @@ def small_config(shape: GridShape) -> RunConfig:
             n_kv_heads=heads,
             **moe,
         ),
-        parallel=ParallelConfig(tp=shape.tp, pp=shape.pp, ep=shape.ep, sp=shape.sp),
+        parallel=ParallelConfig(tp=shape.tp, pp=shape.pp, ep=shape.ep, sp=shape.sp, cp=shape.cp),
         train=TrainConfig(global_batch_size=shape.dp, micro_batch_size=1),
     )
 

@@ -24,7 +24,9 @@ def check_ranks(world_size: int) -> list[int]:
 def check_plan(cfg: RunConfig, ds: dict, world_size: int) -> tuple[str, list[str]]:
     """(the table of the three ranks, the scale rules they break)."""
     parallel = cfg.parallel
-    shape = GridShape(world_size, tp=parallel.tp, pp=parallel.pp, ep=parallel.ep, sp=parallel.sp)
+    shape = GridShape(
+        world_size, tp=parallel.tp, pp=parallel.pp, ep=parallel.ep, sp=parallel.sp, cp=parallel.cp
+    )
     records = [simulate(shape, rank, cfg, ds=ds) for rank in check_ranks(world_size)]
     broken = [f"rank {r.rank}: {line}" for r in records for line in scale_bounds_violations(r)]
     return render_table(records), broken

@@ -18,6 +18,7 @@ from keel.model.document_mask import DocumentLayout
 from keel.model.kernels import resolve, rms_norm, rotary, silu_mul
 from keel.parallel.float8 import Float8Spec
 from keel.parallel.layer_parallel import NO_PARALLEL, LayerParallel
+from keel.parallel.ring_attention import ring_attention
 from keel.parallel.tensor import (
     ColumnParallelLinear,
     FusedColumnParallelLinear,
@@ -154,18 +155,24 @@ class RotaryEmbedding(nn.Module):
         self.sin = angles.sin().to(dtype)
         self._built_dtype = dtype
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin), each [seq, head_dim], for `x` shaped [..., seq, head_dim]."""
-        seq_len = x.shape[-2]
+    def forward(
+        self, x: torch.Tensor, seq_len: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin), each [seq, head_dim], for `x` shaped [..., seq, head_dim] (or the first `seq_len`
+        positions)."""
+        seq_len = seq_len or x.shape[-2]
         cos = self.cos
         stale = cos is None or cos.shape[0] < seq_len or cos.device != x.device
         if stale or cos.dtype != x.dtype or cos.dtype != self._built_dtype:
             self._build(seq_len, x.device, x.dtype)
         return self.cos[:seq_len], self.sin[:seq_len]
 
-    def at(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin), each [b, seq, head_dim], at per-row `positions` [b, seq] (document masking)."""
-        cos, sin = self(x)  # positions < seq, so the [seq, head_dim] tables cover them
+    def at(
+        self, x: torch.Tensor, positions: torch.Tensor, seq_len: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) at `positions`: [b, seq] per row (document masking) gives [b, seq, head_dim] tables, [seq]
+        (a context-parallel rank's tokens) [seq, head_dim]. Positions are below `seq_len` (default: x's)."""
+        cos, sin = self(x, seq_len)
         return cos[positions], sin[positions]
 
 
@@ -182,7 +189,10 @@ class Attention(nn.Module):
     schema must not depend on tp (a checkpoint reshards tp=2 → tp=4), so the split is the same at every tp.
 
     Under Ulysses sequence parallelism (`parallel.sp`) the projections see this rank's sequence chunk and the
-    attention itself runs on the whole sequence for heads / sp (keel/parallel/ulysses.py).
+    attention itself runs on the whole sequence for heads / sp (keel/parallel/ulysses.py). Under context
+    parallelism (`parallel.cp`) the rank's tokens are two chunks of the sequence; attention is a ring over the cp
+    group (keel/parallel/ring_attention.py) with RoPE at the tokens' positions in the full sequence. With both
+    (2-D sequence parallelism), Ulysses gathers the cp rank's tokens and the ring runs on those.
     """
 
     def __init__(
@@ -221,6 +231,7 @@ class Attention(nn.Module):
         # the one kv head used here when replicated
         self.kv_head = (tp.rank * heads_per_rank) // n_rep
         self.sp_size = sp.size
+        self.cp = parallel.cp
         self.ulysses = ulysses_attention(self._attend, sp) if sp.size > 1 else None
 
     def _kv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -256,6 +267,8 @@ class Attention(nn.Module):
         `document` layout, block-diagonal causal with per-document positions (the torch RoPE path: [b, s, d]
         tables)."""
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, head_dim]
+        if self.cp.size > 1:
+            return self._ring(q, k, v, document)
         # query head h reads kv head h // (heads / kv_heads): SDPA's own GQA, no repeated copies of k and v
         gqa = q.shape[1] != k.shape[1]
         if document is None:
@@ -271,6 +284,25 @@ class Attention(nn.Module):
         if self.logit_probe is not None:
             record_max_logit(self.logit_probe, q, k, document.mask)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=document.mask, enable_gqa=gqa)
+        return out.transpose(1, 2)
+
+    def _ring(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        document: DocumentLayout | None,
+    ) -> torch.Tensor:
+        """Context-parallel attention of this rank's tokens [b, heads, s/cp, head_dim] over the whole sequence."""
+        local_len = q.shape[2]
+        if document is None:
+            positions, liger = self.cp.positions(local_len, q.device), self.liger
+        else:
+            positions, liger = document.positions, False
+        cos, sin = self.rotary.at(q, positions, local_len * self.cp.size)
+        q, k = rotary(q, k, cos, sin, liger)
+        ring = None if document is None else document.ring
+        out = ring_attention(q, k, v, self.cp, ring, self.logit_probe)
         return out.transpose(1, 2)
 
 

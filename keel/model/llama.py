@@ -35,7 +35,7 @@ from keel.parallel.tensor import (
     mark_sharded,
     padded_vocab_size,
 )
-from keel.parallel.ulysses import sequence_chunk, sequence_mean
+from keel.parallel.ulysses import sequence_mean
 
 # An expert's local position in its MoE layer's module path (replaced by its global id in init keys).
 _LOCAL_EXPERT = re.compile(r"deepspeed_moe\.experts\.deepspeed_experts\.\d+\.")
@@ -50,19 +50,19 @@ class EmbeddingLayer(nn.Module):
     """Token ids [b, s] → hidden [b, s, dim] (sequence-sharded under SP). RoPE lives in the attentions.
 
     The table is split by vocabulary rows over tp and padded to `vocab_rows`; padding rows are never looked up.
-    Under Ulysses sequence parallelism only this rank's sequence chunk of the tokens is embedded.
+    Under Ulysses sequence and context parallelism only this rank's tokens are embedded.
     """
 
     def __init__(self, cfg: ModelConfig, parallel: LayerParallel = NO_PARALLEL) -> None:
         super().__init__()
         self.tp = parallel.tp
-        self.sp = parallel.sp
+        self.sequence_shard = parallel.sequence_shard
         self.tok_embeddings = VocabParallelEmbedding(
             cfg.vocab_size, vocab_rows(cfg, parallel), cfg.dim, self.tp
         )
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return exit(self.tok_embeddings(sequence_chunk(tokens, self.sp)), self.tp)
+        return exit(self.tok_embeddings(self.sequence_shard(tokens)), self.tp)
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """Use the table as the tied output head: hidden → logits over this rank's vocabulary shard."""
@@ -353,6 +353,7 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(placement.build(lambda: build_layers(cfg, parallel)))
         init_weights(self.layers, cfg, seed, placement=placement)
         self.loss_fn = VocabParallelLoss(cfg, parallel, label_smoothing, z_loss)
+        self.cp = parallel.cp
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (this rank's vocabulary shard, padding included) or, given `labels`, the mean loss."""
@@ -360,7 +361,11 @@ class CausalLM(nn.Module):
         fused = labels is not None and getattr(self.loss_fn, "fuses_head", False)
         layers = self.layers[:-1] if fused else self.layers
         h = tokens
-        document = None if self.document_eos is None else document_layout(tokens, self.document_eos)
+        document = (
+            None
+            if self.document_eos is None
+            else document_layout(tokens, self.document_eos, self.cp)
+        )
         step = (
             self.checkpoint_interval
             if self.training and self.checkpoint_interval > 0
@@ -411,7 +416,7 @@ class VocabParallelLoss:
     """`loss_fn(logits_shard, labels)`: cross-entropy over the true vocabulary, never gathering full logits.
 
     A plain callable (not a module) so it adds no parameters; the pipeline engine takes it as its loss_fn.
-    Under Ulysses sequence parallelism it scores this rank's label chunk and returns the full-sequence mean.
+    Under Ulysses sequence or context parallelism it scores this rank's labels and returns the full-sequence mean.
     `fuses_head` (Liger kernels at tp = 1): `CausalLM` hands it the hidden states and the head's weight instead
     of logits (`fused`), so the full logits never exist. The pipeline always passes logits.
     """
@@ -431,7 +436,8 @@ class VocabParallelLoss:
         self.label_smoothing = label_smoothing
         self.z_loss = z_loss
         self.scale = 1.0  # fault injection multiplies a step's loss (faults.spike_step)
-        self.sp = parallel.sp
+        self.seq = parallel.seq
+        self.sequence_shard = parallel.sequence_shard
         # the pipeline engine: see keel/parallel/ulysses.py
         self.engine_averages_sp = engine_averages_sp
         self.fuses_head = tp.size == 1 and resolve_kernels(cfg.kernels) == "liger"
@@ -440,7 +446,7 @@ class VocabParallelLoss:
         # the logits are the head's output, used by nothing after the loss: it may overwrite them
         loss = vocab_parallel_cross_entropy(
             logits,
-            sequence_chunk(labels, self.sp),
+            self.sequence_shard(labels),
             self.group,
             self.vocab_start,
             self.vocab_size,
@@ -457,7 +463,7 @@ class VocabParallelLoss:
         loss = fused_linear_cross_entropy(
             hidden,
             head_weight,
-            sequence_chunk(labels, self.sp),
+            self.sequence_shard(labels),
             self.vocab_size,
             self.label_smoothing,
             self.z_loss,
@@ -465,7 +471,7 @@ class VocabParallelLoss:
         return self._finish(loss)
 
     def _finish(self, loss: torch.Tensor) -> torch.Tensor:
-        loss = sequence_mean(loss, self.sp, self.engine_averages_sp)
+        loss = sequence_mean(loss, self.seq, self.engine_averages_sp)
         return loss * self.scale if self.scale != 1.0 else loss
 
 

@@ -27,12 +27,12 @@ def fp8_blocks(cfg: ModelConfig) -> range:
 
 
 def block_fp8(cfg: ModelConfig, layer_id: int, parallel: LayerParallel) -> Float8Spec | None:
-    """The recipe of block `layer_id`'s linears (None: high precision). Under Ulysses sp the linears see this
-    rank's sequence chunk, so the sp group splits their tokens."""
+    """The recipe of block `layer_id`'s linears (None: high precision). Under Ulysses sp and context parallel cp
+    the linears see this rank's tokens, so the cp × sp group splits their tokens."""
     if layer_id not in fp8_blocks(cfg):
         return None
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    tokens = parallel.sp.group if parallel.sp.size > 1 else None
+    tokens = parallel.seq.group if parallel.seq.size > 1 else None
     return Float8Spec(cfg.fp8, emulate=emulated(device, cfg.fp8), tokens=tokens)
 
 

@@ -45,7 +45,7 @@ class Router(nn.Module):
     def __init__(self, cfg: ModelConfig, parallel: LayerParallel = NO_PARALLEL) -> None:
         super().__init__()
         self.tp = parallel.tp
-        self.sp = parallel.sp
+        self.seq = parallel.seq  # the ranks splitting a sequence (cp × sp)
         self.num_experts = cfg.moe_experts
         self.top_k = cfg.moe_top_k
         self.scoring = cfg.moe_scoring
@@ -91,17 +91,18 @@ class Router(nn.Module):
         """α · E · Σ_e f_e · P_e (f_e: share of the T·k rows routed to e, P_e: mean probability of e; 1.0 when
         uniform) plus β · mean(logsumexp(logits)²), the router z-loss.
 
-        Under Ulysses sp the T tokens of a sequence are spread over the sp ranks: the counts f_e and T are summed
-        over the group (no gradient), and each rank returns its tokens' share of the sums, so the sp ranks' losses
-        add up to the full sequence's and their gradients (which DeepSpeed sums over sp) to its gradient.
+        Under Ulysses sp or context parallel cp the T tokens of a sequence are spread over the cp × sp ranks: the
+        counts f_e and T are summed over the group (no gradient), and each rank returns its tokens' share of the
+        sums, so the ranks' losses add up to the full sequence's and their gradients (which DeepSpeed sums over
+        them) to its gradient.
         """
         loss = logits.new_zeros(())
         if self.aux_weight == 0 and self.z_weight == 0:
             return loss
         counts = torch.bincount(experts.flatten(), minlength=self.num_experts).float()
         stats = torch.cat([counts, counts.new_tensor([experts.shape[0]])])
-        if self.sp.size > 1:
-            comm.all_reduce(stats, self.sp.group)
+        if self.seq.size > 1:
+            comm.all_reduce(stats, self.seq.group)
         counts, tokens = stats[:-1], stats[-1]
         if self.aux_weight > 0:
             share = counts / (tokens * self.top_k)

@@ -229,6 +229,39 @@ def barrier(group: Group) -> None:
         dist.barrier(group=group.handle)
 
 
+# -- a ring: every rank sends to the next and receives from the previous (context parallel's K/V) -----------------
+class RingShift:
+    """The tensors arriving from the previous rank of the ring; `wait()` before reading them."""
+
+    def __init__(self, received: list[torch.Tensor], works: list, sending: list | None = None):
+        self.received = received
+        self._works = works
+        self._sending = sending  # the send buffers, alive until the transfer is done
+
+    def wait(self) -> list[torch.Tensor]:
+        for work in self._works:
+            work.wait()
+        self._works, self._sending = [], None
+        return self.received
+
+
+def ring_shift(tensors: list[torch.Tensor], group: Group) -> RingShift:
+    """Start sending `tensors` to the group's next rank and receiving the previous rank's (same shapes) into new
+    buffers; returns at once, so the caller computes while they travel. A collective in all but name (every rank
+    of the group does the same, in the same order), so it is traced as one: `ring_shift` with the total numel.
+    The tensors must stay unmodified until `wait()`."""
+    if not group.active:
+        return RingShift([t for t in tensors], [])
+    for tensor in tensors:
+        _enter("ring_shift", group, tensor)
+    nxt = group.ranks[(group.rank + 1) % group.size]
+    prev = group.ranks[(group.rank - 1) % group.size]
+    received = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
+    ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, group=group.handle) for t in tensors]
+    ops += [dist.P2POp(dist.irecv, r, prev, group=group.handle) for r in received]
+    return RingShift(received, list(dist.batch_isend_irecv(ops)), ops)
+
+
 # -- pipeline point-to-point (pairs of ranks, not collectives) ----------------------------------------------------
 def post_p2p(ops: list) -> list:
     """Post DeepSpeed `P2POp`s (`deepspeed.comm`) as one batch and return its works, without waiting.

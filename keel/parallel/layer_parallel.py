@@ -11,14 +11,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
+from keel.parallel.context import CPContext
 from keel.parallel.experts import EPContext
 from keel.parallel.tensor import TPContext
-from keel.parallel.ulysses import SPContext
+from keel.parallel.ulysses import SPContext, sequence_chunk
 
 
 @dataclass(frozen=True)
 class LayerParallel:
-    """Tensor (with Megatron sequence parallelism), Ulysses sequence and expert parallelism of one rank's layers.
+    """Tensor (with Megatron sequence parallelism), Ulysses sequence, context and expert parallelism of one rank's
+    layers. `seq` is every rank splitting one sequence (cp × sp): the loss's mean, the router's token counts and
+    FP8's token scales reduce over it.
 
     Each field defaults to "not parallel" (size 1, no group), so `LayerParallel()` is a single process.
     """
@@ -26,6 +31,13 @@ class LayerParallel:
     tp: TPContext = field(default_factory=TPContext)
     sp: SPContext = field(default_factory=SPContext)
     ep: EPContext = field(default_factory=EPContext)
+    cp: CPContext = field(default_factory=CPContext)
+    seq: SPContext = field(default_factory=SPContext)
+
+    def sequence_shard(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's tokens of a [b, s, ...] tensor every rank of the sequence holds whole (token ids, labels):
+        its two context-parallel chunks, then its Ulysses piece of them."""
+        return sequence_chunk(self.cp.local(x), self.sp)
 
     @classmethod
     def from_topology(
@@ -37,6 +49,8 @@ class LayerParallel:
             tp=TPContext.from_topology(topology, sequence_parallel, seed=seed),
             ep=EPContext.from_topology(topology),
             sp=SPContext.from_topology(topology),
+            cp=CPContext.from_topology(topology),
+            seq=SPContext.from_topology(topology, "seq"),
         )
 
     @classmethod

@@ -1,7 +1,11 @@
 """The rank grid and its process groups, passed explicitly to everything that communicates.
 
-Grid order, outermost to innermost: pp, edp, ep, sp, tp. Tensor parallel is innermost so the ranks of one TP
-group are adjacent (one node's NVLink island); pipeline is outermost so stages can span nodes. Expert parallel is
+Grid order, outermost to innermost: pp, edp, ep, cp, sp, tp. Tensor parallel is innermost so the ranks of one TP
+group are adjacent (one node's NVLink island); Ulysses sp (an all-to-all per attention) and then context parallel
+(a ring of point-to-point K/V transfers, overlapped with attention) come next, so they stay inside a node when
+tp·sp·cp fits one and the ring is the first to cross nodes when it does not; pipeline is outermost so stages can
+span nodes. cp and sp ranks split one sequence (the `seq` group) and replicate the parameters, as DeepSpeed's
+"sequence parallel" ranks do. Expert parallel is
 carved out of data parallel, as in DeepSpeed-MoE: dense parameters are data-parallel over (edp × ep), expert
 parameters only over edp.
 
@@ -21,7 +25,7 @@ from keel.config import validate_world_size
 from keel.parallel import comm
 from keel.parallel.process_groups import ProcessGroups
 
-AXES = ("pp", "edp", "ep", "sp", "tp")
+AXES = ("pp", "edp", "ep", "cp", "sp", "tp")
 
 
 @dataclass(frozen=True)
@@ -33,17 +37,25 @@ class GridShape:
     pp: int = 1
     ep: int = 1
     sp: int = 1
+    cp: int = 1
 
     @property
     def dp(self) -> int:
-        return self.world_size // (self.tp * self.pp * self.sp)
+        return self.world_size // (self.tp * self.pp * self.cp * self.sp)
 
     @property
     def edp(self) -> int:
         return self.dp // self.ep
 
     def sizes(self) -> dict[str, int]:
-        return {"pp": self.pp, "edp": self.edp, "ep": self.ep, "sp": self.sp, "tp": self.tp}
+        return {
+            "pp": self.pp,
+            "edp": self.edp,
+            "ep": self.ep,
+            "cp": self.cp,
+            "sp": self.sp,
+            "tp": self.tp,
+        }
 
     def check(self) -> None:
         """Raise ConfigError (a ValueError) naming the field when the world does not factor into this grid.
@@ -54,7 +66,9 @@ class GridShape:
         for, and lr-find, tests and benchmarks call `from_env` with no config at all. So it runs here too, by
         calling the config's rule rather than restating it.
         """
-        validate_world_size(self.world_size, tp=self.tp, pp=self.pp, sp=self.sp, ep=self.ep)
+        validate_world_size(
+            self.world_size, tp=self.tp, pp=self.pp, sp=self.sp, ep=self.ep, cp=self.cp
+        )
 
     def coords(self, rank: int) -> dict[str, int]:
         coords = {}
@@ -97,27 +111,34 @@ GROUP_AXES = {
     "tp": ("tp",),
     "pp": ("pp",),
     "sp": ("sp",),
+    "cp": ("cp",),
+    "seq": (
+        "cp",
+        "sp",
+    ),  # the ranks splitting one sequence: the loss mean, the router's token counts
     "ep": ("ep",),
     "dp": ("edp", "ep"),  # dense data parallel
     "edp": ("edp",),  # expert data parallel
     "model": (
         "pp",
         "tp",
-    ),  # ranks holding different parameters of one model replica (sp ranks replicate)
+    ),  # ranks holding different parameters of one model replica (sp and cp ranks replicate)
     "tp_sp": ("sp", "tp"),
-    "stage": ("edp", "ep", "sp", "tp"),  # every rank of one pipeline stage
+    "stage": ("edp", "ep", "cp", "sp", "tp"),  # every rank of one pipeline stage
     "sp_dp": (
         "edp",
         "ep",
+        "cp",
         "sp",
     ),  # ranks holding the same dense parameters: ZeRO's and gradient reduction's group
     "expert_dp": (
         "edp",
+        "cp",
         "sp",
-    ),  # ranks holding the same experts (Ulysses sp ranks replicate them too)
+    ),  # ranks holding the same experts (sequence-splitting ranks replicate them too)
 }
 # Topology.stamp() keys older checkpoints lack
-STAMP_DEFAULTS = {"ep": 1, "sp": 1, "pipeline_schedule": "1f1b", "virtual_stages": 1}
+STAMP_DEFAULTS = {"ep": 1, "sp": 1, "cp": 1, "pipeline_schedule": "1f1b", "virtual_stages": 1}
 WORLD = "world"  # every rank: the default process group (no group of its own is created)
 
 
@@ -171,13 +192,14 @@ class Topology:
         pipeline_schedule: str = "1f1b",
         virtual_stages: int = 1,
         groups: ProcessGroups | None = None,
+        cp: int = 1,
     ) -> Topology:
         if dist.is_available() and dist.is_initialized():
             world, rank = dist.get_world_size(), dist.get_rank()
         else:
             world, rank = 1, 0
         return cls(
-            GridShape(world, tp=tp, pp=pp, ep=ep, sp=sp),
+            GridShape(world, tp=tp, pp=pp, ep=ep, sp=sp, cp=cp),
             rank,
             pipeline_schedule,
             virtual_stages,
@@ -248,6 +270,7 @@ class Topology:
         s = self.shape
         return (
             f"world={s.world_size} tp={s.tp} pp={s.pp} dp={s.dp} (ep={s.ep} edp={s.edp}) sp={s.sp}"
+            + (f" cp={s.cp}" if s.cp > 1 else "")
         )
 
     def stamp(self) -> dict[str, int | str]:
@@ -260,6 +283,7 @@ class Topology:
             "dp": self.shape.dp,
             "ep": self.shape.ep,
             "sp": self.shape.sp,
+            "cp": self.shape.cp,
             "pipeline_schedule": self.pipeline_schedule if pipelined else "1f1b",
             "virtual_stages": self.virtual_stages
             if pipelined and self.pipeline_schedule == "interleaved"
@@ -300,16 +324,17 @@ class Topology:
     def get_pipeline_model_parallel_group(self):
         return self.group("pp")
 
+    # DeepSpeed's "sequence parallel" ranks split a sequence and replicate the parameters: Keel's cp × sp (`seq`).
     def get_sequence_parallel_world_size(self) -> int:
-        return self.size("sp")
+        return self.size("seq")
 
     def get_sequence_parallel_rank(self) -> int:
-        return self.rank_in("sp")
+        return self.rank_in("seq")
 
     def get_sequence_parallel_group(self):
-        return self.group("sp")
+        return self.group("seq")
 
-    # Under Ulysses sp, DeepSpeed partitions ZeRO state and sums gradients over data × sequence parallel ranks.
+    # Under sp or cp, DeepSpeed partitions ZeRO state and sums gradients over data × sequence parallel ranks.
     def get_sequence_data_parallel_world_size(self) -> int:
         return self.size("sp_dp")
 

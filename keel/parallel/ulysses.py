@@ -28,10 +28,11 @@ class SPContext:
     size: int = 1
 
     @classmethod
-    def from_topology(cls, topology) -> SPContext:
-        if topology is None or topology.size("sp") == 1:
+    def from_topology(cls, topology, name: str = "sp") -> SPContext:
+        """The Ulysses group (`sp`), or every rank splitting one sequence (`seq`: cp × sp)."""
+        if topology is None or topology.size(name) == 1:
             return cls()
-        return cls(topology.device("sp"), topology.rank_in("sp"), topology.size("sp"))
+        return cls(topology.device(name), topology.rank_in(name), topology.size(name))
 
 
 def sequence_chunk(x: torch.Tensor, sp: SPContext) -> torch.Tensor:
@@ -40,7 +41,8 @@ def sequence_chunk(x: torch.Tensor, sp: SPContext) -> torch.Tensor:
 
 
 class _SequenceMean(torch.autograd.Function):
-    """Forward: the mean of the sp ranks' chunk losses (the full-sequence loss, on every rank).
+    """Over the ranks splitting a sequence (`seq`: Ulysses sp × context-parallel cp, each an equal share of its
+    tokens). Forward: the mean of the sp ranks' chunk losses (the full-sequence loss, on every rank).
     Backward: each rank's chunk loss gets 1/sp where DeepSpeed sums the sp ranks' gradients (the plain engine's
     sequence-data-parallel reduction divides by dp alone), 1 where it averages them (the pipeline engine, whose
     data axis holds the sp ranks: keel/engine/pipeline.py)."""

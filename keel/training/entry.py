@@ -52,6 +52,7 @@ def run_rank(run_dir: Path, groups: ProcessGroups, startup: StartupClock) -> int
             pp=parallel.pp,
             ep=parallel.ep,
             sp=parallel.sp,
+            cp=parallel.cp,
             pipeline_schedule=parallel.pipeline_schedule,
             virtual_stages=parallel.virtual_stages,
             groups=groups,

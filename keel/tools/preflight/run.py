@@ -67,6 +67,7 @@ def run_preflight(spec: RunSpec) -> int:
         pp=parallel.pp,
         ep=parallel.ep,
         sp=parallel.sp,
+        cp=parallel.cp,
         pipeline_schedule=parallel.pipeline_schedule,
         virtual_stages=parallel.virtual_stages,
     )

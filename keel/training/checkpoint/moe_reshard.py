@@ -47,7 +47,7 @@ def check_moe_reshard(
     saved: dict[str, int], now: dict[str, int], zero_stage: int, num_experts: int
 ) -> None:
     """Refuse, in one line, a layout change this converter does not cover."""
-    changed = [k for k in ("tp", "pp", "sp") if saved.get(k, 1) != now[k]]
+    changed = [k for k in ("tp", "pp", "sp", "cp") if saved.get(k, 1) != now[k]]
     if changed:
         raise ConfigError(
             f"an MoE checkpoint written at {saved} resumes at another dp/ep only; this run changes "
@@ -66,9 +66,9 @@ def check_moe_reshard(
 
 def _partition_index(dp_index: int, saved: dict[str, int], expert_group: bool) -> tuple[int, int]:
     """(which ep rank wrote the file, the file's partition index in its group) for ZeRO data-parallel index
-    `dp_index` — Keel's grid orders edp, ep, sp within the data-parallel ranks, and expert groups partition over
-    edp × sp (the ranks that hold the same experts)."""
-    sp, ep = saved.get("sp", 1), saved["ep"]
+    `dp_index` — Keel's grid orders edp, ep, cp, sp within the data-parallel ranks, and expert groups partition
+    over edp × cp × sp (the ranks that hold the same experts); `sp` below counts cp × sp, adjacent in the grid."""
+    sp, ep = saved.get("sp", 1) * saved.get("cp", 1), saved["ep"]
     sp_index, ep_index, edp_index = dp_index % sp, (dp_index // sp) % ep, dp_index // (sp * ep)
     return ep_index, (edp_index * sp + sp_index) if expert_group else dp_index
 

@@ -432,8 +432,11 @@ class Checkpointer:
         )  # another set of stages per rank (DualPipeV, interleaved)
         if any(saved.get(key, STAMP_DEFAULTS[key]) != now[key] for key in schedule):
             return True
-        # ZeRO partitions over data × Ulysses-sequence parallel ranks
-        partitions = saved["dp"] * saved.get("sp", 1), now["dp"] * now["sp"]
+        # ZeRO partitions over data × sequence (Ulysses sp, context cp) parallel ranks
+        partitions = (
+            saved["dp"] * saved.get("sp", 1) * saved.get("cp", 1),
+            now["dp"] * now["sp"] * now["cp"],
+        )
         # experts move between ranks (keel/training/checkpoint/moe_reshard.py)
         if saved.get("ep", 1) != now["ep"]:
             return True

@@ -37,7 +37,7 @@ def _float_of(key: int) -> float:
 class LossOutlierCheck:
     """Flags a data-parallel replica whose local loss is more than k σ from the others, R checks running.
 
-    In O(1) bytes per rank: one rank per replica (its loss holder of tp and sp rank 0) adds its loss to a sum, a sum
+    In O(1) bytes per rank: one rank per replica (its loss holder of tp and seq rank 0) adds its loss to a sum, a sum
     of squares and a count, and one MAX all-reduce names the highest and the lowest replica, the only ones that can
     stand out from the rest; each is judged against the others' mean and spread (the sums without it). The host
     of a flagged replica comes from that rank alone. On cbd7c25 every rank gathered every rank's loss and host."""
@@ -62,7 +62,7 @@ class LossOutlierCheck:
             local_loss is not None
             and math.isfinite(local_loss)
             and topology.rank_in("tp") == 0
-            and topology.rank_in("sp") == 0
+            and topology.rank_in("seq") == 0
         )
         x = float(local_loss) if holds else 0.0
         sums = comm.all_reduce(
