@@ -5,14 +5,14 @@ Megatron's accounting (Korthikanti et al. 2022, "Reducing Activation Recomputati
 §4.2.2-4.2.3) gives that minimum; a stray all-reduce per projection, or a gather where a reduce-scatter would do,
 shows up here as a ratio above 1. Nothing is hard-coded: the volume is measured in the same run it is judged in.
 
-How. Two real processes (gloo) run one forward + backward of `CausalLM` with labels, fp32. Inside the step each
-`torch.distributed` collective is wrapped by `CollectiveRecorder`, which patches the module attribute
-(`torch.distributed.all_reduce`, ...): Keel calls them as `dist.all_reduce(...)`, an attribute lookup at call time,
-so the patch sees every call (a `from torch.distributed import all_reduce` made at import time would escape it;
-the measured >= 0.95 × analytic check below would then fail). Each call records the op, the element count of the
-full logical tensor (all-gather: the gathered total; reduce-scatter and all-to-all: the input total), the element
-size and the group size t. Per-rank bytes use ring-algorithm costs on N logical bytes: all-reduce 2(t-1)/t·N,
-all-gather, reduce-scatter and all-to-all (t-1)/t·N, broadcast N.
+How. Real processes (gloo; two, or four for cp=4) run one forward + backward of `CausalLM` with labels, fp32.
+Inside the step each `torch.distributed` collective is wrapped by `CollectiveRecorder`, which patches the module
+attribute (`torch.distributed.all_reduce`, ...): Keel calls them as `dist.all_reduce(...)`, an attribute lookup at
+call time, so the patch sees every call (a `from torch.distributed import all_reduce` made at import time would
+escape it; the measured >= 0.95 × analytic check below would then fail). Each call records the op, the element
+count of the full logical tensor (all-gather: the gathered total; reduce-scatter and all-to-all: the input total),
+the element size and the group size t. Per-rank bytes use ring-algorithm costs on N logical bytes: all-reduce
+2(t-1)/t·N, all-gather, reduce-scatter and all-to-all (t-1)/t·N, broadcast N.
 
 Analytic. With A = b·s·h·bytes, a tensor-parallel region (attention, or the MLP) enters and exits once: without
 sequence parallelism one all-reduce forward (exit) and one backward (enter), with it an all-gather + reduce-scatter
@@ -34,6 +34,17 @@ exchange of per-expert row counts (E integers per layer) that precedes each disp
 Ulysses (all-to-all). Each attention layer exchanges q, k, v (sequence shards → head shards) and its output
 (back) forward, and the same four backward: per layer 2·(2H + 2K)·b·(s/sp)·d·bytes·(sp-1)/sp, H query heads, K kv
 heads sent, d the head dim. Not in the formula: the loss's scalar all-reduce over sp.
+
+Context parallel (ring, point-to-point). Ring attention (keel/parallel/ring_attention.py) sends this rank's K and V
+[b, K', s/cp, d] to the next cp rank cp-1 times forward; backward sends them cp-1 times again and the fp32 dK/dV
+accumulators (same shapes) cp times, until each is back at its owner. Per layer and micro-batch, with
+E = b·K'·(s/cp)·d: forward (cp-1)·2E·bytes, backward (cp-1)·2E·bytes + cp·2E·4 (`ring_bytes`); under activation
+checkpointing the forward runs again in backward, so its term counts twice. K' is the kv heads a rank's ring
+carries (`ring_kv_heads`: split by tp, then by Ulysses sp). Measured from the wire: the ring is one
+`torch.distributed.batch_isend_irecv` per shift, wrapped like the collectives, and a call's bytes are those of
+its `isend`s (exactly what leaves the rank). Not in the formula: the loss's scalar all-reduce over cp.
+tests/test_comm_volume.py holds `ring_bytes` to the `ring_shift` entries a real `keel train` run's collective
+trace records.
 
 Cases are a table (`CASES`): each has a world size, a step function that runs one recorded step in every rank,
 and an analytic function (or a step that derives its analytic volume from its own routing).
@@ -96,6 +107,8 @@ OPS = (
     Op("reduce_scatter_tensor", "input", _ring),
     Op("all_to_all", "input_tensor_list", _ring),
     Op("all_to_all_single", "input", _ring),
+    # point-to-point (the cp ring): a call costs the bytes of its isends, exactly (`_p2p_call`)
+    Op("batch_isend_irecv", "p2p_op_list", lambda t: 1.0),
 )
 
 
@@ -145,6 +158,9 @@ class CollectiveRecorder:
 
         def recorded(*args, **kwargs):
             bound = signature.bind(*args, **kwargs).arguments
+            if op.name == "batch_isend_irecv":
+                self.calls.append(_p2p_call(bound[op.logical]))
+                return original(*args, **kwargs)
             logical = bound[op.logical]
             tensors = list(logical) if isinstance(logical, (list, tuple)) else [logical]
             group_size = dist.get_world_size(bound.get("group"))
@@ -159,6 +175,19 @@ class CollectiveRecorder:
             return original(*args, **kwargs)
 
         return recorded
+
+
+def _p2p_call(ops: list) -> Call:
+    """One `batch_isend_irecv`: its sends' elements and the bytes they put on the wire (receives cost the peer)."""
+    sends = [p.tensor for p in ops if getattr(p.op, "__name__", "") in ("isend", "send")]
+    group = ops[0].group if ops else None
+    return Call(
+        "batch_isend_irecv",
+        sum(t.numel() for t in sends),
+        sends[0].element_size() if sends else 0,
+        dist.get_world_size(group),
+        float(sum(t.numel() * t.element_size() for t in sends)),
+    )
 
 
 # -- the cases ------------------------------------------------------------------------------------------------
@@ -302,6 +331,59 @@ def _ulysses_analytic(shape: Shape, t: int) -> Analytic:
     )
 
 
+def ring_kv_heads(n_heads: int, n_kv_heads: int, tp: int = 1, sp: int = 1) -> int:
+    """KV heads one rank's ring carries: kv heads split over tp (one kept when tp does not divide them, as
+    `Attention` replicates), then over Ulysses sp (sent per query head when sp does not divide them)."""
+    heads = n_heads // tp
+    kv = n_kv_heads // tp if n_kv_heads % tp == 0 else 1
+    return (kv if kv % sp == 0 else heads) // sp
+
+
+def ring_bytes(
+    batch: int,
+    seq_len: int,
+    kv_heads: int,
+    head_dim: int,
+    cp: int,
+    n_layers: int,
+    kv_bytes: int = 4,
+    micro_batches: int = 1,
+    recompute: bool = False,
+) -> int:
+    """Bytes one cp rank sends round the ring per optimizer step: per attention layer and micro-batch, K and V
+    [batch, kv_heads, seq_len/cp, head_dim] (`kv_bytes` each element) cp-1 times forward (twice that under
+    activation checkpointing, `recompute`) and cp-1 times backward, and their fp32 gradients cp times."""
+    if cp == 1:
+        return 0
+    block = batch * kv_heads * (seq_len // cp) * head_dim  # elements of this rank's K (or V)
+    forward = (cp - 1) * 2 * block * kv_bytes
+    backward = (cp - 1) * 2 * block * kv_bytes + cp * 2 * block * 4
+    return n_layers * micro_batches * ((1 + recompute) * forward + backward)
+
+
+def _cp_step(shape: Shape) -> list[Call]:
+    """One forward + backward of CausalLM with its sequence over cp = world: ring attention in every layer."""
+    parallel = LayerParallel.from_topology(Topology.from_env(cp=dist.get_world_size()))
+    model = CausalLM(shape.model_config(), seed=0, parallel=parallel)
+    tokens = _tokens(shape)
+    with CollectiveRecorder() as recorder:
+        model(tokens[:, :-1], tokens[:, 1:]).backward()
+    return recorder.calls
+
+
+def _cp_analytic(shape: Shape, t: int) -> Analytic:
+    head_dim = shape.dim // shape.n_heads
+    kv = ring_kv_heads(shape.n_heads, shape.n_kv_heads)
+    nbytes = ring_bytes(shape.batch, shape.seq_len, kv, head_dim, t, shape.n_layers)
+    formula = (
+        f"L x [(cp-1) x 2E x 4 fwd + (cp-1) x 2E x 4 + cp x 2E x 4 (fp32 dK/dV) bwd]  "
+        f"[E = b*K*s/cp*d = {shape.batch * kv * (shape.seq_len // t) * head_dim}, K = {kv}, d = {head_dim}]"
+    )
+    return Analytic(
+        formula, nbytes, (("loss mean over cp: one scalar all-reduce", 2 * _ring(t) * 4),)
+    )
+
+
 @dataclass(frozen=True)
 class Case:
     name: str
@@ -327,6 +409,8 @@ CASES = (
     ),
     Case("ep=2, dropless MoE all-to-all (8 experts, top-2)", 2, _ep_step),
     Case("sp=2, Ulysses all-to-all", 2, _ulysses_step, _ulysses_analytic),
+    Case("cp=2, ring attention (K/V ring, fp32 dK/dV ring)", 2, _cp_step, _cp_analytic),
+    Case("cp=4, ring attention (K/V ring, fp32 dK/dV ring)", 4, _cp_step, _cp_analytic),
 )
 
 
@@ -407,11 +491,20 @@ def _result(case: Case, per_rank: dict, shape: Shape) -> Result:
 
 def report(result: Result, shape: Shape) -> bool:
     """Print the per-op table and the verdict; True if the ratio lies in [0.95, 1.05]."""
+    kv_block = (
+        shape.batch
+        * shape.n_kv_heads
+        * (shape.seq_len // result.case.world)
+        * (shape.dim // shape.n_heads)
+    )
     kinds = {
         shape.batch * shape.seq_len * shape.dim: "activation [b, s, h]",
         shape.batch * shape.seq_len: "loss statistic [b, s]",
         shape.dim: "norm grad [h]",
+        1: "scalar (the loss's mean)",
     }
+    if result.case.step is _cp_step:
+        kinds[2 * kv_block] = "ring shift: K and V (or dK and dV) [b, kv, s/cp, d]"
     print(f"\n== {result.case.name} (world {result.case.world}) ==")
     print(f"{'op':<24}{'elements':>10}{'calls':>7}{'logical MiB':>13}{'per-rank MiB':>14}  tensor")
     for (op, numel), n in sorted(Counter((c.op, c.numel) for c in result.calls).items()):
@@ -449,7 +542,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"one step (forward + backward, fp32) of CausalLM: b={shape.batch} s={shape.seq_len} h={shape.dim} "
         f"L={shape.n_layers} heads={shape.n_heads} kv_heads={shape.n_kv_heads} vocab={shape.vocab}; "
-        "per-rank bytes by ring costs (all-reduce 2(t-1)/t, all-gather / reduce-scatter (t-1)/t)"
+        "per-rank bytes by ring costs (all-reduce 2(t-1)/t, all-gather / reduce-scatter (t-1)/t); point-to-point "
+        "(the cp ring): the bytes a rank sends"
     )
     worlds = sorted({case.world for case in CASES})
     results = [r for w in worlds for r in measure_all([c for c in CASES if c.world == w], shape)]
