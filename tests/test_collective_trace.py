@@ -4,8 +4,9 @@ hanging), checked on the collectives real runs recorded (`logging.collective_tra
 Per process group, each member rank's ordered list of (op, channel, dtype, numel) must be identical. On gloo a
 mixed-device collective cannot hang, so the channel each call took is part of what is compared; the lint in
 tests/test_comm_rule.py keeps calls from bypassing the recording. Runs: 8 ranks pp2 × tp2 × dp2 (ep2, Megatron SP);
-8 ranks tp2 × Ulysses sp2 × ep2; 4 ranks with every guard, the monitor, evaluation and checkpoints every step or two,
-once plain (tp2 × dp2) and once as tp2 × pp2 under DualPipeV.
+8 ranks tp2 × Ulysses sp2 × ep2; 4 ranks context parallel cp2 × Ulysses sp2, and cp2 × dp2 with ep2; 4 ranks with
+every guard, the monitor, evaluation and checkpoints every step or two, once plain (tp2 × dp2) and once as tp2 × pp2
+under DualPipeV.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import pytest
 
 from keel.training.step_gate import AGREEMENT_FIELDS
 from tests.keel_runs import Run
+from tests.test_context_parallel_training import CP2_EP2, CP2_SP2
 from tests.test_moe_training import FOUR_D, TP_SP_EP
 from tests.test_pipeline_schedules import SCHEDULES
 
@@ -41,6 +43,9 @@ TRACED = {
     "quiet": Run.of("quiet", 4, "ds_configs/zero1.json", **QUIET),
     "4d": Run.of("4d", 8, "ds_configs/zero1.json", **FOUR_D),
     "tp2sp2ep2": Run.of("tp2sp2ep2", 8, "ds_configs/zero2.json", **TP_SP_EP),
+    # context parallel: its ring shifts are traced like collectives (every cp rank sends the same)
+    "cp2sp2": Run.of("cp2sp2", 4, "ds_configs/zero1.json", **CP2_SP2),
+    "cp2ep2": Run.of("cp2ep2", 4, "ds_configs/zero1.json", **CP2_EP2),
     "all-guards": Run.of("all-guards", 4, "ds_configs/zero1.json", **ALL_GUARDS),
     **{
         f"{name}-all-guards": Run.of(
@@ -116,7 +121,12 @@ def test_every_rank_issues_the_same_collectives(runs, name):
     assert sorted(traces) == list(range(run.nproc))
     assert divergences(traces) == []
     channels = {e["channel"] for entries in traces.values() for e in entries}
-    assert channels == {"device", "control"}  # control: the periodic checks, saves, evaluation's
+    assert channels == {"device", "control"}
+    if name.startswith("cp"):  # the ring's K/V and dK/dV go round the cp group, each rank's in turn
+        rings = {
+            e["group"] for entries in traces.values() for e in entries if e["op"] == "ring_shift"
+        }
+        assert rings == {"cp"}  # control: the periodic checks, saves, evaluation's
     # the step's agreement (a rank's data stop, whole; preemption flag; background save writing) is one small
     # device collective beside the loss, read back with it
     steps = max(

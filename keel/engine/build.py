@@ -26,7 +26,7 @@ from keel.adapters.torch_internals import check_torch
 from keel.adapters.torchao_internals import check_torchao
 from keel.config import RunConfig
 from keel.engine.compile_policy import should_compile
-from keel.engine.ds_config import precision, resolve_ds_config, zero_stage
+from keel.engine.ds_config import averages_sequence_ranks, precision, resolve_ds_config, zero_stage
 from keel.engine.interleaved_engine import as_interleaved
 from keel.engine.lr_schedule import build_scheduler
 from keel.engine.pipeline import build_pipeline, local_layers
@@ -85,6 +85,7 @@ def build_model(
         checkpoint_interval=cfg.train.activation_checkpoint_interval,
         placement=placement,
         document_eos=document_eos,
+        engine_averages_sp=averages_sequence_ranks(cfg, ds or {}),
     )
     if cfg.model.init_from:
         _load_init_from(cfg, list(enumerate(model.layers)), placement)

@@ -130,6 +130,18 @@ def engine_batch_copies(cfg: RunConfig) -> int:
     return cfg.parallel.sp * cfg.parallel.cp if cfg.parallel.pp > 1 else 1
 
 
+def averages_sequence_ranks(cfg: RunConfig, ds: dict[str, Any]) -> bool:
+    """Whether the engine averages gradients over the ranks splitting a sequence (cp × sp) rather than summing
+    them, which the loss's sequence mean must then undo (keel/parallel/ulysses.py). The pipeline engine averages
+    over its data axis, which holds them; ZeRO-3's reduce-scatter (its default path) averages over the whole
+    sequence-data-parallel group, where ZeRO 0-2 and ZeRO-3's all-reduce path divide by dp alone. Measured: cp2
+    under ZeRO-3 had half the one-process gradient norm before this."""
+    zero = _section(ds, "zero_optimization")
+    return cfg.parallel.pp > 1 or (
+        zero.get("stage", 0) == 3 and zero.get("reduce_scatter", True) is not False
+    )
+
+
 def _agrees(given: Any, value: Any) -> bool:
     """`given` is the value itself (true is not the number 1)."""
     return not isinstance(given, bool) and given == value

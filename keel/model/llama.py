@@ -343,6 +343,7 @@ class CausalLM(nn.Module):
         checkpoint_interval: int = 0,
         placement: Placement | None = None,
         document_eos: int | None = None,
+        engine_averages_sp: bool = False,
     ) -> None:
         super().__init__()
         self.cfg = cfg
@@ -352,7 +353,8 @@ class CausalLM(nn.Module):
         placement = placement or Placement()  # on meta, then this rank's shards on the CPU in fp32
         self.layers = nn.ModuleList(placement.build(lambda: build_layers(cfg, parallel)))
         init_weights(self.layers, cfg, seed, placement=placement)
-        self.loss_fn = VocabParallelLoss(cfg, parallel, label_smoothing, z_loss)
+        # the engine averages the sequence ranks' gradients (keel/engine/ds_config.py averages_sequence_ranks)
+        self.loss_fn = VocabParallelLoss(cfg, parallel, label_smoothing, z_loss, engine_averages_sp)
         self.cp = parallel.cp
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
