@@ -21,6 +21,7 @@ from keel.model.document_mask import document_layout
 from keel.parallel import comm
 from keel.parallel.context import CPContext, ring_documents
 from keel.parallel.layer_parallel import LayerParallel
+from keel.parallel.process_groups import ProcessGroups
 from keel.parallel.ring_attention import math_attention, math_attention_backward
 from keel.parallel.topology import Topology
 from tests.spawned import start_world
@@ -115,7 +116,42 @@ def _full_grad(param: torch.nn.Parameter, parallel: LayerParallel) -> torch.Tens
     return torch.cat(comm.all_gather(grad, parallel.tp.group), dim=dim)
 
 
-def _worker(rank: int, world: int, port: int, layout: dict, kv_heads: int, eos: int | None):
+def _check(layout: dict, kv_heads: int, eos: int | None, groups: ProcessGroups) -> None:
+    """One layout's loss, gradients and logit probe against the one-process model's."""
+    layout = dict(layout)
+    sequence_parallel = layout.pop("sequence_parallel", False)
+    cfg = ModelConfig(**{**CFG, "n_kv_heads": kv_heads})
+    topology = Topology.from_env(**layout, groups=groups)
+    parallel = LayerParallel.from_topology(topology, sequence_parallel, seed=7)
+    model = CausalLM(cfg, seed=3, parallel=parallel, z_loss=1e-3, document_eos=eos)
+    reference = CausalLM(cfg, seed=3, z_loss=1e-3, document_eos=eos)
+    g = torch.Generator().manual_seed(11)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 33), generator=g)
+    if eos is not None:  # documents end inside chunks and on a chunk boundary, differently per row
+        tokens[0, [3, 12, 20]] = eos
+        tokens[1, [8, 29]] = eos
+    probe = torch.full((), float("-inf"))
+    ref_probe = torch.full((), float("-inf"))
+    model.layers[1].attention.logit_probe = probe
+    reference.layers[1].attention.logit_probe = ref_probe
+    loss = model(tokens[:, :-1], tokens[:, 1:])
+    ref_loss = reference(tokens[:, :-1], tokens[:, 1:])
+    loss.backward()
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    # the probe sees this rank's queries: its max over the sequence ranks is the whole sequence's
+    comm.all_reduce(probe, topology.device("world"), op="max")
+    torch.testing.assert_close(probe, ref_probe)
+    ref_params = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        want, got = ref_params[name].grad, _full_grad(param, parallel)
+        rows = min(want.shape[0], got.shape[0])
+        torch.testing.assert_close(
+            got[:rows], want[:rows], rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}"
+        )
+
+
+def _worker(rank: int, world: int, port: int, cases: list) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -124,58 +160,36 @@ def _worker(rank: int, world: int, port: int, layout: dict, kv_heads: int, eos: 
         LOCAL_RANK=str(rank),
     )
     init_distributed()  # DeepSpeed's too: Ulysses runs through its DistributedAttention
+    groups = ProcessGroups()  # a rank set two layouts share is created once
     try:
-        sequence_parallel = layout.pop("sequence_parallel", False)
-        cfg = ModelConfig(**{**CFG, "n_kv_heads": kv_heads})
-        topology = Topology.from_env(**layout)
-        parallel = LayerParallel.from_topology(topology, sequence_parallel, seed=7)
-        model = CausalLM(cfg, seed=3, parallel=parallel, z_loss=1e-3, document_eos=eos)
-        reference = CausalLM(cfg, seed=3, z_loss=1e-3, document_eos=eos)
-        g = torch.Generator().manual_seed(11)
-        tokens = torch.randint(0, cfg.vocab_size, (2, 33), generator=g)
-        if (
-            eos is not None
-        ):  # documents end inside chunks and on a chunk boundary, differently per row
-            tokens[0, [3, 12, 20]] = eos
-            tokens[1, [8, 29]] = eos
-        probe = torch.full((), float("-inf"))
-        ref_probe = torch.full((), float("-inf"))
-        model.layers[1].attention.logit_probe = probe
-        reference.layers[1].attention.logit_probe = ref_probe
-        loss = model(tokens[:, :-1], tokens[:, 1:])
-        ref_loss = reference(tokens[:, :-1], tokens[:, 1:])
-        loss.backward()
-        ref_loss.backward()
-        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
-        # the probe sees this rank's queries: its max over the sequence ranks is the whole sequence's
-        comm.all_reduce(probe, topology.device("world"), op="max")
-        torch.testing.assert_close(probe, ref_probe)
-        ref_params = dict(reference.named_parameters())
-        for name, param in model.named_parameters():
-            want, got = ref_params[name].grad, _full_grad(param, parallel)
-            rows = min(want.shape[0], got.shape[0])
-            torch.testing.assert_close(
-                got[:rows], want[:rows], rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}"
-            )
+        for layout, kv_heads, eos in cases:
+            try:
+                _check(layout, kv_heads, eos, groups)
+            except AssertionError as error:
+                raise AssertionError(f"{layout} kv_heads={kv_heads} eos={eos}: {error}") from None
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    "world, layout, kv_heads, eos",
-    [
-        (2, dict(cp=2), 4, None),  # no GQA
-        (4, dict(cp=4), 2, None),
-        (2, dict(cp=2), 2, 5),  # packed documents: a document split between ranks, pairs skipped
-        (4, dict(cp=4), 1, 5),
-        (4, dict(cp=2, sp=2), 2, None),  # 2-D: Ulysses inside, the ring across
-        (4, dict(cp=2, tp=2, sequence_parallel=True), 2, None),
-        (4, dict(cp=2, tp=2, sequence_parallel=True), 2, 5),
+# (layout, kv heads, the EOS id of packed documents) per world size; one world runs all of its size
+CASES = {
+    2: [
+        (dict(cp=2), 4, None),  # no GQA
+        (dict(cp=2), 2, 5),  # packed documents: a document split between ranks, pairs skipped
     ],
-    ids=str,
-)
-def test_context_parallel_model_equals_one_process(world, layout, kv_heads, eos):
+    4: [
+        (dict(cp=4), 2, None),
+        (dict(cp=4), 1, 5),
+        (dict(cp=2, sp=2), 2, None),  # 2-D: Ulysses inside, the ring across
+        (dict(cp=2, tp=2, sequence_parallel=True), 2, None),
+        (dict(cp=2, tp=2, sequence_parallel=True), 2, 5),
+    ],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", sorted(CASES))
+def test_context_parallel_model_equals_one_process(world):
     """Loss, every parameter's gradient and the attention-logit probe after one forward/backward equal the
-    one-process model's (fp32, 1e-5)."""
-    start_world(_worker, (world, free_port(), layout, kv_heads, eos), world)
+    one-process model's (fp32, 1e-5), for every layout of `CASES`."""
+    start_world(_worker, (world, free_port(), CASES[world]), world)
