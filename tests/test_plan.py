@@ -1,5 +1,6 @@
-"""`keel plan` (keel/tools/plan/): every plan it prints is one `keel train` accepts, pinned axes stay pinned, and
-a model that fits nowhere gets no plan and one line saying by how much."""
+"""`keel plan` (keel/tools/plan/): every plan it prints is one `keel train` accepts, pinned axes stay pinned, a
+model that fits nowhere gets no plan and one line saying by how much, and a sequence too long for one rank gets
+context parallelism."""
 
 from __future__ import annotations
 
@@ -15,9 +16,9 @@ from keel.config.schema import ModelConfig, ParallelConfig, TrainConfig
 from keel.engine.ds_config import check_engine_layout
 from keel.engine.pipeline_plan import check_pipeline_plan
 from keel.launcher.plan_check import check_plan
-from keel.tools.plan import table
+from keel.tools.plan import describe, table
 from keel.tools.plan.devices import DEVICES
-from keel.tools.plan.search import make_plans
+from keel.tools.plan.search import MIN_CP_CHUNK, candidates, make_plans
 from tests.keel_runs import REPO
 
 ZERO1 = {"zero_optimization": {"stage": 1}, "bf16": {"enabled": True}, "gradient_clipping": 1.0}
@@ -66,7 +67,8 @@ def test_every_plan_is_a_layout_keel_train_accepts(
         if cut not in cut_checked:  # the pipeline's cut builds the model on meta: once per layout
             check_pipeline_plan(run, plan.ds["zero_optimization"]["stage"])
             cut_checked.add(cut)
-        assert run.parallel.tp * run.parallel.pp * run.parallel.sp * plan.layout["dp"] == gpus
+        parallel = run.parallel
+        assert parallel.tp * parallel.pp * parallel.cp * parallel.sp * plan.layout["dp"] == gpus
 
 
 def _model_sets(cfg: RunConfig) -> list[tuple[str, object]]:
@@ -97,6 +99,59 @@ def test_a_model_that_fits_nowhere_gets_no_plan_and_says_by_how_much():
     text = table(plans, 5)
     assert text.startswith("no layout fits")
     assert "GiB over the" in text.splitlines()[1]
+
+
+def test_cp_is_searched_only_where_each_chunk_is_long():
+    cfg = _config(8, 4, 4, 32, 64, 0)
+    for seq_len, cps in [(256, {1}), (4 * MIN_CP_CHUNK, {1, 2}), (16 * MIN_CP_CHUNK, {1, 2, 4, 8})]:
+        cfg.data.seq_len = seq_len
+        found = {run.parallel.cp for run, _, _ in candidates(cfg, ZERO1, 8, 8, {"pp", "tp", "sp"})}
+        assert found == cps, (seq_len, found)
+
+
+def _llama_8b(seq_len: int, document_mask: bool) -> RunConfig:
+    cfg = load_config(None, [])
+    cfg.model = ModelConfig(
+        vocab_size=128256,
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_hidden=14336,
+        compile="false",
+    )
+    cfg.train = TrainConfig(**{**cfg.train.__dict__, "global_batch_size": 64, "warmup_steps": 1})
+    cfg.parallel = ParallelConfig()
+    cfg.data.seq_len, cfg.data.document_mask = seq_len, document_mask
+    return cfg
+
+
+@pytest.mark.parametrize(
+    "seq_len, document_mask",
+    # packed documents masked: SDPA's [s, s] mask per block at cp = 1 (and keel train refuses pp, sp)
+    [(131072, True), (262144, False)],
+    ids=["128k documents", "256k"],
+)
+def test_a_sequence_too_long_for_a_rank_gets_context_parallel(seq_len, document_mask):
+    """An 8B Llama on 64 × 80 GB, one pipeline stage and no Ulysses: no layout without cp fits (even tp=8 with
+    every block checkpointed), the plans that fit all split the sequence, and the best is one keel train runs."""
+    cfg = _llama_8b(seq_len, document_mask)
+    plans = make_plans(cfg, ZERO1, 64, 8, DEVICES["h100"], {"pp", "sp"})
+    assert plans.ranked and all(p.layout["cp"] > 1 for p in plans.ranked)
+    tried = [p for p in plans.too_big if p.layout["cp"] == 1]
+    assert any(p.layout["tp"] == 8 and p.layout["checkpointing"] for p in tried)
+    best = plans.ranked[0]
+    assert (
+        f" cp{best.layout['cp']} " in f" {describe(best)} "
+        and f"parallel.cp={best.layout['cp']}" in best.overrides
+    )
+    run = load_config(None, [f"{k}={v}" for k, v in _model_sets(cfg)] + best.overrides)
+    run.data.seq_len, run.data.document_mask = seq_len, document_mask
+    run.train.global_batch_size, run.train.warmup_steps = 64, 1
+    validate(run, 64)
+    check_engine_layout(run, best.ds, 64)
+    # each rank's share of the sequence is what made it fit: the same layout without cp does not
+    assert best.memory.activations * best.layout["cp"] > best.memory_limit
 
 
 def test_the_check_builds_the_first_a_middle_and_the_last_rank_of_the_plans_world():

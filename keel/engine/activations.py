@@ -9,7 +9,10 @@ width split over tp, tokens over Ulysses sp; the norms' tokens over tp too under
                the projections' input); the fused k|v projection's output (b·T·2·kv), RoPE'd q and k
                (b·T·(q + kv); RoPE multiplies by constant tables and keeps nothing else), SDPA's output
                (b·T·q, kept by SDPA and copied contiguous for wo: twice) and its log-sum-exp (fp32, per head
-               and token). Memory-efficient attention (flash on GPU, and torch's CPU kernel) keeps no s×s scores.
+               and token). Memory-efficient attention (flash on GPU, and torch's CPU kernel) keeps no s×s scores;
+               but with packed documents masked (`data.document_mask`) SDPA turns the boolean [s, s] mask into
+               an additive one in the run's dtype and keeps it, every block: b·micro_batch·s² (and the
+               boolean one, micro_batch·s², lives as long as the micro-batch's activations).
     MLP        RMSNorm as above; w13's gate|up output (b·T·2·f), silu(gate) (b·T·f) and the product, w2's input
                (b·T·f).
     dropout    a byte per element of each branch output when model.dropout > 0.
@@ -17,6 +20,14 @@ width split over tp, tokens over Ulysses sp; the norms' tokens over tp too under
 The head (the final norm, the logits and the loss) keeps the norm as above and the logits: b·T·V for the
 projection's output plus the loss's fp32 log-probabilities (4·T·V), V the rank's vocabulary shard — the largest
 single term at a large vocabulary. A fused linear + cross-entropy (Liger) keeps no logits.
+
+Context parallelism (`parallel.cp`) splits every sequence over cp ranks (two chunks of s/(2·cp) each,
+keel/parallel/context.py), so every count above is at T = micro_batch·s/(cp·sp) tokens: outside attention every
+layer is position-wise, and the ring (keel/parallel/ring_attention.py) saves exactly what SDPA does (the rank's
+RoPE'd q, k, v, its output and log-sum-exp). Its blocks are c×c with c = s/(2·cp), on a memory-efficient kernel
+(SDPA's CPU flash) that keeps no scores, as above, and no [s, s] document mask: it builds each pair of chunks'
+c×c mask as it attends them. What cp adds is short-lived, one block's attention at a time (`ring_bytes`): other
+ranks' K/V in flight and, in backward, the dK/dV travelling with them in fp32.
 
 Activation checkpointing every N blocks (`train.activation_checkpoint_interval`) keeps each chunk's input (b·T·h)
 and, in backward, one chunk's full activations while it is recomputed. A pipeline stage keeps the activations of
@@ -43,10 +54,13 @@ class ActivationShape:
     tp: int = 1
     sp: int = 1  # Ulysses: tokens split outside attention, heads inside it
     sequence_parallel: bool = False  # Megatron SP: the norms' tokens split over tp
+    cp: int = 1  # context parallel: tokens split everywhere, attention a ring over the cp ranks
+    document_mask: bool = False  # data.document_mask: attention masked to each packed document
 
     @property
     def tokens(self) -> int:
-        return self.micro_batch * self.seq_len // self.sp
+        """The rank's tokens of one micro-batch outside attention."""
+        return self.micro_batch * self.seq_len // (self.cp * self.sp)
 
 
 def block_bytes(cfg: ModelConfig, shape: ActivationShape, moe: bool = False) -> int:
@@ -59,6 +73,9 @@ def block_bytes(cfg: ModelConfig, shape: ActivationShape, moe: bool = False) -> 
     # RMSNorm: its fp32 input (the input itself at fp32) and its output; under SP the output is gathered to t
     norm = norm_tokens * h * 4 + (t if shape.sequence_parallel else norm_tokens) * h * b
     attention = norm + b * t * (2 * kv + q + kv + 2 * q) + 4 * t * heads
+    if shape.document_mask and shape.cp == 1:
+        # SDPA's additive [s, s] mask, whole on every tp rank (under cp the ring builds c×c ones)
+        attention += b * shape.micro_batch * shape.seq_len**2
     if cfg.qk_norm:
         attention += t * (q + kv) * (4 + b)
     if moe:
@@ -89,6 +106,26 @@ def head_bytes(cfg: ModelConfig, shape: ActivationShape, vocab_shard: int, fused
     b, t, h = BYTES[shape.precision], shape.tokens, cfg.dim
     norm = t * h * 4 + t * h * b
     return norm if fused_loss else norm + t * vocab_shard * (b + 4)
+
+
+def ring_bytes(cfg: ModelConfig, shape: ActivationShape) -> int:
+    """The context-parallel ring's buffers in one block's attention at their peak, backward (0 without cp): other
+    ranks' K/V in hand and arriving (one at cp = 2, two beyond: a receive buffer the size of the local K and V
+    each), the fp32 dK/dV accumulating, the previous ones still being sent and the next arriving, the fp32
+    dq, and under document masking one pair of chunks' c×c mask (boolean and additive). Forward holds less (the
+    K/V and an fp32 output). Freed after each block, never kept across blocks."""
+    if shape.cp == 1:
+        return 0
+    b, t = BYTES[shape.precision], shape.tokens
+    c = shape.seq_len // (2 * shape.cp)
+    mask = (1 + b) * shape.micro_batch * c * c if shape.document_mask else 0
+    q = cfg.n_heads * cfg.head_dim // shape.tp
+    kv_heads = max(1, cfg.n_kv_heads // shape.tp)
+    # Ulysses sends a kv head per query head when sp does not divide the kv heads (keel/model/layers.py); the
+    # all-to-all keeps the element count: s/cp tokens of width/sp inside attention, T tokens of width outside
+    kv = (kv_heads if kv_heads % shape.sp == 0 else cfg.n_heads // shape.tp) * cfg.head_dim
+    in_flight_kv = min(2, shape.cp - 1)
+    return in_flight_kv * b * t * 2 * kv + 3 * 4 * t * 2 * kv + 4 * t * q + mask
 
 
 def checkpointed_bytes(blocks: int, interval: int, block: int, block_input: int) -> int:
@@ -128,7 +165,8 @@ def rank_activation_bytes(
 ) -> int:
     """A pipeline rank's activation peak: its blocks ((layer id, is MoE) each), checkpointed every
     `train.activation_checkpoint_interval`, and its head when it is the last stage, times the micro-batches in
-    flight."""
+    flight; with packed documents masked and no cp, each micro-batch's boolean [s, s] mask too (alive through
+    the forward, and through backward under checkpointing, which recomputes the blocks from it)."""
     interval = cfg.train.activation_checkpoint_interval
     dense = [block_bytes(cfg.model, shape, moe) for _, moe in blocks]
     block_input = BYTES[shape.precision] * shape.tokens * cfg.model.dim
@@ -139,4 +177,9 @@ def rank_activation_bytes(
         kept = 0
     fused = cfg.model.kernels == "liger" and shape.tp == 1
     head = head_bytes(cfg.model, shape, vocab_shard, fused) if has_head else 0
-    return int((kept + head) * flight)
+    mask = (
+        shape.micro_batch * shape.seq_len**2
+        if shape.document_mask and shape.cp == 1 and dense
+        else 0
+    )
+    return int((kept + head + mask) * flight)

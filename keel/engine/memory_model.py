@@ -4,16 +4,20 @@ The ZeRO paper's accounting (Rajbhandari et al. 2020, §3): with Ψ parameters o
 share, counted from a meta-device build of the real layers, which costs nothing), parameters take Ψ·b and
 gradients Ψ·b bytes (b = 4 in fp32, 2 in bf16/fp16), and Adam keeps K·Ψ: two fp32 moments (8 bytes), plus an fp32
 master copy (4) when the parameters are 16-bit — and under any ZeRO stage, whose DeepSpeed optimizers always
-keep their own fp32 partition apart from the module's parameters. ZeRO-1 divides the optimizer state by the
-data-parallel size, ZeRO-2 the gradients too, ZeRO-3 the parameters too. Expert parameters are partitioned over
-the expert-data-parallel group (dp / ep) instead. Buckets are the configured sizes, each capped by the number
+keep their own fp32 partition apart from the module's parameters. ZeRO-1 divides the optimizer state by the ranks
+that replicate the parameters, ZeRO-2 the gradients too, ZeRO-3 the parameters too: the data-parallel ranks and,
+within each, the ranks that split one sequence (context-parallel cp × Ulysses sp: DeepSpeed's
+sequence-data-parallel group, Keel's `sp_dp`). Expert parameters are partitioned over the expert-data-parallel
+group (dp / ep × cp × sp, Keel's `expert_dp`) instead. Buckets are the configured sizes, each capped by the number
 of elements it could ever hold: ZeRO-1/2's reduce bucket, ZeRO-3's reduce and prefetch buckets plus the
 largest parameter it gathers whole. `keel preflight` and bench/memory.py read it.
 
 Beside the steady state, what the rare paths add, so a rank sized to its shard stays within it there too:
 - `transient` (device): the largest short-lived buffer — NaN localization's one unpartitioned gradient at a time
-  (the largest parameter's; keel/training/guards/localize.py), or the MoE grouped GEMM's stacked weights of one
-  layer's local experts, made in forward and again in backward, never kept (keel/model/moe.py);
+  (the largest parameter's; keel/training/guards/localize.py), the MoE grouped GEMM's stacked weights of one
+  layer's local experts, made in forward and again in backward, never kept (keel/model/moe.py), or the
+  context-parallel ring's K/V and dK/dV in flight in one block's attention (keel/engine/activations.py
+  `ring_bytes`); none of them is alive while another is;
 - `host`: an asynchronous checkpoint's snapshot, one host copy of the files this rank writes (its optimizer
   partition, and on the rank writing its stage's model states, the stage's weights; async_save.py);
 - `snapshots` (host memory, as tmpfs pages): checkpoint.memory_interval's in-memory snapshots, this rank's whole
@@ -34,7 +38,7 @@ from typing import Any
 import torch
 
 from keel.config import ModelConfig, RunConfig
-from keel.engine.activations import ActivationShape, in_flight, rank_activation_bytes
+from keel.engine.activations import ActivationShape, in_flight, rank_activation_bytes, ring_bytes
 from keel.engine.ds_config import precision, zero_stage
 from keel.model.llama import Block, EmbeddingLayer, FinalNorm, OutputLayer
 from keel.model.router import is_moe_block
@@ -52,13 +56,26 @@ DS_DEFAULTS = {
 
 @dataclass(frozen=True)
 class Layout:
-    """Parallel sizes: tensor, pipeline, data (the whole data-parallel size, ep carved out of it), expert, Ulysses."""
+    """Parallel sizes: tensor, pipeline, data (the whole data-parallel size, world / (tp·pp·cp·sp), ep carved out
+    of it), expert, Ulysses and context parallel."""
 
     tp: int = 1
     pp: int = 1
     dp: int = 1
     ep: int = 1
     sp: int = 1
+    cp: int = 1
+
+    @property
+    def zero_group(self) -> int:
+        """The ranks ZeRO partitions the dense parameters' state over: data × context × Ulysses parallel (the
+        cp and sp ranks of a replica replicate the parameters)."""
+        return self.dp * self.cp * self.sp
+
+    @property
+    def expert_group(self) -> int:
+        """The ranks holding the same experts, over which their state is partitioned."""
+        return max(1, self.dp // self.ep) * self.cp * self.sp
 
 
 @dataclass(frozen=True)
@@ -86,7 +103,8 @@ class RankMemory:
     grads: int
     optimizer: int
     buckets: int
-    transient: int = 0  # device: the largest short-lived buffer of a rare path (module docstring)
+    # device: the largest short-lived buffer, of a rare path or the cp ring's (module docstring)
+    transient: int = 0
     host: int = 0  # host: an asynchronous checkpoint's snapshot of this rank's files (0 when saves are sync)
     # host (tmpfs): in-memory snapshots at their peak (module docstring); 0 when off
     snapshots: int = 0
@@ -273,13 +291,13 @@ def estimate(
     prec, stage = precision(ds), zero_stage(ds)
     b = BYTES[prec]
     zero = {**DS_DEFAULTS, **ds.get("zero_optimization", {})}
-    edp = max(1, layout.dp // layout.ep)
 
     def split(bytes_per_element: int, partitioned: bool) -> int:
         if not partitioned:
             return bytes_per_element * share.total
         return bytes_per_element * (
-            math.ceil(share.dense / layout.dp) + math.ceil(share.expert / edp)
+            math.ceil(share.dense / layout.zero_group)
+            + math.ceil(share.expert / layout.expert_group)
         )
 
     master = 4 if (prec != "fp32" or stage >= 1) else 0
@@ -297,8 +315,11 @@ def estimate(
         buckets = b * (min(int(zero["reduce_bucket_size"]), share.total) + gathered)
     else:
         buckets = 0
-    # one unpartitioned gradient (localization); one layer's local experts stacked (grouped GEMM)
-    transient = b * max(share.largest, share.expert_layer)
+    # one unpartitioned gradient (localization); one layer's local experts stacked (grouped GEMM); the cp ring's
+    transient = max(
+        b * max(share.largest, share.expert_layer),
+        ring_bytes(cfg.model, activation_shape(cfg, layout, prec)),
+    )
     # the model-states file holds the stage's weights (one data-parallel rank writes it; ZeRO-3: each its part)
     host = (
         (params if stage >= 3 else b * share.total) + optimizer if cfg.checkpoint.async_save else 0
@@ -323,6 +344,20 @@ def estimate(
     )
 
 
+def activation_shape(cfg: RunConfig, layout: Layout, prec: str) -> ActivationShape:
+    """What decides a block's activations on one rank of `layout` (keel/engine/activations.py)."""
+    return ActivationShape(
+        cfg.train.micro_batch_size,
+        cfg.data.seq_len,
+        prec,
+        tp=layout.tp,
+        sp=layout.sp,
+        sequence_parallel=cfg.parallel.sequence_parallel,
+        cp=layout.cp,
+        document_mask=cfg.data.document_mask,
+    )
+
+
 def activation_peak(cfg: RunConfig, layout: Layout, prec: str, cut: LayerCut | None = None) -> int:
     """The largest activation peak over the pipeline ranks (keel/engine/activations.py): each rank's blocks and
     head, cut as DeepSpeed cuts the layer list, times the micro-batches its schedule holds in flight."""
@@ -330,14 +365,7 @@ def activation_peak(cfg: RunConfig, layout: Layout, prec: str, cut: LayerCut | N
     cut = cut or run_cut(cfg, layout)
     layers, held = cut.layers, cut.held
     micro_batches = max(1, train.global_batch_size // (train.micro_batch_size * layout.dp))
-    shape = ActivationShape(
-        train.micro_batch_size,
-        cfg.data.seq_len,
-        prec,
-        layout.tp,
-        layout.sp,
-        parallel.sequence_parallel,
-    )
+    shape = activation_shape(cfg, layout, prec)
     head = layers[-1]
     vocab_shard = next(head.parameters()).shape[0]
     peak = 0

@@ -108,7 +108,9 @@ def construct(
         layers = stage_layers(cfg, parallel, topology)
         world.record.parameters = sum(p.numel() for p in unique_parameters(layers))
         # what the memory model predicts for this layout, with the async save the simulation drives
-        layout = Layout(tp=shape.tp, pp=shape.pp, dp=shape.dp, ep=shape.ep, sp=shape.sp)
+        layout = Layout(
+            tp=shape.tp, pp=shape.pp, dp=shape.dp, ep=shape.ep, sp=shape.sp, cp=shape.cp
+        )
         saving = replace(cfg, checkpoint=replace(cfg.checkpoint, async_save=True))
         world.record.memory = estimate(saving, ds or ZERO1, layout)
     built = Built(topology, layers)

@@ -31,7 +31,7 @@ def resolve_vocab(cfg: RunConfig, base_dir: Path) -> None:
 def describe(p: Prediction) -> str:
     layout = p.layout
     shape = f"tp{layout['tp']} pp{layout['pp']} dp{layout['dp']}"
-    shape += "".join(f" {k}{layout[k]}" for k in ("sp", "ep") if layout[k] > 1)
+    shape += "".join(f" {k}{layout[k]}" for k in ("cp", "sp", "ep") if layout[k] > 1)
     if layout["pp"] > 1:
         shape += f" {layout['schedule']}"
     shape += f" zero{layout['zero']} mb{layout['micro_batch']}"

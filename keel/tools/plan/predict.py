@@ -10,9 +10,12 @@ time adds, for the busiest pipeline rank:
   - tensor parallel: 2 all-reduces (Megatron SP: reduce-scatter + all-gather, the same bytes) per block forward
     and 2 backward, ring volume 2(t−1)/t, not overlapped;
   - Ulysses sequence parallel: 4 all-to-alls per block each way, (s−1)/s of their bytes;
+  - context parallel: the ring's K/V past cp−1 ranks per block forward and again (with dK/dV) backward, the part
+    the block's attention does not hide;
   - expert parallel: dispatch and combine all-to-alls per MoE block each way;
-  - data parallel as DeepSpeed moves it (`_data_parallel_seconds`: ZeRO-2 and -3 every micro-batch), at the
-    slower link the group spans, overlapped with backward where `overlap_comm` is on and the device overlaps;
+  - data parallel as DeepSpeed moves it (`_data_parallel_seconds`: ZeRO-2 and -3 every micro-batch) over the
+    ranks replicating the parameters (data × cp × sp), at the slower link the group spans, overlapped with
+    backward where `overlap_comm` is on and the device overlaps;
 - the pipeline's bubble from its schedule (1F1B (pp−1)/m, interleaved (pp−1)/(m·v), DualPipeV (pp/2−1)/m of
   the micro-batches' time) and its point-to-point transfers;
 - the optimizer's update (memory-bound: ~32 bytes read and written per parameter it holds) and a host overhead.
@@ -82,18 +85,20 @@ def predict(
     gpus_per_node: int,
     device: Device,
     cut: LayerCut | None = None,
-    cp: int = 1,
+    cp: int | None = None,
 ) -> Prediction:
     """`cut`: the memory model's layer cut for this layout's tp, ep, pp and schedule, when made already. `cp`:
-    context parallelism, modelled analytically (Keel does not run it yet): each rank takes 1/cp of every
-    sequence, its K/V travel the cp ring once per block each way (overlapped with the attention they feed), and
-    the cp ranks reduce gradients with the data-parallel ones."""
+    overrides `parallel.cp` (bench/plan_accuracy.py's published anchors). Under context parallelism each rank
+    takes 1/cp of every sequence, its K/V travel the cp ring once per block each way (overlapped with the
+    attention they feed), and the cp ranks reduce gradients with the data-parallel ones."""
     parallel, train, model = cfg.parallel, cfg.train, cfg.model
     tp, pp, sp, ep = parallel.tp, parallel.pp, parallel.sp, parallel.ep
+    cp = parallel.cp if cp is None else cp
     dp = gpus // (tp * pp * sp * cp)
     prec, stage = precision(ds), zero_stage(ds)
     b = BYTES[prec]
-    memory = estimate(cfg, ds, Layout(tp=tp, pp=pp, dp=dp * cp, ep=ep, sp=sp), cut)
+    layout = Layout(tp=tp, pp=pp, dp=dp, ep=ep, sp=sp, cp=cp)
+    memory = estimate(cfg, ds, layout, cut)
     per_node = min(gpus, gpus_per_node)
     limit = device.memory_gib * 2**30 * FIT_FRACTION / (per_node if device.is_cpu else 1)
     micro_batches = train.global_batch_size // (train.micro_batch_size * dp)
@@ -124,9 +129,10 @@ def predict(
 
     recompute = 1 if train.activation_checkpoint_interval else 0
     if device.is_cpu:
-        # CPU: a real block timed here, its elementwise ops and the framework's per-op cost included
+        # CPU: a real block timed here, its elementwise ops and the framework's per-op cost included; a cp
+        # rank does 1/cp of it (its tokens, and its even share of the causal attention)
         block = sum(
-            share * device.timer.block_seconds(model, tp, train.micro_batch_size, s // sp, moe)
+            share * device.timer.block_seconds(model, tp, train.micro_batch_size, s // sp, moe) / cp
             for share, moe in ((1 - moe_share, False), (moe_share, True))
             if share
         )
@@ -172,12 +178,19 @@ def predict(
         ep_comm = moved(volume, calls, tp * ep <= gpus_per_node)
     cp_comm = 0.0
     if cp > 1:
-        bandwidth, latency = link(tp * cp <= gpus_per_node)
+        bandwidth, latency = link(tp * sp * cp <= gpus_per_node)  # the grid: cp outside sp and tp
         ring = (cp - 1) * (tokens * 2 * kv * b / bandwidth + latency)
         overlap = attend(tokens, model.head_dim, s // 2) * (q // model.head_dim)
         cp_comm = 3 * blocks_on_rank * micro_batches * max(ring - overlap, 0.0)
     dp_comm = _data_parallel_seconds(
-        cfg, ds, memory, dp * cp, micro_batches, b, moved, tp * sp * dp * cp <= gpus_per_node
+        cfg,
+        ds,
+        memory,
+        layout.zero_group,
+        micro_batches,
+        b,
+        moved,
+        tp * sp * dp * cp <= gpus_per_node,
     )
     if dp_comm:
         overlap_comm = ds.get("zero_optimization", {}).get("overlap_comm", stage == 3)
@@ -197,7 +210,7 @@ def predict(
         # a micro-batch's activations forward and their gradients back, at each of the rank's stage edges
         transfers = 2 * micro_batches * chunks
         bubble += moved(transfers * activation, transfers, gpus <= gpus_per_node)
-    held = memory.share.total / (dp if stage >= 1 else 1)
+    held = memory.share.total / (layout.zero_group if stage >= 1 else 1)
     optimizer = 32 * held / (device.hbm_tbps * 1e12)
     per_block, per_step = OVERHEAD_S["cpu" if device.is_cpu else "gpu"]
     overhead = per_block * blocks_on_rank * micro_batches + per_step

@@ -1,7 +1,8 @@
 """The layouts a plan chooses from: every combination of the free axes that `keel train` accepts, predicted.
 
 Axes: tp (dividing the heads, within a node), pp (up to the layers), the pipeline schedule (1F1B, interleaved over
-2 or 4 chunks, DualPipeV), Ulysses sp, ep (dividing the experts and the data-parallel size), the ZeRO stage,
+2 or 4 chunks, DualPipeV), Ulysses sp, context-parallel cp (where the sequence is long: each of a rank's two
+chunks at least MIN_CP_CHUNK tokens), ep (dividing the experts and the data-parallel size), the ZeRO stage,
 the micro-batch (dividing the global batch's share per data-parallel rank) and activation checkpointing (none,
 every block). An axis the user set (`--set parallel.tp=4`, a `--ds-config`) is pinned. Each candidate passes the
 same checks as `keel train` (keel.config.validate, the engine's DeepSpeed check, the pipeline cut) or is
@@ -30,12 +31,17 @@ AXES = {
     "parallel.tp": "tp",
     "parallel.pp": "pp",
     "parallel.sp": "sp",
+    "parallel.cp": "cp",
     "parallel.ep": "ep",
     "parallel.pipeline_schedule": "schedule",
     "parallel.virtual_stages": "schedule",
     "train.micro_batch_size": "micro_batch",
     "train.activation_checkpoint_interval": "checkpointing",
 }
+
+# tokens in each of a cp rank's two chunks, at least: below it a ring step's c×c block of attention is too short to
+# hide the next K/V's transfer, and the sequence fits a rank without cp (its activations scale with s/cp)
+MIN_CP_CHUNK = 1024
 
 
 @dataclass
@@ -68,6 +74,13 @@ def candidates(
     )
     pps = axis("pp", [p for p in divisors(gpus) if p <= model.n_layers], parallel.pp)
     sps = axis("sp", [s for s in divisors(model.n_heads) if s <= 8], parallel.sp)
+    seq = cfg.data.seq_len
+    cps = axis(
+        "cp",
+        [1]
+        + [c for c in divisors(gpus)[1:] if seq % (2 * c) == 0 and seq // (2 * c) >= MIN_CP_CHUNK],
+        parallel.cp,
+    )
     eps = axis("ep", divisors(model.moe_experts) if model.moe_experts else [1], parallel.ep)
     stage_now = ds.get("zero_optimization", {}).get("stage", 0)
     stages = [stage_now] if "zero" in pinned else [0, 1, 2, 3]
@@ -77,10 +90,10 @@ def candidates(
         (parallel.pipeline_schedule, parallel.virtual_stages),
     )
     checkpointing = axis("checkpointing", [0, 1], train.activation_checkpoint_interval)
-    for tp, pp, sp, ep, stage in itertools.product(tps, pps, sps, eps, stages):
-        if gpus % (tp * pp * sp):
+    for tp, pp, sp, cp, ep, stage in itertools.product(tps, pps, sps, cps, eps, stages):
+        if gpus % (tp * pp * cp * sp):
             continue
-        dp = gpus // (tp * pp * sp)
+        dp = gpus // (tp * pp * cp * sp)
         share = train.global_batch_size // dp if train.global_batch_size % dp == 0 else 0
         micro = axis(
             "micro_batch",
@@ -96,6 +109,7 @@ def candidates(
                 tp=tp,
                 pp=pp,
                 sp=sp,
+                cp=cp,
                 ep=ep,
                 pipeline_schedule=schedule,
                 virtual_stages=chunks,
@@ -105,7 +119,8 @@ def candidates(
             )
             raw = copy.deepcopy(ds)
             raw.setdefault("zero_optimization", {})["stage"] = stage
-            yield run, raw, f"tp{tp} pp{pp} sp{sp} ep{ep} zero{stage} mb{mb}"
+            context = f" cp{cp}" if cp > 1 else ""
+            yield run, raw, f"tp{tp} pp{pp}{context} sp{sp} ep{ep} zero{stage} mb{mb}"
 
 
 def make_plans(
@@ -137,7 +152,14 @@ def make_plans(
         try:
             validate(run, gpus)
             once(
-                [raw, parallel.tp, parallel.pp, parallel.sp, run.train.micro_batch_size],
+                [
+                    raw,
+                    parallel.tp,
+                    parallel.pp,
+                    parallel.sp,
+                    parallel.cp,
+                    run.train.micro_batch_size,
+                ],
                 functools.partial(check_engine_layout, run, raw, gpus),
             )
             once([structure_of(run), stage > 0], functools.partial(check_pipeline_plan, run, stage))
@@ -175,6 +197,7 @@ def overrides_of(run: RunConfig) -> list[str]:
         f"parallel.tp={parallel.tp}",
         f"parallel.pp={parallel.pp}",
         f"parallel.sp={parallel.sp}",
+        f"parallel.cp={parallel.cp}",
         f"parallel.ep={parallel.ep}",
         f"train.micro_batch_size={train.micro_batch_size}",
         f"train.activation_checkpoint_interval={train.activation_checkpoint_interval}",

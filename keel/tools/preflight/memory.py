@@ -47,10 +47,11 @@ class MemoryResult:
 
 def run_needs(cfg: RunConfig, ds: dict, world_size: int) -> RunNeeds:
     parallel = cfg.parallel
-    dp = world_size // (parallel.tp * parallel.pp * parallel.sp)
-    memory = estimate(
-        cfg, ds, Layout(tp=parallel.tp, pp=parallel.pp, dp=dp, ep=parallel.ep, sp=parallel.sp)
+    dp = world_size // (parallel.tp * parallel.pp * parallel.cp * parallel.sp)
+    layout = Layout(
+        tp=parallel.tp, pp=parallel.pp, dp=dp, ep=parallel.ep, sp=parallel.sp, cp=parallel.cp
     )
+    memory = estimate(cfg, ds, layout)
     return RunNeeds(
         memory.total + memory.activations,
         checkpoint_bytes(cfg, ds),
