@@ -242,6 +242,22 @@ def test_tiny_yaml_is_the_builtin_default():
             ["parallel.tp=4", "model.n_heads=6", "model.n_kv_heads=2", "model.dim=48"],
             "model.n_heads=6 must be divisible by parallel.tp=4",
         ),
+        (
+            4,
+            ["parallel.cp=3", "data.seq_len=96"],
+            "parallel: world size 4 is not divisible by tp×pp×cp×sp = 3",
+        ),
+        (
+            4,
+            ["parallel.cp=4", "data.seq_len=36"],
+            "data.seq_len=36 must be divisible by 2·parallel.cp = 8",
+        ),
+        (
+            8,
+            ["parallel.cp=2", "parallel.sp=4", "data.seq_len=36"],
+            "data.seq_len=36 / parallel.cp=2 must be divisible by 4 (parallel.sp)",
+        ),
+        (2, ["parallel.cp=0"], "parallel.cp"),
     ],
 )
 def test_parallel_layout_errors(nproc, sets, message, tmp_path, capsys):
