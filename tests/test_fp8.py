@@ -20,7 +20,6 @@ from keel.model.precision import fp8_blocks, fp8_line
 from keel.parallel import comm, float8
 from keel.parallel.float8 import Float8Spec
 from keel.parallel.layer_parallel import LayerParallel
-from keel.parallel.tensor import TPContext
 from keel.parallel.topology import Topology
 from tests.spawned import start_world
 
@@ -163,22 +162,34 @@ CFG = dict(
 )
 
 
-def _full_grad(param: torch.nn.Parameter, tp: TPContext) -> torch.Tensor:
+def _full_grad(param: torch.nn.Parameter, parallel: LayerParallel) -> torch.Tensor:
+    """The whole model's gradient: summed over the ranks splitting a sequence (cp), gathered over tp."""
+    grad = param.grad
+    if parallel.seq.size > 1:
+        grad = comm.all_reduce(grad.clone(), parallel.seq.group)
     if not getattr(param, "tensor_model_parallel", False):
-        return param.grad
-    return torch.cat(comm.all_gather(param.grad, tp.group), dim=param.partition_dim)
+        return grad
+    return torch.cat(comm.all_gather(grad, parallel.tp.group), dim=param.partition_dim)
 
 
 def _tp_worker(
-    rank: int, world: int, port: int, recipe: str, kv_heads: int, sp: bool, local: bool
+    rank: int,
+    world: int,
+    port: int,
+    recipe: str,
+    kv_heads: int,
+    sp: bool,
+    local: bool,
+    axis: str = "tp",
 ) -> None:
-    """tp=`world` FP8 model against the one-process FP8 model: loss and every gathered gradient. `local`: the
-    scales of each rank's shard alone (the reductions removed), which must NOT match."""
+    """`axis`=`world` (tp, or context parallel cp) FP8 model against the one-process FP8 model: loss and every
+    gathered gradient. `local`: the scales of each rank's shard alone (the reductions removed), which must NOT
+    match."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         cfg = ModelConfig(**{**CFG, "n_kv_heads": kv_heads, "fp8": recipe})
-        parallel = LayerParallel.from_topology(Topology.from_env(tp=world), sp, seed=7)
+        parallel = LayerParallel.from_topology(Topology.from_env(**{axis: world}), sp, seed=7)
         if local:
             for_group = float8._Casts.__init__
 
@@ -197,7 +208,7 @@ def _tp_worker(
         ref_params = dict(reference.named_parameters())
         worst = abs(loss.item() - ref_loss.item()) / ref_loss.item()
         for name, param in model.named_parameters():
-            want, got = ref_params[name].grad, _full_grad(param, parallel.tp)
+            want, got = ref_params[name].grad, _full_grad(param, parallel)
             rows = min(want.shape[0], got.shape[0])
             worst = max(worst, _rel(got[:rows], want[:rows]))
         if local:
@@ -205,28 +216,32 @@ def _tp_worker(
                 f"per-shard scales gave tp=1's result ({worst:.2e}): the test is blind"
             )
         else:
-            assert worst < 1e-5, f"tp={world} FP8 differs from tp=1 FP8 by {worst:.2e}"
+            assert worst < 1e-5, f"{axis}={world} FP8 differs from one process's FP8 by {worst:.2e}"
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "recipe, world, kv_heads, sp, local",
+    "recipe, world, kv_heads, sp, local, axis",
     [
-        ("tensorwise", 2, 2, False, False),
-        ("tensorwise", 2, 2, True, False),  # + Megatron sequence parallel
-        ("rowwise", 2, 2, True, False),
-        ("rowwise_gw_hp", 2, 2, False, False),
-        ("mxfp8", 2, 2, False, False),  # blocks of 32 within each shard: no reduction needed
+        ("tensorwise", 2, 2, False, False, "tp"),
+        ("tensorwise", 2, 2, True, False, "tp"),  # + Megatron sequence parallel
+        ("rowwise", 2, 2, True, False, "tp"),
+        ("rowwise_gw_hp", 2, 2, False, False, "tp"),
+        ("mxfp8", 2, 2, False, False, "tp"),  # blocks of 32 within each shard: no reduction needed
+        # context parallel: each rank's tokens are part of every token-axis scale (reduced over cp)
+        ("tensorwise", 2, 2, False, False, "cp"),
+        ("rowwise", 2, 2, False, False, "cp"),
         # without the amax reductions tensorwise tp=2 is another model. (Rowwise scales are powers of two, and
         # a scale twice another rounds the same mantissas: there a shard's own scale differs only where values
         # fall below e4m3's normal range.)
-        ("tensorwise", 2, 2, False, True),
+        ("tensorwise", 2, 2, False, True, "tp"),
+        ("tensorwise", 2, 2, False, True, "cp"),
     ],
 )
-def test_tensor_parallel_fp8_equals_one_process_fp8(recipe, world, kv_heads, sp, local):
-    start_world(_tp_worker, (world, free_port(), recipe, kv_heads, sp, local), world)
+def test_tensor_parallel_fp8_equals_one_process_fp8(recipe, world, kv_heads, sp, local, axis):
+    start_world(_tp_worker, (world, free_port(), recipe, kv_heads, sp, local, axis), world)
 
 
 def test_a_missing_torchao_piece_is_named_in_one_line(monkeypatch):
