@@ -162,8 +162,9 @@ def topology_creations(shape: GridShape, rank: int) -> list:
         (GridShape(1024, tp=8, pp=8), GridShape(4096, tp=8, pp=8)),
         (GridShape(1024, tp=8, pp=4, ep=8), GridShape(4096, tp=8, pp=16, ep=8)),
         (GridShape(1024, tp=2, pp=4, sp=2), GridShape(4096, tp=2, pp=4, sp=2)),
+        (GridShape(1024, tp=8, pp=4, cp=4, sp=2), GridShape(4096, tp=8, pp=8, cp=8, sp=2)),
     ],
-    ids=("dense", "moe", "ulysses"),
+    ids=("dense", "moe", "ulysses", "context"),
 )
 def test_group_creation_per_rank_does_not_grow_with_the_world(small, large):
     bound = 2 * len(GROUP_AXES)
