@@ -2,8 +2,8 @@
 single-process run — losses at 1e-5 and gradient norms as tests/test_train_equivalence.py holds them — and a cp run
 resumes bitwise, and at another cp.
 
-The layouts: cp2 and cp4 alone; cp2 × Ulysses sp2 (2-D sequence parallelism); cp2 × tp2 with Megatron SP; cp2 ×
-pp2 (1F1B and interleaved); cp2 under ZeRO-3; cp2 × dp2 with ep2 experts; cp2 with document masking on packed
+The layouts: cp4 alone, cp2 alone under ZeRO-3; cp2 × Ulysses sp2 (2-D sequence parallelism); cp2 × tp2 with
+Megatron SP; cp2 × pp2 (1F1B and interleaved); cp2 × dp2 with ep2 experts; cp2 with document masking on packed
 documents. The model, layer by layer with real document splits, is in tests/test_context_parallel.py.
 """
 
@@ -26,8 +26,8 @@ CP2 = dict(parallel__cp=2)
 CP2_SP2 = dict(parallel__cp=2, parallel__sp=2, logging__collective_trace="true")
 CP2_EP2 = dict(MOE, parallel__cp=2, parallel__ep=2, logging__collective_trace="true")
 # (world, DeepSpeed config, changes) per layout; each against the one-process run of its model
+# (cp2 alone is the ZeRO-3 run: ZeRO-3 gives ZeRO-0's losses, tests/test_train_equivalence.py)
 LAYOUTS = {
-    "cp2": (2, "ds_configs/zero0.json", CP2),
     "cp4": (4, "ds_configs/zero0.json", dict(parallel__cp=4)),
     "cp2sp2": (4, ZERO1, CP2_SP2),
     "cp2tp2sp": (4, ZERO1, dict(CP2, parallel__tp=2, parallel__sequence_parallel="true")),
