@@ -220,6 +220,7 @@ def layouts(draw) -> tuple[dict[str, Any], int, dict[str, Any]]:
     """(field → value, world size, DeepSpeed JSON) satisfying every rule that relates fields."""
     pick = Picker(draw(SEED))
     tp, sp, pp = pick.one([1, 2, 4]), pick.one([1, 2]), pick.one([1, 2, 3])
+    cp = pick.one([1, 2, 4])
     dp = pick.int(1, 4)
     ep = pick.one([e for e in (1, 2, 4) if dp % e == 0])
     kv = pick.one([1, 2, 4])
@@ -240,13 +241,15 @@ def layouts(draw) -> tuple[dict[str, Any], int, dict[str, Any]]:
         "model.moe_top_k": pick.int(1, min(2, experts) if experts else 2),
         "model.moe_every": pick.int(1, n_layers),
         "model.moe_ffn_hidden": pick.one([0, tp * pick.int(1, 512)]),
-        "data.seq_len": sp * tp * pick.int(1, 64),
+        # cp: 2·cp chunks, each rank's s/cp tokens split over sp (× tp under SP)
+        "data.seq_len": (2 * cp if cp > 1 else 1) * sp * tp * pick.int(1, 64),
         "data.document_mask": pp == 1 and sp == 1 and pick.coin(),
         # byte fallback needs 300 when training
         "data.tokenizer_vocab_size": pick.int(300, 1 << 20),
         "parallel.tp": tp,
         "parallel.pp": pp,
         "parallel.sp": sp,
+        "parallel.cp": cp,
         "parallel.ep": ep,
         "parallel.sequence_parallel": tp > 1 and pick.coin(),
         "train.micro_batch_size": micro,
@@ -269,7 +272,7 @@ def layouts(draw) -> tuple[dict[str, Any], int, dict[str, Any]]:
     values["parallel.pipeline_schedule"] = schedule = pick.one(schedules)
     values["parallel.virtual_stages"] = chunks
     values["train.eval_batches"] = pp * pick.int(2, 3) if schedule != "1f1b" else pick.int(1, 8)
-    world = tp * pp * sp * dp
+    world = tp * pp * cp * sp * dp
     for name, lowest in FAULT_RANKS.items():
         values[name] = pick.int(lowest, world - 1)
     # a pause needs the file that ends it
@@ -288,7 +291,7 @@ def layouts(draw) -> tuple[dict[str, Any], int, dict[str, Any]]:
         values["model.dim"],
         values["model.dim"] // tp,
         ffn // tp,
-        micro * values["data.seq_len"] // sp,
+        micro * values["data.seq_len"] // (sp * cp),
     ]
     if kv % tp == 0:
         extents.append(kv * head_dim // tp)
@@ -299,7 +302,9 @@ def layouts(draw) -> tuple[dict[str, Any], int, dict[str, Any]]:
     # some blocks must stay in FP8
     values["model.fp8_skip_blocks"] = pick.int(0, (n_layers - 1) // 2 if fp8 != "off" else 8)
     stage = pick.one([0, 1] if pp > 1 else [0, 1, 2] if moe else [0, 1, 2, 3])
-    plain = not moe and tp == pp == sp == 1 and stage < 3  # where model.compile=true is supported
+    plain = (
+        not moe and tp == pp == sp == cp == 1 and stage < 3
+    )  # where model.compile=true is supported
     values["model.compile"] = pick.one(
         sorted(COMPILE_SETTINGS) if plain else ["auto", "false", "off", "no", "0"]
     )
