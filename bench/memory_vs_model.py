@@ -32,7 +32,7 @@ def main(run_dir: Path) -> None:
     ]
     # resolved in the run
     dp = batch[0] // (batch[1] * batch[2]) if all(isinstance(v, int) for v in batch) else 1
-    model = estimate(cfg, ds, Layout(tp=p.tp, pp=p.pp, dp=dp, ep=p.ep, sp=p.sp))
+    model = estimate(cfg, ds, Layout(tp=p.tp, pp=p.pp, dp=dp, ep=p.ep, sp=p.sp, cp=p.cp))
     measured = f"{max(peaks):.3f} GiB" if peaks else "n/a (no CUDA peak recorded)"
     print(
         f"{run_dir.name}: ZeRO-{model.stage} {model.precision} | model: params {model.params / GIB:.3f} + grads "
