@@ -141,18 +141,27 @@ class RotaryEmbedding(nn.Module):
         # dtype the tables were computed for: `.to(dtype)` casts buffers too, and a bf16-rounded table cast back
         # to fp32 must not be mistaken for an fp32 one
         self._built_dtype: torch.dtype | None = None
+        # a context-parallel rank's (cos, sin) at its tokens' positions, and what they were computed for
+        self._gathered: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._gathered_for: tuple | None = None
 
-    def _build(self, seq_len: int, device: torch.device, dtype: torch.dtype) -> None:
+    def _tables(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [len(positions), head_dim] at `positions` (fp32 angles, as HF computes them)."""
         exponents = (
-            torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device) / self.head_dim
+            torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=positions.device)
+            / self.head_dim
         )
         inv_freq = 1.0 / (self.theta**exponents)
-        positions = torch.arange(seq_len, dtype=torch.float32, device=device)
-        freqs = torch.outer(positions, inv_freq)
+        freqs = torch.outer(positions.float(), inv_freq)
         # rotate_half layout: [θ_0..θ_{d/2-1}, θ_0..θ_{d/2-1}]
         angles = torch.cat((freqs, freqs), dim=-1)
-        self.cos = angles.cos().to(dtype)
-        self.sin = angles.sin().to(dtype)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+    def _build(self, seq_len: int, device: torch.device, dtype: torch.dtype) -> None:
+        positions = torch.arange(seq_len, dtype=torch.float32, device=device)
+        self.cos, self.sin = self._tables(positions, dtype)
         self._built_dtype = dtype
 
     def forward(
@@ -174,6 +183,18 @@ class RotaryEmbedding(nn.Module):
         (a context-parallel rank's tokens) [seq, head_dim]. Positions are below `seq_len` (default: x's)."""
         cos, sin = self(x, seq_len)
         return cos[positions], sin[positions]
+
+    def at_rank(self, x: torch.Tensor, cp) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [seq, head_dim] at the full-sequence positions of context-parallel rank `cp.rank`'s
+        `seq` tokens (the same values as the full tables' rows). Computed once and kept, as the tables are, and
+        for this rank's rows only: the full-sequence tables would be cp times larger, and a gather per step a
+        new pair of tensors every block's backward keeps."""
+        local_len = x.shape[-2]
+        key = (local_len, cp.rank, cp.size, x.dtype, x.device)
+        if self._gathered_for != key:
+            self._gathered = self._tables(cp.positions(local_len, x.device), x.dtype)
+            self._gathered_for = key
+        return self._gathered
 
 
 class Attention(nn.Module):
@@ -294,12 +315,11 @@ class Attention(nn.Module):
         document: DocumentLayout | None,
     ) -> torch.Tensor:
         """Context-parallel attention of this rank's tokens [b, heads, s/cp, head_dim] over the whole sequence."""
-        local_len = q.shape[2]
         if document is None:
-            positions, liger = self.cp.positions(local_len, q.device), self.liger
+            (cos, sin), liger = self.rotary.at_rank(q, self.cp), self.liger
         else:
-            positions, liger = document.positions, False
-        cos, sin = self.rotary.at(q, positions, local_len * self.cp.size)
+            cos, sin = self.rotary.at(q, document.positions, q.shape[2] * self.cp.size)
+            liger = False
         q, k = rotary(q, k, cos, sin, liger)
         ring = None if document is None else document.ring
         out = ring_attention(q, k, v, self.cp, ring, self.logit_probe)
