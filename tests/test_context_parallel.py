@@ -5,7 +5,6 @@ process, in real gloo worlds."""
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
@@ -24,7 +23,7 @@ from keel.parallel.layer_parallel import LayerParallel
 from keel.parallel.process_groups import ProcessGroups
 from keel.parallel.ring_attention import math_attention, math_attention_backward
 from keel.parallel.topology import Topology
-from tests.spawned import start_world
+from tests.spawned import rank_env, start_world
 
 CFG = dict(vocab_size=200, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_pad_multiple=16)
 
@@ -152,13 +151,7 @@ def _check(layout: dict, kv_heads: int, eos: int | None, groups: ProcessGroups) 
 
 
 def _worker(rank: int, world: int, port: int, cases: list) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-    )
+    rank_env(rank, world, port)
     init_distributed()  # DeepSpeed's too: Ulysses runs through its DistributedAttention
     groups = ProcessGroups()  # a rank set two layouts share is created once
     try:

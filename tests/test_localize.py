@@ -15,7 +15,7 @@ from keel.config import ModelConfig
 from keel.launcher.local import free_port
 from keel.model import CausalLM
 from keel.training.guards.localize import DATA, ROOT, TRANSIENT, Finding, classify, localize
-from tests.spawned import start_world
+from tests.spawned import rank_env, start_world
 
 CFG = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_pad_multiple=16)
 NAN = float("nan")
@@ -326,13 +326,7 @@ def test_localize_under_zero_leaves_training_unchanged(stage):
 def _every_rank_worker(
     rank: int, world: int, port: int, stage: int, tp: int, results: dict
 ) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-    )
+    rank_env(rank, world, port)
     engine = _engine(stage, tp)
     dp_rank = rank // tp  # tp is the innermost grid axis
     batches = micro_batches(n=2, seed=dp_rank)

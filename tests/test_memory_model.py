@@ -3,7 +3,6 @@ context parallelism divides the activations by cp (what torch saves under cp, in
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 
 import pytest
@@ -16,7 +15,7 @@ from keel.engine.memory_model import Layout, estimate, param_share
 from keel.launcher.local import free_port
 from keel.model import CausalLM
 from keel.parallel.layer_parallel import LayerParallel
-from tests.spawned import start_world
+from tests.spawned import rank_env, start_world
 from tests.test_activations import saved_bytes
 
 MODEL = dict(vocab_size=200, dim=64, n_layers=3, n_heads=8, n_kv_heads=2, vocab_pad_multiple=16)
@@ -119,13 +118,7 @@ def test_the_rare_paths_transient_and_the_async_snapshot():
 
 
 def _pipeline_rank(rank: int, port: int) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE="4",
-        LOCAL_RANK=str(rank),
-    )
+    rank_env(rank, 4, port)
     dist.init_process_group("gloo", rank=rank, world_size=4)
     try:
         import deepspeed
@@ -289,13 +282,7 @@ def test_a_document_masked_models_activations_are_what_torch_saves(precision):
 
 
 def _cp_rank(rank: int, port: int, eos: int | None) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE="2",
-        LOCAL_RANK=str(rank),
-    )
+    rank_env(rank, 2, port)
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
         from keel.parallel.topology import Topology

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from keel.launcher.local import free_port
 from keel.training.checkpoint.reshard import Heartbeat, converters, wait_for_rank0
-from tests.spawned import start_world
+from tests.spawned import rank_env, start_world
 
 
 def test_converters_take_one_rank_per_node_first_and_at_most_the_cap():
@@ -95,13 +95,7 @@ def _compare(reference: Path, spread: Path) -> dict:
 
 
 def _worker(rank: int, port: int, root: str, kind: str) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE="2",
-        LOCAL_RANK=str(rank),
-    )
+    rank_env(rank, 2, port)
     from keel.adapters.deepspeed_internals import convert_to_universal
     from keel.engine.distributed import init_distributed
     from keel.parallel import comm
