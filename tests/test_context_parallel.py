@@ -21,7 +21,7 @@ from keel.parallel import comm
 from keel.parallel.context import CPContext, ring_documents
 from keel.parallel.layer_parallel import LayerParallel
 from keel.parallel.process_groups import ProcessGroups
-from keel.parallel.ring_attention import math_attention, math_attention_backward
+from keel.parallel.ring_attention import math_attention, math_attention_backward, ring_attention
 from keel.parallel.topology import Topology
 from tests.spawned import rank_env, start_world
 
@@ -100,6 +100,47 @@ def test_block_kernels_match_plain_attention(kind):
     for mine, kernel, want in zip(got, kgot, (qq.grad, kk.grad, vv.grad)):
         torch.testing.assert_close(mine, want)
         torch.testing.assert_close(kernel, want)
+
+
+def check_ring_of_one(device: str, documents: bool) -> None:
+    """`ring_attention` on one rank (its two chunks are the whole sequence; the ring's steps, merges and backward
+    all run, the transfers are local) against SDPA with the same mask, forward and gradients, on `device`: the
+    CPU flash kernel there, the plain-PyTorch blocks on CUDA (tests/test_gpu.py)."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 16, 8, generator=g)
+    k, v = (torch.randn(2, 2, 16, 8, generator=g) for _ in range(2))
+    ids = torch.tensor([[0] * 5 + [1] * 9 + [2] * 2, [0] * 16])
+    q, k, v = (t.to(device).requires_grad_() for t in (q, k, v))
+    cp = CPContext(comm.single("cp"))  # one rank: every shift is the identity
+    ring = ring_documents(ids.to(device), cp) if documents else None
+    out = ring_attention(q, k, v, cp, ring)
+    grad = torch.randn(out.shape, generator=g).to(device)
+    out.backward(grad)
+    got = [out.detach(), q.grad, k.grad, v.grad]
+    for t in (q, k, v):
+        t.grad = None
+    mask = None
+    if documents:
+        ids = ids.to(device)
+        mask = (ids[:, :, None] == ids[:, None, :]) & torch.ones(
+            16, 16, dtype=torch.bool, device=device
+        ).tril()
+    want = F.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        attn_mask=None if mask is None else mask[:, None],
+        is_causal=mask is None,
+        enable_gqa=True,
+    )
+    want.backward(grad)
+    for a, b in zip(got, [want.detach(), q.grad, k.grad, v.grad]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("documents", [False, True])
+def test_a_ring_of_one_equals_sdpa(documents):
+    check_ring_of_one("cpu", documents)
 
 
 def _full_grad(param: torch.nn.Parameter, parallel: LayerParallel) -> torch.Tensor:

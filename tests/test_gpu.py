@@ -34,6 +34,15 @@ def test_model_on_cuda_matches_cpu_in_fp32():
     torch.testing.assert_close(grads["cuda"], grads["cpu"], rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("documents", [False, True])
+def test_ring_attention_blocks_on_cuda_equal_sdpa(documents):
+    """Context parallel's blocks on CUDA (the plain-PyTorch path) against CUDA's SDPA, forward and gradients."""
+    from tests.test_context_parallel import check_ring_of_one
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    check_ring_of_one("cuda", documents)
+
+
 def test_channels_refuse_the_mixed_device_collective():
     device = comm.Group("world", (0, 1), 0, comm.DEVICE, device_type="cuda")
     control = comm.Group("world", (0, 1), 0, comm.CONTROL, device_type="cuda")
