@@ -236,6 +236,8 @@ def test_layer_list_applied_one_by_one_equals_forward():
 def test_rope_cache_is_lazy_nonpersistent_and_follows_input():
     model = CausalLM(tiny(), seed=0).eval()
     assert not any("cos" in k or "sin" in k for k in model.state_dict())
+    # one pair of tables for every block, not one per block
+    assert len({id(layer.attention.rotary) for layer in model.layers[1:-2]}) == 1
     x = tokens(model.cfg, seq=SEQ)
     with torch.no_grad():
         short = model(x[:, :8])  # builds an 8-long cache, then grows it for 16
@@ -294,3 +296,12 @@ def test_name_tables_cover_exactly_the_names_the_config_admits():
     """make_norm and init_weights index these by name; validate_model is what refuses any other name."""
     assert set(NORM_CLASSES) == set(NORMS)
     assert set(TRUNCATED_BY_INIT) == set(INITS)
+
+
+def test_pipeline_stage_blocks_share_one_pair_of_rope_tables():
+    """The pipeline's layer specs hand every block the same tables, as `build_layers` does."""
+    from keel.config import RunConfig
+    from keel.engine.pipeline import layer_specs
+
+    blocks = [spec.build() for spec in layer_specs(RunConfig(model=tiny(n_layers=3)))[1:-2]]
+    assert len(blocks) == 3 and len({id(b.attention.rotary) for b in blocks}) == 1

@@ -39,6 +39,7 @@ from keel.model import (
     EmbeddingLayer,
     FinalNorm,
     OutputLayer,
+    RotaryEmbedding,
     VocabParallelLoss,
     init_weights,
 )
@@ -94,8 +95,12 @@ def layer_specs(
     else:
         first = spec(placement, EmbeddingLayer, model, parallel)
         head = spec(placement, OutputLayer, model, None, parallel)
+    rotary = RotaryEmbedding(
+        model.head_dim, model.rope_theta
+    )  # shared by the blocks a stage builds
     blocks = [
-        spec(placement, Block, model, layer_id, parallel) for layer_id in range(model.n_layers)
+        spec(placement, Block, model, layer_id, parallel, rotary)
+        for layer_id in range(model.n_layers)
     ]
     return [first, *blocks, spec(placement, FinalNorm, model, parallel), head]
 

@@ -123,24 +123,23 @@ class HeadNorm(nn.Module):
         return rms_norm(x, sum_grad_over_tp(self.weight, self.tp), self.eps, self.liger)
 
 
-class RotaryEmbedding(nn.Module):
-    """cos/sin tables for RoPE, cached per attention as non-persistent buffers.
+class RotaryEmbedding:
+    """cos/sin tables for RoPE, one per model in a process, shared by every block's attention.
 
-    The cache is built lazily for the longest sequence seen, on the input's device and in its dtype (computed in
-    fp32 first, as HF does), so a block needs nothing but the hidden state and checkpoints never contain it.
+    Not a module: the tables are a function of the position alone, so n_layers copies of the same [s, head_dim]
+    pair would be waste (80 blocks at 128k tokens, head_dim 128, bf16: 5 GiB per rank), and as a plain object they
+    are outside state dicts, `.to()` and ZeRO-3's hooks. Built lazily for the longest sequence seen, on the
+    input's device and in its dtype (computed in fp32 first, as HF does), so a block needs nothing but the hidden
+    state and checkpoints never contain it; another dtype or device rebuilds them.
     """
 
     def __init__(self, head_dim: int, theta: float = 10000.0) -> None:
-        super().__init__()
         if head_dim % 2:
             raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
         self.head_dim = head_dim
         self.theta = theta
-        self.register_buffer("cos", None, persistent=False)
-        self.register_buffer("sin", None, persistent=False)
-        # dtype the tables were computed for: `.to(dtype)` casts buffers too, and a bf16-rounded table cast back
-        # to fp32 must not be mistaken for an fp32 one
-        self._built_dtype: torch.dtype | None = None
+        self.cos: torch.Tensor | None = None
+        self.sin: torch.Tensor | None = None
         # a context-parallel rank's (cos, sin) at its tokens' positions, and what they were computed for
         self._gathered: tuple[torch.Tensor, torch.Tensor] | None = None
         self._gathered_for: tuple | None = None
@@ -162,17 +161,15 @@ class RotaryEmbedding(nn.Module):
     def _build(self, seq_len: int, device: torch.device, dtype: torch.dtype) -> None:
         positions = torch.arange(seq_len, dtype=torch.float32, device=device)
         self.cos, self.sin = self._tables(positions, dtype)
-        self._built_dtype = dtype
 
-    def forward(
+    def __call__(
         self, x: torch.Tensor, seq_len: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin), each [seq, head_dim], for `x` shaped [..., seq, head_dim] (or the first `seq_len`
         positions)."""
         seq_len = seq_len or x.shape[-2]
         cos = self.cos
-        stale = cos is None or cos.shape[0] < seq_len or cos.device != x.device
-        if stale or cos.dtype != x.dtype or cos.dtype != self._built_dtype:
+        if cos is None or cos.shape[0] < seq_len or cos.device != x.device or cos.dtype != x.dtype:
             self._build(seq_len, x.device, x.dtype)
         return self.cos[:seq_len], self.sin[:seq_len]
 
@@ -221,6 +218,7 @@ class Attention(nn.Module):
         cfg: ModelConfig,
         parallel: LayerParallel = NO_PARALLEL,
         fp8: Float8Spec | None = None,
+        rotary: RotaryEmbedding | None = None,
     ) -> None:
         super().__init__()
         tp, sp = parallel.tp, parallel.sp
@@ -239,7 +237,8 @@ class Attention(nn.Module):
             None if self.kv_replicated else fp8,
         )
         self.wo = RowParallelLinear(cfg.n_heads * cfg.head_dim, cfg.dim, tp, fp8)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
+        # the model's tables, shared by its blocks (`build_layers`); a lone attention makes its own
+        self.rotary = rotary or RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
         if cfg.qk_norm:
             self.q_norm = HeadNorm(cfg.head_dim, cfg.norm_eps, parallel, cfg.kernels)
             self.k_norm = HeadNorm(cfg.head_dim, cfg.norm_eps, parallel, cfg.kernels)

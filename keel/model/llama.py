@@ -22,7 +22,7 @@ from keel.model.document_mask import DocumentLayout, document_layout
 from keel.model.init import base_init_std, deepnorm_alpha, fill_shard_, matrix_init_std
 from keel.model.kernels import fused_linear_cross_entropy
 from keel.model.kernels import resolve as resolve_kernels
-from keel.model.layers import Attention, SwiGLU, make_norm
+from keel.model.layers import Attention, RotaryEmbedding, SwiGLU, make_norm
 from keel.model.materialize import Placement
 from keel.model.precision import block_fp8
 from keel.model.router import is_moe_block
@@ -83,7 +83,11 @@ class Block(nn.Module):
     """
 
     def __init__(
-        self, cfg: ModelConfig, layer_id: int, parallel: LayerParallel = NO_PARALLEL
+        self,
+        cfg: ModelConfig,
+        layer_id: int,
+        parallel: LayerParallel = NO_PARALLEL,
+        rotary: RotaryEmbedding | None = None,
     ) -> None:
         super().__init__()
         self.layer_id = layer_id
@@ -91,7 +95,7 @@ class Block(nn.Module):
         self.residual_scale = deepnorm_alpha(cfg) if cfg.deepnorm else 1.0
         self.attention_norm = make_norm(cfg, parallel)
         fp8 = block_fp8(cfg, layer_id, parallel)
-        self.attention = Attention(cfg, parallel, fp8)
+        self.attention = Attention(cfg, parallel, fp8, rotary)
         self.ffn_norm = make_norm(cfg, parallel)
         sandwich = cfg.norm_placement == "sandwich"
         self.attention_out_norm = make_norm(cfg, parallel) if sandwich else None
@@ -218,7 +222,10 @@ def build_layers(cfg: ModelConfig, parallel: LayerParallel = NO_PARALLEL) -> lis
             f"model.vocab_size: must be > 0 to build the model (got {cfg.vocab_size}); resolve it from the tokenizer"
         )
     embedding = EmbeddingLayer(cfg, parallel)
-    blocks = [Block(cfg, layer_id, parallel) for layer_id in range(cfg.n_layers)]
+    rotary = RotaryEmbedding(
+        cfg.head_dim, cfg.rope_theta
+    )  # one pair of RoPE tables for every block
+    blocks = [Block(cfg, layer_id, parallel, rotary) for layer_id in range(cfg.n_layers)]
     head = OutputLayer(cfg, embedding.tok_embeddings if cfg.tie_embeddings else None, parallel)
     return [embedding, *blocks, FinalNorm(cfg, parallel), head]
 
