@@ -140,6 +140,14 @@ def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return state["module"]
 
 
+def assert_same_weights(a: Path, b: Path) -> None:
+    """The two runs' final weights are the same floats, parameter by parameter."""
+    wa, wb = final_weights(a), final_weights(b)
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        assert torch.equal(wa[name], wb[name]), name
+
+
 @dataclass(frozen=True)
 class Run:
     """One tiny `keel train` run: world size, DeepSpeed JSON, and the `--set` changes to TINY (`a__b=v`)."""

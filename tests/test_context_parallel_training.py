@@ -10,10 +10,9 @@ documents. The model, layer by layer with real document splits, is in tests/test
 from __future__ import annotations
 
 import pytest
-import torch
 
 from keel.training.observe.metrics import read_metrics
-from tests.keel_runs import Run, copy_run, final_weights, keel_train, losses
+from tests.keel_runs import Run, assert_same_weights, copy_run, keel_train, losses
 from tests.test_blend_run import CHANGES as PACKED_DOCUMENTS
 from tests.test_moe_training import MOE
 from tests.test_pipeline import column
@@ -78,10 +77,7 @@ def test_context_parallel_resume_is_exact(runs):
     straight = runs.get("cp2-20", 2, ZERO1, **STEPS_20)
     resumed = runs.get("cp2-20-resumed", 2, ZERO1, resume_at=10, **STEPS_20)
     assert losses(resumed) == losses(straight)  # bitwise: same floats
-    a, b = final_weights(resumed), final_weights(straight)
-    assert a.keys() == b.keys()
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
+    assert_same_weights(resumed, straight)
 
 
 def test_a_cp4_checkpoint_resumes_at_cp2(runs, tmp_path):

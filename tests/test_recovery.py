@@ -9,10 +9,9 @@ import sys
 import time
 
 import pytest
-import torch
 
 from keel.training.observe.metrics import read_metrics
-from tests.keel_runs import REPO, Run, copy_run, final_weights, keel_train, rank_pids
+from tests.keel_runs import REPO, Run, assert_same_weights, copy_run, keel_train, rank_pids
 from tests.test_train_equivalence import assert_close
 
 pytestmark = pytest.mark.slow
@@ -81,6 +80,4 @@ def test_killed_rank_restarts_and_resumes_to_the_same_weights(runs, tmp_path):
     assert "resumed from step" in output
     records = read_metrics(run_dir / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(1, 31))
-    a, b = final_weights(run_dir), final_weights(straight)
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
+    assert_same_weights(run_dir, straight)

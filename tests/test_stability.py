@@ -10,7 +10,7 @@ import torch
 from keel.run_dir import read_anomalies
 from keel.run_dir.bad_nodes import hang_suspects, read_bad_nodes
 from keel.training.observe.metrics import read_metrics
-from tests.keel_runs import REPO, Run, final_weights
+from tests.keel_runs import REPO, Run, assert_same_weights
 
 pytestmark = pytest.mark.slow
 
@@ -83,9 +83,7 @@ def test_nan_on_one_rank_skips_the_step_everywhere(runs):
         4 * GB + GB // 2
     ]  # the poisoned row: rank 1's first sample of step 5
     clean = runs.get("nan-clean", 2, "ds_configs/zero1.json", **CLEAN)
-    a, b = final_weights(faulty), final_weights(clean)
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
+    assert_same_weights(faulty, clean)
     assert (faulty / "summary.md").read_text().count("nonfinite") >= 1
 
 

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from keel.training.observe.metrics import read_metrics
-from tests.keel_runs import Run, copy_run, final_weights, keel_train, losses
+from tests.keel_runs import Run, assert_same_weights, copy_run, keel_train, losses
 
 pytestmark = pytest.mark.slow
 FIRST_HALF = dict(train__steps=20, train__exit_after=10)  # stops at step 10 with a checkpoint
@@ -89,10 +88,7 @@ def test_resume_is_exact(runs, tmp_path):
     # a fresh process resumes
     keel_train(resumed, 2, runs.overrides(train__steps=20), "ds_configs/zero1.json")
     assert losses(resumed) == losses(straight)  # bitwise: same floats
-    a, b = final_weights(resumed), final_weights(straight)
-    assert a.keys() == b.keys()
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
+    assert_same_weights(resumed, straight)
 
 
 def test_resume_at_another_world_size_continues_with_the_same_samples(runs, tmp_path):

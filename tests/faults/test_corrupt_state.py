@@ -16,7 +16,7 @@ from keel.training.guards.base import Action, Decision
 from keel.training.guards.localize import DATA, STATE, TRANSIENT, combine_rank_findings
 from keel.training.guards.state import CorruptStateGuard, corrupt_state_decision
 from keel.training.observe.metrics import read_metrics
-from tests.keel_runs import Run, final_weights
+from tests.keel_runs import Run, assert_same_weights
 
 ZERO1 = "ds_configs/zero1.json"
 GB = 8  # tests/keel_runs.py TINY global batch
@@ -49,13 +49,6 @@ def events(run_dir, kind):
 def tags(run_dir) -> list[str]:
     ckpt = run_dir / "checkpoints"
     return sorted(p.name for p in ckpt.iterdir() if p.is_dir()) if ckpt.is_dir() else []
-
-
-def assert_same_weights(a, b) -> None:
-    wa, wb = final_weights(a), final_weights(b)
-    assert wa.keys() == wb.keys()
-    for name in wa:
-        assert torch.equal(wa[name], wb[name]), name
 
 
 def assert_rolled_back_to_step_3(run) -> None:
