@@ -205,15 +205,16 @@ class Run:
 class RunCache:
     """Trains declared runs in shared launches (see the module docstring) and memoizes them by configuration.
 
-    `root` may be shared by several pytest-xdist workers: a lock makes one of them train a batch while the others
-    wait for it, and an index beside it (run key -> run dir, or the error its launch ended with) lets each of them
-    find what any other trained, so every run trains once per session."""
+    `root` may be shared by several pytest-xdist workers: a lock per world size makes one of them train that
+    size's batch while the others wait for it (a worker that needs another size launches it meanwhile: one launch
+    leaves a core idle part of the time), and an index beside it (run key -> run dir, or the error its launch
+    ended with) lets each of them find what any other trained, so every run trains once per session."""
 
     def __init__(self, root: Path, cache_dir: Path, corpus: list[str]):
         self.root, self.cache_dir, self.corpus = root, cache_dir, corpus
         self.root.mkdir(parents=True, exist_ok=True)
-        self._lock = FileLock(root / "runs.lock")
         self._index = root / "runs.json"
+        self._index_lock = FileLock(root / "runs.json.lock")
         self._done: dict[
             str, str
         ] = {}  # repr(run key) -> run dir (or "error: ..." when its launch failed)
@@ -243,7 +244,7 @@ class RunCache:
         if key not in self._done:
             if wanted.key not in self._declared:
                 self.undeclared.append(wanted.name)
-            with self._lock:
+            with FileLock(self.root / f"runs-{wanted.nproc}.lock"):
                 self._read_index()
                 if key not in self._done:
                     batch = [wanted] + [
@@ -268,18 +269,23 @@ class RunCache:
             self._done.update(json.loads(self._index.read_text()))
 
     def _record(self, done: dict[str, str]) -> None:
-        """Add to the index (under the lock), written whole and renamed into place."""
-        self._done.update(done)
-        tmp = self._index.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self._done, indent=1))
-        tmp.replace(self._index)
+        """Add to the index what another worker's launch may have added meanwhile, and `done`: written whole and
+        renamed into place, under the index's own lock (launches of other world sizes record concurrently)."""
+        with self._index_lock:
+            self._read_index()
+            self._done.update(done)
+            tmp = self._index.with_suffix(".tmp")
+            tmp.write_text(json.dumps(self._done, indent=1))
+            tmp.replace(self._index)
 
     def _launch(self, batch: list[Run]) -> None:
         from keel.launcher.run_spec import build_run, prepare_data, write_run_dir
 
         dirs = []
         for run in batch:
-            run_dir = self.root / f"{run.name}-{len(self._done) + len(dict.fromkeys(dirs))}"
+            # the world size in the name: launches of other sizes number their dirs concurrently
+            count = len(self._done) + len(dict.fromkeys(dirs))
+            run_dir = self.root / f"{run.name}-{run.nproc}r-{count}"
             changes = dict(run.changes) | (
                 {"train.exit_after": run.resume_at} if run.resume_at else {}
             )
