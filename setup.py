@@ -30,7 +30,7 @@ setup(
         # tests/test_megatron_format.py checks Keel's token files against Megatron-Core's reader and builder
         "test": [
             "pytest>=8",
-            "pytest-xdist>=3.6",  # one worker per core (pyproject.toml's addopts)
+            "pytest-xdist>=3.6",  # cores + 1 workers (pyproject.toml's addopts, tests/conftest.py)
             "filelock>=3.12",  # the workers share the suite's launches (tests/keel_runs.py)
             "ruff>=0.5",
             "matplotlib>=3.7",

@@ -1,7 +1,8 @@
 """Shared fixtures: a small real corpus prepared once per session, and a runner for real `keel train` jobs.
 
-The suite runs on pytest-xdist workers (one per core, `-n auto` in pyproject.toml): the multi-process tests spend
-a third of their time waiting (rendezvous, sleeps, process exits), which another worker's test fills. A test module
+The suite runs on pytest-xdist workers (one more than the cores, `-n auto` in pyproject.toml): the multi-process
+tests spend a third of their time waiting (rendezvous, sleeps, process exits, another worker's launch), which the
+other workers' tests fill. A test module
 is the unit a worker takes whole (its module fixtures start once), the modules sharing the SLURM cluster go to one
 worker together (`pytest_xdist_make_scheduler`), and the shared launches of `keel train` runs are shared between
 workers (tests/keel_runs.py).
@@ -75,6 +76,15 @@ def _heaviest_modules_first(items) -> None:
 
 def _module(nodeid: str) -> str:
     return nodeid.split("::")[0]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto`: one worker more than the cores this process may use. One per core left the cores idle a seventh
+    of a full run (two workers both waiting: on a SLURM job, a watchdog's deadline, a launch the other trains);
+    the spare worker's tests fill that time (bench/results/ci_run_cpu_20261205.md)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return (cores or 1) + 1
 
 
 @pytest.hookimpl(optionalhook=True)
