@@ -80,9 +80,9 @@ def _module(nodeid: str) -> str:
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_auto_num_workers(config) -> int:
-    """`-n auto`: one worker more than the cores this process may use. One per core left the cores idle a seventh
-    of a full run (two workers both waiting: on a SLURM job, a watchdog's deadline, a launch the other trains);
-    the spare worker's tests fill that time (bench/results/ci_run_cpu_20261205.md)."""
+    """`-n auto`: one worker more than the cores this process may use. With one per core the cores idle whenever
+    every worker waits (on a SLURM job, a watchdog's deadline, a launch another worker trains); the spare
+    worker's tests fill that time (bench/results/ci_run_cpu_20261205.md)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return (cores or 1) + 1
 
