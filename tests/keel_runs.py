@@ -131,6 +131,19 @@ def losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in read_metrics(run_dir / "metrics.jsonl")]
 
 
+def last_step_before_restart(run_dir: Path, restored: int) -> int:
+    """The last step a run trained before its first restart, which resumed at `restored`: that restart moved the
+    records past `restored` to metrics.discarded.jsonl, a run of consecutive steps at the top of that file. A test
+    that kills a job after polling metrics.jsonl bounds the resumed step by this, not by the step it polled: the
+    job may finish (and checkpoint) another step before the kill lands."""
+    last = restored
+    for record in read_metrics(run_dir / "metrics.discarded.jsonl"):
+        if record["step"] != last + 1:
+            break
+        last = record["step"]
+    return last
+
+
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     ckpt = run_dir / "checkpoints"
     tag = (ckpt / "latest").read_text().strip()

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from keel.training.observe.metrics import read_metrics
-from tests.keel_runs import REPO, Run
+from tests.keel_runs import REPO, Run, last_step_before_restart
 from tests.netns import RDZV_PORT, NetnsUnavailable, TwoNodes, node_env, torchrun_cmd
 
 pytestmark = pytest.mark.slow
@@ -42,17 +42,6 @@ def _model_states(run_dir) -> dict[str, torch.Tensor]:
         weights_only=False,
     )
     return saved["module"]
-
-
-def _last_step_before_restart(run_dir, restored: int) -> int:
-    """The last step the first attempt trained: the restart moved its records past `restored` to
-    metrics.discarded.jsonl, a run of consecutive steps from `restored` + 1 at the top of that file."""
-    last = restored
-    for record in read_metrics(run_dir / "metrics.discarded.jsonl"):
-        if record["step"] != last + 1:
-            break
-        last = record["step"]
-    return last
 
 
 @pytest.mark.fault(
@@ -140,7 +129,7 @@ def test_a_lost_node_restores_from_its_buddy_copy_and_falls_back_to_disk(runs, t
     assert found, f"no in-memory restore after node B was lost at step {killed_at}\n{report()}"
     step, local, copied = (int(v) for v in found[0])
     # the kill lands a step or two after the poll saw `killed_at`: bound the restored step by what was trained
-    reached = _last_step_before_restart(run_dir, step)
+    reached = last_step_before_restart(run_dir, step)
     assert killed_at <= reached, (killed_at, reached)
     assert DISK < step <= reached and step % MEMORY == 0, (step, killed_at, reached)
     assert (local, copied) == (1, 1), found
