@@ -2,10 +2,9 @@
 
 The suite runs on pytest-xdist workers (one more than the cores, `-n auto` in pyproject.toml): the multi-process
 tests spend a third of their time waiting (rendezvous, sleeps, process exits, another worker's launch), which the
-other workers' tests fill. A test module
-is the unit a worker takes whole (its module fixtures start once), the modules sharing the SLURM cluster go to one
-worker together (`pytest_xdist_make_scheduler`), and the shared launches of `keel train` runs are shared between
-workers (tests/keel_runs.py).
+other workers' tests fill. A test module is the unit a worker takes whole (its module fixtures start once), the
+modules sharing the SLURM cluster go to one worker together (`pytest_xdist_make_scheduler`), and the shared
+launches of `keel train` runs are shared between workers (tests/keel_runs.py).
 """
 
 from __future__ import annotations
