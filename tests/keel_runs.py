@@ -19,6 +19,7 @@ written). A stop that ends the processes (a hang, exit 4) cannot share a launch:
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -84,9 +85,10 @@ def keel_train(
     timeout: int = 600,
     expect_code: int = 0,
     config: Path | None = None,
+    env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
-    """`keel train` on `nproc` local ranks (on `config`, else the built-in one); fails unless it exits
-    `expect_code`."""
+    """`keel train` on `nproc` local ranks (on `config`, else the built-in one), `env` added to this process's
+    environment; fails unless it exits `expect_code`."""
     cmd = [
         sys.executable,
         "-m",
@@ -103,7 +105,14 @@ def keel_train(
     for item in overrides:
         cmd += ["--set", item]
     return _checked(
-        subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO),
+        subprocess.run(
+            cmd,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=REPO,
+            env={**os.environ, **env} if env else None,
+        ),
         expect_code,
         "keel train",
     )

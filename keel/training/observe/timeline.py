@@ -40,21 +40,25 @@ def process_started() -> float:
 class StartupClock:
     """The start-up phases of one run in this process, measured from `since`: the process start (the time before
     the first phase is the imports), or the end of the previous run trained in the same process. Time between
-    phases is `other`. Each phase's start also notes the process's resident memory: what the engine and the steps
-    add is read above the figure at the engine's start."""
+    phases is `other`. Each phase's start also notes the process's resident memory, and the file-backed part of it
+    (library code and mapped files, which the kernel reclaims before it kills): what the engine and the steps add is
+    read above the figures at the engine's start."""
 
     def __init__(self, since: float, before: str = "imports"):
         self.since = since
         self.phases: dict[str, float] = {}
         self.resident: dict[str, float] = {}  # GiB at each phase's start
+        self.resident_file: dict[str, float] = {}  # of which file-backed
         self._mark, self._gap = since, before
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
         start = time.time()
-        resident = resident_gib()
+        resident, file_backed = resident_gib(), file_resident_gib()
         if resident is not None:
             self.resident.setdefault(name, round(resident, 4))
+        if file_backed is not None:
+            self.resident_file.setdefault(name, round(file_backed, 4))
         self._add(self._gap, start - self._mark)
         self._gap = "other"
         try:
@@ -83,6 +87,7 @@ class StartupClock:
             "first_step_at": first_step_started,
             "phases": {k: round(v, 4) for k, v in self.phases.items()},
             "resident_gib": self.resident,
+            "resident_file_gib": self.resident_file,
         }
 
 
@@ -93,6 +98,17 @@ def resident_gib() -> float | None:
     except (OSError, ValueError, IndexError):
         return None
     return pages * os.sysconf("SC_PAGE_SIZE") / 2**30
+
+
+def file_resident_gib() -> float | None:
+    """The file-backed part of this process's resident memory now (Linux: `RssFile`, library code paged in as it
+    is first run, and mapped files), None elsewhere. The rest is anonymous: what the process allocated."""
+    try:
+        with open("/proc/self/status") as status:
+            kib = next(int(line.split()[1]) for line in status if line.startswith("RssFile:"))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+    return kib / 2**20
 
 
 def append(run_dir: Path, record: dict[str, Any]) -> None:
