@@ -93,7 +93,9 @@ class _Batch:
         if not self.done:
             for work in self.works:
                 work.wait()
-            self.done, self.ops = True, []
+            # a work holds its tensors too (gloo's until it is destroyed), and the engine keeps every batch of
+            # the step: dropped here, or each sent activation and gradient lives until the step's end
+            self.done, self.works, self.ops = True, [], []
 
 
 class InterleavedEngine(DualPipeVEngine):
