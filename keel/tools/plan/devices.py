@@ -182,12 +182,17 @@ class CpuTimer:
             self._gemms[key] = 2 * m * k * n / best / 1e12
         return self._gemms[key]
 
-    LINK_BYTES = (4, 8 << 20)  # an all-reduce's latency, then its bandwidth
+    # two activation-sized all-reduces: a call's fixed cost, then its bandwidth
+    LINK_BYTES = (512 << 10, 8 << 20)
+    LINK_SECONDS = 0.3  # each size is called back to back for about this long
 
     def gloo_link(self, ranks: int) -> tuple[float, float]:
-        """(seconds, GB/s): a gloo all-reduce's fixed cost, and its bus bandwidth at 8 MiB (medians), between `ranks`
-        ranks of this process (one thread each: the bytes take the same loopback and memory as between
-        processes, and nothing needs to be launched)."""
+        """(seconds, GB/s): a gloo all-reduce's fixed cost and its bus bandwidth between `ranks` ranks of this
+        process (one thread each: the bytes take the same loopback and memory as between processes, and nothing
+        needs to be launched), fitted to two sizes. A step calls its collectives back to back, so each size is
+        timed as the mean over a loop of calls: the rare slow call (a rank woken late) is part of what a step
+        pays, and it dominates on a loaded host — the median of calls timed one by one left it out and put a
+        512 KiB all-reduce at 0.75 ms where a loop of them averages 2.3 ms (this 2-core machine)."""
         import threading
         from datetime import timedelta
 
@@ -203,22 +208,29 @@ class CpuTimer:
             groups[rank] = group  # kept until every rank is done
             for nbytes in self.LINK_BYTES:
                 tensor = torch.ones(max(1, nbytes // 4))
-                group.allreduce([tensor]).wait()  # warm
-                took = []
-                for _ in range(21 if nbytes < 1 << 20 else 5):
-                    start = time.perf_counter()
+                start = time.perf_counter()
+                group.allreduce([tensor]).wait()  # warm, and a first guess of a call's time
+                calls = max(5, int(self.LINK_SECONDS / max(time.perf_counter() - start, 1e-6)))
+                summed = torch.tensor([calls])
+                group.allreduce([summed]).wait()  # every rank loops as often: the ranks' mean guess
+                calls = int(summed) // ranks
+                start = time.perf_counter()
+                for _ in range(calls):
                     group.allreduce([tensor]).wait()
-                    took.append(time.perf_counter() - start)
-                times[rank, nbytes] = sorted(took)[len(took) // 2]  # the median: what a call costs
+                times[rank, nbytes] = (time.perf_counter() - start) / calls
 
         threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(ranks)]
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join()
-        small, large = (max(times[r, n] for r in range(ranks)) for n in self.LINK_BYTES)
+        (small, large), (few, many) = (
+            (max(times[r, n] for r in range(ranks)) for n in self.LINK_BYTES),
+            self.LINK_BYTES,
+        )
         ring = 2 * (ranks - 1) / ranks  # the bytes each rank sends per byte reduced
-        return small, ring * self.LINK_BYTES[1] / max(large - small, 1e-9) / 1e9
+        gbps = ring * (many - few) / max(large - small, 1e-9) / 1e9
+        return max(small - ring * few / (gbps * 1e9), 0.0), gbps
 
     def gemm_seconds(self, m: int, k: int, n: int) -> float:
         """Seconds for an m×k @ k×n fp32 matmul, timed at a capped size and scaled by FLOPs."""
