@@ -1,5 +1,6 @@
 """The activation count (keel/engine/activations.py) against what torch keeps: every tensor autograd saves in a
-forward (saved-tensor hooks; one count per storage, parameters left out), on CPU, at micro-batch 1 and 2."""
+forward (saved-tensor hooks; one count per storage, parameters left out), on CPU, at micro-batch 1 and 2, and
+for one rank's tensor-parallel shard of a block."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ from keel.config import ModelConfig
 from keel.engine.activations import ActivationShape, block_bytes, head_bytes
 from keel.model import CausalLM
 from keel.model.llama import Block
+from keel.parallel import comm
+from keel.parallel.layer_parallel import EPContext, LayerParallel
+from keel.parallel.tensor import TPContext
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 BASE = dict(vocab_size=512, dim=256, n_layers=2, n_heads=8, n_kv_heads=4, compile="false")
@@ -41,17 +45,29 @@ CASES = {
 }
 
 
+def tp_shard(tp: int) -> LayerParallel:
+    """Rank 0 of `tp`'s layers with inert collectives (no process group: what a shard saves does not depend on
+    what its all-reduces move)."""
+    group = comm.Group("tp", tuple(range(tp)), 0, comm.DEVICE)
+    return LayerParallel(tp=TPContext(group, 0, tp), ep=EPContext(rank=0, size=1, ranks=(0,)))
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
 @pytest.mark.parametrize("precision", sorted(DTYPES))
 @pytest.mark.parametrize("micro_batch", [1, 2])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_a_blocks_activations_are_what_torch_saves(case, micro_batch, precision):
+def test_a_blocks_activations_are_what_torch_saves(case, micro_batch, precision, tp):
+    """Within 5 %. Dense blocks come within 3 % at every tp (what is left is RoPE's cos/sin tables, one pair per
+    model, shared by its blocks); an MoE block's bf16 tp4 shard is 3.2 % over, not accounted for yet."""
     cfg = ModelConfig(**{**BASE, **CASES[case]})
     torch.manual_seed(0)
-    block = Block(cfg, 0).to(DTYPES[precision])
+    block = Block(cfg, 0, tp_shard(tp)).to(DTYPES[precision])
     x = torch.randn(micro_batch, 128, cfg.dim, dtype=DTYPES[precision], requires_grad=True)
     measured = saved_bytes(block, lambda: block(x))
-    predicted = block_bytes(cfg, ActivationShape(micro_batch, 128, precision), moe="moe" in case)
-    assert abs(predicted - measured) <= 0.1 * measured, (predicted, measured)
+    predicted = block_bytes(
+        cfg, ActivationShape(micro_batch, 128, precision, tp=tp), moe="moe" in case
+    )
+    assert abs(predicted - measured) <= 0.05 * measured, (predicted, measured)
 
 
 @pytest.mark.parametrize("precision", sorted(DTYPES))

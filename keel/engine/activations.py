@@ -5,14 +5,16 @@ of a GPT layer saves; this is the same count for Keel's own layers (keel/model/l
 saves it. For one block and T tokens of width h on a rank (bytes b of the run's precision; heads and the MLP's
 width split over tp, tokens over Ulysses sp; the norms' tokens over tp too under Megatron SP):
 
-    attention  RMSNorm's fp32 input (4·T·h: it upcasts; at fp32 the input itself) and its output (b·T·h, also
-               the projections' input); the fused k|v projection's output (b·T·2·kv), RoPE'd q and k
-               (b·T·(q + kv); RoPE multiplies by constant tables and keeps nothing else), SDPA's output
-               (b·T·q, kept by SDPA and copied contiguous for wo: twice) and its log-sum-exp (fp32, per head
-               and token). Memory-efficient attention (flash on GPU, and torch's CPU kernel) keeps no s×s scores;
-               but with packed documents masked (`data.document_mask`) SDPA turns the boolean [s, s] mask into
-               an additive one in the run's dtype and keeps it, every block: b·micro_batch·s² (and the
-               boolean one, micro_batch·s², lives as long as the micro-batch's activations).
+    attention  RMSNorm's fp32 input (4·T·h: it upcasts; at fp32 the input itself), its normalized input (b·T·h,
+               kept for the weight's gradient) and its output (b·T·h, also the projections' input); the fused
+               k|v projection's output (b·T·2·kv), RoPE'd q and k (b·T·(q + kv); RoPE multiplies by constant
+               tables and keeps nothing else), SDPA's output (b·T·q: Keel hands SDPA its heads transposed from
+               (batch, s, heads, d), the output comes back in that layout and wo's input is a view of it) and
+               its log-sum-exp (fp32, per head and token). Memory-efficient attention (flash on GPU, and
+               torch's CPU kernel) keeps no s×s scores; but with packed documents masked
+               (`data.document_mask`) SDPA turns the boolean [s, s] mask into an additive one in the run's
+               dtype and keeps it, every block: b·micro_batch·s² (and the boolean one, micro_batch·s², lives as
+               long as the micro-batch's activations).
     MLP        RMSNorm as above; w13's gate|up output (b·T·2·f), silu(gate) (b·T·f) and the product, w2's input
                (b·T·f).
     dropout    a byte per element of each branch output when model.dropout > 0.
@@ -70,9 +72,11 @@ def block_bytes(cfg: ModelConfig, shape: ActivationShape, moe: bool = False) -> 
     q = cfg.n_heads * cfg.head_dim // shape.tp
     kv = max(1, cfg.n_kv_heads // shape.tp) * cfg.head_dim
     heads = cfg.n_heads // shape.tp
-    # RMSNorm: its fp32 input (the input itself at fp32) and its output; under SP the output is gathered to t
-    norm = norm_tokens * h * 4 + (t if shape.sequence_parallel else norm_tokens) * h * b
-    attention = norm + b * t * (2 * kv + q + kv + 2 * q) + 4 * t * heads
+    # RMSNorm: its fp32 input (the input itself at fp32), its normalized input and its output; under SP the
+    # output is gathered to t
+    norm = norm_tokens * h * (4 + b) + (t if shape.sequence_parallel else norm_tokens) * h * b
+    # k|v, RoPE'd q and k, SDPA's output (wo's input is a view of it)
+    attention = norm + b * t * (2 * kv + q + kv + q) + 4 * t * heads
     if shape.document_mask and shape.cp == 1:
         # SDPA's additive [s, s] mask, whole on every tp rank (under cp the ring builds c×c ones)
         attention += b * shape.micro_batch * shape.seq_len**2
@@ -89,12 +93,13 @@ def block_bytes(cfg: ModelConfig, shape: ActivationShape, moe: bool = False) -> 
 
 def _moe_mlp_bytes(cfg: ModelConfig, shape: ActivationShape, t: int) -> int:
     """An MoE block's feed-forward: the router's fp32 input, logits and probabilities, each token's top-k expert MLPs
-    (gate|up, silu, product as in the dense MLP, at the experts' width), the gathered and combined token rows,
-    and a shared expert when there is one."""
+    (gate|up, silu, product as in the dense MLP, at the experts' width), three rows of width h per routed token —
+    the gathered input, the experts' output (kept by the multiply by its routing weight) and the weighted output
+    (kept by the index_add that combines them) — and a shared expert when there is one."""
     b, h = BYTES[shape.precision], cfg.dim
     f = (cfg.moe_ffn_hidden or cfg.ffn_dim) // shape.tp
     routed = t * cfg.moe_top_k
-    experts = b * routed * (4 * f + 2 * h)
+    experts = b * routed * (4 * f + 3 * h)
     # the router scores in fp32: its upcast input (at fp32, the norm's output itself), logits and probabilities
     router = 4 * t * cfg.moe_experts * 2 + (4 * t * h if b != 4 else 0)
     shared = b * t * 4 * (cfg.ffn_dim // shape.tp) if cfg.moe_shared_expert else 0
@@ -104,7 +109,7 @@ def _moe_mlp_bytes(cfg: ModelConfig, shape: ActivationShape, t: int) -> int:
 def head_bytes(cfg: ModelConfig, shape: ActivationShape, vocab_shard: int, fused_loss: bool) -> int:
     """The final norm, the logits and the loss of one micro-batch on the last stage."""
     b, t, h = BYTES[shape.precision], shape.tokens, cfg.dim
-    norm = t * h * 4 + t * h * b
+    norm = t * h * (4 + 2 * b)  # as a block's
     return norm if fused_loss else norm + t * vocab_shard * (b + 4)
 
 
