@@ -10,7 +10,9 @@ within each, the ranks that split one sequence (context-parallel cp × Ulysses s
 sequence-data-parallel group, Keel's `sp_dp`). Expert parameters are partitioned over the expert-data-parallel
 group (dp / ep × cp × sp, Keel's `expert_dp`) instead. Buckets are the configured sizes, each capped by the number
 of elements it could ever hold: ZeRO-1/2's reduce bucket, ZeRO-3's reduce and prefetch buckets plus the
-largest parameter it gathers whole. `keel preflight` and bench/memory.py read it.
+largest parameter it gathers whole, and the flat buffer a prefetch bucket is all-gathered into — DeepSpeed copies
+each parameter out of it (`AllGatherCoalescedHandle.wait`) and the buffer lives until the bucket's last parameter
+is fetched. `keel preflight` and bench/memory.py read it.
 
 Beside the steady state, what the rare paths add, so a rank sized to its shard stays within it there too:
 - `transient` (device): the largest short-lived buffer — NaN localization's one unpartitioned gradient at a time
@@ -312,7 +314,8 @@ def estimate(
             int(zero["stage3_max_live_parameters"]),
             share.total,
         )
-        buckets = b * (min(int(zero["reduce_bucket_size"]), share.total) + gathered)
+        flat = min(int(zero["stage3_prefetch_bucket_size"]), share.total)  # copied out of, still alive
+        buckets = b * (min(int(zero["reduce_bucket_size"]), share.total) + gathered + flat)
     else:
         buckets = 0
     # one unpartitioned gradient (localization); one layer's local experts stacked (grouped GEMM); the cp ring's
