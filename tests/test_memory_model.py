@@ -92,7 +92,20 @@ def test_the_rare_paths_transient_and_the_async_snapshot():
     layout = Layout(dp=4)
     share = param_share(dense.model, layout)
     z1 = estimate(dense, _ds(1, "bf16"), layout)
-    assert z1.transient == 2 * share.largest and z1.peak == z1.total + z1.activations + z1.transient
+    assert z1.transient == 2 * share.largest
+    # one micro-batch a step (16 samples over dp 4 at micro-batch 4): gradients and activations never together
+    assert not z1.accumulates and z1.peak == (
+        z1.params
+        + z1.optimizer
+        + z1.buckets
+        + max(z1.grads, z1.activations)
+        + 2 * share.largest
+        + z1.transient
+    )
+    accumulating = RunConfig(model=ModelConfig(**MODEL))
+    accumulating.train.global_batch_size = 64
+    z1 = estimate(accumulating, _ds(1, "bf16"), layout)
+    assert z1.accumulates and z1.peak == z1.total + z1.activations + z1.transient
     assert z1.host == 0  # synchronous saves write from the live state
     saving = RunConfig(model=ModelConfig(**MODEL), checkpoint=CheckpointConfig(async_save=True))
     # its optimizer partition (fp32 master and moments), and the stage's weights it may write

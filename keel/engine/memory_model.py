@@ -112,6 +112,8 @@ class RankMemory:
     snapshots: int = 0
     # device: the activations of the micro-batches in flight at the rank's peak (keel/engine/activations.py)
     activations: int = 0
+    # more than one micro-batch a step: the gradients of the earlier ones live through the later forwards
+    accumulates: bool = True
 
     @property
     def total(self) -> int:
@@ -119,9 +121,22 @@ class RankMemory:
         return self.params + self.grads + self.optimizer + self.buckets
 
     @property
+    def working(self) -> int:
+        """The steady state and the activations at their peak together. With one micro-batch a step (common at
+        scale: a large data-parallel world, micro-batch 1) backward makes the gradients as it frees the
+        activations, and they never peak together: the larger of the two, plus one layer's worth of the other
+        (bounded by the largest parameter's gradient)."""
+        if self.accumulates:
+            return self.total + self.activations
+        layer = BYTES[self.precision] * self.share.largest
+        return (
+            self.params + self.optimizer + self.buckets + max(self.grads, self.activations) + layer
+        )
+
+    @property
     def peak(self) -> int:
-        """The steady state plus the activations in flight and the largest transient buffer."""
-        return self.total + self.activations + self.transient
+        """The working set plus the largest transient buffer."""
+        return self.working + self.transient
 
 
 def layer_list(cfg: ModelConfig, parallel: LayerParallel, pp: int) -> list[torch.nn.Module]:
@@ -314,7 +329,9 @@ def estimate(
             int(zero["stage3_max_live_parameters"]),
             share.total,
         )
-        flat = min(int(zero["stage3_prefetch_bucket_size"]), share.total)  # copied out of, still alive
+        flat = min(
+            int(zero["stage3_prefetch_bucket_size"]), share.total
+        )  # copied out of, still alive
         buckets = b * (min(int(zero["reduce_bucket_size"]), share.total) + gathered + flat)
     else:
         buckets = 0
@@ -332,6 +349,7 @@ def estimate(
     snapshot = (0 if stage >= 3 else b * share.total) + optimizer
     snapshots = 4 * snapshot if cfg.checkpoint.memory_interval else 0
     activations = activation_peak(cfg, layout, prec, cut)
+    micro_batches = cfg.train.global_batch_size // (cfg.train.micro_batch_size * layout.dp)
     return RankMemory(
         share,
         prec,
@@ -344,6 +362,7 @@ def estimate(
         host,
         snapshots,
         activations,
+        accumulates=micro_batches > 1,
     )
 
 

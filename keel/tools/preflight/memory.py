@@ -53,7 +53,7 @@ def run_needs(cfg: RunConfig, ds: dict, world_size: int) -> RunNeeds:
     )
     memory = estimate(cfg, ds, layout)
     return RunNeeds(
-        memory.total + memory.activations,
+        memory.working,
         checkpoint_bytes(cfg, ds),
         cfg.checkpoint.keep_last,
         memory.host + memory.snapshots,
