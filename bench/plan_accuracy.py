@@ -43,10 +43,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from keel.config import ModelConfig, load_config  # noqa: E402
-from keel.tools.plan import resolve_vocab  # noqa: E402
+from keel.config import ModelConfig, RunConfig, load_config  # noqa: E402
+from keel.tools.plan import describe, resolve_vocab  # noqa: E402
 from keel.tools.plan.devices import DEVICES, cpu_device  # noqa: E402
-from keel.tools.plan.predict import predict  # noqa: E402
+from keel.tools.plan.predict import Prediction, predict  # noqa: E402
+from keel.tools.plan.search import make_plans  # noqa: E402
 from keel.training.observe.metrics import read_metrics  # noqa: E402
 from tests.keel_runs import keel_train  # noqa: E402
 
@@ -133,15 +134,29 @@ LAYOUTS = [
 ]
 
 
-def anchor_prediction(model: dict, gpus: int, layout: tuple) -> tuple[float, float]:
-    tp, pp, cp, schedule, chunks, zero, micro, batch, ckpt = layout
+def anchor_config(model: dict, batch: int) -> RunConfig:
     cfg = load_config(None, [])
     cfg.model = ModelConfig(**model)
     cfg.data.seq_len = 8192
+    cfg.train.global_batch_size = batch
+    return cfg
+
+
+def anchor_choice(model: dict, gpus: int, batch: int) -> Prediction | None:
+    """The layout `keel plan` picks for the run's model, GPUs and global batch (bf16, every axis free)."""
+    plans = make_plans(
+        anchor_config(model, batch), copy.deepcopy(BF16), gpus, 8, DEVICES["h100"], set()
+    )
+    return plans.ranked[0] if plans.ranked else None
+
+
+def anchor_prediction(model: dict, gpus: int, layout: tuple) -> tuple[float, float]:
+    tp, pp, cp, schedule, chunks, zero, micro, batch, ckpt = layout
+    cfg = anchor_config(model, batch)
     cfg.parallel.tp, cfg.parallel.pp = tp, pp
     cfg.parallel.pipeline_schedule, cfg.parallel.virtual_stages = schedule, chunks
     cfg.parallel.sequence_parallel = tp > 1
-    cfg.train.micro_batch_size, cfg.train.global_batch_size = micro, batch
+    cfg.train.micro_batch_size = micro
     cfg.train.activation_checkpoint_interval = ckpt
     ds = copy.deepcopy(BF16)
     ds["zero_optimization"]["stage"] = zero
@@ -216,6 +231,16 @@ def main() -> None:
         worst = max(worst, abs(error))
         print(f"  {name:<46} {published:>10,} {tokens:>10,.0f} {error:>+7.1%} {mfu:>9.1%}")
     print(f"  worst |error| {worst:.1%}: target ≤ 20 % {'met' if worst <= 0.2 else 'NOT met'}")
+    print("what keel plan picks for each (bf16, H100, every axis free):")
+    for name, model, gpus, layout, _ in ANCHORS:
+        choice = anchor_choice(model, gpus, layout[7])
+        picked = (
+            f"{describe(choice)}: {choice.tokens_per_s_per_device:,.0f} tok/s/GPU, "
+            f"{choice.mfu():.1%} MFU, {choice.memory.peak / 2**30:.1f} GiB"
+            if choice
+            else "nothing fits"
+        )
+        print(f"  {name:<46} {picked}", flush=True)
     if not args.measure:
         return
     device = cpu_device(2)
