@@ -329,9 +329,8 @@ def estimate(
             int(zero["stage3_max_live_parameters"]),
             share.total,
         )
-        flat = min(
-            int(zero["stage3_prefetch_bucket_size"]), share.total
-        )  # copied out of, still alive
+        # the flat buffer a prefetch bucket is gathered into, alive while its parameters are copied out
+        flat = min(int(zero["stage3_prefetch_bucket_size"]), share.total)
         buckets = b * (min(int(zero["reduce_bucket_size"]), share.total) + gathered + flat)
     else:
         buckets = 0
@@ -349,7 +348,6 @@ def estimate(
     snapshot = (0 if stage >= 3 else b * share.total) + optimizer
     snapshots = 4 * snapshot if cfg.checkpoint.memory_interval else 0
     activations = activation_peak(cfg, layout, prec, cut)
-    micro_batches = cfg.train.global_batch_size // (cfg.train.micro_batch_size * layout.dp)
     return RankMemory(
         share,
         prec,
@@ -362,7 +360,7 @@ def estimate(
         host,
         snapshots,
         activations,
-        accumulates=micro_batches > 1,
+        accumulates=_micro_batches(cfg, layout) > 1,
     )
 
 
@@ -380,13 +378,18 @@ def activation_shape(cfg: RunConfig, layout: Layout, prec: str) -> ActivationSha
     )
 
 
+def _micro_batches(cfg: RunConfig, layout: Layout) -> int:
+    """Micro-batches per step on a data-parallel rank (at least one: a bench may ask of an uneven split)."""
+    return max(1, cfg.train.global_batch_size // (cfg.train.micro_batch_size * layout.dp))
+
+
 def activation_peak(cfg: RunConfig, layout: Layout, prec: str, cut: LayerCut | None = None) -> int:
     """The largest activation peak over the pipeline ranks (keel/engine/activations.py): each rank's blocks and
     head, cut as DeepSpeed cuts the layer list, times the micro-batches its schedule holds in flight."""
-    parallel, train = cfg.parallel, cfg.train
+    parallel = cfg.parallel
     cut = cut or run_cut(cfg, layout)
     layers, held = cut.layers, cut.held
-    micro_batches = max(1, train.global_batch_size // (train.micro_batch_size * layout.dp))
+    micro_batches = _micro_batches(cfg, layout)
     shape = activation_shape(cfg, layout, prec)
     head = layers[-1]
     vocab_shard = next(head.parameters()).shape[0]

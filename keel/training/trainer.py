@@ -654,9 +654,8 @@ class Trainer:
             record["gpu_mem_peak_gib"] = torch.cuda.max_memory_allocated(self.engine.device) / 2**30
         # this process's peak resident memory (Linux counts KiB): what the kernel's OOM killer weighs
         record["host_mem_peak_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-        file_backed = (
-            timeline.file_resident_gib()
-        )  # of it, now: code and mapped files, which the kernel can reclaim
+        # of it, now: code and mapped files, which the kernel can reclaim
+        file_backed = timeline.resident_gib("RssFile")
         if file_backed is not None:
             record["host_mem_file_gib"] = file_backed
         report = stragglers.update(state.step, elapsed)

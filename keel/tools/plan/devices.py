@@ -224,10 +224,8 @@ class CpuTimer:
             thread.start()
         for thread in threads:
             thread.join()
-        (small, large), (few, many) = (
-            (max(times[r, n] for r in range(ranks)) for n in self.LINK_BYTES),
-            self.LINK_BYTES,
-        )
+        few, many = self.LINK_BYTES
+        small, large = (max(times[r, n] for r in range(ranks)) for n in self.LINK_BYTES)
         ring = 2 * (ranks - 1) / ranks  # the bytes each rank sends per byte reduced
         gbps = ring * (many - few) / max(large - small, 1e-9) / 1e9
         return max(small - ring * few / (gbps * 1e9), 0.0), gbps

@@ -54,7 +54,7 @@ class StartupClock:
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
         start = time.time()
-        resident, file_backed = resident_gib(), file_resident_gib()
+        resident, file_backed = resident_gib(), resident_gib("RssFile")
         if resident is not None:
             self.resident.setdefault(name, round(resident, 4))
         if file_backed is not None:
@@ -91,21 +91,13 @@ class StartupClock:
         }
 
 
-def resident_gib() -> float | None:
-    """This process's resident memory now (Linux), None elsewhere."""
-    try:
-        pages = int(Path("/proc/self/statm").read_text().split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
-    return pages * os.sysconf("SC_PAGE_SIZE") / 2**30
-
-
-def file_resident_gib() -> float | None:
-    """The file-backed part of this process's resident memory now (Linux: `RssFile`, library code paged in as it
-    is first run, and mapped files), None elsewhere. The rest is anonymous: what the process allocated."""
+def resident_gib(part: str = "VmRSS") -> float | None:
+    """This process's resident memory now (Linux, `/proc/self/status`), None elsewhere: `VmRSS` all of it,
+    `RssFile` its file-backed part (library code paged in as it first runs, and mapped files, which the kernel
+    reclaims before it kills); the rest is anonymous, what the process allocated."""
     try:
         with open("/proc/self/status") as status:
-            kib = next(int(line.split()[1]) for line in status if line.startswith("RssFile:"))
+            kib = next(int(line.split()[1]) for line in status if line.startswith(f"{part}:"))
     except (OSError, ValueError, IndexError, StopIteration):
         return None
     return kib / 2**20
